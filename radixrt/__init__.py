@@ -1,0 +1,14 @@
+"""radixrt: an LLM serving runtime built around RadixAttention."""
+
+from radixrt.config import ServerArgs
+from radixrt.sampling.params import SamplingParams
+
+__all__ = ["Engine", "GenerateOutput", "SamplingParams", "ServerArgs", "StreamChunk"]
+
+
+def __getattr__(name: str):  # lazy: importing radixrt must not start torch in light processes
+    if name in ("Engine", "GenerateOutput", "StreamChunk"):
+        from radixrt import engine
+
+        return getattr(engine, name)
+    raise AttributeError(name)

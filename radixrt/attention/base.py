@@ -1,0 +1,37 @@
+"""The attention-backend seam: torch-native everywhere, FlashInfer on CUDA."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from radixrt.mem.memory_pool import TokenToKVPool
+from radixrt.model.forward_batch import ForwardBatch
+
+
+class AttentionBackend(ABC):
+    """Computes attention for every layer of one step from the step's `ForwardBatch`.
+
+    `init_forward_metadata` runs once per step (before layer 0) and may precompute anything
+    derived from the batch (plans, padded index tensors, masks); `forward` runs once per layer,
+    writes the new tokens' K/V into the pool at `fb.out_cache_loc`, then attends.
+    """
+
+    def __init__(self, kv_pool: TokenToKVPool):
+        self.kv_pool = kv_pool
+
+    @abstractmethod
+    def init_forward_metadata(self, fb: ForwardBatch) -> None: ...
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        layer_id: int,
+        scaling: float,
+        fb: ForwardBatch,
+    ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
+        ...

@@ -1,0 +1,217 @@
+"""`TorchNativeBackend`: attention with `scaled_dot_product_attention` over the paged KV pool.
+
+Two execution plans, chosen once per step in `init_forward_metadata`:
+- padded: the batch becomes `[B, Qmax]` queries against `[B, Kmax]` keys gathered from the pool
+  with one `index_select` per layer (slot 0 pads), masked by a float mask built once per step.
+  Decode always uses it (Qmax = 1; the query heads of one KV group ride the query-length axis, so
+  GQA needs no K/V expansion). Extend uses it when padding wastes at most half the work.
+- ragged: one SDPA call per request: its new tokens against its prefix K/V (gathered from the
+  pool) concatenated with the new K/V of this pass; the causal mask is offset by the prefix
+  length, i.e. query i of a request with prefix P sees keys 0..P+i.
+Invariants: every request has >= 1 new token, so no query row is fully masked; the new tokens'
+K/V are in the pool (written by `forward`) before any gather reads them; queries have the pool's
+dtype (the masks are built in it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from radixrt.attention.base import AttentionBackend
+from radixrt.mem.memory_pool import TokenToKVPool
+from radixrt.model.forward_batch import ForwardBatch
+
+# Extend runs padded when B * Qmax * Kmax <= this factor times the useful sum(q_b * k_b).
+PADDED_WASTE_FACTOR = 2.0
+
+
+@dataclass
+class _PaddedPlan:
+    kv_index: torch.Tensor  # int64 [B * Kmax]: pool slot per padded key (0 = padding)
+    kmax: int
+    qmax: int
+    mask: torch.Tensor  # float [B, 1, Qmax, Kmax]: 0 where visible, -inf elsewhere
+    q_rows: torch.Tensor | None  # int64 [num_tokens]: padded row b * Qmax + i of each token
+
+
+@dataclass
+class _RaggedReq:
+    q_start: int
+    q_end: int
+    prefix_index: torch.Tensor | None  # int64 [P] prefix slots, None when P == 0
+    mask: torch.Tensor | None  # float [q, P + q], None when P == 0 (plain causal)
+
+
+class TorchNativeBackend(AttentionBackend):
+    """Portable backend (CPU or CUDA) built on `torch.nn.functional.scaled_dot_product_attention`."""
+
+    def __init__(self, kv_pool: TokenToKVPool, device: torch.device | str | None = None):
+        super().__init__(kv_pool)
+        self.device = torch.device(device) if device is not None else kv_pool.device
+        self._padded: _PaddedPlan | None = None
+        self._ragged: list[_RaggedReq] | None = None
+
+    # -- per step ----------------------------------------------------------------------------
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        self._padded, self._ragged = None, None
+        if fb.is_decode:
+            self._padded = self._plan_padded(fb, fb.kv_indptr, fb.kv_indices, qmax=1)
+            return
+        ext, pre = fb.extend_lens_cpu, fb.prefix_lens_cpu
+        qmax = max(ext)
+        kmax = max(p + e for p, e in zip(pre, ext, strict=True))
+        useful = sum(e * (p + e) for p, e in zip(pre, ext, strict=True))
+        if fb.batch_size > 1 and fb.batch_size * qmax * kmax <= PADDED_WASTE_FACTOR * useful:
+            self._padded = self._plan_padded_extend(fb)
+        else:
+            self._ragged = self._plan_ragged(fb)
+
+    def _mask_dtype(self) -> torch.dtype:
+        return self.kv_pool.dtype
+
+    def _plan_padded(
+        self, fb: ForwardBatch, indptr: torch.Tensor, indices: torch.Tensor, qmax: int
+    ) -> _PaddedPlan:
+        """Decode layout: each request's full slot list `indices[indptr[b]:indptr[b+1]]`."""
+        dev = self.device
+        bs = fb.batch_size
+        lens = (indptr[1:] - indptr[:-1]).to(dev, torch.int64)
+        kmax = max(fb.seq_lens_cpu)
+        cols = torch.arange(kmax, device=dev)
+        valid = cols.unsqueeze(0) < lens.unsqueeze(1)  # [B, Kmax]
+        index = torch.zeros(bs, kmax, dtype=torch.int64, device=dev)
+        index[valid] = indices.to(dev, torch.int64)
+        mask = torch.zeros(bs, 1, 1, kmax, dtype=self._mask_dtype(), device=dev)
+        mask.masked_fill_(~valid.view(bs, 1, 1, kmax), float("-inf"))
+        return _PaddedPlan(index.view(-1), kmax, qmax, mask, None)
+
+    def _plan_padded_extend(self, fb: ForwardBatch) -> _PaddedPlan:
+        """Extend layout: keys = prefix slots then this step's slots (already in the pool)."""
+        dev = self.device
+        bs = fb.batch_size
+        pre = torch.tensor(fb.prefix_lens_cpu, dtype=torch.int64, device=dev)
+        ext = torch.tensor(fb.extend_lens_cpu, dtype=torch.int64, device=dev)
+        seq = pre + ext
+        qmax, kmax = max(fb.extend_lens_cpu), max(fb.seq_lens_cpu)
+        cols = torch.arange(kmax, device=dev).unsqueeze(0)  # [1, Kmax]
+        is_prefix = cols < pre.unsqueeze(1)
+        is_new = (cols >= pre.unsqueeze(1)) & (cols < seq.unsqueeze(1))
+        index = torch.zeros(bs, kmax, dtype=torch.int64, device=dev)
+        index[is_prefix] = fb.kv_indices.to(dev, torch.int64)
+        index[is_new] = fb.out_cache_loc.to(dev, torch.int64)
+        # Query i of request b sits at position pre_b + i and sees keys j <= pre_b + i (j < seq_b).
+        qi = torch.arange(qmax, device=dev).view(1, qmax, 1)
+        visible = (cols.unsqueeze(1) <= pre.view(bs, 1, 1) + qi) & (cols < seq.unsqueeze(1)).unsqueeze(1)
+        mask = torch.zeros(bs, 1, qmax, kmax, dtype=self._mask_dtype(), device=dev)
+        mask.masked_fill_(~visible.unsqueeze(1), float("-inf"))
+        starts = fb.qo_indptr[:-1].to(dev, torch.int64)
+        tok_req = torch.repeat_interleave(torch.arange(bs, device=dev), ext)
+        tok_off = torch.arange(fb.num_tokens, device=dev) - starts[tok_req]
+        # All-single-token extends have exactly the decode layout (token b is request b's query).
+        q_rows = None if qmax == 1 else tok_req * qmax + tok_off
+        return _PaddedPlan(index.view(-1), kmax, qmax, mask, q_rows)
+
+    def _plan_ragged(self, fb: ForwardBatch) -> list[_RaggedReq]:
+        dev = self.device
+        kv_indices = fb.kv_indices.to(dev, torch.int64)
+        reqs: list[_RaggedReq] = []
+        q_start = kv_start = 0
+        for p, e in zip(fb.prefix_lens_cpu, fb.extend_lens_cpu, strict=True):
+            prefix_index = mask = None
+            if p > 0:
+                prefix_index = kv_indices[kv_start : kv_start + p]
+                qi = torch.arange(e, device=dev).unsqueeze(1)
+                kj = torch.arange(p + e, device=dev).unsqueeze(0)
+                mask = torch.zeros(e, p + e, dtype=self._mask_dtype(), device=dev)
+                mask.masked_fill_(kj > qi + p, float("-inf"))
+            reqs.append(_RaggedReq(q_start, q_start + e, prefix_index, mask))
+            q_start += e
+            kv_start += p
+        return reqs
+
+    # -- per layer ---------------------------------------------------------------------------
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        scaling: float,
+        fb: ForwardBatch,
+    ) -> torch.Tensor:
+        self.kv_pool.set_kv(layer_id, fb.out_cache_loc, k, v)
+        if self._padded is not None:
+            if self._padded.q_rows is None:
+                return self._decode(q, layer_id, scaling)
+            return self._extend_padded(q, layer_id, scaling)
+        if self._ragged is None:
+            raise RuntimeError("init_forward_metadata was not called for this step")
+        return self._extend_ragged(q, k, v, layer_id, scaling)
+
+    def _gather(self, layer_id: int, index: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pool K/V at `index`, shaped `[rows, len(index) // rows, kv_heads, head_dim]`."""
+        pool = self.kv_pool
+        kb, vb = pool.k_buffer[layer_id], pool.v_buffer[layer_id]
+        shape = (rows, -1, pool.num_kv_heads, pool.head_dim)
+        k = torch.index_select(kb.view(kb.shape[0], -1), 0, index).view(shape)
+        v = torch.index_select(vb.view(vb.shape[0], -1), 0, index).view(shape)
+        return k, v
+
+    def _decode(self, q: torch.Tensor, layer_id: int, scaling: float) -> torch.Tensor:
+        plan = self._padded
+        assert plan is not None
+        bs, heads, dim = q.shape
+        kv_heads = self.kv_pool.num_kv_heads
+        k, v = self._gather(layer_id, plan.kv_index, bs)  # [B, Kmax, Hkv, D]
+        # Query head h uses KV head h // group: fold the group onto the query-length axis.
+        qg = q.reshape(bs, kv_heads, heads // kv_heads, dim)
+        out = F.scaled_dot_product_attention(
+            qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=plan.mask, scale=scaling
+        )
+        return out.reshape(bs, heads, dim)
+
+    def _extend_padded(self, q: torch.Tensor, layer_id: int, scaling: float) -> torch.Tensor:
+        plan = self._padded
+        assert plan is not None and plan.q_rows is not None
+        n, heads, dim = q.shape
+        bs = plan.mask.shape[0]
+        qp = q.new_zeros(bs * plan.qmax, heads, dim)
+        qp.index_copy_(0, plan.q_rows, q)
+        k, v = self._gather(layer_id, plan.kv_index, bs)
+        out = F.scaled_dot_product_attention(
+            qp.view(bs, plan.qmax, heads, dim).transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=plan.mask,
+            scale=scaling,
+            enable_gqa=True,
+        )  # [B, H, Qmax, D]
+        out = out.transpose(1, 2).reshape(bs * plan.qmax, heads, dim)
+        return torch.index_select(out, 0, plan.q_rows)
+
+    def _extend_ragged(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, scaling: float
+    ) -> torch.Tensor:
+        assert self._ragged is not None
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        kb, vb = self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id]
+        for r in self._ragged:
+            qr = q[r.q_start : r.q_end].transpose(0, 1)  # [H, q, D]
+            kr, vr = k[r.q_start : r.q_end], v[r.q_start : r.q_end]
+            if r.prefix_index is not None:
+                kr = torch.cat([torch.index_select(kb, 0, r.prefix_index), kr.to(kb.dtype)])
+                vr = torch.cat([torch.index_select(vb, 0, r.prefix_index), vr.to(vb.dtype)])
+            o = F.scaled_dot_product_attention(
+                qr,
+                kr.transpose(0, 1),
+                vr.transpose(0, 1),
+                attn_mask=r.mask,
+                is_causal=r.mask is None,
+                scale=scaling,
+                enable_gqa=True,
+            )
+            out[r.q_start : r.q_end] = o.transpose(0, 1)
+        return out

@@ -1,0 +1,129 @@
+"""The two lower cache levels: request rows (`ReqToTokenPool`) and KV storage (`TokenToKVPool`).
+
+Ownership invariant (checked by `radixrt.mem.invariants`): every KV slot in 1..size is owned by
+exactly one of the free list, the prefix cache's tree, or one live request's private tail.
+Slot 0 is a dummy that padded positions write to and read from; it is never handed out.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class ReqToTokenPool:
+    """Rows of slot indices: row `r` lists the KV slot of every token of the request holding `r`.
+
+    A request takes a row at admission and returns it when it finishes or is retracted.
+    """
+
+    def __init__(self, size: int, max_context_len: int, device: torch.device | str = "cpu"):
+        self.size = size
+        self.max_context_len = max_context_len
+        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=device)
+        self._free_rows: list[int] = list(range(size))
+
+    def available_size(self) -> int:
+        return len(self._free_rows)
+
+    def alloc(self) -> int | None:
+        return self._free_rows.pop() if self._free_rows else None
+
+    def free(self, row: int) -> None:
+        if not 0 <= row < self.size:
+            raise ValueError(f"row {row} out of range")
+        self._free_rows.append(row)
+
+    def free_rows(self) -> list[int]:
+        return list(self._free_rows)
+
+    def clear(self) -> None:
+        self._free_rows = list(range(self.size))
+
+    def check_invariants(self) -> None:
+        rows = self._free_rows
+        assert len(set(rows)) == len(rows), "a request row is on the free list twice"
+        assert all(0 <= r < self.size for r in rows), "free row out of range"
+
+
+class TokenToKVPool:
+    """Per-layer K and V buffers `[size + 1, kv_heads, head_dim]` plus the free-slot allocator."""
+
+    def __init__(
+        self,
+        size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
+        self.size = size
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (size + 1, num_kv_heads, head_dim)
+        # `empty`: pages are committed only when first written. Only slot 0 is ever read before
+        # being written (padding), so only it must hold finite values.
+        self.k_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        for buf in (*self.k_buffer, *self.v_buffer):
+            buf[0].zero_()
+        self._free = torch.arange(1, size + 1, dtype=torch.int64)
+        self._num_free = size
+
+    # -- allocator -------------------------------------------------------------------------
+    def available_size(self) -> int:
+        return self._num_free
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """Take `n` free slots (int64, on CPU), or None when fewer than `n` are free."""
+        if n > self._num_free:
+            return None
+        start = self._num_free - n
+        out = self._free[start : self._num_free].clone()
+        self._num_free = start
+        return out
+
+    def free(self, slots: torch.Tensor) -> None:
+        n = int(slots.numel())
+        if n == 0:
+            return
+        end = self._num_free + n
+        if end > self.size:
+            raise RuntimeError("freeing more KV slots than the pool holds (double free)")
+        self._free[self._num_free : end] = slots.to(torch.int64).flatten().cpu()
+        self._num_free = end
+
+    def free_slots(self) -> torch.Tensor:
+        return self._free[: self._num_free]
+
+    def clear(self) -> None:
+        self._free = torch.arange(1, self.size + 1, dtype=torch.int64)
+        self._num_free = self.size
+
+    # -- storage ---------------------------------------------------------------------------
+    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k_buffer[layer_id][loc] = k.to(self.dtype)
+        self.v_buffer[layer_id][loc] = v.to(self.dtype)
+
+    def bytes_per_token(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+    def check_invariants(self) -> None:
+        free = self.free_slots()
+        assert int(free.numel()) == self._num_free
+        if self._num_free:
+            assert int(free.min()) >= 1 and int(free.max()) <= self.size, "free slot out of range"
+            assert int(torch.unique(free).numel()) == self._num_free, "a KV slot is free twice"
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * num_kv_heads * head_dim * elem

@@ -1,0 +1,144 @@
+"""Every message that crosses a process boundary, and the one serializer for them.
+
+Flow (ZMQ PUSH/PULL over ipc:// in a private temp dir):
+    tokenizer ──GenerateReq / AbortReq / control──▶ scheduler
+    scheduler ──TokenBatchOut (one per step)──────▶ detokenizer
+    detokenizer ──TextBatchOut (one per step)─────▶ tokenizer
+    detokenizer ──AbortReq (stop string hit)──────▶ scheduler
+    scheduler ──control replies / ReadyMsg───────▶ tokenizer
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixrt.sampling.params import SamplingParams
+
+# Finish reasons, as OpenAI names them ("abort" is ours: client gone or error).
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_ABORT = "abort"
+
+
+@dataclass
+class GenerateReq:
+    """A validated, tokenized request. `rid` is unique per Engine."""
+
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    stream: bool = False
+
+
+@dataclass
+class AbortReq:
+    """Stop a request. From the tokenizer (client gone) or the detokenizer (stop string hit).
+
+    `reason` ends up as the finish reason reported to the caller ("stop" or "abort").
+    """
+
+    rid: str
+    reason: str = FINISH_ABORT
+    message: str = ""
+
+
+@dataclass
+class FlushCacheReq:
+    req_id: int
+
+
+@dataclass
+class StatsReq:
+    req_id: int
+
+
+@dataclass
+class CheckInvariantsReq:
+    """Ask the scheduler to run every pool's and the tree's invariant check (tests, debug)."""
+
+    req_id: int
+
+
+@dataclass
+class ControlReply:
+    """Answer to a control request, matched by `req_id`. `error` is set when it failed."""
+
+    req_id: int
+    ok: bool
+    data: dict[str, Any] = field(default_factory=dict)
+    error: str = ""
+
+
+@dataclass
+class ReadyMsg:
+    """The scheduler loaded the model and sized its pools (or failed: `error`)."""
+
+    ok: bool
+    info: dict[str, Any] = field(default_factory=dict)
+    error: str = ""
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probabilities of the chosen tokens, and the top alternatives at each position."""
+
+    token_logprobs: list[float] = field(default_factory=list)
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
+
+    def extend(self, other: TokenLogprobs) -> None:
+        self.token_logprobs.extend(other.token_logprobs)
+        self.top_ids.extend(other.top_ids)
+        self.top_logprobs.extend(other.top_logprobs)
+
+
+@dataclass
+class ReqTokenOut:
+    """One request's progress in one step. `new_ids` are tokens produced since the last out."""
+
+    rid: str
+    new_ids: list[int]
+    finish_reason: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    logprobs: TokenLogprobs | None = None
+    # Detokenization settings travel with the request's outputs (the detokenizer keeps no
+    # request registry of its own beyond incremental-decoding state).
+    stop: tuple[str, ...] = ()
+    skip_special_tokens: bool = True
+    error: str = ""
+
+
+@dataclass
+class TokenBatchOut:
+    outs: list[ReqTokenOut]
+
+
+@dataclass
+class ReqTextOut:
+    rid: str
+    text_delta: str
+    new_ids: list[int]
+    finish_reason: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    logprobs: TokenLogprobs | None = None
+    error: str = ""
+
+
+@dataclass
+class TextBatchOut:
+    outs: list[ReqTextOut]
+
+
+def encode(msg: object) -> bytes:
+    """The one serializer. Pickle is safe here: peers are our own children over private ipc."""
+    return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode(data: bytes) -> Any:
+    return pickle.loads(data)

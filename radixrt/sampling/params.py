@@ -1,0 +1,166 @@
+"""Per-request sampling parameters (OpenAI / SGLang semantics).
+
+`SamplingParams` crosses process boundaries, so it stays a plain picklable dataclass. Construction
+only normalizes (`stop` / `stop_token_ids` become tuples); `validate()` checks everything, and
+`from_dict()` is the entry point for untrusted input (unknown keys rejected, then validated).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+# Temperatures below this are treated as greedy (dividing by them would overflow float32 logits).
+GREEDY_TEMPERATURE_EPS = 1e-5
+MAX_TOP_LOGPROBS = 20
+
+
+def _normalize_seq(value: Any, elem: type) -> Any:
+    """Turn None / a single element / a list into a tuple; leave anything odd for validate()."""
+    if value is None:
+        return ()
+    if isinstance(value, elem) and not isinstance(value, bool):
+        return (value,)
+    if isinstance(value, (list, tuple)):
+        return tuple(value)
+    if isinstance(value, Iterable) and not isinstance(value, (str, bytes, dict)):
+        return tuple(value)
+    return value
+
+
+@dataclass
+class SamplingParams:
+    """How to pick the next tokens of one request.
+
+    temperature == 0 (or below GREEDY_TEMPERATURE_EPS) or top_k == 1 means greedy. top_k of -1
+    or 0 disables top-k. repetition_penalty follows HF (over prompt + output tokens: positive
+    logits are divided, negative multiplied); frequency/presence penalties follow OpenAI (over
+    output tokens only: logit -= frequency * count + presence * (count > 0)). min_new_tokens
+    bans EOS and stop_token_ids until that many tokens were generated. top_logprobs (0..20)
+    alternatives are returned only when logprobs is True.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_new_tokens: int = 0
+    skip_special_tokens: bool = True
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        self.normalize()
+
+    def normalize(self) -> None:
+        """Accept a str or list for `stop` and a list / int for `stop_token_ids`; store tuples."""
+        self.stop = _normalize_seq(self.stop, str)
+        self.stop_token_ids = _normalize_seq(self.stop_token_ids, int)
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when sampling reduces to argmax (temperature ~ 0 or top_k == 1)."""
+        return self.temperature < GREEDY_TEMPERATURE_EPS or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first offending field. Context-length checks (prompt +
+        max_new_tokens) are the caller's, which knows the model."""
+
+        def bad(name: str, msg: str) -> None:
+            raise ValueError(f"{name} {msg}, got {getattr(self, name)!r}")
+
+        for name in ("max_new_tokens", "top_k", "min_new_tokens", "top_logprobs"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool):
+                bad(name, "must be an integer")
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "frequency_penalty",
+            "presence_penalty",
+        ):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool):
+                bad(name, "must be a number")
+            if not math.isfinite(v):
+                bad(name, "must be finite")
+        for name in ("ignore_eos", "skip_special_tokens", "logprobs"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "must be a bool")
+
+        if self.max_new_tokens < 1:
+            bad("max_new_tokens", "must be >= 1")
+        if self.temperature < 0:
+            bad("temperature", "must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", "must be in (0, 1]")
+        if self.top_k < -1:
+            bad("top_k", "must be -1 or 0 (disabled) or >= 1")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", "must be in [0, 1]")
+        if self.repetition_penalty <= 0:
+            bad("repetition_penalty", "must be > 0")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                bad(name, "must be in [-2, 2]")
+        if self.min_new_tokens < 0:
+            bad("min_new_tokens", "must be >= 0")
+        if self.min_new_tokens > self.max_new_tokens:
+            bad("min_new_tokens", f"must be <= max_new_tokens ({self.max_new_tokens})")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            bad("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]")
+        if self.top_logprobs > 0 and not self.logprobs:
+            bad("top_logprobs", "requires logprobs=True")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or isinstance(self.seed, bool)
+        ):
+            bad("seed", "must be an integer or None")
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", "must be a string or a list of non-empty strings")
+        if not isinstance(self.stop_token_ids, tuple) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
+        ):
+            bad("stop_token_ids", "must be a list of non-negative integers")
+
+    @classmethod
+    def field_names(cls) -> frozenset[str]:
+        return frozenset(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
+        """Build from untrusted input: unknown keys are a ValueError naming them; then validate."""
+        if not isinstance(d, dict):
+            raise ValueError(f"sampling params must be a dict, got {type(d).__name__}")
+        unknown = sorted(str(k) for k in d if k not in cls.field_names())
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        params = cls(**d)
+        params.validate()
+        return params
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v)
+            for f in dataclasses.fields(self)
+        }

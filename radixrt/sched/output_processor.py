@@ -1,0 +1,65 @@
+"""After a forward pass: append sampled tokens, decide who finished, hand KV to the cache, and
+collect what goes to the detokenizer."""
+
+from __future__ import annotations
+
+from radixrt.mem.base_prefix_cache import BasePrefixCache
+from radixrt.messages import FINISH_LENGTH, FINISH_STOP, ReqTokenOut, TokenBatchOut, TokenLogprobs
+from radixrt.sched.req import Req
+
+
+class OutputProcessor:
+    def __init__(self, cache: BasePrefixCache, eos_token_ids: tuple[int, ...], max_context_len: int):
+        self.cache = cache
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_context_len = max_context_len
+
+    def _append(self, req: Req, token: int, logprobs: TokenLogprobs | None) -> None:
+        req.output_ids.append(token)
+        if logprobs is not None:
+            if req.pending_logprobs is None:
+                req.pending_logprobs = TokenLogprobs()
+            req.pending_logprobs.extend(logprobs)
+        sp = req.sampling
+        if (not sp.ignore_eos and token in self.eos_token_ids) or token in sp.stop_token_ids:
+            req.finish_reason = FINISH_STOP
+        elif len(req.output_ids) >= sp.max_new_tokens or req.seq_len() >= self.max_context_len:
+            req.finish_reason = FINISH_LENGTH
+
+    def process_extend(self, reqs: list[Req], next_ids: list[int],
+                       logprobs: list[TokenLogprobs | None]) -> None:
+        """Requests whose whole sequence is now in KV sample a token; chunked ones do not."""
+        for i, req in enumerate(reqs):
+            req.kv_len += req.extend_len
+            if req.finished:  # aborted while in flight
+                continue
+            if req.kv_len == req.seq_len():
+                self._append(req, next_ids[i], logprobs[i])
+            if not req.finished:
+                self.cache.cache_unfinished_req(req)
+
+    def process_decode(self, reqs: list[Req], next_ids: list[int],
+                       logprobs: list[TokenLogprobs | None]) -> None:
+        for i, req in enumerate(reqs):
+            req.kv_len += 1
+            if not req.finished:
+                self._append(req, next_ids[i], logprobs[i])
+
+    @staticmethod
+    def collect(reqs: list[Req]) -> TokenBatchOut:
+        """New tokens since the last send (or a final out) for every request in `reqs`."""
+        outs = []
+        for req in reqs:
+            new = req.output_ids[req.send_offset :]
+            if not new and not req.finished and req.pending_logprobs is None:
+                continue
+            req.send_offset = len(req.output_ids)
+            sp = req.sampling
+            outs.append(ReqTokenOut(
+                rid=req.rid, new_ids=new, finish_reason=req.finish_reason,
+                prompt_tokens=len(req.origin_input_ids), cached_tokens=req.cached_tokens or 0,
+                completion_tokens=len(req.output_ids), logprobs=req.pending_logprobs,
+                stop=sp.stop, skip_special_tokens=sp.skip_special_tokens, error=req.error,
+            ))
+            req.pending_logprobs = None
+        return TokenBatchOut(outs)

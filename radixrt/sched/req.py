@@ -1,0 +1,69 @@
+"""`Req`: one request's state inside the scheduler."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from radixrt.messages import TokenLogprobs
+from radixrt.sampling.params import SamplingParams
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+class Req:
+    """KV bookkeeping (see `BasePrefixCache` for who owns which slot):
+    - `req_pool_idx`: the ReqToTokenPool row, held from admission to finish/retraction.
+    - `kv_len`: tokens of `all_ids()` whose KV is in the row (`row[:kv_len]` valid).
+    - `prefix_indices`/`last_node`: the cache-owned, locked head of the row.
+    """
+
+    def __init__(self, rid: str, input_ids: list[int], sampling: SamplingParams, stream: bool):
+        self.rid = rid
+        self.origin_input_ids = input_ids
+        self.output_ids: list[int] = []
+        self.sampling = sampling
+        self.stream = stream
+        self.arrival_time = time.monotonic()
+        # KV state
+        self.req_pool_idx: int | None = None
+        self.kv_len = 0
+        self.prefix_indices: torch.Tensor = _EMPTY
+        self.last_node: Any = None
+        # Scheduling state
+        self.match_len = 0  # cached prefix length as last seen by the policy
+        self.cached_tokens: int | None = None  # prompt tokens served by the cache (first admission)
+        self.extend_len = 0  # tokens this step computes (set by the prefill adder)
+        self.num_retractions = 0
+        self.counted = False  # prompt/cached tokens added to the counters
+        # Output state
+        self.finish_reason: str | None = None
+        self.error = ""
+        self.send_offset = 0  # output_ids already sent to the detokenizer
+        self.pending_logprobs: TokenLogprobs | None = None
+
+    def all_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+    def seq_len(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def remaining_new_tokens(self) -> int:
+        return max(0, self.sampling.max_new_tokens - len(self.output_ids))
+
+    def release_kv(self) -> None:
+        """Forget the KV state after the cache took it over (row freed, lock released)."""
+        self.req_pool_idx = None
+        self.kv_len = 0
+        self.prefix_indices = _EMPTY
+        self.last_node = None
+
+    def __repr__(self) -> str:
+        return (f"Req({self.rid}, in={len(self.origin_input_ids)}, out={len(self.output_ids)}, "
+                f"kv={self.kv_len}, row={self.req_pool_idx})")

@@ -1,0 +1,187 @@
+"""Which waiting requests run next: queue ordering (`SchedulePolicy`) and budgets (`PrefillAdder`)."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+
+from radixrt.mem.base_prefix_cache import BasePrefixCache
+from radixrt.mem.radix_cache import RadixCache
+from radixrt.sched.req import Req
+
+# A waiting request that shares at least this many not-yet-cached tokens with one admitted
+# earlier in the same step waits one step, so it hits the cache instead of recomputing them.
+IN_BATCH_SHARE_MIN_TOKENS = 32
+
+
+class SchedulePolicy:
+    """Orders the waiting queue.
+
+    - `lpm`: longest cached prefix first (falls back to FCFS when the queue is longer than
+      `lpm_fallback_queue_len`, to keep matching cheap);
+    - `fcfs`: arrival order;
+    - `dfs-weight`: depth-first over the radix tree, heavier subtrees first, so requests sharing
+      a prefix run together.
+    Requests waiting longer than `starvation_timeout_s` go first, in arrival order, whatever the
+    policy. With the radix cache, `order` also returns the requests to hold back one step
+    because an earlier request in the queue will cache their shared, uncached prefix.
+    """
+
+    def __init__(self, policy: str, cache: BasePrefixCache, enabled_cache: bool,
+                 lpm_fallback_queue_len: int, starvation_timeout_s: float,
+                 clock: Callable[[], float] = time.monotonic):
+        self.policy = policy
+        self.cache = cache
+        self.enabled_cache = enabled_cache
+        self.lpm_fallback_queue_len = lpm_fallback_queue_len
+        self.starvation_timeout_s = starvation_timeout_s
+        self.clock = clock
+
+    def order(self, waiting: list[Req]) -> tuple[list[Req], set[str]]:
+        if not waiting:
+            return [], set()
+        now = self.clock()
+        starved = [r for r in waiting if now - r.arrival_time >= self.starvation_timeout_s]
+        starved_ids = {id(r) for r in starved}
+        rest = [r for r in waiting if id(r) not in starved_ids]
+        policy = self.policy
+        if policy == "lpm" and len(waiting) > self.lpm_fallback_queue_len:
+            policy = "fcfs"
+        if not self.enabled_cache:
+            policy = "fcfs"
+        if policy == "fcfs":
+            ordered = sorted(rest, key=lambda r: r.arrival_time)
+            deferred: set[str] = set()
+        else:
+            last_nodes = {}
+            for r in rest:
+                m = self.cache.match_prefix(r.all_ids()[:-1])
+                r.match_len = int(m.indices.numel())
+                last_nodes[id(r)] = m.last_node
+            if policy == "lpm":
+                ordered = sorted(rest, key=lambda r: (-r.match_len, r.arrival_time))
+            else:
+                ordered = self._dfs_weight(rest, last_nodes)
+            deferred = self._in_batch_deferrals(ordered)
+        starved.sort(key=lambda r: r.arrival_time)
+        return starved + ordered, deferred
+
+    @staticmethod
+    def _dfs_weight(reqs: list[Req], last_nodes: dict[int, object]) -> list[Req]:
+        by_node: dict[object, list[Req]] = defaultdict(list)
+        weight: dict[object, int] = defaultdict(int)
+        children: dict[object, list[object]] = defaultdict(list)
+        roots: list[object] = []
+        for r in reqs:
+            node = last_nodes[id(r)]
+            by_node[node].append(r)
+        for node in list(by_node):
+            cur = node
+            while cur is not None:
+                weight[cur] += len(by_node.get(node, ()))
+                parent = getattr(cur, "parent", None)
+                if parent is not None and cur not in children[parent]:
+                    children[parent].append(cur)
+                if parent is None and cur not in roots:
+                    roots.append(cur)
+                cur = parent
+        out: list[Req] = []
+        stack = sorted(roots, key=lambda n: weight[n])
+        while stack:
+            node = stack.pop()
+            out.extend(sorted(by_node.get(node, ()), key=lambda r: r.arrival_time))
+            stack.extend(sorted(children[node], key=lambda n: weight[n]))
+        return out
+
+    @staticmethod
+    def _in_batch_deferrals(ordered: list[Req]) -> set[str]:
+        """Requests whose uncached part overlaps an earlier request's by ≥ the threshold."""
+        pending = RadixCache(None, None)  # type: ignore[arg-type]  # a trie of planned prompts
+        deferred: set[str] = set()
+        for r in ordered:
+            ids = r.all_ids()
+            m = pending.match_prefix(ids)
+            shared = int(m.indices.numel())
+            if shared - r.match_len >= IN_BATCH_SHARE_MIN_TOKENS:
+                deferred.add(r.rid)
+            else:
+                pending.insert(ids, torch.zeros(len(ids), dtype=torch.int64))
+        return deferred
+
+
+class PrefillAdder:
+    """Admits requests into one extend batch within three budgets.
+
+    - tokens computed this step ≤ `max_prefill_tokens`; a request longer than the remaining
+      `chunk_budget` is cut into chunks (at most one chunked request per step);
+    - running + admitted requests ≤ `max_running_requests` (and free request rows);
+    - KV: new tokens + the decode tokens every running and admitted request is still expected to
+      need (`remaining × new_token_ratio`) ≤ free + evictable slots.
+    Admission locks the request's matched prefix at once, so later evictions cannot drop it.
+    """
+
+    def __init__(self, cache: BasePrefixCache, available_slots: Callable[[], int],
+                 free_rows: int, running: list[Req], max_running: int, max_prefill_tokens: int,
+                 chunk_budget: int, new_token_ratio: float):
+        self.cache = cache
+        self.available_slots = available_slots
+        self.rows_left = min(free_rows, max_running - len(running))
+        self.tokens_left = max_prefill_tokens
+        self.chunk_budget = chunk_budget
+        self.ratio = new_token_ratio
+        self.reserved = sum(self._decode_reserve(r) for r in running)
+        self.admitted: list[Req] = []
+        self.has_chunked = False
+
+    def _decode_reserve(self, req: Req) -> int:
+        return int(req.remaining_new_tokens() * self.ratio)
+
+    def _kv_room(self) -> int:
+        return self.available_slots() + self.cache.evictable_size() - self.reserved
+
+    def add_chunked(self, req: Req) -> bool:
+        """Continue a request whose prompt is mid-chunk (it already holds a row and locks)."""
+        todo = req.seq_len() - req.kv_len
+        n = min(todo, self.chunk_budget, self.tokens_left)
+        if n <= 0 or n > self._kv_room():
+            return False
+        self._take(req, n, final=n == todo)
+        return True
+
+    def add(self, req: Req) -> bool:
+        """Try to admit a waiting request; False means stop admitting this step."""
+        if self.rows_left <= 0 or self.tokens_left <= 0 or self.chunk_budget <= 0:
+            return False
+        ids = req.all_ids()
+        match = self.cache.match_prefix(ids[:-1])
+        prefix_len = int(match.indices.numel())
+        todo = len(ids) - prefix_len
+        self.cache.inc_lock_ref(match.last_node)
+        n = min(todo, self.chunk_budget, self.tokens_left)
+        final = n == todo
+        reserve = self._decode_reserve(req) if final else 0
+        # Nothing running and nothing admitted: admit if the tokens alone fit, so a single
+        # request with a pessimistic reserve can still make progress.
+        alone = not self.admitted and self.reserved == 0
+        if (not final and self.has_chunked) or n + (0 if alone else reserve) > self._kv_room():
+            self.cache.dec_lock_ref(match.last_node)
+            return False
+        req.prefix_indices = match.indices
+        req.last_node = match.last_node
+        req.kv_len = prefix_len
+        if req.cached_tokens is None:
+            req.cached_tokens = min(prefix_len, len(req.origin_input_ids))
+        self.rows_left -= 1
+        self._take(req, n, final)
+        return True
+
+    def _take(self, req: Req, n: int, final: bool) -> None:
+        req.extend_len = n
+        self.tokens_left -= n
+        self.chunk_budget -= n
+        self.reserved += n + (self._decode_reserve(req) if final else 0)
+        self.has_chunked = self.has_chunked or not final
+        self.admitted.append(req)

@@ -1,0 +1,396 @@
+"""The scheduler process: one loop of receive → schedule → run → process results.
+
+Decisions live in `schedule_policy` (ordering, budgets), allocation and metadata in `batch`,
+result handling in `output_processor`; this module only sequences them and keeps counters.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+import zmq
+
+from radixrt import ipc
+from radixrt.config import ServerArgs
+from radixrt.mem.base_prefix_cache import BasePrefixCache
+from radixrt.mem.chunk_cache import NoPrefixCache
+from radixrt.mem.invariants import check_ownership
+from radixrt.mem.radix_cache import RadixCache
+from radixrt.messages import (
+    FINISH_ABORT,
+    AbortReq,
+    CheckInvariantsReq,
+    ControlReply,
+    FlushCacheReq,
+    GenerateReq,
+    ReadyMsg,
+    StatsReq,
+    TokenBatchOut,
+)
+from radixrt.model.runner import ModelRunner
+from radixrt.sampling.sampler import Sampler, SamplingBatchInfo
+from radixrt.sched.batch import BatchBuilder
+from radixrt.sched.output_processor import OutputProcessor
+from radixrt.sched.req import Req
+from radixrt.sched.schedule_policy import PrefillAdder, SchedulePolicy
+
+logger = logging.getLogger(__name__)
+
+# After a retraction, assume every running request will still decode this many more tokens.
+RETRACT_DECODE_STEPS = 20
+
+
+@dataclass
+class Counters:
+    """Monotonic totals since start-up (never reset, not even by `flush_cache`)."""
+
+    requests: int = 0
+    finished_requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    retractions: int = 0
+    evicted_tokens: int = 0
+    forward_steps: int = 0
+
+
+class _CountingCache:
+    """Wraps `evict` so every evicted token is counted, whoever triggers it."""
+
+    def __init__(self, cache: BasePrefixCache, counters: Counters):
+        self._cache = cache
+        self._counters = counters
+
+    def __getattr__(self, name: str):
+        return getattr(self._cache, name)
+
+    def evict(self, num_tokens: int) -> int:
+        n = self._cache.evict(num_tokens)
+        self._counters.evicted_tokens += n
+        return n
+
+
+class Scheduler:
+    def __init__(self, args: ServerArgs, runner: ModelRunner):
+        self.args = args
+        self.runner = runner
+        self.req_pool = runner.req_to_token_pool
+        self.kv_pool = runner.token_to_kv_pool
+        self.counters = Counters()
+        cache_cls = NoPrefixCache if args.disable_radix_cache else RadixCache
+        self.cache: BasePrefixCache = _CountingCache(
+            cache_cls(self.req_pool, self.kv_pool), self.counters)  # type: ignore[assignment]
+        self.policy = SchedulePolicy(
+            args.schedule_policy, self.cache, not args.disable_radix_cache,
+            args.lpm_fallback_queue_len, args.starvation_timeout_s)
+        self.builder = BatchBuilder(self.req_pool, self.kv_pool, self.cache, runner.device)
+        cfg = runner.model_config
+        self.eos_token_ids = tuple(cfg.eos_token_ids)
+        self.max_context_len = runner.sizes.max_context_len
+        self.outputs = OutputProcessor(self.cache, self.eos_token_ids, self.max_context_len)
+        self.sampler = Sampler(seed=args.random_seed)
+        self.vocab_size = cfg.vocab_size
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked_req: Req | None = None
+        self.new_token_ratio = args.init_new_token_ratio
+        self.finished_this_step: list[Req] = []
+        self.step_times = {"schedule": 0.0, "build": 0.0, "forward": 0.0, "sample": 0.0,
+                           "process": 0.0}
+
+    # -- inputs -------------------------------------------------------------------------------------
+    def add_request(self, msg: GenerateReq) -> None:
+        req = Req(msg.rid, list(msg.input_ids), msg.sampling, msg.stream)
+        if len(req.origin_input_ids) + 1 > self.max_context_len:
+            req.finish_reason = FINISH_ABORT
+            req.error = (f"input_ids: prompt has {len(req.origin_input_ids)} tokens, the context "
+                         f"holds {self.max_context_len}")
+            self.finished_this_step.append(req)
+            return
+        self.counters.requests += 1
+        self.waiting.append(req)
+
+    def abort(self, rid: str, reason: str = FINISH_ABORT, message: str = "") -> None:
+        for i, req in enumerate(self.waiting):
+            if req.rid == rid:
+                del self.waiting[i]
+                if req.req_pool_idx is not None:  # retracted requests hold nothing, but be safe
+                    self.cache.cache_finished_req(req)
+                self._finish(req, reason, message)
+                return
+        for req in self.running:
+            if req.rid == rid:
+                self.running.remove(req)
+                self.cache.cache_finished_req(req)
+                self._finish(req, reason, message)
+                return
+        if self.chunked_req is not None and self.chunked_req.rid == rid:
+            req, self.chunked_req = self.chunked_req, None
+            self.cache.cache_finished_req(req)
+            self._finish(req, reason, message)
+
+    def _finish(self, req: Req, reason: str, message: str = "") -> None:
+        if req.finish_reason is None:
+            req.finish_reason = reason
+        req.error = req.error or message
+        self.finished_this_step.append(req)
+
+    # -- one step -----------------------------------------------------------------------------------
+    def step(self) -> TokenBatchOut | None:
+        """Run one prefill or decode batch if there is work; returns what to send downstream."""
+        t0 = time.perf_counter()
+        batch = self._schedule_extend()
+        mode = "extend"
+        if batch is None and self.running:
+            batch = self._schedule_decode()
+            mode = "decode"
+        self.step_times["schedule"] += time.perf_counter() - t0
+        if batch:
+            try:
+                self._run(batch, mode)
+            except Exception as e:  # keep serving: fail this batch's requests, free their KV
+                logger.error("batch failed: %s\n%s", e, traceback.format_exc())
+                self._fail_batch(batch, f"internal error: {e}")
+        done = self.finished_this_step
+        self.finished_this_step = []
+        touched = batch or []
+        out = self.outputs.collect(list({id(r): r for r in [*touched, *done]}.values()))
+        return out if out.outs else None
+
+    def _schedule_extend(self) -> list[Req] | None:
+        if not self.waiting and self.chunked_req is None:
+            return None
+        adder = PrefillAdder(
+            self.cache, self.kv_pool.available_size, self.req_pool.available_size(),
+            self.running, self.args.max_running_requests, self.args.max_prefill_tokens,
+            self.args.chunked_prefill_size, self.new_token_ratio)
+        if self.chunked_req is not None:
+            if not adder.add_chunked(self.chunked_req):
+                return None
+            self.chunked_req = None
+        ordered, deferred = self.policy.order(self.waiting)
+        for req in ordered:
+            if req.rid in deferred:
+                continue
+            if not adder.add(req):
+                break
+        if not adder.admitted:
+            return None
+        admitted = {id(r) for r in adder.admitted}
+        self.waiting = [r for r in self.waiting if id(r) not in admitted]
+        for req in adder.admitted:
+            if not req.counted:  # first admission: count the prompt once, retractions aside
+                req.counted = True
+                self.counters.prompt_tokens += len(req.origin_input_ids)
+                self.counters.cached_tokens += req.cached_tokens or 0
+        return adder.admitted
+
+    def _schedule_decode(self) -> list[Req]:
+        need = len(self.running)
+        if self.kv_pool.available_size() + self.cache.evictable_size() < need:
+            self._retract(need)
+        self.new_token_ratio = max(self.args.min_new_token_ratio,
+                                   self.new_token_ratio - self.args.new_token_ratio_decay)
+        return list(self.running)
+
+    def _retract(self, need: int) -> None:
+        """Send the newest running requests back to the waiting queue until `need` slots (one per
+        remaining request) can be had. Their KV goes to the tree, so re-admission hits it."""
+        victims = sorted(self.running, key=lambda r: r.arrival_time)
+        while victims and self.kv_pool.available_size() + self.cache.evictable_size() < need:
+            if len(victims) == 1:
+                break  # the oldest request always fits: the pool holds a whole context
+            req = victims.pop()
+            self.running.remove(req)
+            self.cache.cache_finished_req(req)
+            req.num_retractions += 1
+            self.counters.retractions += 1
+            self.waiting.insert(0, req)
+            need -= 1
+        remaining = sum(r.remaining_new_tokens() for r in self.running)
+        decoded = sum(len(r.output_ids) for r in self.running)
+        total = max(1, remaining + decoded)
+        est = (decoded + RETRACT_DECODE_STEPS * len(self.running)) / total
+        self.new_token_ratio = min(1.0, max(self.new_token_ratio, est))
+        logger.info("retracted requests; %d running, new_token_ratio=%.2f",
+                    len(self.running), self.new_token_ratio)
+
+    def _run(self, reqs: list[Req], mode: str) -> None:
+        t0 = time.perf_counter()
+        if mode == "extend":
+            fb = self.builder.build_extend(reqs)
+        else:
+            fb = self.builder.build_decode(reqs)
+        t1 = time.perf_counter()
+        logits = self.runner.forward(fb)
+        t2 = time.perf_counter()
+        info = SamplingBatchInfo.build(
+            [r.sampling for r in reqs], [r.origin_input_ids for r in reqs],
+            [r.output_ids for r in reqs], self.vocab_size, logits.device, self.eos_token_ids)
+        sample = self.sampler.sample(logits, info)
+        t3 = time.perf_counter()
+        self.builder.take_pending_slots()  # kv_len advances below: the requests own them now
+        before = sum(len(r.output_ids) for r in reqs)
+        if mode == "extend":
+            self.outputs.process_extend(reqs, sample.next_token_ids, sample.logprobs)
+            for req in reqs:
+                if req.finished:
+                    continue
+                if req.kv_len < req.seq_len():
+                    self.chunked_req = req
+                else:
+                    self.running.append(req)
+        else:
+            self.outputs.process_decode(reqs, sample.next_token_ids, sample.logprobs)
+        self.counters.generated_tokens += sum(len(r.output_ids) for r in reqs) - before
+        for req in reqs:
+            if req.finished and req.req_pool_idx is not None:
+                if req in self.running:
+                    self.running.remove(req)
+                self.cache.cache_finished_req(req)
+                self.counters.finished_requests += 1
+        self.counters.forward_steps += 1
+        t4 = time.perf_counter()
+        self.step_times["build"] += t1 - t0
+        self.step_times["forward"] += t2 - t1
+        self.step_times["sample"] += t3 - t2
+        self.step_times["process"] += t4 - t3
+
+    def _fail_batch(self, reqs: list[Req], message: str) -> None:
+        """A step raised before its results were processed: free the step's slots (nobody owns
+        them yet), hand each request's valid KV to the cache and finish it with an error."""
+        stray = self.builder.take_pending_slots()
+        if stray is not None:
+            self.kv_pool.free(stray)
+        for req in reqs:
+            if req.req_pool_idx is not None:
+                self.cache.cache_finished_req(req)
+            if req in self.running:
+                self.running.remove(req)
+            if self.chunked_req is req:
+                self.chunked_req = None
+            req.finish_reason = None
+            self._finish(req, FINISH_ABORT, message)
+
+    # -- control ------------------------------------------------------------------------------------
+    def live_reqs(self) -> list[Req]:
+        reqs = [*self.running, *self.waiting]
+        if self.chunked_req is not None:
+            reqs.append(self.chunked_req)
+        return reqs
+
+    def check_invariants(self) -> None:
+        check_ownership(self.req_pool, self.kv_pool, self.cache, self.live_reqs())
+
+    def flush_cache(self) -> tuple[bool, str]:
+        if self.live_reqs():
+            return False, "cannot flush the cache while requests are running or waiting"
+        self.cache.reset()
+        self.kv_pool.clear()
+        self.req_pool.clear()
+        return True, ""
+
+    def stats(self) -> dict[str, object]:
+        c = self.counters
+        return {
+            "num_requests_total": c.requests,
+            "num_finished_requests_total": c.finished_requests,
+            "prompt_tokens_total": c.prompt_tokens,
+            "cached_tokens_total": c.cached_tokens,
+            "generated_tokens_total": c.generated_tokens,
+            "retractions_total": c.retractions,
+            "evicted_tokens_total": c.evicted_tokens,
+            "forward_steps_total": c.forward_steps,
+            "cache_hit_rate": c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
+            "num_running": len(self.running) + (self.chunked_req is not None),
+            "num_waiting": len(self.waiting),
+            "max_total_tokens": self.kv_pool.size,
+            "free_tokens": self.kv_pool.available_size(),
+            "used_tokens": self.kv_pool.size - self.kv_pool.available_size(),
+            "token_usage": 1 - self.kv_pool.available_size() / self.kv_pool.size,
+            "cached_evictable_tokens": self.cache.evictable_size(),
+            "cached_locked_tokens": self.cache.protected_size(),
+            "new_token_ratio": self.new_token_ratio,
+            "step_time_s": dict(self.step_times),
+        }
+
+    def handle(self, msg: object) -> ControlReply | None:
+        if isinstance(msg, GenerateReq):
+            self.add_request(msg)
+        elif isinstance(msg, AbortReq):
+            self.abort(msg.rid, msg.reason, msg.message)
+        elif isinstance(msg, FlushCacheReq):
+            ok, err = self.flush_cache()
+            return ControlReply(msg.req_id, ok, error=err)
+        elif isinstance(msg, StatsReq):
+            return ControlReply(msg.req_id, True, data=self.stats())
+        elif isinstance(msg, CheckInvariantsReq):
+            try:
+                self.check_invariants()
+                return ControlReply(msg.req_id, True)
+            except AssertionError as e:
+                return ControlReply(msg.req_id, False, error=f"invariant violated: {e}")
+        else:
+            logger.warning("scheduler: unknown message %r", type(msg).__name__)
+        return None
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked_req or self.finished_this_step)
+
+
+def run_scheduler(args: ServerArgs, paths: ipc.IpcPaths, parent_pid: int) -> None:
+    """Process entry point. Sends a `ReadyMsg` to the tokenizer once the model is loaded."""
+    ipc.exit_with_parent(parent_pid)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format=f"[%(asctime)s scheduler pid={os.getpid()}] %(message)s")
+    torch.set_num_threads(args.resolved_threads())
+    ctx = zmq.Context()
+    recv = ipc.pull_socket(ctx, paths.scheduler)
+    to_detok = ipc.push_socket(ctx, paths.detokenizer)
+    to_tok = ipc.push_socket(ctx, paths.tokenizer)
+    try:
+        runner = ModelRunner(args)
+        sched = Scheduler(args, runner)
+    except Exception as e:
+        ipc.send(to_tok, ReadyMsg(False, error=f"{type(e).__name__}: {e}"))
+        logger.error("scheduler failed to start:\n%s", traceback.format_exc())
+        time.sleep(0.5)
+        return
+    info = {
+        "max_total_tokens": runner.sizes.max_total_tokens,
+        "max_running_requests": runner.sizes.max_running_requests,
+        "max_context_len": runner.sizes.max_context_len,
+        "vocab_size": runner.model_config.vocab_size,
+        "eos_token_ids": list(runner.model_config.eos_token_ids),
+        "model_path": runner.model_path,
+        "device": str(runner.device),
+        "dtype": str(runner.dtype),
+        "num_threads": torch.get_num_threads(),
+    }
+    ipc.send(to_tok, ReadyMsg(True, info=info))
+    poller = zmq.Poller()
+    poller.register(recv, zmq.POLLIN)
+    last_log = time.monotonic()
+    while True:
+        if not sched.has_work:
+            poller.poll(timeout=1000)
+        for msg in ipc.recv_all(recv):
+            reply = sched.handle(msg)
+            if reply is not None:
+                ipc.send(to_tok, reply)
+        out = sched.step()
+        if out is not None:
+            ipc.send(to_detok, out)
+        now = time.monotonic()
+        if now - last_log >= args.stats_interval_s and (sched.running or sched.waiting):
+            s = sched.stats()
+            logger.info("running=%d waiting=%d token_usage=%.2f cache_hit_rate=%.3f "
+                        "new_token_ratio=%.2f", s["num_running"], s["num_waiting"],
+                        s["token_usage"], s["cache_hit_rate"], s["new_token_ratio"])
+            last_log = now

@@ -1,0 +1,124 @@
+"""Shared test helpers: tiny random HF checkpoints and a harness driving a model through the pools.
+
+Import from tests (`from tests.model_fixtures import ...` or `from model_fixtures import ...`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from radixrt.attention.torch_native import TorchNativeBackend
+from radixrt.mem.memory_pool import ReqToTokenPool, TokenToKVPool
+from radixrt.model.forward_batch import ForwardBatch, ForwardMode
+from radixrt.model.llama import LlamaForCausalLM
+from radixrt.model.loader import load_model
+from radixrt.model.model_config import ModelConfig
+
+TINY_DIMS: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 512,
+}
+
+
+def make_tiny_checkpoint(
+    path: Path,
+    kind: str = "llama",
+    seed: int = 0,
+    **overrides: Any,
+) -> Any:
+    """Save a random-weight HF model (`kind` = llama | qwen2 | mistral) to `path`; return it (fp32, eval)."""
+    import transformers
+
+    cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }[kind]
+    kwargs = {**TINY_DIMS, "bos_token_id": 1, "eos_token_id": 2, **overrides}
+    cfg = cls[0](**kwargs)
+    torch.manual_seed(seed)
+    model = cls[1](cfg).to(torch.float32).eval()
+    with torch.no_grad():  # HF zero-inits biases; make them matter
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(str(path), safe_serialization=True)
+    return model
+
+
+def hf_logits(hf_model: Any, ids: Sequence[int]) -> torch.Tensor:
+    """HF's full-sequence fp32 logits `[len(ids), vocab]`."""
+    with torch.no_grad():
+        out = hf_model(input_ids=torch.tensor([list(ids)]), use_cache=False)
+    return out.logits[0].float()
+
+
+@dataclass
+class PagedRunner:
+    """Drives a model step by step with real pools: `extend` and `decode` return per-request logits.
+
+    Each request is identified by the row `new_request()` returns; the runner remembers how many of
+    its tokens are in the KV cache.
+    """
+
+    model: LlamaForCausalLM
+    req_pool: ReqToTokenPool
+    kv_pool: TokenToKVPool
+    cached: dict[int, int] = field(default_factory=dict)
+
+    @classmethod
+    def create(
+        cls,
+        model_path: str | Path,
+        kv_size: int = 4096,
+        max_reqs: int = 64,
+        max_context: int = 512,
+        dtype: torch.dtype = torch.float32,
+    ) -> PagedRunner:
+        config = ModelConfig.from_path(model_path)
+        model, _ = load_model(model_path, None, dtype, "cpu", model_config=config)
+        return cls.for_model(model, kv_size, max_reqs, max_context)
+
+    @classmethod
+    def for_model(
+        cls, model: LlamaForCausalLM, kv_size: int = 4096, max_reqs: int = 64, max_context: int = 512
+    ) -> PagedRunner:
+        c = model.config
+        kv = TokenToKVPool(kv_size, c.num_layers, c.num_kv_heads, c.head_dim, dtype=model.dtype)
+        model.attn_backend = TorchNativeBackend(kv)
+        return cls(model, ReqToTokenPool(max_reqs, max_context), kv)
+
+    def new_request(self) -> int:
+        row = self.req_pool.alloc()
+        assert row is not None
+        self.cached[row] = 0
+        return row
+
+    def _step(self, mode: ForwardMode, rows: Sequence[int], chunks: Sequence[Sequence[int]]) -> torch.Tensor:
+        ext = [len(c) for c in chunks]
+        loc = self.kv_pool.alloc(sum(ext))
+        assert loc is not None
+        ids = [t for c in chunks for t in c]
+        fb = ForwardBatch.build(
+            mode, ids, list(rows), [self.cached[r] for r in rows], ext, loc, self.req_pool.req_to_token
+        )
+        logits = self.model(fb)
+        for r, e in zip(rows, ext, strict=True):
+            self.cached[r] += e
+        return logits
+
+    def extend(self, rows: Sequence[int], chunks: Sequence[Sequence[int]]) -> torch.Tensor:
+        return self._step(ForwardMode.EXTEND, rows, chunks)
+
+    def decode(self, rows: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+        return self._step(ForwardMode.DECODE, rows, [[t] for t in tokens])

@@ -1,0 +1,487 @@
+"""Sampling parameters and the batched sampler (CPU; fast)."""
+
+from __future__ import annotations
+
+import math
+import pickle
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from radixrt.sampling.params import SamplingParams
+from radixrt.sampling.sampler import (
+    Sampler,
+    SamplingBatchInfo,
+    apply_penalties,
+    filter_logits,
+    step_seed,
+)
+
+NEG_INF = float("-inf")
+
+
+def build(
+    params: list[SamplingParams],
+    vocab: int,
+    prompts: list[list[int]] | None = None,
+    outputs: list[list[int]] | None = None,
+    eos: tuple[int, ...] = (),
+) -> SamplingBatchInfo:
+    n = len(params)
+    return SamplingBatchInfo.build(
+        params,
+        prompts if prompts is not None else [[] for _ in range(n)],
+        outputs if outputs is not None else [[] for _ in range(n)],
+        vocab,
+        "cpu",
+        eos_token_ids=eos,
+    )
+
+
+def sample(
+    params: list[SamplingParams],
+    logits: torch.Tensor,
+    sampler: Sampler | None = None,
+    **kw: object,
+) -> list[int]:
+    info = build(params, logits.shape[1], **kw)  # type: ignore[arg-type]
+    return (sampler or Sampler()).sample(logits, info).next_token_ids
+
+
+# --------------------------------------------------------------------------- params
+
+
+def test_defaults_and_normalization() -> None:
+    p = SamplingParams()
+    assert (p.max_new_tokens, p.temperature, p.top_p, p.top_k, p.min_p) == (128, 1.0, 1.0, -1, 0.0)
+    assert p.seed is None and p.stop == () and p.stop_token_ids == ()
+    p.validate()
+    assert SamplingParams(stop="END").stop == ("END",)
+    assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
+    assert SamplingParams(stop=None).stop == ()  # type: ignore[arg-type]
+    assert SamplingParams(stop_token_ids=[3, 4]).stop_token_ids == (3, 4)
+    q = SamplingParams(temperature=0.5, stop=["x"], seed=7)
+    assert pickle.loads(pickle.dumps(q)) == q
+    assert SamplingParams.from_dict(q.to_dict()) == q
+
+
+def test_is_greedy() -> None:
+    assert SamplingParams(temperature=0).is_greedy
+    assert SamplingParams(temperature=0.7, top_k=1).is_greedy
+    assert not SamplingParams(temperature=0.7).is_greedy
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_new_tokens", 0),
+        ("max_new_tokens", True),
+        ("max_new_tokens", 1.5),
+        ("temperature", -0.1),
+        ("temperature", "hot"),
+        ("temperature", float("nan")),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -2),
+        ("top_k", 2.0),
+        ("top_k", False),
+        ("min_p", 1.1),
+        ("min_p", -0.1),
+        ("repetition_penalty", 0.0),
+        ("frequency_penalty", 2.5),
+        ("presence_penalty", -2.5),
+        ("presence_penalty", "1"),
+        ("top_logprobs", 21),
+        ("top_logprobs", -1),
+        ("seed", 1.0),
+        ("seed", True),
+        ("seed", "42"),
+        ("stop", [""]),
+        ("stop", [1]),
+        ("stop_token_ids", [-1]),
+        ("stop_token_ids", ["a"]),
+        ("min_new_tokens", -1),
+        ("min_new_tokens", 500),
+        ("ignore_eos", 1),
+        ("logprobs", "yes"),
+    ],
+)
+def test_validate_names_field(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value}).validate()  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=field):
+        SamplingParams.from_dict({field: value})
+
+
+def test_validate_message_and_top_logprobs_needs_logprobs() -> None:
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 1.5"):
+        SamplingParams(top_p=1.5).validate()
+    with pytest.raises(ValueError, match="top_logprobs"):
+        SamplingParams(top_logprobs=3).validate()
+    SamplingParams(logprobs=True, top_logprobs=20, top_k=0, seed=-5, temperature=0).validate()
+
+
+def test_from_dict_rejects_unknown() -> None:
+    with pytest.raises(ValueError, match="bogus.*nope|nope.*bogus"):
+        SamplingParams.from_dict({"temperature": 0.5, "nope": 1, "bogus": 2})
+    with pytest.raises(ValueError):
+        SamplingParams.from_dict([("temperature", 1.0)])  # type: ignore[arg-type]
+    p = SamplingParams.from_dict({"temperature": 0, "stop": "x", "max_new_tokens": 5})
+    assert p.is_greedy and p.stop == ("x",) and p.max_new_tokens == 5
+
+
+# --------------------------------------------------------------------------- greedy
+
+
+def test_greedy_is_argmax_fast_path() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50)
+    params = [SamplingParams(temperature=0)] * 3 + [SamplingParams(temperature=0.9, top_k=1)] * 3
+    info = build(params, 50)
+    assert info.is_fast_path
+    out = Sampler().sample(logits, info)
+    assert out.next_token_ids == logits.argmax(-1).tolist()
+    assert out.logprobs == [None] * 6
+
+
+def test_mixed_batch_greedy_rows_are_argmax() -> None:
+    torch.manual_seed(1)
+    logits = torch.randn(8, 40)
+    params = [SamplingParams(temperature=0 if i % 2 else 1.3, top_p=0.9) for i in range(8)]
+    info = build(params, 40)
+    assert not info.is_fast_path
+    ids = Sampler().sample(logits, info).next_token_ids
+    argmax = logits.argmax(-1).tolist()
+    assert all(ids[i] == argmax[i] for i in range(1, 8, 2))
+
+
+def test_shape_and_length_checks() -> None:
+    with pytest.raises(ValueError):
+        SamplingBatchInfo.build([SamplingParams()], [[], []], [[]], 10, "cpu")
+    info = build([SamplingParams()], 10)
+    with pytest.raises(ValueError):
+        Sampler().sample(torch.zeros(1, 11), info)
+
+
+# --------------------------------------------------------------------------- seeds
+
+
+def test_seeded_same_tokens_across_calls_and_batches() -> None:
+    vocab = 64
+    torch.manual_seed(2)
+    row = torch.randn(vocab)
+    seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=1234)
+    prompt, outs = [1, 2, 3], [5, 6]
+
+    alone = sample([seeded], row[None].clone(), Sampler(seed=0), prompts=[prompt], outputs=[outs])
+    for sampler_seed in (0, 1, 99):
+        again = sample(
+            [seeded],
+            row[None].clone(),
+            Sampler(seed=sampler_seed),
+            prompts=[prompt],
+            outputs=[outs],
+        )
+        assert again == alone
+    # Same request inside different batches, at different positions, next to other settings.
+    others = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.7, top_k=5),
+        SamplingParams(temperature=1.5, seed=77, frequency_penalty=0.5),
+        SamplingParams(min_p=0.2, logprobs=True, top_logprobs=2),
+    ]
+    for pos in range(len(others) + 1):
+        params = others[:pos] + [seeded] + others[pos:]
+        logits = torch.randn(len(params), vocab)
+        logits[pos] = row
+        prompts = [[7, 8]] * len(params)
+        outputs = [[9]] * len(params)
+        prompts[pos], outputs[pos] = prompt, outs
+        ids = sample(params, logits, Sampler(seed=pos), prompts=prompts, outputs=outputs)
+        assert ids[pos] == alone[0]
+
+
+def test_seeded_sequence_reproducible_and_seeds_differ() -> None:
+    vocab = 200
+    logits = torch.zeros(1, vocab)  # uniform: every step is a fresh draw
+
+    def run(seed: int, steps: int = 30) -> list[int]:
+        sampler, out = Sampler(), []
+        params = [SamplingParams(seed=seed)]
+        for _ in range(steps):
+            out += sample(params, logits, sampler, outputs=[list(out)])
+        return out
+
+    a, b = run(5), run(5)
+    assert a == b
+    assert run(6) != a
+    assert len(set(a)) > 15  # steps get different randomness, not one repeated draw
+    firsts = [run(s, steps=1)[0] for s in range(100)]
+    assert len(set(firsts)) > 50
+    assert step_seed(5, 0) != step_seed(5, 1) != step_seed(6, 0)
+
+
+def test_unseeded_rows_follow_sampler_seed_and_distribution() -> None:
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    n = 4000
+    logits = probs.log().expand(n, -1).contiguous()
+    params = [SamplingParams()] * n
+    a = sample(params, logits, Sampler(seed=3))
+    assert a == sample(params, logits, Sampler(seed=3))
+    assert a != sample(params, logits, Sampler(seed=4))
+    freq = torch.bincount(torch.tensor(a), minlength=4).float() / n
+    assert torch.allclose(freq, probs, atol=0.03)
+
+
+def test_seeded_rows_distribution() -> None:
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    ids = [sample([SamplingParams(seed=s)], probs.log()[None])[0] for s in range(1500)]
+    freq = torch.bincount(torch.tensor(ids), minlength=3).float() / len(ids)
+    assert torch.allclose(freq, probs, atol=0.04)
+
+
+def test_temperature_effect() -> None:
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
+    n = 3000
+
+    def top_share(t: float) -> float:
+        ids = sample([SamplingParams(temperature=t)] * n, logits.expand(n, -1).contiguous())
+        return Counter(ids)[0] / n
+
+    cold, warm, hot = top_share(0.3), top_share(1.0), top_share(3.0)
+    assert cold > 0.95 and cold > warm > hot
+    expected = torch.softmax(logits, -1)[0].item()
+    assert abs(warm - expected) < 0.03
+    scaled = filter_logits(logits[None], torch.tensor([0.5]))
+    assert torch.allclose(scaled, logits[None] / 0.5)
+
+
+# --------------------------------------------------------------------------- filters
+
+
+def test_filters_on_crafted_logits() -> None:
+    # Token order shuffled; probabilities 0.4, 0.3, 0.2, 0.05, 0.05.
+    probs = torch.tensor([0.05, 0.3, 0.05, 0.4, 0.2])
+    logits = probs.log()[None]
+    one = torch.ones(1)
+
+    def kept(**kw: object) -> set[int]:
+        f = {k: torch.tensor([v]) for k, v in kw.items()}
+        out = filter_logits(logits, one, f.get("k"), f.get("p"), f.get("m"))
+        return set(torch.nonzero(out[0] > NEG_INF).view(-1).tolist())
+
+    assert kept(k=2) == {3, 1}
+    assert kept(k=5) == {0, 1, 2, 3, 4}
+    assert kept(p=0.6) == {3, 1}
+    assert kept(p=0.75) == {3, 1, 4}
+    assert kept(p=0.1) == {3}
+    assert kept(p=1.0) == {0, 1, 2, 3, 4}
+    assert kept(m=0.5) == {3, 1, 4}
+    assert kept(m=0.6) == {3, 1}
+    assert kept(m=1.0) == {3}
+    assert kept(m=0.0) == {0, 1, 2, 3, 4}
+    # top-p applies to the top-k renormalized distribution: 0.44, 0.33 | 0.22
+    assert kept(k=3, p=0.5) == {3, 1}
+    # And the sampler never emits anything else.
+    n = 2000
+    for params, allowed in [
+        (SamplingParams(top_k=2), {3, 1}),
+        (SamplingParams(top_p=0.75), {3, 1, 4}),
+        (SamplingParams(min_p=0.6, temperature=2.0), {3, 1, 4}),  # min-p after temperature
+        (SamplingParams(min_p=0.8, temperature=2.0), {3, 1}),
+        (SamplingParams(top_k=3, top_p=0.5), {3, 1}),
+    ]:
+        ids = sample([params] * n, logits.expand(n, -1).contiguous())
+        assert set(ids) == allowed, params
+    # Seeded rows (own noise per row) obey the same masks.
+    seeded = [SamplingParams(top_k=3, top_p=0.5, seed=s) for s in range(300)]
+    assert set(sample(seeded, logits.expand(300, -1).contiguous())) == {3, 1}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    vocab=st.integers(2, 80),
+    temperature=st.floats(0.05, 5.0),
+    top_k=st.integers(-1, 90),
+    top_p=st.floats(0.01, 1.0),
+    min_p=st.floats(0.0, 1.0),
+    use_seed=st.booleans(),
+)
+def test_filters_never_emit_masked(
+    seed: int,
+    vocab: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    min_p: float,
+    use_seed: bool,
+) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    row = torch.randn(vocab, generator=gen) * 4
+    row[torch.rand(vocab, generator=gen) < 0.1] = NEG_INF  # some tokens already impossible
+    row[0] = 1.0  # at least one finite logit
+    p = SamplingParams(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        seed=seed if use_seed else None,
+    )
+    p.validate()
+    if p.is_greedy:
+        return
+    filtered = filter_logits(
+        row[None],
+        torch.tensor([temperature]),
+        torch.tensor([min(top_k, vocab) if top_k > 0 else vocab]),
+        torch.tensor([top_p]),
+        torch.tensor([min_p]),
+    )[0]
+    keep = filtered > NEG_INF
+    assert keep.any()
+    # Properties in the original probability order (ties broken arbitrarily; allow slack).
+    probs = torch.softmax(row.double() / temperature, -1)
+    kept_probs = probs[keep]
+    dropped = probs[~keep & (row > NEG_INF)]
+    if top_k > 0:
+        assert int(keep.sum()) <= top_k
+    if dropped.numel():
+        # Kept tokens form a top prefix: nothing dropped beats something kept.
+        assert dropped.max() <= kept_probs.min() + 1e-9
+    assert kept_probs.min() >= min_p * probs.max() - 1e-6
+    if top_p < 1.0:
+        # Without the last kept token, the (top-k renormalized) mass is below top_p.
+        k = min(top_k, vocab) if top_k > 0 else vocab
+        topk_mass = probs.sort(descending=True).values[:k].sum()
+        assert (kept_probs.sum() - kept_probs.min()) / topk_mass < top_p + 1e-5
+    n = 64
+    ids = sample([p] * n, row.expand(n, -1).contiguous(), Sampler(seed=seed))
+    assert all(keep[i] for i in ids)
+
+
+def test_sampler_never_emits_neg_inf_tokens() -> None:
+    vocab = 1000
+    logits = torch.full((256, vocab), NEG_INF)
+    logits[:, 123] = 0.0
+    logits[:, 456] = -50.0
+    ids = sample([SamplingParams(temperature=2.0)] * 256, logits)
+    assert set(ids) <= {123, 456}
+
+
+# --------------------------------------------------------------------------- penalties
+
+
+def reference_penalties(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    prompts: list[list[int]],
+    outputs: list[list[int]],
+) -> torch.Tensor:
+    out = logits.clone()
+    for i, p in enumerate(params):
+        for t in set(prompts[i]) | set(outputs[i]):
+            x = out[i, t].item()
+            out[i, t] = x / p.repetition_penalty if x > 0 else x * p.repetition_penalty
+        for t, c in Counter(outputs[i]).items():
+            out[i, t] -= p.frequency_penalty * c + p.presence_penalty
+    return out
+
+
+def test_penalties_exact() -> None:
+    vocab = 12
+    torch.manual_seed(3)
+    logits = torch.randn(4, vocab) * 3
+    logits[0, 2] = 0.0
+    params = [
+        SamplingParams(repetition_penalty=1.5),
+        SamplingParams(frequency_penalty=0.5, presence_penalty=0.25),
+        SamplingParams(repetition_penalty=0.8, frequency_penalty=-1.0, presence_penalty=2.0),
+        SamplingParams(),
+    ]
+    prompts = [[1, 2, 3, 3], [4, 5], [6, 7], [1, 2]]
+    outputs = [[3, 8, 8], [5, 5, 9, 5], [7, 10, 10], [3, 4]]
+    info = build(params, vocab, prompts=prompts, outputs=outputs)
+    got = apply_penalties(logits, info)
+    want = reference_penalties(logits, params, prompts, outputs)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    assert torch.equal(got[3], logits[3])
+    # Frequency/presence ignore the prompt: token 4 is only in row 1's prompt.
+    assert got[1, 4] == logits[1, 4]
+    # Spot-check the formulas by hand.
+    assert got[1, 5] == pytest.approx(logits[1, 5].item() - 0.5 * 3 - 0.25)
+    x = logits[0, 8].item()
+    assert got[0, 8].item() == pytest.approx(x / 1.5 if x > 0 else x * 1.5)
+    # The input is never mutated.
+    assert not torch.equal(got, logits)
+
+
+def test_penalties_skip_when_unused_and_ignore_out_of_range() -> None:
+    info = build([SamplingParams(), SamplingParams(temperature=0)], 10)
+    assert info.repetition_mask is None and info.output_counts is None
+    assert info.banned_mask is None
+    logits = torch.randn(2, 10)
+    assert apply_penalties(logits, info) is logits
+    info = build([SamplingParams(presence_penalty=1.0)], 10, prompts=[[99]], outputs=[[3, 99, -1]])
+    assert info.output_counts is not None and info.output_counts.sum().item() == 1.0
+
+
+def test_repetition_penalty_changes_greedy_choice() -> None:
+    logits = torch.tensor([[3.0, 2.9, -1.0]])
+    p = SamplingParams(temperature=0, repetition_penalty=2.0)
+    assert sample([p], logits, prompts=[[0]]) == [1]
+    assert sample([p], logits) == [0]
+
+
+def test_min_new_tokens_masks_eos_and_stop_ids() -> None:
+    vocab = 8
+    logits = torch.tensor([[0.0, 0.0, 9.0, 8.0, 7.0, 0.0, 0.0, 1.0]])
+    p = SamplingParams(temperature=0, min_new_tokens=3, stop_token_ids=(3,))
+    info = build([p], vocab, outputs=[[1, 1]], eos=(2,))
+    assert info.banned_mask is not None
+    penalized = apply_penalties(logits, info)
+    assert penalized[0, 2] == NEG_INF and penalized[0, 3] == NEG_INF
+    assert Sampler().sample(logits, info).next_token_ids == [4]
+    # Once min_new_tokens is reached, EOS is allowed again.
+    assert sample([p], logits, outputs=[[1, 1, 1]], eos=(2,)) == [2]
+    # Sampled rows never emit banned ids either.
+    n = 500
+    flat = torch.zeros(n, vocab)
+    ids = sample([SamplingParams(min_new_tokens=1, stop_token_ids=[5])] * n, flat, eos=(2, 6))
+    assert not {2, 5, 6} & set(ids)
+
+
+# --------------------------------------------------------------------------- logprobs
+
+
+def test_logprobs_from_raw_logits_and_sorted_alternatives() -> None:
+    vocab = 30
+    torch.manual_seed(4)
+    logits = torch.randn(4, vocab) * 2
+    params = [
+        SamplingParams(temperature=0.5, repetition_penalty=1.3, logprobs=True, top_logprobs=5),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0, logprobs=True),
+        SamplingParams(top_k=3, logprobs=True, top_logprobs=20, seed=9),
+    ]
+    info = build(params, vocab, prompts=[[1, 2]] * 4, outputs=[[3]] * 4)
+    out = Sampler().sample(logits, info)
+    ref = torch.log_softmax(logits, -1)
+    assert out.logprobs[1] is None
+    for i in (0, 2, 3):
+        lp = out.logprobs[i]
+        assert lp is not None and len(lp.token_logprobs) == 1
+        assert lp.token_logprobs[0] == pytest.approx(ref[i, out.next_token_ids[i]].item(), abs=1e-5)
+        k = params[i].top_logprobs
+        assert len(lp.top_ids) == 1 and len(lp.top_ids[0]) == k and len(lp.top_logprobs[0]) == k
+        vals = lp.top_logprobs[0]
+        assert vals == sorted(vals, reverse=True)
+        if k:
+            want_ids = ref[i].topk(k).indices.tolist()
+            assert lp.top_ids[0] == want_ids
+            for t, v in zip(lp.top_ids[0], vals, strict=True):
+                assert v == pytest.approx(ref[i, t].item(), abs=1e-5)
+            assert all(math.isfinite(v) and v <= 0 for v in vals)
