@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import pickle
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -88,3 +91,14 @@ def quiet_torch_threads() -> None:
         torch.set_num_interop_threads(1)
     except (ImportError, RuntimeError):
         pass
+
+
+def spawn_child(name: str, target: str, kwargs: dict, workdir: str,
+                env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start `target` ("module:function") with `kwargs` in a fresh interpreter."""
+    path = os.path.join(workdir, f"{name}.pkl")
+    with open(path, "wb") as f:
+        pickle.dump({"target": target, "kwargs": kwargs}, f)
+    child_env = dict(os.environ)
+    child_env.update(env or {})
+    return subprocess.Popen([sys.executable, "-m", "radixrt.child", path], env=child_env)

@@ -73,9 +73,10 @@ class ControlReply:
 
 @dataclass
 class ReadyMsg:
-    """The scheduler loaded the model and sized its pools (or failed: `error`)."""
+    """A child finished starting (the scheduler: model loaded, pools sized) or failed: `error`."""
 
     ok: bool
+    process: str = "scheduler"
     info: dict[str, Any] = field(default_factory=dict)
     error: str = ""
 

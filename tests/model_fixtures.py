@@ -1,6 +1,6 @@
 """Shared test helpers: tiny random HF checkpoints and a harness driving a model through the pools.
 
-Import from tests (`from tests.model_fixtures import ...` or `from model_fixtures import ...`).
+Import from tests with `from model_fixtures import ...` (pytest puts tests/ on sys.path).
 """
 
 from __future__ import annotations
@@ -56,6 +56,75 @@ def make_tiny_checkpoint(
     return model
 
 
+_GGUF_BLOCK_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def write_tiny_gguf(hf_model: Any, path: Path, arch: str) -> Path:
+    """Write `hf_model` as an fp32 GGUF file the way llama.cpp's converter lays it out.
+
+    For `arch == "llama"` the q/k rows get llama.cpp's RoPE permutation (which loaders undo).
+    """
+    import gguf
+    import numpy as np
+
+    c = hf_model.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    w.add_bos_token_id(c.bos_token_id)
+    w.add_eos_token_id(c.eos_token_id)
+
+    def permute(x: Any, n_head: int) -> Any:  # llama.cpp convert_hf_to_gguf's `permute`
+        return (
+            x.reshape(n_head, 2, x.shape[0] // n_head // 2, *x.shape[1:])
+            .swapaxes(1, 2)
+            .reshape(x.shape)
+        )
+
+    top = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    tied = bool(getattr(c, "tie_word_embeddings", False))
+    for name, t in hf_model.state_dict().items():
+        if name == "lm_head.weight" and tied:
+            continue
+        if name in top:
+            gname = top[name]
+        else:
+            parts = name.split(".")  # model.layers.N.<module...>.<weight|bias>
+            gname = f"blk.{parts[2]}.{_GGUF_BLOCK_NAMES['.'.join(parts[3:-1])]}.{parts[-1]}"
+        arr = t.float().numpy()
+        if arch == "llama" and ".attn_q." in gname:
+            arr = permute(arr, c.num_attention_heads)
+        elif arch == "llama" and ".attn_k." in gname:
+            arr = permute(arr, c.num_key_value_heads)
+        w.add_tensor(gname, np.ascontiguousarray(arr, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def hf_logits(hf_model: Any, ids: Sequence[int]) -> torch.Tensor:
     """HF's full-sequence fp32 logits `[len(ids), vocab]`."""
     with torch.no_grad():
@@ -91,7 +160,11 @@ class PagedRunner:
 
     @classmethod
     def for_model(
-        cls, model: LlamaForCausalLM, kv_size: int = 4096, max_reqs: int = 64, max_context: int = 512
+        cls,
+        model: LlamaForCausalLM,
+        kv_size: int = 4096,
+        max_reqs: int = 64,
+        max_context: int = 512,
     ) -> PagedRunner:
         c = model.config
         kv = TokenToKVPool(kv_size, c.num_layers, c.num_kv_heads, c.head_dim, dtype=model.dtype)
@@ -104,14 +177,24 @@ class PagedRunner:
         self.cached[row] = 0
         return row
 
-    def _step(self, mode: ForwardMode, rows: Sequence[int], chunks: Sequence[Sequence[int]]) -> torch.Tensor:
+    def _step(
+        self, mode: ForwardMode, rows: Sequence[int], chunks: Sequence[Sequence[int]]
+    ) -> torch.Tensor:
         ext = [len(c) for c in chunks]
         loc = self.kv_pool.alloc(sum(ext))
         assert loc is not None
         ids = [t for c in chunks for t in c]
         fb = ForwardBatch.build(
-            mode, ids, list(rows), [self.cached[r] for r in rows], ext, loc, self.req_pool.req_to_token
+            mode,
+            ids,
+            list(rows),
+            [self.cached[r] for r in rows],
+            ext,
+            loc,
+            self.req_pool.req_to_token,
         )
+        assert self.model.attn_backend is not None
+        self.model.attn_backend.init_forward_metadata(fb)
         logits = self.model(fb)
         for r, e in zip(rows, ext, strict=True):
             self.cached[r] += e

@@ -10,9 +10,9 @@ import asyncio
 import collections
 import itertools
 import logging
-import multiprocessing as mp
 import os
 import shutil
+import subprocess
 import threading
 import time
 import uuid
@@ -83,11 +83,39 @@ class ReqState:
 
     def notify(self, item: ReqTextOut | BaseException) -> None:
         if self.loop is not None and self.queue is not None:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            try:
+                self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            except RuntimeError:  # the caller's event loop is closed: nobody is listening
+                pass
         else:
             self.deltas.append(item)
         if isinstance(item, BaseException) or self.finish_reason is not None:
             self.done.set()
+
+
+class ChildProcess:
+    """A runtime child started with `ipc.spawn_child`."""
+
+    def __init__(self, name: str, popen: subprocess.Popen):
+        self.name = name
+        self.popen = popen
+        self.pid = popen.pid
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.poll()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        if self.is_alive():
+            self.popen.terminate()
+            try:
+                self.popen.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(timeout_s)
 
 
 class TokenizerManager:
@@ -116,57 +144,49 @@ class TokenizerManager:
 
     # -- processes ----------------------------------------------------------------------------------
     def _start_children(self) -> None:
-        from detok_proc.detokenizer import run_detokenizer
-        from radixrt.sched.scheduler import run_scheduler
-
-        mpctx = mp.get_context("spawn")
         pid = os.getpid()
-        self.scheduler_proc = mpctx.Process(
-            target=run_scheduler, args=(self.args, self.paths, pid), daemon=True,
-            name="radixrt-scheduler")
-        parent_conn, child_conn = mpctx.Pipe()
-        self.detok_proc = mpctx.Process(
-            target=run_detokenizer,
-            args=(self.args.model_path, self.args.tokenizer_path, self.paths, pid, child_conn),
-            daemon=True, name="radixrt-detokenizer")
-        self.scheduler_proc.start()
-        self.detok_proc.start()
+        threads = str(self.args.resolved_threads())
+        self.scheduler_proc = ChildProcess("scheduler", ipc.spawn_child(
+            "scheduler", "radixrt.sched.scheduler:run_scheduler",
+            {"args": self.args, "paths": self.paths, "parent_pid": pid}, self.tmpdir,
+            env={"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}))
+        self.detok_proc = ChildProcess("detokenizer", ipc.spawn_child(
+            "detokenizer", "detok_proc.detokenizer:run_detokenizer",
+            {"model_path": self.args.model_path, "tokenizer_path": self.args.tokenizer_path,
+             "ipc": self.paths, "parent_pid": pid}, self.tmpdir,
+            env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+                 "TOKENIZERS_PARALLELISM": "false"}))
         try:
-            self._wait_ready(parent_conn)
+            self._wait_ready()
         except BaseException:
             self.shutdown()
             raise
         self._thread = threading.Thread(target=self._recv_loop, name="radixrt-recv", daemon=True)
         self._thread.start()
 
-    def _wait_ready(self, detok_conn: Any, timeout_s: float = 900.0) -> None:
+    def _wait_ready(self, timeout_s: float = 900.0) -> None:
         deadline = time.monotonic() + timeout_s
-        detok_ok = sched_ok = False
-        while not (detok_ok and sched_ok):
+        ready: set[str] = set()
+        while ready != {"scheduler", "detokenizer"}:
             if time.monotonic() > deadline:
                 raise TimeoutError("radixrt: runtime processes did not start in time")
-            for name, proc in (("scheduler", self.scheduler_proc), ("detokenizer", self.detok_proc)):
+            for proc in (self.scheduler_proc, self.detok_proc):
                 if not proc.is_alive():
-                    raise EngineDeadError(f"{name} process exited during start-up "
+                    raise EngineDeadError(f"{proc.name} process exited during start-up "
                                           f"(exit code {proc.exitcode})")
-            if not detok_ok and detok_conn.poll(0.05):
-                status = detok_conn.recv()
-                if status != "ok":
-                    raise RuntimeError(f"detokenizer failed to start: {status}")
-                detok_ok = True
-            if not sched_ok and self.recv_sock.poll(50):
-                msg = ipc.recv_all(self.recv_sock)
-                for m in msg:
+            if self.recv_sock.poll(100):
+                for m in ipc.recv_all(self.recv_sock):
                     if isinstance(m, ReadyMsg):
                         if not m.ok:
-                            raise RuntimeError(f"scheduler failed to start: {m.error}")
-                        self.info = m.info
-                        sched_ok = True
+                            raise RuntimeError(f"{m.process} failed to start: {m.error}")
+                        if m.process == "scheduler":
+                            self.info = m.info
+                        ready.add(m.process)
 
     def _children_alive(self) -> str | None:
-        for name, proc in (("scheduler", self.scheduler_proc), ("detokenizer", self.detok_proc)):
+        for proc in (self.scheduler_proc, self.detok_proc):
             if not proc.is_alive():
-                return f"radixrt {name} process died (exit code {proc.exitcode})"
+                return f"radixrt {proc.name} process died (exit code {proc.exitcode})"
         return None
 
     def _recv_loop(self) -> None:
@@ -244,6 +264,8 @@ class TokenizerManager:
         return state
 
     def abort(self, rid: str) -> None:
+        """The caller gave up on `rid`: forget it here and tell the scheduler to free it."""
+        self.states.pop(rid, None)
         if self.dead_error is None and not self._closed:
             self._send(AbortReq(rid=rid))
 
@@ -269,15 +291,10 @@ class TokenizerManager:
         if self._closed:
             return
         self._closed = True
-        for proc in (getattr(self, "scheduler_proc", None), getattr(self, "detok_proc", None)):
-            if proc is not None and proc.is_alive():
-                proc.terminate()
-        for proc in (getattr(self, "scheduler_proc", None), getattr(self, "detok_proc", None)):
-            if proc is not None:
-                proc.join(timeout=5)
-                if proc.is_alive():
-                    proc.kill()
-                    proc.join(timeout=5)
+        procs = [p for p in (getattr(self, "scheduler_proc", None),
+                             getattr(self, "detok_proc", None)) if p is not None]
+        for proc in procs:
+            proc.stop()
         thread = getattr(self, "_thread", None)
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=2)

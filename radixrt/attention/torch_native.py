@@ -42,7 +42,8 @@ class _RaggedReq:
     q_start: int
     q_end: int
     prefix_index: torch.Tensor | None  # int64 [P] prefix slots, None when P == 0
-    mask: torch.Tensor | None  # float [q, P + q], None when P == 0 (plain causal)
+    mask: torch.Tensor | None  # float [q, P + q] when P > 0 and q > 1, else None
+    causal: bool  # P == 0: SDPA's own (top-left) causal mask is the right one
 
 
 class TorchNativeBackend(AttentionBackend):
@@ -53,12 +54,14 @@ class TorchNativeBackend(AttentionBackend):
         self.device = torch.device(device) if device is not None else kv_pool.device
         self._padded: _PaddedPlan | None = None
         self._ragged: list[_RaggedReq] | None = None
+        self._planned_for: ForwardBatch | None = None  # the batch the plan above describes
 
     # -- per step ----------------------------------------------------------------------------
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         self._padded, self._ragged = None, None
+        self._planned_for = fb
         if fb.is_decode:
-            self._padded = self._plan_padded(fb, fb.kv_indptr, fb.kv_indices, qmax=1)
+            self._padded = self._plan_decode(fb)
             return
         ext, pre = fb.extend_lens_cpu, fb.prefix_lens_cpu
         qmax = max(ext)
@@ -72,21 +75,18 @@ class TorchNativeBackend(AttentionBackend):
     def _mask_dtype(self) -> torch.dtype:
         return self.kv_pool.dtype
 
-    def _plan_padded(
-        self, fb: ForwardBatch, indptr: torch.Tensor, indices: torch.Tensor, qmax: int
-    ) -> _PaddedPlan:
-        """Decode layout: each request's full slot list `indices[indptr[b]:indptr[b+1]]`."""
+    def _plan_decode(self, fb: ForwardBatch) -> _PaddedPlan:
+        """Decode layout: row b lists all of request b's slots, `kv_indices[kv_indptr[b]:...]`."""
         dev = self.device
         bs = fb.batch_size
-        lens = (indptr[1:] - indptr[:-1]).to(dev, torch.int64)
         kmax = max(fb.seq_lens_cpu)
         cols = torch.arange(kmax, device=dev)
-        valid = cols.unsqueeze(0) < lens.unsqueeze(1)  # [B, Kmax]
+        valid = cols.unsqueeze(0) < fb.seq_lens.to(dev).unsqueeze(1)  # [B, Kmax]
         index = torch.zeros(bs, kmax, dtype=torch.int64, device=dev)
-        index[valid] = indices.to(dev, torch.int64)
+        index[valid] = fb.kv_indices.to(dev, torch.int64)  # row-major order = request order
         mask = torch.zeros(bs, 1, 1, kmax, dtype=self._mask_dtype(), device=dev)
         mask.masked_fill_(~valid.view(bs, 1, 1, kmax), float("-inf"))
-        return _PaddedPlan(index.view(-1), kmax, qmax, mask, None)
+        return _PaddedPlan(index.view(-1), kmax, 1, mask, None)
 
     def _plan_padded_extend(self, fb: ForwardBatch) -> _PaddedPlan:
         """Extend layout: keys = prefix slots then this step's slots (already in the pool)."""
@@ -104,7 +104,9 @@ class TorchNativeBackend(AttentionBackend):
         index[is_new] = fb.out_cache_loc.to(dev, torch.int64)
         # Query i of request b sits at position pre_b + i and sees keys j <= pre_b + i (j < seq_b).
         qi = torch.arange(qmax, device=dev).view(1, qmax, 1)
-        visible = (cols.unsqueeze(1) <= pre.view(bs, 1, 1) + qi) & (cols < seq.unsqueeze(1)).unsqueeze(1)
+        visible = (cols.unsqueeze(1) <= pre.view(bs, 1, 1) + qi) & (
+            cols < seq.unsqueeze(1)
+        ).unsqueeze(1)
         mask = torch.zeros(bs, 1, qmax, kmax, dtype=self._mask_dtype(), device=dev)
         mask.masked_fill_(~visible.unsqueeze(1), float("-inf"))
         starts = fb.qo_indptr[:-1].to(dev, torch.int64)
@@ -123,11 +125,12 @@ class TorchNativeBackend(AttentionBackend):
             prefix_index = mask = None
             if p > 0:
                 prefix_index = kv_indices[kv_start : kv_start + p]
+            if p > 0 and e > 1:  # query i sees keys j <= p + i
                 qi = torch.arange(e, device=dev).unsqueeze(1)
                 kj = torch.arange(p + e, device=dev).unsqueeze(0)
                 mask = torch.zeros(e, p + e, dtype=self._mask_dtype(), device=dev)
                 mask.masked_fill_(kj > qi + p, float("-inf"))
-            reqs.append(_RaggedReq(q_start, q_start + e, prefix_index, mask))
+            reqs.append(_RaggedReq(q_start, q_start + e, prefix_index, mask, causal=p == 0))
             q_start += e
             kv_start += p
         return reqs
@@ -142,16 +145,20 @@ class TorchNativeBackend(AttentionBackend):
         scaling: float,
         fb: ForwardBatch,
     ) -> torch.Tensor:
-        self.kv_pool.set_kv(layer_id, fb.out_cache_loc, k, v)
+        if fb is not self._planned_for:
+            raise RuntimeError("init_forward_metadata(fb) was not called for this batch")
+        # Contiguous sources: index_put from a strided view is ~100x slower on CPU.
+        self.kv_pool.set_kv(layer_id, fb.out_cache_loc, k.contiguous(), v.contiguous())
         if self._padded is not None:
             if self._padded.q_rows is None:
                 return self._decode(q, layer_id, scaling)
             return self._extend_padded(q, layer_id, scaling)
-        if self._ragged is None:
-            raise RuntimeError("init_forward_metadata was not called for this step")
+        assert self._ragged is not None
         return self._extend_ragged(q, k, v, layer_id, scaling)
 
-    def _gather(self, layer_id: int, index: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gather(
+        self, layer_id: int, index: torch.Tensor, rows: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Pool K/V at `index`, shaped `[rows, len(index) // rows, kv_heads, head_dim]`."""
         pool = self.kv_pool
         kb, vb = pool.k_buffer[layer_id], pool.v_buffer[layer_id]
@@ -199,19 +206,20 @@ class TorchNativeBackend(AttentionBackend):
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         kb, vb = self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id]
         for r in self._ragged:
-            qr = q[r.q_start : r.q_end].transpose(0, 1)  # [H, q, D]
+            # 4-D [1, heads, len, D] inputs: 3-D ones miss the fused CPU kernel.
+            qr = q[r.q_start : r.q_end].transpose(0, 1).unsqueeze(0)
             kr, vr = k[r.q_start : r.q_end], v[r.q_start : r.q_end]
             if r.prefix_index is not None:
                 kr = torch.cat([torch.index_select(kb, 0, r.prefix_index), kr.to(kb.dtype)])
                 vr = torch.cat([torch.index_select(vb, 0, r.prefix_index), vr.to(vb.dtype)])
             o = F.scaled_dot_product_attention(
                 qr,
-                kr.transpose(0, 1),
-                vr.transpose(0, 1),
+                kr.transpose(0, 1).unsqueeze(0),
+                vr.transpose(0, 1).unsqueeze(0),
                 attn_mask=r.mask,
-                is_causal=r.mask is None,
+                is_causal=r.causal,
                 scale=scaling,
                 enable_gqa=True,
             )
-            out[r.q_start : r.q_end] = o.transpose(0, 1)
+            out[r.q_start : r.q_end] = o[0].transpose(0, 1)
         return out

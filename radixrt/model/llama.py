@@ -38,7 +38,11 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.eps = cfg.rms_norm_eps
         self.scaling = cfg.head_dim**-0.5
@@ -70,9 +74,13 @@ class LlamaDecoderLayer(nn.Module):
         n = x.shape[0]
         qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
         qk_heads = self.num_heads + self.num_kv_heads
-        qk = RotaryEmbedding.apply(qkv[:, : self.q_size + self.kv_size].view(n, qk_heads, self.head_dim), cos, sin)
+        qk = RotaryEmbedding.apply(
+            qkv[:, : self.q_size + self.kv_size].view(n, qk_heads, self.head_dim), cos, sin
+        )
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
-        o = attn.forward(qk[:, : self.num_heads], qk[:, self.num_heads :], v, self.layer_id, self.scaling, fb)
+        o = attn.forward(
+            qk[:, : self.num_heads], qk[:, self.num_heads :], v, self.layer_id, self.scaling, fb
+        )
         h = F.linear(o.reshape(n, self.q_size), self.o_proj, self.o_bias)
 
         residual = h + residual
@@ -116,14 +124,14 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        """Run one step: calls `attn_backend.init_forward_metadata(fb)` itself, then every layer.
+        """Run every layer of one step; float32 logits `[B, vocab]` for rows `fb.logits_indices`.
 
-        Returns float32 logits `[B, vocab]` for the rows `fb.logits_indices` only.
+        The caller runs `attn_backend.init_forward_metadata(fb)` first (once per step, as
+        `ModelRunner.forward` does), so it can plan, e.g. for CUDA graphs, outside the model.
         """
         attn = self.attn_backend
         if attn is None:
             raise RuntimeError("LlamaForCausalLM.attn_backend is not set")
-        attn.init_forward_metadata(fb)
         h = F.embedding(fb.input_ids, self.embed_tokens)
         cos, sin = self.rotary.cos_sin(fb.positions)
         residual: torch.Tensor | None = None
@@ -167,7 +175,9 @@ class LlamaForCausalLM(nn.Module):
                 raise KeyError(f"unexpected weight {name!r} for {cfg.architecture}")
             dst = target if rows is None else target[rows[0] : rows[0] + rows[1]]
             if tuple(dst.shape) != tuple(tensor.shape):
-                raise ValueError(f"{name}: expected shape {tuple(dst.shape)}, got {tuple(tensor.shape)}")
+                raise ValueError(
+                    f"{name}: expected shape {tuple(dst.shape)}, got {tuple(tensor.shape)}"
+                )
             with torch.no_grad():
                 dst.copy_(tensor)
             seen.add(name)
@@ -213,10 +223,18 @@ class LlamaForCausalLM(nn.Module):
         for i in range(cfg.num_layers):
             pre = f"model.layers.{i}."
             kinds = ["weight"]
-            names.update(pre + n for n in ("input_layernorm.weight", "post_attention_layernorm.weight"))
+            names.update(
+                pre + n for n in ("input_layernorm.weight", "post_attention_layernorm.weight")
+            )
             for proj in ("q_proj", "k_proj", "v_proj"):
-                names.update(f"{pre}self_attn.{proj}.{k}" for k in kinds + (["bias"] if cfg.qkv_bias else []))
-            names.update(f"{pre}self_attn.o_proj.{k}" for k in kinds + (["bias"] if cfg.o_proj_bias else []))
+                names.update(
+                    f"{pre}self_attn.{proj}.{k}" for k in kinds + (["bias"] if cfg.qkv_bias else [])
+                )
+            names.update(
+                f"{pre}self_attn.o_proj.{k}" for k in kinds + (["bias"] if cfg.o_proj_bias else [])
+            )
             for proj in ("gate_proj", "up_proj", "down_proj"):
-                names.update(f"{pre}mlp.{proj}.{k}" for k in kinds + (["bias"] if cfg.mlp_bias else []))
+                names.update(
+                    f"{pre}mlp.{proj}.{k}" for k in kinds + (["bias"] if cfg.mlp_bias else [])
+                )
         return names

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import json
 import logging
 import os
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from types import MappingProxyType
 
 import numpy as np
 import torch
@@ -40,24 +42,35 @@ class WeightLoader(ABC):
 
 
 class SafetensorsLoader(WeightLoader):
-    """An HF directory: `*.safetensors` shards, else `pytorch_model*.bin` (loaded weights-only)."""
+    """An HF directory: `*.safetensors` shards, else `pytorch_model*.bin` (loaded weights-only).
+
+    Shards come from the `*.index.json` weight map when there is one; otherwise every matching
+    file except Mistral-style `consolidated*` copies (which use another naming).
+    """
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        files = sorted(self.path.glob("*.safetensors"))
+        files = self._shards("model.safetensors.index.json", "*.safetensors")
         if files:
             from safetensors import safe_open
 
             for f in files:
                 with safe_open(str(f), framework="pt") as st:
-                    for name in st.keys():  # noqa: SIM118 - safe_open has no __iter__
+                    for name in st.keys():
                         yield name, st.get_tensor(name)
             return
-        bins = sorted(self.path.glob("pytorch_model*.bin"))
+        bins = self._shards("pytorch_model.bin.index.json", "pytorch_model*.bin")
         if not bins:
             raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin in {self.path}")
         for f in bins:
             state = torch.load(str(f), map_location="cpu", weights_only=True, mmap=True)
             yield from state.items()
+
+    def _shards(self, index_name: str, pattern: str) -> list[Path]:
+        index = self.path / index_name
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return [self.path / f for f in sorted(set(weight_map.values()))]
+        return [f for f in sorted(self.path.glob(pattern)) if not f.name.startswith("consolidated")]
 
 
 class GGUFLoader(WeightLoader):
@@ -68,22 +81,26 @@ class GGUFLoader(WeightLoader):
     transformers does: per head, rows `(dim, 2)` become `(2, dim)`. Qwen2 files are not permuted.
     """
 
-    _GLOBAL = {
-        "token_embd.weight": "model.embed_tokens.weight",
-        "output_norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight",
-    }
-    _BLOCK = {
-        "attn_norm": "input_layernorm",
-        "ffn_norm": "post_attention_layernorm",
-        "attn_q": "self_attn.q_proj",
-        "attn_k": "self_attn.k_proj",
-        "attn_v": "self_attn.v_proj",
-        "attn_output": "self_attn.o_proj",
-        "ffn_gate": "mlp.gate_proj",
-        "ffn_up": "mlp.up_proj",
-        "ffn_down": "mlp.down_proj",
-    }
+    _GLOBAL: Mapping[str, str] = MappingProxyType(
+        {
+            "token_embd.weight": "model.embed_tokens.weight",
+            "output_norm.weight": "model.norm.weight",
+            "output.weight": "lm_head.weight",
+        }
+    )
+    _BLOCK: Mapping[str, str] = MappingProxyType(
+        {
+            "attn_norm": "input_layernorm",
+            "ffn_norm": "post_attention_layernorm",
+            "attn_q": "self_attn.q_proj",
+            "attn_k": "self_attn.k_proj",
+            "attn_v": "self_attn.v_proj",
+            "attn_output": "self_attn.o_proj",
+            "ffn_gate": "mlp.gate_proj",
+            "ffn_up": "mlp.up_proj",
+            "ffn_down": "mlp.down_proj",
+        }
+    )
     _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -102,6 +119,8 @@ class GGUFLoader(WeightLoader):
                     continue
                 raise KeyError(f"unexpected GGUF tensor {t.name!r}")
             w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+            if not w.flags.writeable:  # plain F32 tensors come back as views of the memmap
+                w = w.copy()
             if permuted and ".q_proj." in name:
                 w = _unpermute_rope_rows(w, self.config.num_heads)
             elif permuted and ".k_proj." in name:
@@ -150,16 +169,19 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device, config: ModelConfig) -> torch.dtype:
-    """"auto": float32 on CPU; on CUDA the checkpoint's dtype (GGUF: bfloat16 if supported)."""
+def resolve_dtype(
+    dtype: str | torch.dtype, device: torch.device, config: ModelConfig
+) -> torch.dtype:
+    """The parameter dtype. With "auto": float32 on CPU; on CUDA the checkpoint's dtype, or
+    bfloat16 (float16 where unsupported) when it names none, as GGUF files do."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype != "auto":
         return getattr(torch, dtype)
     if device.type == "cpu":
         return torch.float32
-    if config.torch_dtype is not None and config.torch_dtype != "float32":
-        return getattr(torch, config.torch_dtype)
+    if config.torch_dtype is not None:
+        return config.torch_dtype
     if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
         return torch.bfloat16
     return torch.float16

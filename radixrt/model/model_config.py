@@ -2,23 +2,36 @@
 
 Invariants: `num_heads % num_kv_heads == 0`; `head_dim` is explicit (derived as
 `hidden_size // num_heads` when the checkpoint leaves it out); `eos_token_ids` is a tuple (possibly
-empty) whatever shape the checkpoint used; `torch_dtype` is a dtype name ("bfloat16", ...) or None.
+empty) whatever shape the checkpoint used; `torch_dtype` is the checkpoint's float dtype, or None
+when it names none (GGUF files).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
+import logging
 import os
+import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
+import torch
+
+logger = logging.getLogger(__name__)
+
+_FLOAT_DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
+    {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+)
+
 # model_type -> architecture class name; the only checkpoints `LlamaForCausalLM` implements.
-SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-}
+SUPPORTED_ARCHITECTURES: Mapping[str, str] = MappingProxyType(
+    {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+)
 
 
 @dataclass(frozen=True)
@@ -93,7 +106,7 @@ class ModelConfig:
     o_proj_bias: bool  # Llama's `attention_bias` also covers o_proj; Qwen2's o_proj has none
     mlp_bias: bool
     hidden_act: str
-    torch_dtype: str | None
+    torch_dtype: torch.dtype | None
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     sliding_window: int | None = None  # only when the checkpoint actually uses one
@@ -116,19 +129,53 @@ class ModelConfig:
     # -- construction ------------------------------------------------------------------------
     @classmethod
     def from_path(cls, path: str | os.PathLike[str]) -> ModelConfig:
-        """Read an HF model directory (config.json) or a `.gguf` file (via transformers' GGUF parser)."""
+        """Read an HF model directory (config.json) or a `.gguf` file (via transformers' GGUF parser).
+
+        Parsing a GGUF header takes seconds, so its result is cached (see `gguf_cache_path`).
+        """
         from transformers import AutoConfig
 
         p = Path(path)
         gguf_file = resolve_gguf_file(p)
         if gguf_file is not None:
-            hf = AutoConfig.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
-            return cls.from_hf_config(hf)
+            return cls._from_gguf_cached(gguf_file)
         if not (p / "config.json").is_file():
             raise FileNotFoundError(f"{p} is neither a .gguf file nor a directory with config.json")
         hf = AutoConfig.from_pretrained(str(p))
         extra_eos = _generation_config_eos(p / "generation_config.json")
         return cls.from_hf_config(hf, extra_eos_token_ids=extra_eos)
+
+    @classmethod
+    def _from_gguf_cached(cls, gguf_file: Path) -> ModelConfig:
+        from transformers import AutoConfig
+
+        entry = gguf_cache_path(gguf_file, "configs", salt=_schema()).with_suffix(".json")
+        try:
+            return cls.from_json(entry.read_text())
+        except FileNotFoundError:
+            pass
+        except (ValueError, TypeError, KeyError) as e:
+            logger.warning("ignoring unreadable cached config %s: %s", entry, e)
+        hf = AutoConfig.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+        config = cls.from_hf_config(hf)
+        try:
+            _write_atomic(entry, config.to_json())
+        except OSError as e:
+            logger.warning("could not cache the GGUF config under %s: %s", entry, e)
+        return config
+
+    def to_json(self) -> str:
+        d = dataclasses.asdict(self)
+        d["torch_dtype"] = None if self.torch_dtype is None else str(self.torch_dtype)
+        return json.dumps(d, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> ModelConfig:
+        d = json.loads(text)
+        d["rope"] = RopeParams(**d["rope"])
+        d["eos_token_ids"] = tuple(d["eos_token_ids"])
+        d["torch_dtype"] = _float_dtype(d["torch_dtype"])
+        return cls(**d)
 
     @classmethod
     def from_hf_config(cls, hf: Any, extra_eos_token_ids: tuple[int, ...] = ()) -> ModelConfig:
@@ -145,7 +192,9 @@ class ModelConfig:
         num_heads = int(hf.num_attention_heads)
         num_kv_heads = int(getattr(hf, "num_key_value_heads", None) or num_heads)
         if num_heads % num_kv_heads:
-            raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+            raise ValueError(
+                f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}"
+            )
         head_dim = int(getattr(hf, "head_dim", None) or hf.hidden_size // num_heads)
         max_pos = int(hf.max_position_embeddings)
         rope = RopeParams.from_dict(_rope_dict(hf), max_pos)
@@ -179,7 +228,8 @@ class ModelConfig:
             o_proj_bias=o_bias,
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
             hidden_act="silu",
-            torch_dtype=_dtype_name(getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)),
+            # Read the instance dict: v5's `torch_dtype` alias warns, v4 has only `torch_dtype`.
+            torch_dtype=_float_dtype(vars(hf).get("dtype") or vars(hf).get("torch_dtype")),
             eos_token_ids=eos,
             bos_token_id=None if bos is None else int(bos),
             sliding_window=_sliding_window(hf, model_type, max_pos),
@@ -195,6 +245,41 @@ def resolve_gguf_file(path: Path) -> Path | None:
         if len(ggufs) == 1:
             return ggufs[0]
     return None
+
+
+def cache_root() -> Path:
+    """`$RADIXRT_CACHE_DIR`, default `~/.cache/radixrt`: artifacts derived from model files."""
+    env = os.environ.get("RADIXRT_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "radixrt"
+
+
+def gguf_cache_path(gguf_file: Path, kind: str, salt: str = "") -> Path:
+    """`<cache_root>/<kind>/<key>`; `key` hashes the file's absolute path, size, mtime, the
+    transformers version and `salt`, so any change to them yields a fresh entry."""
+    import transformers
+
+    st = gguf_file.stat()
+    raw = f"{gguf_file.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}|{salt}"
+    return cache_root() / kind / hashlib.sha256(raw.encode()).hexdigest()[:24]
+
+
+def _schema() -> str:
+    names = [f.name for f in dataclasses.fields(ModelConfig)] + [
+        f.name for f in dataclasses.fields(RopeParams)
+    ]
+    return "v1:" + ",".join(names)  # bump v1 when a field's meaning changes
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def _rope_dict(hf: Any) -> dict[str, Any]:
@@ -220,11 +305,11 @@ def _as_int_tuple(v: Any) -> tuple[int, ...]:
     return tuple(int(x) for x in v)
 
 
-def _dtype_name(dt: Any) -> str | None:
+def _float_dtype(dt: Any) -> torch.dtype | None:
+    """A checkpoint's dtype (a `torch.dtype` or a name such as "bfloat16"), if it is a float one."""
     if dt is None:
         return None
-    name = str(dt).removeprefix("torch.")
-    return name if name in ("float32", "float16", "bfloat16") else None
+    return _FLOAT_DTYPES.get(str(dt).removeprefix("torch."))
 
 
 def _sliding_window(hf: Any, model_type: str, max_pos: int) -> int | None:

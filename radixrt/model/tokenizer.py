@@ -9,7 +9,6 @@ partial one; the loser of a rename race discards its copy and uses the winner's.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import shutil
@@ -17,22 +16,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from radixrt.model.model_config import resolve_gguf_file
+from radixrt.model.model_config import gguf_cache_path, resolve_gguf_file
 
 logger = logging.getLogger(__name__)
-
-
-def cache_root() -> Path:
-    env = os.environ.get("RADIXRT_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "radixrt"
-
-
-def gguf_cache_key(gguf_file: Path) -> str:
-    import transformers
-
-    st = gguf_file.stat()
-    raw = f"{gguf_file.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
-    return hashlib.sha256(raw.encode()).hexdigest()[:24]
 
 
 def load_tokenizer(
@@ -51,7 +37,7 @@ def load_tokenizer(
 def _load_gguf_tokenizer_cached(gguf_file: Path) -> Any:
     from transformers import AutoTokenizer
 
-    final = cache_root() / "tokenizers" / gguf_cache_key(gguf_file)
+    final = gguf_cache_path(gguf_file, "tokenizers")
     if final.is_dir():
         try:
             return AutoTokenizer.from_pretrained(str(final))

@@ -27,16 +27,21 @@ class OutputProcessor:
             req.finish_reason = FINISH_LENGTH
 
     def process_extend(self, reqs: list[Req], next_ids: list[int],
-                       logprobs: list[TokenLogprobs | None]) -> None:
-        """Requests whose whole sequence is now in KV sample a token; chunked ones do not."""
+                       logprobs: list[TokenLogprobs | None]) -> list[Req]:
+        """Requests whose whole sequence is now in KV sample a token; chunked ones do not and
+        are returned (mid-prefill, to continue next step)."""
+        chunked = []
         for i, req in enumerate(reqs):
             req.kv_len += req.extend_len
             if req.finished:  # aborted while in flight
                 continue
             if req.kv_len == req.seq_len():
                 self._append(req, next_ids[i], logprobs[i])
+            else:
+                chunked.append(req)
             if not req.finished:
                 self.cache.cache_unfinished_req(req)
+        return chunked
 
     def process_decode(self, reqs: list[Req], next_ids: list[int],
                        logprobs: list[TokenLogprobs | None]) -> None:

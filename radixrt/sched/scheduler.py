@@ -237,13 +237,11 @@ class Scheduler:
         self.builder.take_pending_slots()  # kv_len advances below: the requests own them now
         before = sum(len(r.output_ids) for r in reqs)
         if mode == "extend":
-            self.outputs.process_extend(reqs, sample.next_token_ids, sample.logprobs)
+            chunked = self.outputs.process_extend(reqs, sample.next_token_ids, sample.logprobs)
             for req in reqs:
-                if req.finished:
-                    continue
-                if req.kv_len < req.seq_len():
+                if req in chunked:
                     self.chunked_req = req
-                else:
+                elif not req.finished:
                     self.running.append(req)
         else:
             self.outputs.process_decode(reqs, sample.next_token_ids, sample.logprobs)

@@ -1,0 +1,22 @@
+"""Entry point of the runtime's child processes: `python -m radixrt.child <payload.pkl>`.
+
+Children are started as fresh interpreters (not multiprocessing "spawn"), so the caller's
+`__main__` is never re-imported: scripts need no `if __name__ == "__main__"` guard.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pickle
+import sys
+
+
+def main() -> None:
+    with open(sys.argv[1], "rb") as f:
+        payload = pickle.load(f)
+    module, func = payload["target"].split(":")
+    getattr(importlib.import_module(module), func)(**payload["kwargs"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,202 @@
+"""TorchNativeBackend against a naive per-request float64 reference on random K/V."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from radixrt.attention import create_attention_backend, torch_native
+from radixrt.attention.torch_native import TorchNativeBackend
+from radixrt.mem.memory_pool import ReqToTokenPool, TokenToKVPool
+from radixrt.model.forward_batch import ForwardBatch, ForwardMode
+
+D = 16
+LAYER = 1  # exercise a non-zero layer index
+
+
+def _setup(
+    prefix_lens: list[int],
+    extend_lens: list[int],
+    heads: int,
+    kv_heads: int,
+    mode: ForwardMode,
+    seed: int,
+) -> tuple[TokenToKVPool, ForwardBatch, torch.Tensor]:
+    """Pools whose prefix slots hold random K/V (at shuffled slots), and the step's batch."""
+    g = torch.Generator().manual_seed(seed)
+    total = sum(prefix_lens) + sum(extend_lens)
+    kv = TokenToKVPool(total + 8, 2, kv_heads, D)
+    for buf in kv.k_buffer + kv.v_buffer:
+        buf.copy_(torch.randn(buf.shape, generator=g))
+    perm = torch.randperm(total + 8, generator=g)[:total] + 1  # scattered, never slot 0
+    reqs = ReqToTokenPool(
+        len(prefix_lens) + 1, max(p + e for p, e in zip(prefix_lens, extend_lens, strict=True)) + 1
+    )
+    rows = [reqs.alloc() for _ in prefix_lens]
+    assert all(r is not None for r in rows)
+    used = 0
+    for r, p in zip(rows, prefix_lens, strict=True):
+        reqs.req_to_token[r, :p] = perm[used : used + p].to(torch.int32)
+        used += p
+    out_loc = perm[used:]
+    n = sum(extend_lens)
+    ids = torch.zeros(n, dtype=torch.int64)
+    fb = ForwardBatch.build(mode, ids, rows, prefix_lens, extend_lens, out_loc, reqs.req_to_token)
+    return kv, fb, torch.tensor(rows)
+
+
+def _reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv: TokenToKVPool,
+    fb: ForwardBatch,
+    scale: float,
+) -> torch.Tensor:
+    """Per request: prefix K/V from the pool (read before this step writes), then the new K/V."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    kv_ptr = fb.kv_indptr.tolist()
+    qo = fb.qo_indptr.tolist()
+    for b, (p, e) in enumerate(zip(fb.prefix_lens_cpu, fb.extend_lens_cpu, strict=True)):
+        slots = fb.kv_indices[kv_ptr[b] : kv_ptr[b] + p].long()
+        kb = torch.cat([kv.k_buffer[LAYER][slots], k[qo[b] : qo[b + 1]]]).double()
+        vb = torch.cat([kv.v_buffer[LAYER][slots], v[qo[b] : qo[b + 1]]]).double()
+        kb = kb.repeat_interleave(heads // kv_heads, dim=1)
+        vb = vb.repeat_interleave(heads // kv_heads, dim=1)
+        qb = q[qo[b] : qo[b + 1]].double()
+        scores = torch.einsum("qhd,khd->hqk", qb, kb) * scale
+        visible = torch.arange(p + e).view(1, -1) <= (torch.arange(e) + p).view(-1, 1)
+        scores = scores.masked_fill(~visible, -math.inf)
+        out[qo[b] : qo[b + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vb)
+    return out
+
+
+CASES = [
+    # (prefix_lens, extend_lens)
+    ([0], [9]),  # batch 1, zero prefix
+    ([40], [7]),  # batch 1, long prefix
+    ([13], [1]),  # batch 1, single-token extend
+    ([0, 37, 5, 0], [7, 1, 20, 1]),  # mixed
+    ([0, 3, 60], [1, 1, 1]),  # single-token extends
+    ([i % 5 for i in range(64)], [1 + i % 3 for i in range(64)]),  # batch 64
+]
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4)])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"p{c[0][:4]}e{c[1][:4]}")
+@pytest.mark.parametrize("waste", [0.0, 1e9], ids=["ragged", "padded"])
+def test_extend_matches_reference(
+    case: tuple[list[int], list[int]],
+    heads: int,
+    kv_heads: int,
+    waste: float,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(torch_native, "PADDED_WASTE_FACTOR", waste)
+    prefix, ext = case
+    kv, fb, _ = _setup(prefix, ext, heads, kv_heads, ForwardMode.EXTEND, seed=len(prefix))
+    g = torch.Generator().manual_seed(1)
+    n = fb.num_tokens
+    q = torch.randn(n, heads, D, generator=g)
+    k = torch.randn(n, kv_heads, D, generator=g)
+    v = torch.randn(n, kv_heads, D, generator=g)
+    scale = D**-0.5
+    ref = _reference(q, k, v, kv, fb, scale)
+    backend = TorchNativeBackend(kv)
+    backend.init_forward_metadata(fb)
+    padded = waste > 1 and len(prefix) > 1
+    assert (backend._padded is not None) == padded and (backend._ragged is not None) != padded
+    out = backend.forward(q, k, v, LAYER, scale, fb)
+    assert out.shape == (n, heads, D)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    # The new tokens' K/V landed in the pool.
+    torch.testing.assert_close(kv.k_buffer[LAYER][fb.out_cache_loc], k)
+    torch.testing.assert_close(kv.v_buffer[LAYER][fb.out_cache_loc], v)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (6, 3), (4, 4)])
+@pytest.mark.parametrize(
+    "seq_lens", [[1], [50], [1, 9, 33, 2], [1 + (7 * i) % 40 for i in range(64)]]
+)
+def test_decode_matches_reference(seq_lens: list[int], heads: int, kv_heads: int) -> None:
+    prefix = [s - 1 for s in seq_lens]
+    kv, fb, _ = _setup(prefix, [1] * len(seq_lens), heads, kv_heads, ForwardMode.DECODE, seed=7)
+    g = torch.Generator().manual_seed(2)
+    bs = len(seq_lens)
+    q = torch.randn(bs, heads, D, generator=g)
+    k = torch.randn(bs, kv_heads, D, generator=g)
+    v = torch.randn(bs, kv_heads, D, generator=g)
+    scale = 0.3
+    ref = _reference_decode(q, k, v, kv, fb, scale)
+    backend = create_attention_backend("auto", kv)
+    backend.init_forward_metadata(fb)
+    out = backend.forward(q, k, v, LAYER, scale, fb)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def _reference_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv: TokenToKVPool,
+    fb: ForwardBatch,
+    scale: float,
+) -> torch.Tensor:
+    heads, kv_heads = q.shape[1], k.shape[1]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    ptr = fb.kv_indptr.tolist()
+    for b in range(fb.batch_size):
+        # Decode kv_indices include this step's slot; the reference takes the new K/V directly.
+        slots = fb.kv_indices[ptr[b] : ptr[b + 1] - 1].long()
+        kb = (
+            torch.cat([kv.k_buffer[LAYER][slots], k[b : b + 1]])
+            .double()
+            .repeat_interleave(heads // kv_heads, 1)
+        )
+        vb = (
+            torch.cat([kv.v_buffer[LAYER][slots], v[b : b + 1]])
+            .double()
+            .repeat_interleave(heads // kv_heads, 1)
+        )
+        w = (torch.einsum("hd,khd->hk", q[b].double(), kb) * scale).softmax(-1)
+        out[b] = torch.einsum("hk,khd->hd", w, vb)
+    return out
+
+
+def test_metadata_is_reused_across_layers() -> None:
+    """One `init_forward_metadata`, several layers: each layer reads its own pool buffers."""
+    kv, fb, _ = _setup([4, 0], [3, 5], 4, 2, ForwardMode.EXTEND, seed=3)
+    backend = TorchNativeBackend(kv)
+    backend.init_forward_metadata(fb)
+    g = torch.Generator().manual_seed(4)
+    for layer in (0, 1):
+        q = torch.randn(fb.num_tokens, 4, D, generator=g)
+        k = torch.randn(fb.num_tokens, 2, D, generator=g)
+        v = torch.randn(fb.num_tokens, 2, D, generator=g)
+        out = backend.forward(q, k, v, layer, 0.25, fb)
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(kv.k_buffer[layer][fb.out_cache_loc], k)
+
+
+def test_forward_requires_metadata_for_the_same_batch() -> None:
+    kv, fb, _ = _setup([0], [3], 2, 1, ForwardMode.EXTEND, seed=5)
+    _, other, _ = _setup([0], [3], 2, 1, ForwardMode.EXTEND, seed=6)
+    backend = TorchNativeBackend(kv)
+    q, k = torch.zeros(3, 2, D), torch.zeros(3, 1, D)
+    with pytest.raises(RuntimeError, match="init_forward_metadata"):
+        backend.forward(q, k, k, 0, 1.0, fb)
+    backend.init_forward_metadata(other)
+    with pytest.raises(RuntimeError, match="init_forward_metadata"):
+        backend.forward(q, k, k, 0, 1.0, fb)
+
+
+def test_factory() -> None:
+    kv = TokenToKVPool(4, 1, 1, D)
+    assert isinstance(create_attention_backend("torch", kv), TorchNativeBackend)
+    with pytest.raises(NotImplementedError, match="later issue"):
+        create_attention_backend("flashinfer", kv)
+    with pytest.raises(ValueError):
+        create_attention_backend("nope", kv)
