@@ -274,7 +274,9 @@ def test_sharded_safetensors_with_index(tmp_path: Path) -> None:
     hf = make_tiny_checkpoint(tmp_path / "unused", "qwen2")
     hf.save_pretrained(str(tmp_path / "m"), max_shard_size="100KB")
     assert (tmp_path / "m" / "model.safetensors.index.json").is_file()
-    save_file({"tok_embeddings.weight": torch.zeros(2)}, tmp_path / "m" / "consolidated.safetensors")
+    save_file(
+        {"tok_embeddings.weight": torch.zeros(2)}, tmp_path / "m" / "consolidated.safetensors"
+    )
     runner = PagedRunner.create(tmp_path / "m")
     prompt = _prompts([5])[0]
     _check(runner.extend([runner.new_request()], [prompt]), hf, [prompt])
