@@ -52,7 +52,7 @@ class ServerArgs:
     attention_backend: str = "auto"
     num_threads: int | None = None
     random_seed: int = 0
-    log_level: str = "warning"
+    log_level: str = "info"
     stats_interval_s: float = 10.0
     skip_tokenizer_init: bool = False
 

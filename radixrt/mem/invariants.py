@@ -25,7 +25,10 @@ def check_ownership(
     req_pool.check_invariants()
     kv_pool.check_invariants()
     cache.check_invariants()
-    owners = [kv_pool.free_slots(), cache.owned_slots()]
+    tree_slots = cache.owned_slots()
+    owners = [kv_pool.free_slots(), tree_slots]
+    tree_owned = torch.zeros(kv_pool.size + 1, dtype=torch.bool)
+    tree_owned[tree_slots] = True
     rows_held: list[int] = []
     for req in live_reqs:
         if req.req_pool_idx is None:
@@ -36,6 +39,7 @@ def check_ownership(
         p = len(req.prefix_indices)
         assert p <= req.kv_len, f"{req.rid}: prefix longer than its KV"
         assert torch.equal(row[:p], req.prefix_indices), f"{req.rid}: row disagrees with prefix"
+        assert bool(tree_owned[row[:p]].all()), f"{req.rid}: reads cached slots the tree dropped"
         owners.append(row[p : req.kv_len])
     slots = torch.cat(owners)
     counts = torch.bincount(slots, minlength=kv_pool.size + 1)

@@ -109,8 +109,8 @@ class TokenToKVPool:
 
     # -- storage ---------------------------------------------------------------------------
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k_buffer[layer_id][loc] = k.to(self.dtype)
-        self.v_buffer[layer_id][loc] = v.to(self.dtype)
+        self.k_buffer[layer_id].index_copy_(0, loc, k.to(self.dtype))
+        self.v_buffer[layer_id].index_copy_(0, loc, v.to(self.dtype))
 
     def bytes_per_token(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()

@@ -52,7 +52,7 @@ def plan_pools(args: ServerArgs, cfg: ModelConfig, dtype: torch.dtype,
         else:
             free = psutil.virtual_memory().available
         total = max(1024, int(free * args.mem_fraction) // per_token)
-    ctx = min(args.max_context_len or cfg.max_position_embeddings, total)
+    ctx = min(args.max_context_len or cfg.context_len, total)
     return PoolSizes(total, args.max_running_requests, ctx)
 
 
@@ -72,7 +72,8 @@ class ModelRunner:
             self.dtype, self.device)
         self.attn_backend = create_attention_backend(
             args.attention_backend, self.token_to_kv_pool, self.device)
-        self.model, _ = load_model(self.model_path, self.attn_backend, self.dtype, self.device)
+        self.model, _ = load_model(self.model_path, self.attn_backend, self.dtype, self.device,
+                                   model_config=cfg)
         logger.info(
             "KV pool: %d tokens (%.1f MiB, %s), %d request rows x %d context, device %s",
             self.sizes.max_total_tokens,

@@ -1,0 +1,992 @@
+"""Scheduler, SchedulePolicy and PrefillAdder (CPU).
+
+Policy and adder tests run over a real `RadixCache` on tiny pools. Scheduler tests drive an
+in-process `ModelRunner` + `Scheduler` on the tiny random Llama (greedy, `ignore_eos`), so a
+request's tokens depend only on its prompt: every run under memory pressure, chunking, prefix
+sharing, aborts or failures is compared with a roomy reference run. `check_invariants()` runs
+after every step.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from radixrt.config import ServerArgs
+from radixrt.mem.base_prefix_cache import BasePrefixCache
+from radixrt.mem.chunk_cache import NoPrefixCache
+from radixrt.mem.invariants import check_ownership
+from radixrt.mem.memory_pool import ReqToTokenPool, TokenToKVPool
+from radixrt.mem.radix_cache import RadixCache
+from radixrt.messages import (
+    FINISH_ABORT,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    AbortReq,
+    CheckInvariantsReq,
+    FlushCacheReq,
+    GenerateReq,
+    ReqTokenOut,
+    StatsReq,
+)
+from radixrt.model.runner import ModelRunner
+from radixrt.sampling.params import SamplingParams
+from radixrt.sched import schedule_policy
+from radixrt.sched.req import Req
+from radixrt.sched.schedule_policy import IN_BATCH_SHARE_MIN_TOKENS, PrefillAdder, SchedulePolicy
+from radixrt.sched.scheduler import Scheduler
+
+POLICIES = ("lpm", "fcfs", "dfs-weight")
+CACHE_AWARE = ("lpm", "dfs-weight")
+COUNTERS = ("num_requests_total", "num_finished_requests_total", "prompt_tokens_total",
+            "cached_tokens_total", "generated_tokens_total", "retractions_total",
+            "evicted_tokens_total", "forward_steps_total")
+
+
+# =============================================================================================
+# Helpers: pools, cache and requests without a model
+# =============================================================================================
+@dataclass
+class Pools:
+    req_pool: ReqToTokenPool
+    kv_pool: TokenToKVPool
+    cache: RadixCache
+
+    def insert(self, ids: Sequence[int]) -> torch.Tensor:
+        """Cache `ids` the way a finished request would (slots from the pool); returns the slots
+        the tree now holds for them."""
+        slots = self.kv_pool.alloc(len(ids))
+        assert slots is not None
+        already = self.cache.insert(list(ids), slots)
+        self.kv_pool.free(slots[:already])
+        return self.cache.match_prefix(list(ids)).indices
+
+    def check(self, live: Iterable[Req] = (), held: Sequence[torch.Tensor] = ()) -> None:
+        """Ownership check; `held` are slots taken from the pool by the test itself."""
+        if held:
+            for h in held:
+                self.kv_pool.free(h)
+        check_ownership(self.req_pool, self.kv_pool, self.cache, list(live))
+
+
+def make_pools(slots: int = 256, rows: int = 8, ctx: int = 256) -> Pools:
+    req_pool = ReqToTokenPool(rows, ctx)
+    kv_pool = TokenToKVPool(slots, 1, 1, 1)
+    return Pools(req_pool, kv_pool, RadixCache(req_pool, kv_pool))
+
+
+def make_req(rid: str, ids: Sequence[int], arrival: float = 0.0, max_new: int = 8) -> Req:
+    req = Req(rid, list(ids), SamplingParams(max_new_tokens=max_new, temperature=0.0), False)
+    req.arrival_time = arrival
+    return req
+
+
+def rids(reqs: Iterable[Req]) -> list[str]:
+    return [r.rid for r in reqs]
+
+
+def seq(start: int, n: int) -> list[int]:
+    return list(range(start, start + n))
+
+
+def policy(name: str, cache: BasePrefixCache, enabled: bool = True, fallback: int = 128,
+           timeout: float = 10.0, now: float = 0.0) -> SchedulePolicy:
+    return SchedulePolicy(name, cache, enabled, fallback, timeout, clock=lambda: now)
+
+
+# =============================================================================================
+# 1. SchedulePolicy
+# =============================================================================================
+def test_lpm_longest_cached_prefix_first_ties_by_arrival() -> None:
+    p = make_pools()
+    long_pfx = seq(3, 20)
+    other = seq(100, 10)
+    p.insert(long_pfx)
+    p.insert(other)
+    reqs = [
+        make_req("none", seq(200, 6), arrival=0.0),  # no match
+        make_req("other", [*other, 5, 6], arrival=1.0),  # match 10
+        make_req("p15_late", [*long_pfx[:15], 250, 251], arrival=4.0),  # match 15
+        make_req("full", [*long_pfx, 9], arrival=3.0),  # match 20 (ids[:-1] is the prefix)
+        make_req("p15_early", [*long_pfx[:15], 260, 261], arrival=2.0),  # match 15
+    ]
+    for order_in in (reqs, reqs[::-1]):
+        ordered, deferred = policy("lpm", p.cache).order(list(order_in))
+        assert rids(ordered) == ["full", "p15_early", "p15_late", "other", "none"]
+        assert deferred == set()
+    assert {r.rid: r.match_len for r in reqs} == {
+        "none": 0, "other": 10, "p15_late": 15, "full": 20, "p15_early": 15}
+    p.check()
+
+
+def test_lpm_does_not_count_the_last_token_as_cached() -> None:
+    """A prompt that is entirely cached still needs its last token computed to sample."""
+    p = make_pools()
+    p.insert(seq(3, 10))
+    req = make_req("a", seq(3, 10))
+    policy("lpm", p.cache).order([req])
+    assert req.match_len == 9
+    p.check()
+
+
+def test_fcfs_keeps_arrival_order_and_defers_nothing() -> None:
+    p = make_pools()
+    p.insert(seq(3, 20))
+    shared = seq(50, 40)  # long uncached shared prefix: fcfs does not defer
+    reqs = [make_req(f"r{i}", [*(seq(3, 20) if i % 2 else shared), 300 + i], arrival=float(i))
+            for i in range(6)]
+    rng = random.Random(0)
+    shuffled = list(reqs)
+    rng.shuffle(shuffled)
+    ordered, deferred = policy("fcfs", p.cache).order(shuffled)
+    assert rids(ordered) == rids(reqs)
+    assert deferred == set()
+    p.check()
+
+
+@pytest.mark.parametrize("b_count", [2, 4])
+def test_dfs_weight_keeps_subtrees_contiguous_heaviest_first(b_count: int) -> None:
+    p = make_pools()
+    a = seq(3, 8)
+    a1 = [*a, *seq(20, 4)]
+    a2 = [*a, *seq(30, 5)]
+    b = seq(50, 9)
+    for ids in (a1, a2, b):
+        p.insert(ids)
+    reqs = [
+        make_req("x1", [*a1, 200, 201], arrival=1.0),
+        make_req("x2", [*a2, 202, 203], arrival=3.0),
+        make_req("x3", [*a2, 204, 205], arrival=4.0),
+    ]
+    ys = [make_req(f"y{i}", [*b, 210 + 2 * i, 211 + 2 * i], arrival=0.5 + 2.0 * i)
+          for i in range(b_count)]
+    waiting = sorted([*reqs, *ys], key=lambda r: r.arrival_time)
+    ordered, deferred = policy("dfs-weight", p.cache).order(waiting)
+    # Subtree A (a1: 1 request, a2: 2) weighs 3; B weighs `b_count`.
+    a_part = ["x2", "x3", "x1"]  # inside A, the heavier a2 goes first; arrival order within a node
+    b_part = [f"y{i}" for i in range(b_count)]
+    expected = a_part + b_part if b_count < 3 else b_part + a_part
+    assert rids(ordered) == expected
+    assert deferred == set()
+    p.check()
+
+
+@pytest.mark.parametrize("name", POLICIES)
+@pytest.mark.parametrize("enabled", [True, False])
+def test_starved_requests_go_first_in_every_policy(name: str, enabled: bool) -> None:
+    p = make_pools()
+    cached = seq(3, 30)
+    p.insert(cached)
+    cache: BasePrefixCache = p.cache if enabled else NoPrefixCache(p.req_pool, p.kv_pool)
+    # The two old requests have no cached prefix; the young ones match 30 tokens.
+    old = [make_req("old0", seq(100, 5), arrival=0.0), make_req("old1", seq(120, 5), arrival=1.0)]
+    young = [make_req(f"young{i}", [*cached, 300 + i], arrival=95.0 + i) for i in range(3)]
+    now = [5.0]
+    pol = SchedulePolicy(name, cache, enabled, 128, 10.0, clock=lambda: now[0])
+    ordered, _ = pol.order([*young, *old[::-1]])
+    if name == "lpm" and enabled:  # not starved yet: the policy decides (cache hits first)
+        assert rids(ordered)[:3] == ["young0", "young1", "young2"]
+    now[0] = 100.0  # old0/old1 have waited ≥ 10 s, the young ones 3..5 s
+    ordered, deferred = pol.order([*young, *old[::-1]])
+    assert rids(ordered)[:2] == ["old0", "old1"]
+    assert set(rids(ordered)) == {r.rid for r in old + young}
+    assert not deferred & {"old0", "old1"}
+    p.check()
+
+
+def test_lpm_falls_back_to_fcfs_above_queue_len() -> None:
+    p = make_pools()
+    cached = seq(3, 20)
+    p.insert(cached)
+    shared = seq(100, 40)
+    reqs = [
+        make_req("a", [*shared, 1], arrival=0.0),
+        make_req("b", [*shared, 2], arrival=1.0),
+        make_req("c", [*cached, 3], arrival=2.0),
+    ]
+    ordered, deferred = policy("lpm", p.cache, fallback=3).order(list(reqs))
+    assert rids(ordered) == ["c", "a", "b"] and deferred == {"b"}
+    ordered, deferred = policy("lpm", p.cache, fallback=2).order(list(reqs))
+    assert rids(ordered) == ["a", "b", "c"] and deferred == set()
+    p.check()
+
+
+@pytest.mark.parametrize("name", CACHE_AWARE)
+def test_in_batch_deferral_only_first_of_shared_uncached_prefix_runs(name: str) -> None:
+    p = make_pools()
+    shared = seq(10, 40)
+    reqs = [make_req(f"r{i}", [*shared, 300 + i, 301], arrival=float(i)) for i in range(3)]
+    lone = make_req("lone", seq(100, 50), arrival=3.0)
+    ordered, deferred = policy(name, p.cache).order([*reqs, lone])
+    first = [r for r in ordered if r.rid.startswith("r")][0]
+    assert first.rid == "r0"
+    assert deferred == {"r1", "r2"}
+    p.check()
+
+
+@pytest.mark.parametrize("name", CACHE_AWARE)
+@pytest.mark.parametrize("shared_len", [IN_BATCH_SHARE_MIN_TOKENS - 1, IN_BATCH_SHARE_MIN_TOKENS])
+def test_in_batch_deferral_threshold(name: str, shared_len: int) -> None:
+    p = make_pools()
+    shared = seq(10, shared_len)
+    reqs = [make_req(f"r{i}", [*shared, 300 + i, 301], arrival=float(i)) for i in range(3)]
+    _, deferred = policy(name, p.cache).order(reqs)
+    assert deferred == ({"r1", "r2"} if shared_len >= IN_BATCH_SHARE_MIN_TOKENS else set())
+
+
+@pytest.mark.parametrize("name", CACHE_AWARE)
+@pytest.mark.parametrize(("shared_len", "expect_deferred"), [(40, False), (60, True)])
+def test_in_batch_deferral_counts_only_uncached_tokens(name: str, shared_len: int,
+                                                       expect_deferred: bool) -> None:
+    p = make_pools()
+    shared = seq(10, shared_len)
+    p.insert(shared[:20])  # 20 of the shared tokens are cached already
+    reqs = [make_req(f"r{i}", [*shared, 300 + i, 301], arrival=float(i)) for i in range(3)]
+    ordered, deferred = policy(name, p.cache).order(reqs)
+    assert all(r.match_len == 20 for r in reqs)
+    assert deferred == ({"r1", "r2"} if expect_deferred else set())
+    assert ordered[0].rid not in deferred
+    p.check()
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_cache_disabled_is_fcfs_without_deferral(name: str) -> None:
+    p = make_pools()
+    cache = NoPrefixCache(p.req_pool, p.kv_pool)
+    shared = seq(10, 64)
+    reqs = [make_req(f"r{i}", [*shared, 300 + i], arrival=float(i)) for i in range(4)]
+    ordered, deferred = policy(name, cache, enabled=False).order(reqs[::-1])
+    assert rids(ordered) == rids(reqs)
+    assert deferred == set()
+
+
+# =============================================================================================
+# 2. PrefillAdder
+# =============================================================================================
+def adder(p: Pools, running: Sequence[Req] = (), max_running: int = 64,
+          max_prefill: int = 10_000, chunk: int = 10_000, ratio: float = 0.0,
+          free_rows: int | None = None) -> PrefillAdder:
+    rows = p.req_pool.available_size() if free_rows is None else free_rows
+    return PrefillAdder(p.cache, p.kv_pool.available_size, rows, list(running), max_running,
+                        max_prefill, chunk, ratio)
+
+
+def unlock(p: Pools, reqs: Iterable[Req]) -> None:
+    for r in reqs:
+        if r.last_node is not None:
+            p.cache.dec_lock_ref(r.last_node)
+            r.release_kv()
+
+
+def test_adder_respects_max_prefill_tokens() -> None:
+    p = make_pools()
+    reqs = [make_req(f"r{i}", seq(10 * i + 3, 10)) for i in range(4)]
+    a = adder(p, max_prefill=25)
+    assert [a.add(r) for r in reqs] == [True, True, True, False]
+    assert [r.extend_len for r in a.admitted] == [10, 10, 5]
+    assert sum(r.extend_len for r in a.admitted) == 25
+    assert a.has_chunked
+    unlock(p, a.admitted)
+    p.check()
+
+
+def test_adder_respects_max_running_and_free_rows() -> None:
+    p = make_pools()
+    running = [make_req("run0", seq(3, 4)), make_req("run1", seq(8, 4))]
+    reqs = [make_req(f"r{i}", seq(10 * i + 20, 5)) for i in range(3)]
+    a = adder(p, running=running, max_running=3)
+    assert [a.add(r) for r in reqs] == [True, False, False]
+    a = adder(p, max_running=64, free_rows=2)
+    assert [a.add(r) for r in reqs] == [True, True, False]
+    unlock(p, reqs)
+    p.check()
+
+
+def test_adder_one_chunked_request_per_step() -> None:
+    p = make_pools()
+    reqs = [make_req(f"r{i}", seq(10 * i + 3, 10)) for i in range(3)]
+    a = adder(p, chunk=15)
+    assert [a.add(r) for r in reqs] == [True, True, False]
+    assert [r.extend_len for r in a.admitted] == [10, 5]
+    assert a.admitted[1].extend_len < a.admitted[1].seq_len() - a.admitted[1].kv_len
+    unlock(p, reqs)
+
+    # A continuing chunked request takes the budget first.
+    mid = make_req("mid", seq(100, 30))
+    mid.kv_len = 10
+    a = adder(p, chunk=7)
+    assert a.add_chunked(mid) and mid.extend_len == 7
+    assert not a.add(make_req("new", seq(200, 3)))
+    # Its final chunk leaves budget: one more request may start, chunked itself.
+    a = adder(p, chunk=25)
+    assert a.add_chunked(mid) and mid.extend_len == 20
+    new = [make_req("n0", seq(200, 10)), make_req("n1", seq(220, 10))]
+    assert a.add(new[0]) and new[0].extend_len == 5
+    assert not a.add(new[1])
+    unlock(p, new)
+    p.check()
+
+
+def test_adder_kv_room_counts_free_evictable_and_reserved() -> None:
+    p = make_pools(slots=64)
+    p.insert(seq(300, 20))  # 20 evictable
+    held = p.kv_pool.alloc(14)  # e.g. a running request's private tail
+    assert held is not None
+    assert p.kv_pool.available_size() == 30 and p.cache.evictable_size() == 20
+    running = [make_req("run", seq(3, 5), max_new=20)]
+    a = adder(p, running=running, ratio=0.5)  # reserves int(20 * 0.5) = 10
+    # room = 30 + 20 - 10 = 40
+    big = make_req("big", seq(100, 26), max_new=20)  # nothing cached: all 26 tokens computed
+    assert a.add(big) and big.extend_len == 26  # 26 + 10 = 36 <= 40
+    # room now 50 - (10 + 36) = 4
+    assert not a.add(make_req("over", seq(150, 4), max_new=2))  # 4 + 1 > 4
+    exact = make_req("exact", seq(160, 3), max_new=2)  # 3 + 1 == 4
+    assert a.add(exact)
+    assert not a.add(make_req("one", [170], max_new=1))  # 1 + 0 > 0
+    unlock(p, a.admitted)
+    p.check(held=[held])
+
+
+def test_adder_alone_ignores_its_own_decode_reserve() -> None:
+    p = make_pools(slots=32)
+    held = p.kv_pool.alloc(22)
+    assert held is not None
+    a = adder(p, ratio=1.0)
+    r = make_req("a", seq(3, 10), max_new=500)
+    assert a.add(r)  # 10 <= 10 free, although its reserve is 500
+    assert not a.add(make_req("b", [40], max_new=1))
+    a = adder(p, ratio=1.0)
+    assert not a.add(make_req("c", seq(50, 11), max_new=1))  # 11 > 10 even alone
+    p.check(held=[held])
+
+
+def test_adder_locks_matched_prefix_and_unlocks_on_refusal() -> None:
+    p = make_pools(slots=32)
+    prefix = seq(3, 10)
+    slots = p.insert(prefix)
+    held = p.kv_pool.alloc(21)  # 1 free slot, 10 evictable (the prefix)
+    assert held is not None
+
+    x = make_req("x", [*prefix, 50, 51])
+    a = adder(p)
+    # Room must be computed after locking: the locked prefix cannot be evicted for the new
+    # tokens, so 2 new tokens do not fit in 1 free slot.
+    assert not a.add(x)
+    assert p.cache.protected_size() == 0 and p.cache.evictable_size() == 10
+    assert x.kv_len == 0 and len(x.prefix_indices) == 0 and x.cached_tokens is None
+    p.cache.check_invariants()
+
+    p.kv_pool.free(held[:5])
+    a = adder(p)
+    assert a.add(x)
+    assert p.cache.protected_size() == 10 and p.cache.evictable_size() == 0
+    assert torch.equal(x.prefix_indices, slots)
+    assert x.kv_len == 10 and x.extend_len == 2 and x.cached_tokens == 10
+    y = make_req("y", [*prefix, 60, 61])
+    assert a.add(y)  # same prefix: a second lock, same protected size
+    assert p.cache.protected_size() == 10 and y.last_node is x.last_node
+    assert y.last_node.lock_ref == 2
+    z = make_req("z", [*prefix[:5], 70, 71, 72, 73])  # splits the prefix node; does not fit
+    assert not a.add(z)
+    assert p.cache.protected_size() == 10 and p.cache.evictable_size() == 0
+    p.cache.check_invariants()
+    unlock(p, [x, y])
+    assert p.cache.protected_size() == 0 and p.cache.evictable_size() == 10
+    p.check(held=[held[5:]])
+
+
+# =============================================================================================
+# 3. Scheduler with the tiny model
+# =============================================================================================
+def greedy(max_new: int = 12, **kw: object) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True, **kw)  # type: ignore[arg-type]
+
+
+def prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, 390) for _ in range(n)]
+
+
+@dataclass
+class Run:
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    finals: dict[str, ReqTokenOut] = field(default_factory=dict)
+    first_out: dict[str, ReqTokenOut] = field(default_factory=dict)
+    steps: int = 0
+
+    def record(self, sched: Scheduler) -> list[ReqTokenOut]:
+        out = sched.step()
+        sched.check_invariants()
+        self.steps += 1
+        outs = out.outs if out is not None else []
+        seen = set()
+        for o in outs:
+            assert o.rid not in seen, f"{o.rid}: two outs in one step"
+            seen.add(o.rid)
+            assert o.rid not in self.finals, f"{o.rid}: out after its final out"
+            toks = self.tokens.setdefault(o.rid, [])
+            toks.extend(o.new_ids)
+            self.first_out.setdefault(o.rid, o)
+            assert o.completion_tokens == len(toks), f"{o.rid}: completion_tokens off"
+            if o.finish_reason is not None:
+                self.finals[o.rid] = o
+        return outs
+
+    def drive(self, sched: Scheduler, max_steps: int = 5000) -> Run:
+        while sched.has_work:
+            assert self.steps < max_steps, "scheduler does not converge"
+            self.record(sched)
+        assert sched.step() is None
+        return self
+
+
+@pytest.fixture
+def make_sched(tiny_llama_dir: Path) -> Callable[..., Scheduler]:
+    def make(**kw: object) -> Scheduler:
+        kw.setdefault("max_total_tokens", 1024)
+        args = ServerArgs(model_path=str(tiny_llama_dir), num_threads=1, **kw)  # type: ignore[arg-type]
+        return Scheduler(args, ModelRunner(args))
+
+    return make
+
+
+_REF_CACHE: dict[tuple[tuple[int, ...], int], list[int]] = {}
+
+
+def reference(make: Callable[..., Scheduler], jobs: dict[str, tuple[list[int], int]]
+              ) -> dict[str, list[int]]:
+    """Greedy tokens of each (prompt, max_new) from a roomy scheduler, radix cache disabled."""
+    todo = {k: v for k, v in jobs.items() if (tuple(v[0]), v[1]) not in _REF_CACHE}
+    if todo:
+        sched = make(max_total_tokens=2048, disable_radix_cache=True)
+        for rid, (ids, n) in todo.items():
+            sched.handle(GenerateReq(rid, ids, greedy(n)))
+        run = Run().drive(sched)
+        for rid, (ids, n) in todo.items():
+            assert run.finals[rid].finish_reason == FINISH_LENGTH
+            _REF_CACHE[(tuple(ids), n)] = run.tokens[rid]
+    return {rid: _REF_CACHE[(tuple(ids), n)] for rid, (ids, n) in jobs.items()}
+
+
+def assert_clean(sched: Scheduler) -> None:
+    """Nothing live, no lock left; after a flush every slot and row is free."""
+    sched.check_invariants()
+    assert not sched.live_reqs() and not sched.has_work
+    assert sched.cache.protected_size() == 0
+    kv, rp = sched.kv_pool, sched.req_pool
+    assert kv.available_size() + sched.cache.evictable_size() == kv.size
+    assert rp.available_size() == rp.size
+    ok, err = sched.flush_cache()
+    assert ok, err
+    assert kv.available_size() == kv.size and rp.available_size() == rp.size
+    assert sched.cache.total_size() == 0 and sched.cache.owned_slots().numel() == 0
+    sched.check_invariants()
+
+
+def submit(sched: Scheduler, jobs: dict[str, tuple[list[int], int]]) -> None:
+    for rid, (ids, n) in jobs.items():
+        sched.handle(GenerateReq(rid, ids, greedy(n)))
+
+
+def pressure_jobs(seed: int = 0, n: int = 6) -> dict[str, tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return {f"r{i}": (prompt(rng, rng.randrange(8, 17)), 24) for i in range(n)}
+
+
+TINY_POOL = {"max_total_tokens": 64, "init_new_token_ratio": 0.1, "min_new_token_ratio": 0.05}
+
+
+# -- (a) retraction keeps outputs ---------------------------------------------------------------
+@pytest.mark.parametrize("name", POLICIES)
+def test_outputs_identical_under_retraction(make_sched: Callable[..., Scheduler], name: str) -> None:
+    jobs = pressure_jobs()
+    ref = reference(make_sched, jobs)
+    sched = make_sched(schedule_policy=name, **TINY_POOL)
+    submit(sched, jobs)
+    run = Run().drive(sched)
+    st = sched.stats()
+    assert st["retractions_total"] > 0 and st["evicted_tokens_total"] > 0
+    for rid, (ids, n) in jobs.items():
+        fin = run.finals[rid]
+        assert fin.finish_reason == FINISH_LENGTH and not fin.error
+        assert fin.completion_tokens == n and fin.prompt_tokens == len(ids)
+        assert run.tokens[rid] == ref[rid], rid
+    assert st["num_finished_requests_total"] == len(jobs)
+    assert st["generated_tokens_total"] == sum(n for _, n in jobs.values())
+    assert st["prompt_tokens_total"] == sum(len(ids) for ids, _ in jobs.values())
+    assert_clean(sched)
+
+
+# -- (e) retracted requests hit the cache on re-admission ---------------------------------------
+def test_retracted_requests_readmitted_with_cache_hit(make_sched: Callable[..., Scheduler]) -> None:
+    jobs = pressure_jobs(seed=1)
+    ref = reference(make_sched, jobs)
+    sched = make_sched(**TINY_POOL)
+    readmits: list[tuple[str, int, int, int]] = []  # rid, prefix, computed (first chunk), seq_len
+    orig = sched.builder.build_extend
+
+    def spy(reqs: list[Req]):  # type: ignore[no-untyped-def]
+        for r in reqs:
+            if r.req_pool_idx is None and r.num_retractions > 0:
+                readmits.append((r.rid, r.kv_len, r.extend_len, r.seq_len()))
+        return orig(reqs)
+
+    sched.builder.build_extend = spy  # type: ignore[method-assign]
+    submit(sched, jobs)
+    run = Run().drive(sched)
+    assert sched.stats()["retractions_total"] > 0
+    assert readmits, "retracted requests were never re-admitted"
+    for rid, prefix, computed, total in readmits:
+        assert prefix + computed == total  # unchunked: the rest of the sequence in one go
+    hits = [r for r in readmits if r[1] > 0]
+    assert hits, f"no re-admission hit the cache: {readmits}"
+    # Re-prefill computes fewer tokens than the full sequences.
+    assert sum(r[2] for r in readmits) < sum(r[3] for r in readmits)
+    # cached_tokens reports the first admission only (retraction hits are not prompt hits).
+    for rid in jobs:
+        assert run.finals[rid].cached_tokens == run.first_out[rid].cached_tokens
+        assert run.tokens[rid] == ref[rid]
+    assert_clean(sched)
+
+
+def test_retracted_request_kv_goes_to_tree(make_sched: Callable[..., Scheduler]) -> None:
+    """At the moment of a retraction the victim holds nothing and its KV is evictable in the
+    tree (tail possibly already evicted, leaves first)."""
+    jobs = pressure_jobs(seed=2)
+    sched = make_sched(**TINY_POOL)
+    submit(sched, jobs)
+    run = Run()
+    checked = 0
+    while sched.has_work:
+        before = sched.stats()["retractions_total"]
+        run.record(sched)
+        if sched.stats()["retractions_total"] > before:
+            victims = [r for r in sched.waiting if r.num_retractions > 0 and r.output_ids]
+            assert victims
+            for v in victims:
+                assert v.req_pool_idx is None and v.kv_len == 0 and v.last_node is None
+                m = sched.cache.match_prefix(v.all_ids())
+                assert int(m.indices.numel()) > 0  # at least its prompt head is cached
+            checked += 1
+    assert checked > 0
+    assert_clean(sched)
+
+
+# -- (b) chunked prefill --------------------------------------------------------------------------
+@pytest.mark.parametrize(("chunk", "max_prefill"), [(7, 8192), (2048, 5), (7, 9)])
+@pytest.mark.parametrize("radix", [True, False])
+def test_chunked_prefill_matches_unchunked(make_sched: Callable[..., Scheduler], chunk: int,
+                                          max_prefill: int, radix: bool) -> None:
+    rng = random.Random(3)
+    base = prompt(rng, 20)
+    jobs = {f"c{i}": (prompt(rng, rng.randrange(5, 41)), 6) for i in range(4)}
+    jobs["s0"] = ([*base, *prompt(rng, 9)], 5)  # shared prefixes: chunks meet the tree
+    jobs["s1"] = ([*base, *prompt(rng, 15)], 5)
+    jobs["one"] = (prompt(rng, 23), 1)
+    ref = reference(make_sched, jobs)
+    sched = make_sched(chunked_prefill_size=chunk, max_prefill_tokens=max_prefill,
+                       disable_radix_cache=not radix)
+    budget = min(chunk, max_prefill)
+    steps_per_req: dict[str, int] = {}
+    orig = sched.builder.build_extend
+
+    def spy(reqs: list[Req]):  # type: ignore[no-untyped-def]
+        assert sum(r.extend_len for r in reqs) <= budget
+        assert sum(r.kv_len + r.extend_len < r.seq_len() for r in reqs) <= 1  # ≤ 1 chunked
+        for r in reqs:
+            steps_per_req[r.rid] = steps_per_req.get(r.rid, 0) + 1
+        return orig(reqs)
+
+    sched.builder.build_extend = spy  # type: ignore[method-assign]
+    submit(sched, jobs)
+    run = Run()
+    while sched.has_work:
+        run.record(sched)
+        c = sched.chunked_req
+        if c is not None:  # mid-chunk: holds a row, no token yet, counted as running
+            assert c.req_pool_idx is not None and not c.output_ids and 0 < c.kv_len < c.seq_len()
+            assert sched.stats()["num_running"] == len(sched.running) + 1
+    run.drive(sched)
+    assert max(steps_per_req.values()) >= 3
+    for rid in jobs:
+        assert run.finals[rid].finish_reason == FINISH_LENGTH
+        assert run.tokens[rid] == ref[rid], rid
+    assert_clean(sched)
+
+
+# -- (c) in-batch prefix sharing ------------------------------------------------------------------
+@pytest.mark.parametrize("name", CACHE_AWARE)
+def test_in_batch_prefix_sharing(make_sched: Callable[..., Scheduler], name: str) -> None:
+    rng = random.Random(4)
+    shared = prompt(rng, 64)
+    jobs = {f"r{i}": ([*shared, *prompt(rng, 3 + i)], 4) for i in range(4)}
+    ref = reference(make_sched, jobs)
+    sched = make_sched(schedule_policy=name)
+    batches: list[list[str]] = []
+    orig = sched.builder.build_extend
+
+    def spy(reqs: list[Req]):  # type: ignore[no-untyped-def]
+        batches.append(rids(reqs))
+        return orig(reqs)
+
+    sched.builder.build_extend = spy  # type: ignore[method-assign]
+    submit(sched, jobs)
+    run = Run().drive(sched)
+    assert batches[0] == ["r0"]  # the others wait one step for r0's prefix
+    assert run.first_out["r0"].cached_tokens == 0
+    for rid in ("r1", "r2", "r3"):
+        assert run.first_out[rid].cached_tokens >= 64
+        assert run.finals[rid].cached_tokens >= 64
+    st = sched.stats()
+    assert st["cached_tokens_total"] >= 3 * 64
+    assert st["cached_tokens_total"] == sum(f.cached_tokens for f in run.finals.values())
+    for rid in jobs:
+        assert run.tokens[rid] == ref[rid], rid
+    assert_clean(sched)
+
+
+@pytest.mark.parametrize("kw", [{"schedule_policy": "fcfs"}, {"disable_radix_cache": True}])
+def test_no_deferral_without_cache_aware_policy(make_sched: Callable[..., Scheduler],
+                                                kw: dict[str, object]) -> None:
+    rng = random.Random(4)
+    shared = prompt(rng, 64)
+    jobs = {f"r{i}": ([*shared, *prompt(rng, 3 + i)], 4) for i in range(4)}
+    ref = reference(make_sched, jobs)
+    sched = make_sched(**kw)
+    submit(sched, jobs)
+    run = Run()
+    outs = run.record(sched)
+    assert sorted(o.rid for o in outs) == sorted(jobs)  # all prefilled together
+    run.drive(sched)
+    for rid in jobs:
+        assert run.tokens[rid] == ref[rid]
+    assert_clean(sched)
+
+
+# -- (d) abort in every state ---------------------------------------------------------------------
+def _advance_until(sched: Scheduler, run: Run, cond: Callable[[], bool], limit: int = 500) -> None:
+    for _ in range(limit):
+        if cond():
+            return
+        assert sched.has_work
+        run.record(sched)
+    raise AssertionError("state never reached")
+
+
+@pytest.mark.parametrize("state", ["waiting", "mid_chunk", "running", "retracted", "deferred"])
+def test_abort_in_every_state(make_sched: Callable[..., Scheduler], state: str) -> None:
+    rng = random.Random(5)
+    if state == "retracted":
+        jobs = pressure_jobs(seed=5)
+        sched = make_sched(**TINY_POOL)
+    elif state == "deferred":
+        shared = prompt(rng, 40)
+        jobs = {f"r{i}": ([*shared, *prompt(rng, 4)], 6) for i in range(3)}
+        sched = make_sched()
+    else:
+        jobs = {"r0": (prompt(rng, 30), 10), "r1": (prompt(rng, 12), 10),
+                "r2": (prompt(rng, 9), 10)}
+        sched = make_sched(chunked_prefill_size=7)
+    ref = reference(make_sched, jobs)
+    submit(sched, jobs)
+    run = Run()
+    if state == "waiting":
+        victim = "r2"
+        assert any(r.rid == victim for r in sched.waiting)
+    elif state == "mid_chunk":
+        victim = "r0"
+        _advance_until(sched, run, lambda: sched.chunked_req is not None
+                       and sched.chunked_req.rid == victim and sched.chunked_req.kv_len >= 7)
+    elif state == "running":
+        victim = "r0"
+        _advance_until(sched, run, lambda: any(r.rid == victim and len(r.output_ids) >= 3
+                                               for r in sched.running))
+    elif state == "deferred":
+        victim = "r1"
+        run.record(sched)
+        assert any(r.rid == victim for r in sched.waiting)
+    else:
+        def retracted() -> bool:
+            return any(r.num_retractions > 0 and r.output_ids for r in sched.waiting)
+
+        _advance_until(sched, run, retracted)
+        victim = next(r.rid for r in sched.waiting if r.num_retractions > 0)
+    sent = len(run.tokens.get(victim, []))
+    sched.handle(AbortReq(victim))
+    sched.check_invariants()
+    assert victim not in rids(sched.live_reqs())
+    outs = run.record(sched)
+    fin = [o for o in outs if o.rid == victim]
+    assert len(fin) == 1 and fin[0].finish_reason == FINISH_ABORT
+    assert fin[0].new_ids == [] and fin[0].completion_tokens == sent
+    run.drive(sched)
+    assert run.tokens.get(victim, []) == ref[victim][:sent]
+    for rid in jobs:
+        if rid != victim:
+            assert run.finals[rid].finish_reason == FINISH_LENGTH
+            assert run.tokens[rid] == ref[rid], rid
+    # Aborting a finished or unknown request is a no-op.
+    before = sched.stats()
+    for rid in (victim, "r1" if victim != "r1" else "r0", "nope"):
+        sched.handle(AbortReq(rid))
+        sched.check_invariants()
+        assert sched.step() is None
+    after = sched.stats()
+    assert all(after[k] == before[k] for k in COUNTERS)
+    assert_clean(sched)
+
+
+def test_abort_reason_and_message_propagate(make_sched: Callable[..., Scheduler]) -> None:
+    rng = random.Random(6)
+    sched = make_sched()
+    sched.handle(GenerateReq("a", prompt(rng, 10), greedy(20)))
+    run = Run()
+    run.record(sched)
+    run.record(sched)
+    sched.handle(AbortReq("a", reason=FINISH_STOP, message="stop string hit"))
+    run.record(sched)
+    fin = run.finals["a"]
+    assert fin.finish_reason == FINISH_STOP and fin.error == "stop string hit"
+    assert fin.completion_tokens == 2
+    assert_clean(sched)
+
+
+# -- (f) prompt longer than the context ----------------------------------------------------------
+def test_prompt_longer_than_context(make_sched: Callable[..., Scheduler]) -> None:
+    rng = random.Random(7)
+    sched = make_sched(max_total_tokens=64)
+    assert sched.max_context_len == 64
+    ok_ids = prompt(rng, 10)
+    edge_ids = prompt(rng, 63)  # 63 + 1 == context: accepted, ends after one token
+    sched.handle(GenerateReq("long", prompt(rng, 200), greedy(5)))
+    sched.handle(GenerateReq("exact", prompt(rng, 64), greedy(5)))
+    sched.handle(GenerateReq("ok", ok_ids, greedy(5)))
+    sched.handle(GenerateReq("edge", edge_ids, greedy(5)))
+    sched.check_invariants()
+    run = Run().drive(sched)
+    for rid in ("long", "exact"):
+        fin = run.finals[rid]
+        assert fin.finish_reason == FINISH_ABORT and "input_ids" in fin.error
+        assert run.tokens[rid] == [] and fin.completion_tokens == 0
+    ref = reference(make_sched, {"ok": (ok_ids, 5), "edge": (edge_ids, 1)})
+    assert run.finals["ok"].finish_reason == FINISH_LENGTH and run.tokens["ok"] == ref["ok"]
+    assert run.finals["edge"].finish_reason == FINISH_LENGTH
+    assert run.tokens["edge"] == ref["edge"] and len(ref["edge"]) == 1
+    assert_clean(sched)
+
+
+# -- (g) counters and flush_cache -----------------------------------------------------------------
+def test_counters_monotonic_across_flush(make_sched: Callable[..., Scheduler]) -> None:
+    rng = random.Random(8)
+    shared = prompt(rng, 20)
+    jobs = {f"r{i}": ([*shared, *prompt(rng, 5)], 4) for i in range(3)}
+    sched = make_sched()
+
+    def counters() -> dict[str, int]:
+        st = sched.handle(StatsReq(1))
+        assert st is not None and st.ok
+        return {k: int(st.data[k]) for k in COUNTERS}
+
+    history = [counters()]
+    submit(sched, jobs)
+    reply = sched.handle(FlushCacheReq(7))  # waiting requests: refused
+    assert reply is not None and reply.req_id == 7 and not reply.ok and reply.error
+    run = Run()
+    run.record(sched)
+    run.record(sched)
+    assert sched.running
+    ok, err = sched.flush_cache()  # running requests: refused, nothing touched
+    assert not ok and err
+    sched.check_invariants()
+    run.drive(sched)
+    history.append(counters())
+    assert sched.cache.total_size() > 0
+    reply = sched.handle(FlushCacheReq(8))
+    assert reply is not None and reply.ok
+    history.append(counters())
+    assert sched.cache.total_size() == 0
+    assert history[-1] == history[-2]  # flush keeps the totals
+    # Same prompts again: nothing cached any more (r0 misses), counters keep growing.
+    submit(sched, {f"again{i}": v for i, v in enumerate(jobs.values())})
+    run2 = Run().drive(sched)
+    assert run2.first_out["again0"].cached_tokens == 0
+    history.append(counters())
+    for a, b in zip(history, history[1:], strict=False):
+        assert all(b[k] >= a[k] for k in COUNTERS), (a, b)
+    assert history[-1]["num_requests_total"] == 6
+    assert history[-1]["num_finished_requests_total"] == 6
+    assert history[-1]["forward_steps_total"] > history[-2]["forward_steps_total"]
+    for i in range(3):
+        assert run2.tokens[f"again{i}"] == run.tokens[f"r{i}"]
+    ci = sched.handle(CheckInvariantsReq(9))
+    assert ci is not None and ci.ok
+    assert_clean(sched)
+
+
+# -- (h) a failing batch --------------------------------------------------------------------------
+@pytest.mark.parametrize(("fail_call", "chunk"), [(1, 2048), (3, 2048), (2, 7)])
+def test_failed_batch_aborts_its_requests_only(make_sched: Callable[..., Scheduler],
+                                               fail_call: int, chunk: int) -> None:
+    rng = random.Random(9)
+    jobs = {"a": (prompt(rng, 20), 6), "b": (prompt(rng, 12), 6)}
+    later = {"c": (jobs["a"][0], 6), "d": (prompt(rng, 15), 6)}
+    ref = reference(make_sched, {**jobs, **later})
+    sched = make_sched(chunked_prefill_size=chunk)
+    calls = [0]
+    last_batch: list[list[str]] = [[]]
+    orig_forward = sched.runner.forward
+    orig_ext, orig_dec = sched.builder.build_extend, sched.builder.build_decode
+
+    def forward(fb):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        if calls[0] == fail_call:
+            raise RuntimeError("boom")
+        return orig_forward(fb)
+
+    def ext(reqs: list[Req]):  # type: ignore[no-untyped-def]
+        last_batch[0] = rids(reqs)
+        return orig_ext(reqs)
+
+    def dec(reqs: list[Req]):  # type: ignore[no-untyped-def]
+        last_batch[0] = rids(reqs)
+        return orig_dec(reqs)
+
+    sched.runner.forward = forward  # type: ignore[method-assign]
+    sched.builder.build_extend = ext  # type: ignore[method-assign]
+    sched.builder.build_decode = dec  # type: ignore[method-assign]
+    submit(sched, jobs)
+    run = Run()
+    failed: list[str] = []
+    while sched.has_work:
+        n = calls[0]
+        run.record(sched)
+        if calls[0] == fail_call and n < fail_call:
+            failed = list(last_batch[0])
+    assert failed
+    for rid in jobs:
+        fin = run.finals[rid]
+        if rid in failed:
+            assert fin.finish_reason == FINISH_ABORT and "boom" in fin.error
+            assert run.tokens.get(rid, []) == ref[rid][: len(run.tokens.get(rid, []))]
+        else:
+            assert fin.finish_reason == FINISH_LENGTH and run.tokens[rid] == ref[rid]
+    assert sched.cache.protected_size() == 0
+    submit(sched, later)
+    run2 = Run().drive(sched)
+    for rid in later:
+        assert run2.finals[rid].finish_reason == FINISH_LENGTH and not run2.finals[rid].error
+        assert run2.tokens[rid] == ref[rid], rid
+    assert_clean(sched)
+
+
+# -- (i) max_new_tokens=1 and stop tokens --------------------------------------------------------
+def test_max_new_tokens_one_and_stop_token_ids(make_sched: Callable[..., Scheduler]) -> None:
+    rng = random.Random(10)
+    ids = prompt(rng, 12)
+    ref = reference(make_sched, {"x": (ids, 12)})["x"]
+    k = next(i for i in range(2, len(ref)) if ref[i] not in ref[:i])
+    stop_tok = ref[k]
+    sched = make_sched(chunked_prefill_size=5)
+    sched.handle(GenerateReq("one", ids, greedy(1)))
+    sched.handle(GenerateReq("stop", ids, greedy(12, stop_token_ids=[stop_tok])))
+    sched.handle(GenerateReq("stop_first", ids, greedy(12, stop_token_ids=(ref[0],))))
+    run = Run().drive(sched)
+    assert run.finals["one"].finish_reason == FINISH_LENGTH and run.tokens["one"] == ref[:1]
+    assert run.finals["stop"].finish_reason == FINISH_STOP
+    assert run.tokens["stop"] == ref[: k + 1]
+    assert run.finals["stop_first"].finish_reason == FINISH_STOP
+    assert run.tokens["stop_first"] == ref[:1]
+    st = sched.stats()
+    assert st["generated_tokens_total"] == 1 + (k + 1) + 1
+    assert st["num_finished_requests_total"] == 3
+    assert_clean(sched)
+
+
+def test_eos_stops_unless_ignored(make_sched: Callable[..., Scheduler]) -> None:
+    rng = random.Random(11)
+    ids = prompt(rng, 12)
+    ref = reference(make_sched, {"x": (ids, 8)})["x"]
+    sched = make_sched()
+    sched.outputs.eos_token_ids = frozenset({ref[2]})  # pretend the model "emits EOS" at step 3
+    sched.handle(GenerateReq("eos", ids, SamplingParams(max_new_tokens=8, temperature=0.0)))
+    sched.handle(GenerateReq("ign", ids, greedy(8)))
+    run = Run().drive(sched)
+    k = ref.index(ref[2])
+    assert run.finals["eos"].finish_reason == FINISH_STOP and run.tokens["eos"] == ref[: k + 1]
+    assert run.finals["ign"].finish_reason == FINISH_LENGTH and run.tokens["ign"] == ref
+    assert_clean(sched)
+
+
+# -- randomized: arrivals, aborts and budgets under memory pressure ------------------------------
+@pytest.mark.parametrize("seed", range(8))
+def test_random_workload_matches_reference(make_sched: Callable[..., Scheduler], seed: int) -> None:
+    rng = random.Random(100 + seed)
+    cfg: dict[str, object] = {
+        "schedule_policy": rng.choice(POLICIES),
+        "disable_radix_cache": rng.random() < 0.25,
+        "max_total_tokens": rng.choice([64, 80, 1024]),
+        "chunked_prefill_size": rng.choice([5, 7, 16, 2048]),
+        "max_prefill_tokens": rng.choice([8, 40, 8192]),
+        "max_running_requests": rng.choice([2, 3, 64]),
+        "init_new_token_ratio": rng.choice([0.05, 0.3, 0.7]),
+        "min_new_token_ratio": 0.05,
+    }
+    ctx = min(int(cfg["max_total_tokens"]), 1024)  # type: ignore[call-overload]
+    bases = [prompt(rng, rng.randrange(10, 40)) for _ in range(3)]
+    jobs: dict[str, tuple[list[int], int]] = {}
+    for i in range(10):
+        head = rng.choice(bases)[: rng.randrange(0, 40)] if rng.random() < 0.7 else []
+        ids = [*head, *prompt(rng, rng.randrange(1, 12))]
+        max_new = rng.randrange(1, 20)
+        ids = ids[: ctx - max_new - 1] or [5]
+        jobs[f"q{i}"] = (ids, max_new)
+    ref = reference(make_sched, jobs)
+    sched = make_sched(**cfg)
+    pending = list(jobs)
+    aborted: set[str] = set()
+    run = Run()
+    while pending or sched.has_work:
+        assert run.steps < 5000, f"no progress: {cfg}"
+        for _ in range(rng.randrange(0, 3)):
+            if pending:
+                rid = pending.pop(0)
+                sched.handle(GenerateReq(rid, jobs[rid][0], greedy(jobs[rid][1])))
+        if rng.random() < 0.05:
+            live = [r.rid for r in sched.live_reqs()]
+            if live:
+                victim = rng.choice(live)
+                aborted.add(victim)
+                sched.handle(AbortReq(victim))
+                sched.check_invariants()
+        if sched.has_work:
+            run.record(sched)
+    assert set(run.finals) == set(jobs)
+    for rid in jobs:
+        fin = run.finals[rid]
+        if rid in aborted:
+            assert fin.finish_reason == FINISH_ABORT
+            assert run.tokens[rid] == ref[rid][: len(run.tokens[rid])]
+        else:
+            assert fin.finish_reason == FINISH_LENGTH, (rid, fin, cfg)
+            assert run.tokens[rid] == ref[rid], (rid, cfg)
+    assert_clean(sched)
+
+
+def test_in_batch_share_threshold_is_used_by_the_scheduler(
+        make_sched: Callable[..., Scheduler], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Raising the threshold above the shared length turns in-batch deferral off."""
+    monkeypatch.setattr(schedule_policy, "IN_BATCH_SHARE_MIN_TOKENS", 1000)
+    rng = random.Random(4)
+    shared = prompt(rng, 64)
+    jobs = {f"r{i}": ([*shared, *prompt(rng, 3 + i)], 2) for i in range(3)}
+    sched = make_sched()
+    submit(sched, jobs)
+    outs = Run().record(sched)
+    assert sorted(o.rid for o in outs) == sorted(jobs)
+    assert all(o.cached_tokens == 0 for o in outs)
+    Run().drive(sched)
+    assert_clean(sched)
