@@ -113,8 +113,7 @@ class TokenToKVPool:
         self.v_buffer[layer_id].index_copy_(0, loc, v.to(self.dtype))
 
     def bytes_per_token(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
 
     def check_invariants(self) -> None:
         free = self.free_slots()

@@ -12,27 +12,10 @@ from radixrt.attention import create_attention_backend
 from radixrt.config import ServerArgs
 from radixrt.mem.memory_pool import ReqToTokenPool, TokenToKVPool, kv_bytes_per_token
 from radixrt.model.forward_batch import ForwardBatch
-from radixrt.model.loader import default_model_path, load_model
+from radixrt.model.loader import default_model_path, load_model, resolve_device, resolve_dtype
 from radixrt.model.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(args: ServerArgs) -> torch.device:
-    if args.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(args.device)
-
-
-def resolve_dtype(args: ServerArgs, cfg: ModelConfig, device: torch.device) -> torch.dtype:
-    """fp32 on CPU by default (bf16/fp16 matmuls are 7-100x slower there); config's on CUDA."""
-    if args.dtype != "auto":
-        return _DTYPES[args.dtype]
-    if device.type == "cpu":
-        return torch.float32
-    return cfg.torch_dtype if cfg.torch_dtype in _DTYPES.values() else torch.bfloat16
 
 
 @dataclass(frozen=True)
@@ -59,10 +42,10 @@ def plan_pools(args: ServerArgs, cfg: ModelConfig, dtype: torch.dtype,
 class ModelRunner:
     def __init__(self, args: ServerArgs):
         self.args = args
-        self.device = resolve_device(args)
+        self.device = resolve_device(args.device)
         self.model_path = args.model_path or str(default_model_path())
         self.model_config = ModelConfig.from_path(self.model_path)
-        self.dtype = resolve_dtype(args, self.model_config, self.device)
+        self.dtype = resolve_dtype(args.dtype, self.device, self.model_config)
         cfg = self.model_config
         self.sizes = plan_pools(args, cfg, self.dtype, self.device)
         self.req_to_token_pool = ReqToTokenPool(
