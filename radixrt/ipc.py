@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -23,6 +24,11 @@ class IpcPaths:
     scheduler: str
     detokenizer: str
     tokenizer: str
+
+    @property
+    def directory(self) -> str:
+        """The private temp dir holding the sockets."""
+        return os.path.dirname(self.scheduler.removeprefix("ipc://"))
 
     @classmethod
     def in_new_tempdir(cls) -> tuple[IpcPaths, str]:
@@ -62,8 +68,10 @@ def recv_all(sock: zmq.Socket) -> list[object]:
             return out
 
 
-def exit_with_parent(parent_pid: int, interval_s: float = 0.5) -> None:
-    """Start a daemon thread that kills this process as soon as its parent is gone.
+def exit_with_parent(parent_pid: int, interval_s: float = 0.5,
+                     cleanup_dir: str | None = None) -> None:
+    """Start a daemon thread that kills this process as soon as its parent is gone (removing
+    `cleanup_dir`, the socket dir, which a parent killed by SIGKILL could not remove).
 
     Polls the parent pid instead of PR_SET_PDEATHSIG, which fires when the *thread* that
     spawned us exits (an Engine built in a worker thread would lose its children).
@@ -72,6 +80,8 @@ def exit_with_parent(parent_pid: int, interval_s: float = 0.5) -> None:
     def watch() -> None:
         while True:
             if os.getppid() != parent_pid:
+                if cleanup_dir:
+                    shutil.rmtree(cleanup_dir, ignore_errors=True)
                 os._exit(0)
             time.sleep(interval_s)
 

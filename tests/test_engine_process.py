@@ -160,12 +160,14 @@ def test_children_exit_when_parent_dies(tiny_llama_dir, tmp_path):
             assert time.monotonic() < deadline and proc.poll() is None
             time.sleep(0.2)
         pids = [int(p) for p in pidfile.read_text().split()]
+        sockdir = _socket_dir(pids[0])
         proc.kill()
         proc.wait()
         deadline = time.monotonic() + 10
         while any(_alive(p) for p in pids):
             assert time.monotonic() < deadline, "children outlived their parent"
             time.sleep(0.1)
+        assert sockdir is not None and not os.path.exists(sockdir), "socket dir left behind"
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -182,3 +184,11 @@ def _alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+def _socket_dir(pid: int) -> str | None:
+    """The ipc dir of a runtime child, from its command line (the payload lives there)."""
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        args = f.read().split(b"\0")
+    payload = next((a.decode() for a in args if a.endswith(b".pkl")), None)
+    return os.path.dirname(payload) if payload else None

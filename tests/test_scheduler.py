@@ -540,7 +540,7 @@ def test_retracted_requests_readmitted_with_cache_hit(make_sched: Callable[..., 
     run = Run().drive(sched)
     assert sched.stats()["retractions_total"] > 0
     assert readmits, "retracted requests were never re-admitted"
-    for rid, prefix, computed, total in readmits:
+    for _rid, prefix, computed, total in readmits:
         assert prefix + computed == total  # unchunked: the rest of the sequence in one go
     hits = [r for r in readmits if r[1] > 0]
     assert hits, f"no re-admission hit the cache: {readmits}"
@@ -554,25 +554,68 @@ def test_retracted_requests_readmitted_with_cache_hit(make_sched: Callable[..., 
 
 
 def test_retracted_request_kv_goes_to_tree(make_sched: Callable[..., Scheduler]) -> None:
-    """At the moment of a retraction the victim holds nothing and its KV is evictable in the
-    tree (tail possibly already evicted, leaves first)."""
+    """Right after a retraction the victims hold no row, slot or lock, and their whole computed
+    KV is in the tree, unlocked (evictable), before the decode allocation evicts anything."""
     jobs = pressure_jobs(seed=2)
     sched = make_sched(**TINY_POOL)
+    orig = sched._retract
+    checked = [0]
+
+    def spy(need: int) -> None:
+        kv_before = {r.rid: (r.all_ids()[: r.kv_len], r.kv_len) for r in sched.running}
+        evictable = sched.cache.evictable_size()
+        orig(need)
+        sched.check_invariants()
+        victims = [r for r in sched.waiting if r.rid in kv_before]
+        assert victims and victims[0] is sched.waiting[0]
+        running_arrivals = [r.arrival_time for r in sched.running]
+        for v in victims:
+            assert v.req_pool_idx is None and v.kv_len == 0 and v.last_node is None
+            assert all(v.arrival_time >= a for a in running_arrivals)  # newest go first
+            key, kv_len = kv_before[v.rid]
+            assert int(sched.cache.match_prefix(key).indices.numel()) == kv_len
+        assert sched.cache.evictable_size() > evictable
+        assert sched.kv_pool.available_size() + sched.cache.evictable_size() >= len(sched.running)
+        checked[0] += 1
+
+    sched._retract = spy  # type: ignore[method-assign]
     submit(sched, jobs)
+    Run().drive(sched)
+    assert checked[0] > 0
+    assert_clean(sched)
+
+
+@pytest.mark.parametrize("radix", [True, False])
+def test_mid_chunk_request_is_retracted_instead_of_starving_decode(
+        make_sched: Callable[..., Scheduler], radix: bool) -> None:
+    """Regression: a mid-prefill `chunked_req` holds KV but is not in `running`. When the last
+    running request needs a decode slot and only the chunked request's KV is left, it must go
+    back to the queue (it used to fail the batch: "need 1 KV slots, 0 free")."""
+    rng = random.Random(12)
+    jobs = {"a": (prompt(rng, 10), 45), "b": (prompt(rng, 50), 3)}
+    ref = reference(make_sched, jobs)
+    sched = make_sched(max_total_tokens=64, chunked_prefill_size=4, init_new_token_ratio=0.05,
+                       min_new_token_ratio=0.05, disable_radix_cache=not radix)
+    chunked_retracted = [0]
+    orig = sched._retract
+
+    def spy(need: int) -> None:
+        chunked = sched.chunked_req
+        orig(need)
+        if chunked is not None and sched.chunked_req is None:
+            assert chunked in sched.waiting and chunked.req_pool_idx is None
+            chunked_retracted[0] += 1
+
+    sched._retract = spy  # type: ignore[method-assign]
     run = Run()
-    checked = 0
-    while sched.has_work:
-        before = sched.stats()["retractions_total"]
-        run.record(sched)
-        if sched.stats()["retractions_total"] > before:
-            victims = [r for r in sched.waiting if r.num_retractions > 0 and r.output_ids]
-            assert victims
-            for v in victims:
-                assert v.req_pool_idx is None and v.kv_len == 0 and v.last_node is None
-                m = sched.cache.match_prefix(v.all_ids())
-                assert int(m.indices.numel()) > 0  # at least its prompt head is cached
-            checked += 1
-    assert checked > 0
+    submit(sched, {"a": jobs["a"]})
+    _advance_until(sched, run, lambda: bool(sched.running and sched.running[0].output_ids))
+    submit(sched, {"b": jobs["b"]})
+    run.drive(sched)
+    assert chunked_retracted[0] > 0
+    for rid in jobs:
+        assert run.finals[rid].finish_reason == FINISH_LENGTH, run.finals[rid]
+        assert run.tokens[rid] == ref[rid]
     assert_clean(sched)
 
 
@@ -985,8 +1028,10 @@ def test_in_batch_share_threshold_is_used_by_the_scheduler(
     jobs = {f"r{i}": ([*shared, *prompt(rng, 3 + i)], 2) for i in range(3)}
     sched = make_sched()
     submit(sched, jobs)
-    outs = Run().record(sched)
+    run = Run()
+    outs = run.record(sched)
     assert sorted(o.rid for o in outs) == sorted(jobs)
     assert all(o.cached_tokens == 0 for o in outs)
-    Run().drive(sched)
+    run.drive(sched)
+    assert all(run.finals[rid].finish_reason == FINISH_LENGTH for rid in jobs)
     assert_clean(sched)

@@ -251,14 +251,19 @@ class TokenizerManager:
         return f"{self._rid_prefix}-{next(self._rid_counter)}"
 
     def submit(self, input_ids: list[int], sampling: SamplingParams, stream: bool = False,
-               loop: asyncio.AbstractEventLoop | None = None) -> ReqState:
-        """Send a validated request; the returned state fills in as outputs arrive."""
+               loop: asyncio.AbstractEventLoop | None = None,
+               queue: asyncio.Queue | None = None) -> ReqState:
+        """Send a validated request; the returned state fills in as outputs arrive.
+
+        With `loop`, every `ReqTextOut` (or an exception if the runtime dies) is also put on
+        `queue` (a new one unless given: several requests may share one) on that loop.
+        """
         self.check_alive()
         rid = self.new_rid()
         state = ReqState(rid=rid, prompt_tokens=len(input_ids))
         if loop is not None:
             state.loop = loop
-            state.queue = asyncio.Queue()
+            state.queue = queue if queue is not None else asyncio.Queue()
         self.states[rid] = state
         self._send(GenerateReq(rid=rid, input_ids=input_ids, sampling=sampling, stream=stream))
         return state

@@ -200,18 +200,22 @@ class Scheduler:
 
     def _retract(self, need: int) -> None:
         """Send the newest running requests back to the waiting queue until `need` slots (one per
-        remaining request) can be had. Their KV goes to the tree, so re-admission hits it."""
+        remaining request) can be had. Their KV goes to the tree, so re-admission hits it.
+        A mid-prefill `chunked_req` holds KV too: it goes back last, before the oldest request."""
         victims = sorted(self.running, key=lambda r: r.arrival_time)
         while victims and self.kv_pool.available_size() + self.cache.evictable_size() < need:
-            if len(victims) == 1:
-                break  # the oldest request always fits: the pool holds a whole context
-            req = victims.pop()
-            self.running.remove(req)
+            if len(victims) > 1:
+                req = victims.pop()
+                self.running.remove(req)
+                need -= 1
+            elif self.chunked_req is not None:
+                req, self.chunked_req = self.chunked_req, None  # else: no slot, ever (deadlock)
+            else:
+                break  # the oldest request alone always fits: the pool holds a whole context
             self.cache.cache_finished_req(req)
             req.num_retractions += 1
             self.counters.retractions += 1
             self.waiting.insert(0, req)
-            need -= 1
         remaining = sum(r.remaining_new_tokens() for r in self.running)
         decoded = sum(len(r.output_ids) for r in self.running)
         total = max(1, remaining + decoded)
@@ -344,7 +348,7 @@ class Scheduler:
 
 def run_scheduler(args: ServerArgs, paths: ipc.IpcPaths, parent_pid: int) -> None:
     """Process entry point. Sends a `ReadyMsg` to the tokenizer once the model is loaded."""
-    ipc.exit_with_parent(parent_pid)
+    ipc.exit_with_parent(parent_pid, cleanup_dir=paths.directory)
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"[%(asctime)s scheduler pid={os.getpid()}] %(message)s")
     torch.set_num_threads(args.resolved_threads())

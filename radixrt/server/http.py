@@ -1,0 +1,425 @@
+"""The OpenAI-compatible HTTP server. It runs in the tokenizer process and reuses the Engine's
+tokenizer side; the scheduler and detokenizer stay separate processes.
+
+FastAPI + uvicorn: the de-facto ASGI stack of SGLang and vLLM (an OpenAI client cannot tell them
+apart), with streaming responses that are cancelled when the client disconnects — which is what
+lets a dropped stream abort its request in the scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from radixrt.config import ServerArgs
+from radixrt.engine import Engine
+from radixrt.messages import ReqTextOut, TokenLogprobs
+from radixrt.sampling.params import SamplingParams
+from radixrt.server import protocol as P
+from radixrt.server.metrics import ServerMetrics
+from tokenizer_proc.manager import EngineDeadError
+
+logger = logging.getLogger("radixrt.server")
+
+OPEN_PATHS = ("/health", "/metrics")
+
+
+class RequestGroup:
+    """All samples of one HTTP request (prompts × n), read from one shared queue."""
+
+    def __init__(self, server: Server, ids_list: list[list[int]], params: list[SamplingParams]):
+        self.server = server
+        self.queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        tm = server.engine.tm
+        self.states = [tm.submit(ids, sp, stream=True, loop=loop, queue=self.queue)
+                       for ids, sp in zip(ids_list, params, strict=True)]
+        self.index = {st.rid: i for i, st in enumerate(self.states)}
+        self.start = time.monotonic()
+        self.last_token: dict[int, float] = {}
+        self.finished: set[int] = set()
+
+    async def events(self) -> AsyncIterator[tuple[int, ReqTextOut]]:
+        """(sample index, output) until every sample finished; raises EngineDeadError."""
+        m = self.server.metrics
+        while len(self.finished) < len(self.states):
+            try:
+                item = await asyncio.wait_for(self.queue.get(), timeout=1.0)
+            except asyncio.TimeoutError:
+                self.server.engine.tm.check_alive()
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            i = self.index.get(item.rid)
+            if i is None:
+                continue
+            t = time.monotonic()
+            if item.new_ids:
+                prev = self.last_token.get(i)
+                if prev is None:
+                    m.ttft.observe(t - self.start)
+                else:
+                    gap = (t - prev) / len(item.new_ids)
+                    for _ in item.new_ids:
+                        m.itl.observe(gap)
+                self.last_token[i] = t
+            if item.finish_reason is not None:
+                self.finished.add(i)
+                m.e2e.observe(t - self.start)
+                st = self.states[i]
+                ttft = (st.first_token_time - st.created) if st.first_token_time else float("nan")
+                logger.info("finished %s: prompt=%d cached=%d generated=%d finish=%s ttft=%.3fs "
+                            "latency=%.3fs%s", item.rid, st.prompt_tokens, item.cached_tokens,
+                            item.completion_tokens, item.finish_reason, ttft, t - self.start,
+                            f" error={item.error}" if item.error else "")
+            yield i, item
+
+    def abort_unfinished(self) -> None:
+        for i, st in enumerate(self.states):
+            if i not in self.finished:
+                self.server.engine.tm.abort(st.rid)
+
+
+class Server:
+    def __init__(self, engine: Engine, args: ServerArgs):
+        self.engine = engine
+        self.args = args
+        self.model_name = args.served_model_name or os.path.basename(
+            str(engine.info["model_path"]).rstrip("/"))
+        self.metrics = ServerMetrics(engine.stats)
+        self.text = P.TokenText(engine.tokenizer)
+        self.created = P.now()
+
+    # -- request checks -------------------------------------------------------------------------
+    def check_model(self, body: dict[str, Any]) -> None:
+        model = body.get("model")
+        if model is not None and model not in (self.model_name, "default"):
+            raise P.ApiError(404, f"the model '{model}' does not exist; this server serves "
+                                  f"'{self.model_name}'", param="model",
+                             type="invalid_request_error", code="model_not_found")
+
+    def check_capacity(self, n: int) -> None:
+        outstanding = len(self.engine.tm.states)
+        limit = self.args.max_running_requests + self.args.max_queued_requests
+        if outstanding + n > limit:
+            raise P.ApiError(429, f"server overloaded: {outstanding} requests in flight, the "
+                                  f"queue holds {limit}; retry later", type="rate_limit_error",
+                             code="queue_full", headers={"Retry-After": "1"})
+
+    def check_alive(self) -> None:
+        try:
+            self.engine.tm.check_alive()
+        except EngineDeadError as e:
+            raise P.ApiError(503, str(e), type="service_unavailable",
+                             code="engine_dead") from None
+
+    def check_ids(self, ids: list[int], param: str) -> list[int]:
+        vocab = self.engine.vocab_size
+        for t in ids:
+            if not 0 <= t < vocab:
+                raise P.bad(param, f"token id {t} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.engine.max_context_len:
+            raise P.bad(param, f"the prompt has {len(ids)} tokens; this model's context is "
+                               f"{self.engine.max_context_len}", code="context_length_exceeded")
+        return ids
+
+    @staticmethod
+    def per_sample(sp: SamplingParams, n: int) -> list[SamplingParams]:
+        """n samples of one prompt; with a seed, sample i uses seed + i so they differ."""
+        if n == 1:
+            return [sp]
+        out = []
+        for i in range(n):
+            d = sp.to_dict()
+            if sp.seed is not None:
+                d["seed"] = sp.seed + i
+            out.append(SamplingParams(**d))
+        return out
+
+    # -- endpoints ------------------------------------------------------------------------------
+    async def completions(self, body: dict[str, Any]) -> Response:
+        self.check_model(body)
+        prompts = P.prompts_from(body)
+        n = P.n_from(body)
+        stream, include_usage = P.stream_opts(body)
+        echo = P._get(body, "echo", (bool,), False, "a boolean")
+        top_lp = P._get(body, "logprobs", (int,), None, "an integer in 0..20")
+        if top_lp is not None and not 0 <= top_lp <= 20:
+            raise P.bad("logprobs", f"'logprobs' must be in 0..20, got {top_lp}")
+        if P._get(body, "suffix", (str,), None, "a string"):
+            raise P.bad("suffix", "'suffix' is not supported")
+        ids_list = [self.check_ids(self.engine.tokenize(p) if isinstance(p, str) else p,
+                                   "prompt") for p in prompts]
+        params: list[SamplingParams] = []
+        for ids in ids_list:
+            mt = P.max_tokens_from(body, ("max_tokens",), 16, len(ids), self.engine.max_context_len)
+            sp = P.sampling_from_body(body, mt, top_lp is not None, top_lp or 0)
+            params.extend(self.per_sample(sp, n))
+        all_ids = [ids for ids in ids_list for _ in range(n)]
+        self.check_alive()
+        self.check_capacity(len(all_ids))
+        group = RequestGroup(self, all_ids, params)
+        rid, created = P.new_id("cmpl"), P.now()
+        prompt_texts = [p if isinstance(p, str) else self.engine.tokenizer.decode(p)
+                        for p in prompts]
+
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
+            obj = {"id": rid, "object": "text_completion", "created": created,
+                   "model": self.model_name, "choices": choices}
+            if include_usage:
+                obj["usage"] = usage
+            return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+        if stream:
+            async def gen() -> AsyncIterator[bytes]:
+                offsets = [len(prompt_texts[i // n]) if echo else 0 for i in range(len(all_ids))]
+                try:
+                    if echo:
+                        yield chunk([{"index": i, "text": prompt_texts[i // n], "logprobs": None,
+                                      "finish_reason": None} for i in range(len(all_ids))])
+                    async for i, out in group.events():
+                        lp = self.text.completion_logprobs(out.new_ids, out.logprobs, offsets[i])
+                        offsets[i] += len(out.text_delta)
+                        if out.text_delta or lp or out.finish_reason:
+                            yield chunk([{"index": i, "text": out.text_delta, "logprobs": lp,
+                                          "finish_reason": out.finish_reason}])
+                    if include_usage:
+                        yield chunk([], self.usage(group, n))
+                except EngineDeadError as e:
+                    yield self.sse_error(P.ApiError(503, str(e), type="service_unavailable"))
+                finally:
+                    group.abort_unfinished()
+                yield b"data: [DONE]\n\n"
+
+            return StreamingResponse(gen(), media_type="text/event-stream")
+
+        results = await self.collect(group)
+        choices = []
+        for i, (st, lp) in enumerate(results):
+            prefix = prompt_texts[i // n] if echo else ""
+            choices.append({"index": i, "text": prefix + st.text,
+                            "logprobs": self.text.completion_logprobs(st.token_ids, lp,
+                                                                      len(prefix)),
+                            "finish_reason": st.finish_reason})
+        return JSONResponse({"id": rid, "object": "text_completion", "created": created,
+                             "model": self.model_name, "choices": choices,
+                             "usage": self.usage(group, n)})
+
+    async def chat(self, body: dict[str, Any]) -> Response:
+        self.check_model(body)
+        messages = P.messages_from(body)
+        n = P.n_from(body)
+        stream, include_usage = P.stream_opts(body)
+        want_lp = P._get(body, "logprobs", (bool,), False, "a boolean")
+        top_lp = P._get(body, "top_logprobs", (int,), 0, "an integer in 0..20")
+        if top_lp and not want_lp:
+            raise P.bad("top_logprobs", "'top_logprobs' requires 'logprobs': true")
+        if not 0 <= top_lp <= 20:
+            raise P.bad("top_logprobs", f"'top_logprobs' must be in 0..20, got {top_lp}")
+        try:
+            ids = self.engine.apply_chat_template(messages)
+        except ValueError as e:
+            raise P.bad("messages", str(e)) from None
+        except Exception as e:  # template errors (e.g. roles the template rejects)
+            raise P.bad("messages", f"chat template failed: {e}") from None
+        self.check_ids(ids, "messages")
+        mt = P.max_tokens_from(body, ("max_completion_tokens", "max_tokens"), None, len(ids),
+                               self.engine.max_context_len)
+        sp = P.sampling_from_body(body, mt, want_lp, top_lp)
+        params = self.per_sample(sp, n)
+        self.check_alive()
+        self.check_capacity(n)
+        group = RequestGroup(self, [ids] * n, params)
+        rid, created = P.new_id("chatcmpl"), P.now()
+
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
+            obj = {"id": rid, "object": "chat.completion.chunk", "created": created,
+                   "model": self.model_name, "choices": choices}
+            if include_usage:
+                obj["usage"] = usage
+            return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+        if stream:
+            async def gen() -> AsyncIterator[bytes]:
+                try:
+                    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                  "logprobs": None, "finish_reason": None} for i in range(n)])
+                    async for i, out in group.events():
+                        if out.text_delta or out.logprobs is not None:
+                            yield chunk([{"index": i, "delta": {"content": out.text_delta},
+                                          "logprobs": self.text.chat_logprobs(out.new_ids,
+                                                                              out.logprobs),
+                                          "finish_reason": None}])
+                        if out.finish_reason is not None:
+                            yield chunk([{"index": i, "delta": {}, "logprobs": None,
+                                          "finish_reason": out.finish_reason}])
+                    if include_usage:
+                        yield chunk([], self.usage(group, n))
+                except EngineDeadError as e:
+                    yield self.sse_error(P.ApiError(503, str(e), type="service_unavailable"))
+                finally:
+                    group.abort_unfinished()
+                yield b"data: [DONE]\n\n"
+
+            return StreamingResponse(gen(), media_type="text/event-stream")
+
+        results = await self.collect(group)
+        choices = [{"index": i, "message": {"role": "assistant", "content": st.text},
+                    "logprobs": self.text.chat_logprobs(st.token_ids, lp),
+                    "finish_reason": st.finish_reason} for i, (st, lp) in enumerate(results)]
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": created,
+                             "model": self.model_name, "choices": choices,
+                             "usage": self.usage(group, n)})
+
+    async def collect(self, group: RequestGroup) -> list[tuple[Any, TokenLogprobs | None]]:
+        try:
+            async for _ in group.events():
+                pass
+        except EngineDeadError as e:
+            raise P.ApiError(503, str(e), type="service_unavailable", code="engine_dead") from None
+        finally:
+            group.abort_unfinished()
+        errors = [st.error for st in group.states if st.error]
+        if errors:
+            raise P.ApiError(500, errors[0], type="internal_error")
+        return [(st, st.logprobs) for st in group.states]
+
+    @staticmethod
+    def usage(group: RequestGroup, n: int) -> dict[str, Any]:
+        """Prompt tokens count once per prompt (its first sample); completions for every sample."""
+        firsts = group.states[::n]
+        return P.usage(sum(s.prompt_tokens for s in firsts),
+                       sum(s.completion_tokens for s in group.states),
+                       sum(s.cached_tokens for s in firsts))
+
+    @staticmethod
+    def sse_error(err: P.ApiError) -> bytes:
+        return b"data: " + orjson.dumps(err.body()) + b"\n\n"
+
+
+def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
+    server = Server(engine, args)
+    app = FastAPI(title="radixrt", docs_url=None, redoc_url=None)
+    app.state.server = server
+
+    def error_response(err: P.ApiError) -> JSONResponse:
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next: Any) -> Response:
+        if args.api_key and request.url.path not in OPEN_PATHS:
+            if request.headers.get("authorization", "") != f"Bearer {args.api_key}":
+                return error_response(P.ApiError(401, "invalid or missing API key",
+                                                 type="authentication_error",
+                                                 code="invalid_api_key"))
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > args.max_request_bytes:
+            return error_response(P.ApiError(413, f"request body larger than "
+                                                  f"{args.max_request_bytes} bytes",
+                                             code="request_too_large"))
+        try:
+            return await call_next(request)
+        except P.ApiError as e:
+            return error_response(e)
+
+    async def json_body(request: Request) -> dict[str, Any]:
+        raw = await request.body()
+        if len(raw) > args.max_request_bytes:
+            raise P.ApiError(413, f"request body larger than {args.max_request_bytes} bytes",
+                             code="request_too_large")
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as e:
+            raise P.bad(None, f"invalid JSON body: {e}", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise P.bad(None, "the JSON body must be an object", code="invalid_json")
+        return body
+
+    async def handle(request: Request, fn: Any) -> Response:
+        try:
+            return await fn(await json_body(request))
+        except P.ApiError as e:
+            return error_response(e)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await handle(request, server.completions)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await handle(request, server.chat)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return JSONResponse({"object": "list", "data": [{
+            "id": server.model_name, "object": "model", "created": server.created,
+            "owned_by": "radixrt", "max_model_len": engine.max_context_len}]})
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            server.check_alive()
+        except P.ApiError as e:
+            return error_response(e)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        try:
+            server.check_alive()
+            body = await run_in_threadpool(server.metrics.render)
+        except (P.ApiError, EngineDeadError) as e:
+            return error_response(e if isinstance(e, P.ApiError) else
+                                  P.ApiError(503, str(e), type="service_unavailable"))
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/flush_cache")
+    async def flush_cache() -> Response:
+        server.check_alive()
+        if await run_in_threadpool(engine.flush_cache):
+            return JSONResponse({"success": True})
+        return error_response(P.ApiError(409, "cannot flush the cache while requests are "
+                                              "running or waiting", code="busy"))
+
+    @app.get("/debug/check_invariants")
+    async def check_invariants() -> Response:
+        """Pool and radix-tree consistency (no leaked or doubly owned KV slot)."""
+        server.check_alive()
+        try:
+            await run_in_threadpool(engine.check_invariants)
+        except AssertionError as e:
+            return JSONResponse({"ok": False, "error": str(e)}, status_code=500)
+        return JSONResponse({"ok": True})
+
+    @app.get("/debug/stats")
+    async def stats() -> Response:
+        server.check_alive()
+        return JSONResponse(await run_in_threadpool(engine.stats))
+
+    return app
+
+
+def serve(args: ServerArgs) -> int:
+    """Start the runtime and serve until SIGINT/SIGTERM; then stop every process."""
+    logging.basicConfig(level=args.log_level.upper(),
+                        format=f"[%(asctime)s http pid={os.getpid()}] %(message)s")
+    engine = Engine(args)
+    try:
+        app = create_app(engine, args)
+        logger.info("serving %s on http://%s:%d", app.state.server.model_name, args.host,
+                    args.port)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                    timeout_graceful_shutdown=5, access_log=False)
+    finally:
+        engine.shutdown()
+    return 0
