@@ -21,10 +21,12 @@ $(STAMP): $(PY) pyproject.toml
 
 setup: $(STAMP)
 
+# The main job: the OpenAI-compatible server with the default model on 127.0.0.1:30000.
 serve: setup
-	$(PY) examples/offline.py
+	$(PY) -m radixrt serve --host 127.0.0.1 --port 30000
 
-example: serve
+example: setup
+	$(PY) examples/offline.py
 
 test: setup
 	$(PY) -m pytest -q tests

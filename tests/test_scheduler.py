@@ -592,7 +592,7 @@ def test_mid_chunk_request_is_retracted_instead_of_starving_decode(
     running request needs a decode slot and only the chunked request's KV is left, it must go
     back to the queue (it used to fail the batch: "need 1 KV slots, 0 free")."""
     rng = random.Random(12)
-    jobs = {"a": (prompt(rng, 10), 45), "b": (prompt(rng, 50), 3)}
+    jobs = {"a": (prompt(rng, 10), 45), "b": (prompt(rng, 58), 3)}
     ref = reference(make_sched, jobs)
     sched = make_sched(max_total_tokens=64, chunked_prefill_size=4, init_new_token_ratio=0.05,
                        min_new_token_ratio=0.05, disable_radix_cache=not radix)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -414,12 +415,28 @@ def serve(args: ServerArgs) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"[%(asctime)s http pid={os.getpid()}] %(message)s")
     engine = Engine(args)
+
+    def stop(sig: int, frame: object) -> None:
+        raise _Stop(sig)
+
+    # uvicorn drains in-flight requests on SIGINT/SIGTERM (up to 5 s), restores these handlers
+    # and re-raises the signal: ours turns it into a clean return, so the children are stopped
+    # and the socket dir removed before the process exits with status 0.
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         app = create_app(engine, args)
         logger.info("serving %s on http://%s:%d", app.state.server.model_name, args.host,
                     args.port)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                     timeout_graceful_shutdown=5, access_log=False)
+    except _Stop as e:
+        logger.info("stopping on signal %d", e.args[0])
     finally:
         engine.shutdown()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0
+
+
+class _Stop(Exception):
+    pass

@@ -1,0 +1,342 @@
+"""The OpenAI-compatible server against a live process on loopback (tiny random model)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from radixrt import Engine, SamplingParams
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LiveServer:
+    proc: subprocess.Popen
+    url: str
+    api_key: str | None = None
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "none",
+                             max_retries=0, timeout=60)
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def get(self, path: str) -> httpx.Response:
+        return httpx.get(self.url + path, headers=self.headers(), timeout=30)
+
+    def wait_idle(self, timeout_s: float = 30) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            s = self.get("/debug/stats").json()
+            if s["num_running"] == 0 and s["num_waiting"] == 0:
+                return
+            time.sleep(0.05)
+        raise TimeoutError("server did not become idle")
+
+    def assert_clean(self) -> None:
+        self.wait_idle()
+        r = self.get("/debug/check_invariants")
+        assert r.status_code == 200 and r.json() == {"ok": True}, r.text
+
+
+def start_server(model_dir: str, *extra: str) -> LiveServer:
+    port = free_port()
+    cmd = [sys.executable, "-m", "radixrt", "serve", "--model", model_dir, "--port", str(port),
+           "--max-total-tokens", "8192", "--num-threads", "1", "--log-level", "warning", *extra]
+    proc = subprocess.Popen(cmd)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "server exited during start-up"
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                key = extra[extra.index("--api-key") + 1] if "--api-key" in extra else None
+                return LiveServer(proc, url, key)
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    raise TimeoutError("server did not start")
+
+
+def stop_server(server: LiveServer) -> None:
+    if server.proc.poll() is None:
+        server.proc.send_signal(signal.SIGTERM)
+        try:
+            server.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            server.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir) -> Iterator[LiveServer]:
+    srv = start_server(str(tiny_llama_dir))
+    yield srv
+    stop_server(srv)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_dir) -> Iterator[Engine]:
+    with Engine(model_path=str(tiny_llama_dir), max_total_tokens=8192, num_threads=1) as eng:
+        yield eng
+
+
+LONG = " ".join(["Radix trees share prefixes so caches keep what was computed once."] * 6)
+
+
+def test_models_and_health(server):
+    r = server.get("/v1/models").json()
+    assert r["object"] == "list" and r["data"][0]["object"] == "model"
+    assert server.get("/health").json() == {"status": "ok"}
+
+
+def test_completion_greedy_equals_engine(server, engine):
+    c = server.client()
+    r = c.completions.create(model="default", prompt="The quick brown fox", max_tokens=12,
+                             temperature=0, extra_body={"ignore_eos": True})
+    ref = engine.generate("The quick brown fox", SamplingParams(max_new_tokens=12, temperature=0,
+                                                                ignore_eos=True))
+    assert r.choices[0].text == ref.text
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 12 and r.usage.prompt_tokens == ref.prompt_tokens
+    assert r.id.startswith("cmpl-") and r.object == "text_completion" and r.created > 0
+
+
+def test_streaming_completion_and_usage(server, engine):
+    c = server.client()
+    chunks = list(c.completions.create(model="default", prompt="Radix trees", max_tokens=10,
+                                       temperature=0, stream=True,
+                                       stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True}))
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    ref = engine.generate("Radix trees", SamplingParams(max_new_tokens=10, temperature=0,
+                                                        ignore_eos=True))
+    assert text == ref.text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    finals = [ch.choices[0].finish_reason for ch in chunks if ch.choices]
+    assert finals[-1] == "length" and all(f is None for f in finals[:-1])
+
+
+def test_chat_stream_and_not(server, engine):
+    c = server.client()
+    msgs = [{"role": "system", "content": LONG}, {"role": "user", "content": "Hello there"}]
+    r = c.chat.completions.create(model="default", messages=msgs, max_tokens=8, temperature=0)
+    ref = engine.chat(msgs, SamplingParams(max_new_tokens=8, temperature=0))
+    assert r.choices[0].message.content == ref.text
+    assert r.choices[0].message.role == "assistant" and r.object == "chat.completion"
+    stream = c.chat.completions.create(model="default", messages=msgs, max_tokens=8,
+                                       temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == ref.text
+    assert chunks[-1].choices[0].finish_reason == ref.finish_reason
+    # The second request shares the long system prompt: reported as cached.
+    r2 = c.chat.completions.create(model="default", messages=[msgs[0], {
+        "role": "user", "content": "Something else entirely"}], max_tokens=4, temperature=0)
+    assert r2.usage.prompt_tokens_details.cached_tokens > 50
+
+
+def test_n_seed_stop_logprobs(server):
+    c = server.client()
+    kw = dict(model="default", prompt=LONG, max_tokens=12, temperature=1.0, seed=7, n=3,
+              extra_body={"ignore_eos": True})
+    a = c.completions.create(**kw)
+    b = c.completions.create(**kw)
+    assert [ch.text for ch in a.choices] == [ch.text for ch in b.choices]
+    assert len({ch.text for ch in a.choices}) > 1  # seed + i per sample: different samples
+    assert [ch.index for ch in a.choices] == [0, 1, 2]
+    assert a.usage.completion_tokens == 36
+    base = c.completions.create(model="default", prompt="Radix", max_tokens=30, temperature=0,
+                                extra_body={"ignore_eos": True}).choices[0].text
+    stop = base[5:8]
+    cut = c.completions.create(model="default", prompt="Radix", max_tokens=30, temperature=0,
+                               stop=[stop], extra_body={"ignore_eos": True}).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == base[: base.index(stop)]
+    lp = c.completions.create(model="default", prompt="Radix", max_tokens=3, temperature=0,
+                              logprobs=2).choices[0].logprobs
+    assert len(lp.token_logprobs) == 3 and all(len(t) <= 2 for t in lp.top_logprobs)
+    chat = c.chat.completions.create(model="default", messages=[{"role": "user", "content": "x"}],
+                                     max_tokens=3, temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert content[0].top_logprobs[0].logprob >= content[0].top_logprobs[1].logprob
+    echo = c.completions.create(model="default", prompt="Radix", max_tokens=3, temperature=0,
+                                echo=True).choices[0].text
+    assert echo.startswith("Radix")
+
+
+BAD = [
+    # (endpoint, body or raw bytes, status, param)
+    ("completions", b"{not json", 400, None),
+    ("completions", {"max_tokens": 4}, 400, "prompt"),
+    ("completions", {"prompt": ""}, 400, "prompt"),
+    ("completions", {"prompt": "hi", "max_tokens": "four"}, 400, "max_tokens"),
+    ("completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("completions", {"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
+    ("completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ("completions", {"prompt": "hi", "n": 0}, 400, "n"),
+    ("completions", {"prompt": "hi", "max_tokens": 5000}, 400, "max_tokens"),
+    ("completions", {"prompt": [1] * 2000}, 400, "prompt"),
+    ("completions", {"prompt": "hi", "model": "gpt-9"}, 404, "model"),
+    ("completions", {"prompt": "hi", "stop": 3}, 400, "stop"),
+    ("chat/completions", {"messages": []}, 400, "messages"),
+    ("chat/completions", {"messages": [{"content": "no role"}]}, 400, "messages[0]"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": -1},
+     400, "max_tokens"),
+    ("completions", {"prompt": "x" * (9 * 2**20)}, 413, None),
+]
+
+
+@pytest.mark.parametrize("endpoint, body, status, param", BAD)
+def test_bad_input_table(server, endpoint, body, status, param):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(f"{server.url}/v1/{endpoint}", content=data,
+                   headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param
+    ok = server.client().completions.create(model="default", prompt="still fine", max_tokens=2,
+                                            temperature=0)
+    assert ok.choices[0].text is not None
+
+
+def test_64_concurrent_streams_with_16_disconnects(server):
+    async def one(client: httpx.AsyncClient, i: int) -> int:
+        body = {"model": "default", "prompt": f"{LONG} request {i}", "max_tokens": 40,
+                "temperature": 0, "stream": True, "ignore_eos": True,
+                "stream_options": {"include_usage": True}}
+        n, generated = 0, 0
+        async with client.stream("POST", f"{server.url}/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    obj = json.loads(line[6:])
+                    assert "error" not in obj
+                    n += 1
+                    if i < 16 and n == 2:
+                        return -1  # hang up mid-stream
+                    if not obj["choices"]:
+                        generated = obj["usage"]["completion_tokens"]
+                if line == "data: [DONE]":
+                    return generated
+        return generated
+
+    async def run() -> list[int]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(64)))
+
+    results = asyncio.run(run())
+    assert results[:16] == [-1] * 16
+    assert results[16:] == [40] * 48
+    server.assert_clean()
+
+
+def test_metrics_parse_and_move(server):
+    def scrape() -> dict[str, float]:
+        text = httpx.get(server.url + "/metrics", timeout=30).text
+        out = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                if not s.labels:
+                    out[s.name] = s.value
+        return out
+
+    before = scrape()
+    c = server.client()
+    for _ in range(3):
+        c.completions.create(model="default", prompt=LONG, max_tokens=5, temperature=0,
+                             extra_body={"ignore_eos": True})
+    server.wait_idle()
+    after = scrape()
+    assert after["radixrt:requests_total"] - before["radixrt:requests_total"] == 3
+    assert after["radixrt:generation_tokens_total"] - before["radixrt:generation_tokens_total"] == 15
+    assert after["radixrt:cached_prompt_tokens_total"] > before["radixrt:cached_prompt_tokens_total"]
+    assert after["radixrt:e2e_request_latency_seconds_count"] - before[
+        "radixrt:e2e_request_latency_seconds_count"] == 3
+    assert after["radixrt:time_to_first_token_seconds_count"] >= 3
+    assert after["radixrt:num_running_reqs"] == 0
+    for k, v in after.items():  # counters never go down
+        if k.endswith("_total"):
+            assert v >= before.get(k, 0), k
+    assert httpx.post(server.url + "/flush_cache", timeout=30).json() == {"success": True}
+    assert scrape()["radixrt:prompt_tokens_total"] == after["radixrt:prompt_tokens_total"]
+
+
+def test_api_key_overload_and_dead_scheduler(tiny_llama_dir):
+    srv = start_server(str(tiny_llama_dir), "--api-key", "sekret", "--max-running-requests",
+                       "2", "--max-queued-requests", "2")
+    try:
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi"}, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert httpx.get(srv.url + "/health", timeout=30).status_code == 200
+        assert httpx.get(srv.url + "/metrics", timeout=30).status_code == 200
+        c = srv.client()
+        assert c.completions.create(model="default", prompt="hi", max_tokens=2).choices
+
+        async def flood() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=120, headers=srv.headers()) as client:
+                body = {"prompt": LONG, "max_tokens": 200, "ignore_eos": True}
+                return await asyncio.gather(*(client.post(srv.url + "/v1/completions",
+                                                          json=body) for _ in range(10)))
+
+        codes = [r.status_code for r in asyncio.run(flood())]
+        assert codes.count(429) >= 1 and codes.count(200) >= 4
+        srv.assert_clean()
+        # Kill the scheduler: /health turns 503 and an in-flight request fails fast.
+        pids = subprocess.run(["pgrep", "-P", str(srv.proc.pid)], capture_output=True,
+                              text=True).stdout.split()
+        sched = [p for p in pids if "scheduler.pkl" in open(f"/proc/{p}/cmdline").read()]
+        assert len(sched) == 1
+
+        async def inflight() -> httpx.Response:
+            async with httpx.AsyncClient(timeout=60, headers=srv.headers()) as client:
+                task = asyncio.create_task(client.post(srv.url + "/v1/completions", json={
+                    "prompt": LONG, "max_tokens": 900, "ignore_eos": True}))
+                await asyncio.sleep(1.0)
+                os.kill(int(sched[0]), signal.SIGKILL)
+                t0 = time.monotonic()
+                r = await task
+                assert time.monotonic() - t0 < 10
+                return r
+
+        r = asyncio.run(inflight())
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+        assert httpx.get(srv.url + "/health", timeout=30).status_code == 503
+    finally:
+        stop_server(srv)
+    assert srv.proc.returncode is not None
+
+
+def test_sigterm_stops_every_process(tiny_llama_dir):
+    srv = start_server(str(tiny_llama_dir))
+    kids = subprocess.run(["pgrep", "-P", str(srv.proc.pid)], capture_output=True,
+                          text=True).stdout.split()
+    assert len(kids) == 2
+    sockdir = os.path.dirname(next(a for a in open(f"/proc/{kids[0]}/cmdline").read().split("\0")
+                                   if a.endswith(".pkl")))
+    srv.proc.send_signal(signal.SIGTERM)
+    assert srv.proc.wait(30) == 0
+    for k in kids:
+        assert not os.path.exists(f"/proc/{k}") or open(f"/proc/{k}/stat").read().split()[2] == "Z"
+    assert not os.path.exists(sockdir)
