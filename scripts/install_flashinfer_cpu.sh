@@ -22,11 +22,13 @@ then
     exit 0
 fi
 
-# --no-deps: the wheel's own requirements would pull a CUDA torch and nvidia-* wheels; torch is
-# already pinned (CPU build) by pyproject.toml. Its pure-Python runtime dependencies follow.
+# --no-deps: the wheel's own requirements would pull a CUDA torch and nvidia-* / cuda-python /
+# nccl wheels (GPU-only, unused by `import flashinfer`); torch is already pinned (CPU build) by
+# pyproject.toml. The pure-Python runtime dependencies the import needs follow. `pip check`
+# reports the skipped GPU-only requirements; that is expected here.
 "$PY" -m pip install --no-deps "flashinfer-python==${FLASHINFER_VERSION}"
 "$PY" -m pip install \
     "apache-tvm-ffi>=0.1.11,<0.2" \
-    einops ninja nvidia-ml-py tabulate click requests
+    einops ninja nvidia-ml-py tabulate click requests "packaging>=24.2" tqdm numpy
 
 "$PY" -c "import flashinfer; print('flashinfer', flashinfer.__version__, 'imports')"

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from radixrt.attention import create_attention_backend, torch_native
+from radixrt.attention.flashinfer import FlashInferUnavailableError
 from radixrt.attention.torch_native import TorchNativeBackend
 from radixrt.mem.memory_pool import ReqToTokenPool, TokenToKVPool
 from radixrt.model.forward_batch import ForwardBatch, ForwardMode
@@ -196,7 +197,7 @@ def test_forward_requires_metadata_for_the_same_batch() -> None:
 def test_factory() -> None:
     kv = TokenToKVPool(4, 1, 1, D)
     assert isinstance(create_attention_backend("torch", kv), TorchNativeBackend)
-    with pytest.raises(NotImplementedError, match="later issue"):
+    with pytest.raises(FlashInferUnavailableError, match="CUDA"):
         create_attention_backend("flashinfer", kv)
     with pytest.raises(ValueError):
         create_attention_backend("nope", kv)

@@ -20,7 +20,11 @@ from typing import Any
 import pytest
 import torch
 
-from radixrt.attention.flashinfer import FlashInferBackend
+from radixrt.attention.flashinfer import (
+    FlashInferBackend,
+    merge_state_max_heads,
+    merge_state_torch,
+)
 from radixrt.attention.torch_native import TorchNativeBackend
 from radixrt.mem.memory_pool import ReqToTokenPool, TokenToKVPool
 from radixrt.model.forward_batch import ForwardBatch, ForwardMode
@@ -292,11 +296,13 @@ def make_batch(
     seed: int,
     dtype: torch.dtype = torch.float32,
     num_layers: int = 2,
+    head_dim: int = D,
+    device: str = "cpu",
 ) -> tuple[TokenToKVPool, ForwardBatch]:
     """Real pools whose prefix slots hold random K/V at scattered slots, and the step's batch."""
     g = torch.Generator().manual_seed(seed)
     total = sum(prefix_lens) + sum(extend_lens)
-    kv = TokenToKVPool(total + 8, num_layers, kv_heads, D, dtype=dtype)
+    kv = TokenToKVPool(total + 8, num_layers, kv_heads, head_dim, dtype=dtype, device=device)
     for buf in kv.k_buffer + kv.v_buffer:
         buf.copy_(torch.randn(buf.shape, generator=g))
     perm = torch.randperm(total + 8, generator=g)[:total] + 1  # never the dummy slot 0
@@ -310,24 +316,30 @@ def make_batch(
         used += p
     ids = torch.zeros(sum(extend_lens), dtype=torch.int64)
     fb = ForwardBatch.build(
-        mode, ids, rows, prefix_lens, extend_lens, perm[used:], reqs.req_to_token
+        mode, ids, rows, prefix_lens, extend_lens, perm[used:], reqs.req_to_token, device
     )
     return kv, fb
 
 
 def random_qkv(
-    n: int, heads: int, kv_heads: int, seed: int, dtype: torch.dtype = torch.float32
+    n: int,
+    heads: int,
+    kv_heads: int,
+    seed: int,
+    dtype: torch.dtype = torch.float32,
+    head_dim: int = D,
+    device: str = "cpu",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return (
-        torch.randn(n, heads, D, generator=g).to(dtype),
-        torch.randn(n, kv_heads, D, generator=g).to(dtype),
-        torch.randn(n, kv_heads, D, generator=g).to(dtype),
+    return tuple(  # type: ignore[return-value]
+        torch.randn(n, h, head_dim, generator=g).to(device, dtype) for h in (heads, kv_heads, kv_heads)
     )
 
 
 def clone_pool(kv: TokenToKVPool) -> TokenToKVPool:
-    out = TokenToKVPool(kv.size, kv.num_layers, kv.num_kv_heads, kv.head_dim, dtype=kv.dtype)
+    out = TokenToKVPool(
+        kv.size, kv.num_layers, kv.num_kv_heads, kv.head_dim, dtype=kv.dtype, device=kv.device
+    )
     for dst, src in zip(out.k_buffer + out.v_buffer, kv.k_buffer + kv.v_buffer, strict=True):
         dst.copy_(src)
     return out
@@ -352,12 +364,19 @@ def _case_id(c: Any) -> str:
 
 
 def run_both(
-    kv: TokenToKVPool, fb: ForwardBatch, heads: int, kv_heads: int, scale: float, seed: int
+    kv: TokenToKVPool,
+    fb: ForwardBatch,
+    heads: int,
+    kv_heads: int,
+    scale: float,
+    seed: int,
+    merge_in_torch: bool = False,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(flashinfer-backend output, torch-native output) per layer, on twin pools."""
     kv_ref = clone_pool(kv)
     fi = FlashInferBackend(kv, heads, sm_scale=scale, flashinfer=torch_flashinfer(),
                            workspace_bytes=WORKSPACE)
+    fi.merge_in_torch = merge_in_torch
     ref = TorchNativeBackend(kv_ref)
     fi.init_forward_metadata(fb)
     ref.init_forward_metadata(fb)
@@ -390,6 +409,19 @@ def test_decode_matches_torch_native(seq_lens: list[int], heads: int, kv_heads: 
     kv, fb = make_batch(prefix, [1] * len(seq_lens), heads, kv_heads, ForwardMode.DECODE, seed=7)
     for got, want in run_both(kv, fb, heads, kv_heads, 0.3, seed=5):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_torch_merge_fallback() -> None:
+    """Past merge_state's launch limit the backend merges in torch, with the same result."""
+    assert merge_state_max_heads(64, 2) == 128 and merge_state_max_heads(128, 2) == 64
+    kv, fb = make_batch([0, 37, 5, 0], [7, 1, 20, 1], 8, 2, ForwardMode.EXTEND, seed=9)
+    for got, want in run_both(kv, fb, 8, 2, D**-0.5, seed=4, merge_in_torch=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    g = torch.Generator().manual_seed(3)
+    v_a, v_b = torch.randn(2, 6, 4, D, generator=g)
+    s_a, s_b = torch.randn(2, 6, 4, generator=g) * 5
+    s_b[0] = -math.inf  # an empty paged part
+    torch.testing.assert_close(merge_state_torch(v_a, s_a, v_b, s_b), merge_state(v_a, s_a, v_b, s_b)[0])
 
 
 def test_bf16_two_pass_close_to_torch_native() -> None:

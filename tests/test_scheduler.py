@@ -34,6 +34,7 @@ from radixrt.messages import (
     ReqTokenOut,
     StatsReq,
 )
+from radixrt.model.forward_batch import ForwardBatch
 from radixrt.model.runner import ModelRunner
 from radixrt.sampling.params import SamplingParams
 from radixrt.sched import schedule_policy
@@ -529,7 +530,7 @@ def test_retracted_requests_readmitted_with_cache_hit(make_sched: Callable[..., 
     readmits: list[tuple[str, int, int, int]] = []  # rid, prefix, computed (first chunk), seq_len
     orig = sched.builder.build_extend
 
-    def spy(reqs: list[Req]):  # type: ignore[no-untyped-def]
+    def spy(reqs: list[Req]) -> ForwardBatch:
         for r in reqs:
             if r.req_pool_idx is None and r.num_retractions > 0:
                 readmits.append((r.rid, r.kv_len, r.extend_len, r.seq_len()))
@@ -637,7 +638,7 @@ def test_chunked_prefill_matches_unchunked(make_sched: Callable[..., Scheduler],
     steps_per_req: dict[str, int] = {}
     orig = sched.builder.build_extend
 
-    def spy(reqs: list[Req]):  # type: ignore[no-untyped-def]
+    def spy(reqs: list[Req]) -> ForwardBatch:
         assert sum(r.extend_len for r in reqs) <= budget
         assert sum(r.kv_len + r.extend_len < r.seq_len() for r in reqs) <= 1  # ≤ 1 chunked
         for r in reqs:
@@ -672,7 +673,7 @@ def test_in_batch_prefix_sharing(make_sched: Callable[..., Scheduler], name: str
     batches: list[list[str]] = []
     orig = sched.builder.build_extend
 
-    def spy(reqs: list[Req]):  # type: ignore[no-untyped-def]
+    def spy(reqs: list[Req]) -> ForwardBatch:
         batches.append(rids(reqs))
         return orig(reqs)
 
@@ -884,17 +885,17 @@ def test_failed_batch_aborts_its_requests_only(make_sched: Callable[..., Schedul
     orig_forward = sched.runner.forward
     orig_ext, orig_dec = sched.builder.build_extend, sched.builder.build_decode
 
-    def forward(fb):  # type: ignore[no-untyped-def]
+    def forward(fb: ForwardBatch) -> torch.Tensor:
         calls[0] += 1
         if calls[0] == fail_call:
             raise RuntimeError("boom")
         return orig_forward(fb)
 
-    def ext(reqs: list[Req]):  # type: ignore[no-untyped-def]
+    def ext(reqs: list[Req]) -> ForwardBatch:
         last_batch[0] = rids(reqs)
         return orig_ext(reqs)
 
-    def dec(reqs: list[Req]):  # type: ignore[no-untyped-def]
+    def dec(reqs: list[Req]) -> ForwardBatch:
         last_batch[0] = rids(reqs)
         return orig_dec(reqs)
 

@@ -88,9 +88,25 @@ def flashinfer_unavailable_reason(
 
 def decode_use_tensor_cores(kv_dtype: torch.dtype, num_q_heads: int, num_kv_heads: int) -> bool:
     """Tensor-core (prefill-kernel) decode for fp16/bf16 when the GQA group is large enough."""
-    return kv_dtype in SUPPORTED_KV_DTYPES and num_q_heads // num_kv_heads >= (
-        TENSOR_CORE_MIN_GQA_GROUP
-    )
+    group = num_q_heads // num_kv_heads
+    return kv_dtype in SUPPORTED_KV_DTYPES and group >= TENSOR_CORE_MIN_GQA_GROUP
+
+
+def merge_state_max_heads(head_dim: int, elem_size: int) -> int:
+    """Most heads `flashinfer.merge_state` can launch: its block is (head_dim / vec, heads)
+    threads, vec = max(16 / elem_size, head_dim / 32), and a block holds at most 1024 threads."""
+    vec = max(16 // elem_size, head_dim // 32)
+    return 1024 // max(1, head_dim // vec)
+
+
+def merge_state_torch(
+    v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: torch.Tensor
+) -> torch.Tensor:
+    """`merge_state`'s output in torch (base-2 LSEs `[n, heads]`, values `[n, heads, dim]`)."""
+    s_max = torch.maximum(s_a, s_b)
+    w_a = torch.exp2(s_a - s_max).unsqueeze(-1)
+    w_b = torch.exp2(s_b - s_max).unsqueeze(-1)
+    return ((v_a.float() * w_a + v_b.float() * w_b) / (w_a + w_b)).to(v_a.dtype)
 
 
 def host_indptr(lengths: list[int]) -> torch.Tensor:
@@ -135,6 +151,10 @@ class FlashInferBackend(AttentionBackend):
         self.use_tensor_cores = decode_use_tensor_cores(
             self.dtype, num_q_heads, self.num_kv_heads
         )
+        # Too many heads for merge_state's launch: merge with torch (same formula, a few kernels).
+        self.merge_in_torch = num_q_heads > merge_state_max_heads(
+            self.head_dim, torch.empty((), dtype=self.dtype).element_size()
+        )
         self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device)
         self.ragged = fi.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, KV_LAYOUT)
         self.paged = fi.BatchPrefillWithPagedKVCacheWrapper(
@@ -154,10 +174,11 @@ class FlashInferBackend(AttentionBackend):
 
     # -- per step ----------------------------------------------------------------------------
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
-        self._planned_for = fb
+        self._planned_for = None  # until the plans below succeed
         if fb.is_decode:
-            self._decode_wrapper = self.decode
             self._plan_decode(self.decode, fb)
+            self._decode_wrapper = self.decode
+            self._planned_for = fb
             return
         qo_indptr = host_indptr(fb.extend_lens_cpu)
         self.ragged.plan(
@@ -187,6 +208,7 @@ class FlashInferBackend(AttentionBackend):
                 q_data_type=self.dtype,
                 kv_data_type=self.dtype,
             )
+        self._planned_for = fb
 
     def _plan_decode(self, wrapper: Any, fb: ForwardBatch) -> None:
         wrapper.plan(
@@ -234,9 +256,10 @@ class FlashInferBackend(AttentionBackend):
             backend="fa2",
         )
         self._graph_decode[bs] = wrapper
-        self._planned_for = fb
-        self._decode_wrapper = wrapper
+        self._planned_for = None
         self._plan_decode(wrapper, fb)
+        self._decode_wrapper = wrapper
+        self._planned_for = fb
 
     def init_forward_metadata_replay(self, fb: ForwardBatch) -> None:
         """Before replaying the graph captured at `fb.batch_size` (a padded decode batch):
@@ -244,9 +267,10 @@ class FlashInferBackend(AttentionBackend):
         wrapper = self._graph_decode.get(fb.batch_size)
         if wrapper is None or not fb.is_decode:
             raise ValueError(f"no decode graph was captured for batch size {fb.batch_size}")
-        self._planned_for = fb
-        self._decode_wrapper = wrapper
+        self._planned_for = None
         self._plan_decode(wrapper, fb)
+        self._decode_wrapper = wrapper
+        self._planned_for = fb
 
     # -- per layer ---------------------------------------------------------------------------
     def forward(
@@ -278,5 +302,7 @@ class FlashInferBackend(AttentionBackend):
             return self.ragged.run(q, k, v)
         o_new, lse_new = self.ragged.run(q, k, v, return_lse=True)
         o_prefix, lse_prefix = self.paged.run(q, kv_cache, return_lse=True)
+        if self.merge_in_torch:
+            return merge_state_torch(o_new, lse_new, o_prefix, lse_prefix)
         out, _ = self.fi.merge_state(o_new, lse_new, o_prefix, lse_prefix)
         return out

@@ -9,6 +9,7 @@ import psutil
 import torch
 
 from radixrt.attention import create_attention_backend
+from radixrt.attention.flashinfer import FlashInferBackend
 from radixrt.config import ServerArgs
 from radixrt.mem.memory_pool import ReqToTokenPool, TokenToKVPool, kv_bytes_per_token
 from radixrt.model.forward_batch import ForwardBatch
@@ -54,9 +55,18 @@ class ModelRunner:
             self.sizes.max_total_tokens, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
             self.dtype, self.device)
         self.attn_backend = create_attention_backend(
-            args.attention_backend, self.token_to_kv_pool, self.device)
+            args.attention_backend, self.token_to_kv_pool, self.device,
+            num_q_heads=cfg.num_heads)
         self.model, _ = load_model(self.model_path, self.attn_backend, self.dtype, self.device,
                                    model_config=cfg)
+        self.cuda_graphs = None
+        if (self.device.type == "cuda" and not args.disable_cuda_graph
+                and isinstance(self.attn_backend, FlashInferBackend)):
+            from radixrt.model.cuda_graph_runner import CudaGraphRunner
+
+            self.cuda_graphs = CudaGraphRunner(
+                self.model, self.attn_backend, max_bs=self.sizes.max_running_requests,
+                max_kv_tokens=self.sizes.max_total_tokens)
         logger.info(
             "KV pool: %d tokens (%.1f MiB, %s), %d request rows x %d context, device %s",
             self.sizes.max_total_tokens,
@@ -66,5 +76,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """float32 logits `[B, vocab]` for each request's `logits_indices` row."""
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(fb):
+            return self.cuda_graphs.replay(fb)  # plans the batch itself
         self.attn_backend.init_forward_metadata(fb)
         return self.model(fb)

@@ -337,6 +337,12 @@ class Sampler:
         batch = info.batch_size
         if info.is_fast_path:
             return SampleOutput(logits.argmax(dim=-1).tolist(), [None] * batch)
+        if logits.is_cuda:  # FlashInfer's fused kernels where they cover the rows' settings
+            from radixrt.sampling.flashinfer_sampler import flashinfer_sample
+
+            ids = flashinfer_sample(logits, info)
+            if ids is not None:
+                return SampleOutput(ids.tolist(), [None] * batch)
 
         raw = logits.float()
         x = apply_penalties(raw, info)

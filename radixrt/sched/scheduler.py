@@ -135,9 +135,11 @@ class Scheduler:
             self._finish(req, reason, message)
 
     def _finish(self, req: Req, reason: str, message: str = "") -> None:
+        """End a request outside the normal result path (abort, failed batch)."""
         if req.finish_reason is None:
             req.finish_reason = reason
         req.error = req.error or message
+        self.counters.finished_requests += 1
         self.finished_this_step.append(req)
 
     # -- one step -----------------------------------------------------------------------------------
