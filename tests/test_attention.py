@@ -201,3 +201,60 @@ def test_factory() -> None:
         create_attention_backend("flashinfer", kv)
     with pytest.raises(ValueError):
         create_attention_backend("nope", kv)
+
+
+# Decode rows whose leading slots are the same canonical cached prefix (as the radix cache makes
+# them), in several groups: the cascade plan gathers each shared prefix once.
+SHARED_CASES = [
+    # (shared prefix per group, group sizes, private lengths per request beyond the prefix)
+    ([40], [2], [3, 9]),
+    ([64, 33], [3, 4], [1, 5, 2, 7, 3, 1, 12]),
+    ([50, 31], [2, 2], [4, 4, 6, 6]),  # second group below CASCADE_MIN_SHARED: no cascade
+    ([70], [5], [0, 2, 2, 8, 1]),  # a request whose own part is only the new token
+]
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4)])
+@pytest.mark.parametrize("case", SHARED_CASES, ids=str)
+def test_decode_over_shared_prefixes_matches_reference(
+    case: tuple[list[int], list[int], list[int]], heads: int, kv_heads: int
+) -> None:
+    shared, sizes, private = case
+    g = torch.Generator().manual_seed(sum(shared))
+    bs = sum(sizes)
+    total = sum(shared) + sum(private) + bs + 4
+    kv = TokenToKVPool(total, 2, kv_heads, D)
+    for buf in kv.k_buffer + kv.v_buffer:
+        buf.copy_(torch.randn(buf.shape, generator=g))
+    slots = (torch.randperm(total, generator=g) + 1).tolist()
+    reqs = ReqToTokenPool(bs + 1, max(shared) + max(private) + 2)
+    rows, prefix_lens = [], []
+    b = 0
+    for sp, n in zip(shared, sizes, strict=True):
+        common = [slots.pop() for _ in range(sp)]
+        for _ in range(n):
+            own = [slots.pop() for _ in range(private[b])]
+            r = reqs.alloc()
+            assert r is not None
+            reqs.req_to_token[r, : sp + len(own)] = torch.tensor(common + own, dtype=torch.int32)
+            rows.append(r)
+            prefix_lens.append(sp + len(own))
+            b += 1
+    out_loc = torch.tensor([slots.pop() for _ in range(bs)])
+    fb = ForwardBatch.build(ForwardMode.DECODE, torch.zeros(bs, dtype=torch.int64), rows,
+                            prefix_lens, [1] * bs, out_loc, reqs.req_to_token)
+    q = torch.randn(bs, heads, D, generator=g)
+    k = torch.randn(bs, kv_heads, D, generator=g)
+    v = torch.randn(bs, kv_heads, D, generator=g)
+    scale = D**-0.5
+    ref = _reference(q, k, v, kv, fb, scale)
+    backend = TorchNativeBackend(kv)
+    backend.init_forward_metadata(fb)
+    cascade = backend._cascade
+    expect = [s for s, n in zip(shared, sizes, strict=True)
+              if n >= 2 and s >= torch_native.CASCADE_MIN_SHARED]
+    assert cascade is not None
+    assert cascade.num_groups == len(expect) and cascade.shared_mask.shape[-1] == max(
+        expect)
+    out = backend.forward(q, k, v, LAYER, scale, fb)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)

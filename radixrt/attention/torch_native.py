@@ -26,6 +26,10 @@ from radixrt.model.forward_batch import ForwardBatch
 
 # Extend runs padded when B * Qmax * Kmax <= this factor times the useful sum(q_b * k_b).
 PADDED_WASTE_FACTOR = 2.0
+# Decode requests whose rows start with at least this many identical slots (a shared cached
+# prefix: the radix cache points every row at the same canonical slots) attend to that prefix
+# together: it is gathered once per group instead of once per request.
+CASCADE_MIN_SHARED = 32
 
 
 @dataclass
@@ -35,6 +39,22 @@ class _PaddedPlan:
     qmax: int
     mask: torch.Tensor  # float [B, 1, Qmax, Kmax]: 0 where visible, -inf elsewhere
     q_rows: torch.Tensor | None  # int64 [num_tokens]: padded row b * Qmax + i of each token
+
+
+@dataclass
+class _CascadePlan:
+    """Decode as two passes merged by log-sum-exp: each group's shared prefix (gathered once for
+    the group, all groups in one padded batch), then every request's own suffix (padded; always
+    >= 1 key: the token written this step)."""
+
+    num_groups: int
+    nmax: int  # largest group
+    shared_index: torch.Tensor  # int64 [num_groups * Lmax] (0 = padding)
+    shared_mask: torch.Tensor  # float [num_groups, 1, 1, Lmax]
+    grouped_rows: torch.Tensor  # int64 [R]: batch rows that belong to a group
+    grouped_slots: torch.Tensor  # int64 [R]: their place, group * nmax + rank in group
+    suffix_index: torch.Tensor  # int64 [B * Smax] (0 = padding)
+    suffix_mask: torch.Tensor  # float [B, 1, 1, Smax]
 
 
 @dataclass
@@ -53,15 +73,17 @@ class TorchNativeBackend(AttentionBackend):
         super().__init__(kv_pool)
         self.device = torch.device(device) if device is not None else kv_pool.device
         self._padded: _PaddedPlan | None = None
+        self._cascade: _CascadePlan | None = None
         self._ragged: list[_RaggedReq] | None = None
         self._planned_for: ForwardBatch | None = None  # the batch the plan above describes
 
     # -- per step ----------------------------------------------------------------------------
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
-        self._padded, self._ragged = None, None
+        self._padded, self._cascade, self._ragged = None, None, None
         self._planned_for = fb
         if fb.is_decode:
             self._padded = self._plan_decode(fb)
+            self._cascade = self._plan_cascade(fb, self._padded)
             return
         ext, pre = fb.extend_lens_cpu, fb.prefix_lens_cpu
         qmax = max(ext)
@@ -87,6 +109,61 @@ class TorchNativeBackend(AttentionBackend):
         mask = torch.zeros(bs, 1, 1, kmax, dtype=self._mask_dtype(), device=dev)
         mask.masked_fill_(~valid.view(bs, 1, 1, kmax), float("-inf"))
         return _PaddedPlan(index.view(-1), kmax, 1, mask, None)
+
+    def _plan_cascade(self, fb: ForwardBatch, plan: _PaddedPlan) -> _CascadePlan | None:
+        """Groups of >= 2 requests whose rows share >= CASCADE_MIN_SHARED leading slots."""
+        bs, kmax = fb.batch_size, plan.kmax
+        if bs < 2:
+            return None
+        index = plan.kv_index.view(bs, kmax)
+        seq = fb.seq_lens_cpu
+        by_first: dict[int, list[int]] = {}
+        for b, first in enumerate(index[:, 0].tolist()):
+            by_first.setdefault(first, []).append(b)
+        groups: list[tuple[list[int], torch.Tensor]] = []
+        start = [0] * bs
+        for rows in by_first.values():
+            if len(rows) < 2:
+                continue
+            limit = min(seq[b] for b in rows) - 1  # every request keeps >= 1 key of its own
+            if limit < CASCADE_MIN_SHARED:
+                continue
+            rows_t = torch.tensor(rows, dtype=torch.int64, device=index.device)
+            sub = index[rows_t, :limit]
+            same = (sub == sub[0]).all(dim=0)
+            shared = limit if bool(same.all()) else int((~same).nonzero()[0])
+            if shared < CASCADE_MIN_SHARED:
+                continue
+            groups.append((rows, sub[0, :shared]))
+            for b in rows:
+                start[b] = shared
+        if not groups:
+            return None
+        dev = self.device
+        ng, nmax = len(groups), max(len(r) for r, _ in groups)
+        lmax = max(int(p.numel()) for _, p in groups)
+        shared_index = torch.zeros(ng, lmax, dtype=torch.int64, device=dev)
+        shared_mask = torch.full((ng, 1, 1, lmax), float("-inf"), dtype=self._mask_dtype(),
+                                 device=dev)
+        grouped_rows, grouped_slots = [], []
+        for gi, (rows, prefix) in enumerate(groups):
+            shared_index[gi, : prefix.numel()] = prefix
+            shared_mask[gi, ..., : prefix.numel()] = 0
+            grouped_rows.extend(rows)
+            grouped_slots.extend(gi * nmax + j for j in range(len(rows)))
+        smax = max(q - st for q, st in zip(seq, start, strict=True))
+        start_t = torch.tensor(start, dtype=torch.int64, device=dev)
+        seq_t = torch.tensor(seq, dtype=torch.int64, device=dev)
+        cols = torch.arange(smax, device=dev).unsqueeze(0) + start_t.unsqueeze(1)  # [B, Smax]
+        valid = cols < seq_t.unsqueeze(1)
+        suffix = torch.gather(index, 1, cols.clamp(max=kmax - 1)) * valid
+        mask = torch.zeros(bs, 1, 1, smax, dtype=self._mask_dtype(), device=dev)
+        mask.masked_fill_(~valid.view(bs, 1, 1, smax), float("-inf"))
+        return _CascadePlan(
+            ng, nmax, shared_index.view(-1), shared_mask,
+            torch.tensor(grouped_rows, dtype=torch.int64, device=dev),
+            torch.tensor(grouped_slots, dtype=torch.int64, device=dev),
+            suffix.reshape(-1), mask)
 
     def _plan_padded_extend(self, fb: ForwardBatch) -> _PaddedPlan:
         """Extend layout: keys = prefix slots then this step's slots (already in the pool)."""
@@ -149,6 +226,8 @@ class TorchNativeBackend(AttentionBackend):
             raise RuntimeError("init_forward_metadata(fb) was not called for this batch")
         # Contiguous sources: index_put from a strided view is ~100x slower on CPU.
         self.kv_pool.set_kv(layer_id, fb.out_cache_loc, k.contiguous(), v.contiguous())
+        if self._cascade is not None:
+            return self._decode_cascade(q, layer_id, scaling)
         if self._padded is not None:
             if self._padded.q_rows is None:
                 return self._decode(q, layer_id, scaling)
@@ -178,6 +257,40 @@ class TorchNativeBackend(AttentionBackend):
         out = F.scaled_dot_product_attention(
             qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=plan.mask, scale=scaling
         )
+        return out.reshape(bs, heads, dim)
+
+    def _decode_cascade(self, q: torch.Tensor, layer_id: int, scaling: float) -> torch.Tensor:
+        """Softmax over prefix ∪ suffix from the parts' outputs and log-sum-exps:
+        out = Σ_part out_part · exp(lse_part − lse), lse = log Σ_part exp(lse_part)."""
+        plan = self._cascade
+        assert plan is not None
+        bs, heads, dim = q.shape
+        kv_heads = self.kv_pool.num_kv_heads
+        group = heads // kv_heads
+        qg = q.reshape(bs, kv_heads, group, dim)  # query head h uses KV head h // group
+        k, v = self._gather(layer_id, plan.suffix_index, bs)  # [B, Smax, Hkv, D]
+        out, lse = _attention_lse(qg, k.transpose(1, 2), v.transpose(1, 2), plan.suffix_mask,
+                                  scaling)  # [B, Hkv, G, D], [B, Hkv, G]
+        ng, nmax = plan.num_groups, plan.nmax
+        # Every group's queries against its shared keys, all groups in one call.
+        qs = q.new_zeros(ng * nmax, kv_heads, group, dim)
+        qs.index_copy_(0, plan.grouped_slots, qg.index_select(0, plan.grouped_rows))
+        qs = qs.view(ng, nmax, kv_heads, group, dim).transpose(1, 2)
+        ks, vs = self._gather(layer_id, plan.shared_index, ng)  # [G, Lmax, Hkv, D]
+        out_s, lse_s = _attention_lse(qs.reshape(ng, kv_heads, nmax * group, dim),
+                                      ks.transpose(1, 2), vs.transpose(1, 2), plan.shared_mask,
+                                      scaling)
+        out_s = out_s.view(ng, kv_heads, nmax, group, dim).transpose(1, 2).reshape(
+            ng * nmax, kv_heads, group, dim).index_select(0, plan.grouped_slots)
+        lse_s = lse_s.view(ng, kv_heads, nmax, group).transpose(1, 2).reshape(
+            ng * nmax, kv_heads, group).index_select(0, plan.grouped_slots)
+        rows = plan.grouped_rows
+        lse_x = lse.index_select(0, rows)
+        top = torch.maximum(lse_x, lse_s)
+        w_x = torch.exp(lse_x - top).unsqueeze(-1)
+        w_s = torch.exp(lse_s - top).unsqueeze(-1)
+        merged = (out.index_select(0, rows) * w_x + out_s * w_s) / (w_x + w_s)
+        out = out.index_copy(0, rows, merged)
         return out.reshape(bs, heads, dim)
 
     def _extend_padded(self, q: torch.Tensor, layer_id: int, scaling: float) -> torch.Tensor:
@@ -223,3 +336,17 @@ class TorchNativeBackend(AttentionBackend):
             )
             out[r.q_start : r.q_end] = o[0].transpose(0, 1)
         return out
+
+
+def _attention_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention `[..., Lq, D]` and its natural-log log-sum-exp `[..., Lq]`; K/V heads already
+    matched to the query heads. On CPU, the fused flash kernel (which returns the LSE)."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=mask, scale=scale)
+        return out, lse
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale + mask
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v), lse
