@@ -693,6 +693,26 @@ def test_in_batch_prefix_sharing(make_sched: Callable[..., Scheduler], name: str
     assert_clean(sched)
 
 
+@pytest.mark.parametrize("name", CACHE_AWARE)
+def test_followers_wait_for_a_leader_mid_chunk(make_sched: Callable[..., Scheduler],
+                                               name: str) -> None:
+    """A leader whose prompt is prefilled in chunks is in flight, not waiting: requests sharing
+    its prompt must still wait for it instead of recomputing the shared part."""
+    rng = random.Random(7)
+    shared = prompt(rng, 120)
+    jobs = {"lead": ([*shared, *prompt(rng, 4)], 3)}  # chunks of 64 and 60 (the final one)
+    sched = make_sched(schedule_policy=name, chunked_prefill_size=64)
+    submit(sched, jobs)
+    sched.step()  # the leader's first chunk
+    assert sched.chunked_req is not None
+    follow = {f"f{i}": ([*shared, *prompt(rng, 5 + i)], 3) for i in range(3)}
+    submit(sched, follow)
+    run = Run().drive(sched)
+    for rid in follow:
+        assert run.finals[rid].cached_tokens >= 120, rid
+    assert_clean(sched)
+
+
 @pytest.mark.parametrize("kw", [{"schedule_policy": "fcfs"}, {"disable_radix_cache": True}])
 def test_no_deferral_without_cache_aware_policy(make_sched: Callable[..., Scheduler],
                                                 kw: dict[str, object]) -> None:

@@ -40,7 +40,10 @@ class SchedulePolicy:
         self.starvation_timeout_s = starvation_timeout_s
         self.clock = clock
 
-    def order(self, waiting: list[Req]) -> tuple[list[Req], set[str]]:
+    def order(self, waiting: list[Req],
+              in_flight: tuple[Req, ...] = ()) -> tuple[list[Req], set[str]]:
+        """`in_flight`: requests mid-prefill (a chunked one) whose prompts are not cached yet
+        but will be; waiting requests sharing them are held back too."""
         if not waiting:
             return [], set()
         now = self.clock()
@@ -65,7 +68,7 @@ class SchedulePolicy:
                 ordered = sorted(rest, key=lambda r: (-r.match_len, r.arrival_time))
             else:
                 ordered = self._dfs_weight(rest, last_nodes)
-            deferred = self._in_batch_deferrals(ordered)
+            deferred = self._in_batch_deferrals(ordered, in_flight)
         starved.sort(key=lambda r: r.arrival_time)
         return starved + ordered, deferred
 
@@ -97,9 +100,13 @@ class SchedulePolicy:
         return out
 
     @staticmethod
-    def _in_batch_deferrals(ordered: list[Req]) -> set[str]:
-        """Requests whose uncached part overlaps an earlier request's by ≥ the threshold."""
+    def _in_batch_deferrals(ordered: list[Req], in_flight: tuple[Req, ...] = ()) -> set[str]:
+        """Requests whose uncached part overlaps an earlier or in-flight request's by ≥ the
+        threshold."""
         pending = RadixCache(None, None)  # type: ignore[arg-type]  # a trie of planned prompts
+        for r in in_flight:
+            ids = r.all_ids()
+            pending.insert(ids, torch.zeros(len(ids), dtype=torch.int64))
         deferred: set[str] = set()
         for r in ordered:
             ids = r.all_ids()

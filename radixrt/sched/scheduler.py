@@ -171,11 +171,13 @@ class Scheduler:
             self.cache, self.kv_pool.available_size, self.req_pool.available_size(),
             self.running, self.args.max_running_requests, self.args.max_prefill_tokens,
             self.args.chunked_prefill_size, self.new_token_ratio)
+        in_flight: tuple[Req, ...] = ()
         if self.chunked_req is not None:
             if not adder.add_chunked(self.chunked_req):
                 return None
+            in_flight = (self.chunked_req,)  # its prompt is cached only after this step
             self.chunked_req = None
-        ordered, deferred = self.policy.order(self.waiting)
+        ordered, deferred = self.policy.order(self.waiting, in_flight)
         for req in ordered:
             if req.rid in deferred:
                 continue
