@@ -200,6 +200,19 @@ def test_starved_requests_go_first_in_every_policy(name: str, enabled: bool) -> 
     p.check()
 
 
+@pytest.mark.parametrize("name", CACHE_AWARE)
+def test_starved_requests_still_share_their_uncached_prefix(name: str) -> None:
+    """Aging reorders but does not turn sharing off: of several starved requests with one
+    uncached prefix, only the first runs this step."""
+    p = make_pools()
+    shared = seq(10, 48)
+    reqs = [make_req(f"s{i}", [*shared, 300 + i], arrival=float(i)) for i in range(3)]
+    ordered, deferred = policy(name, p.cache, now=100.0).order(list(reqs))
+    assert rids(ordered) == ["s0", "s1", "s2"]
+    assert deferred == {"s1", "s2"}
+    p.check()
+
+
 def test_lpm_falls_back_to_fcfs_above_queue_len() -> None:
     p = make_pools()
     cached = seq(3, 20)

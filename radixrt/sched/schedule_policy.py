@@ -55,22 +55,21 @@ class SchedulePolicy:
             policy = "fcfs"
         if not self.enabled_cache:
             policy = "fcfs"
-        if policy == "fcfs":
-            ordered = sorted(rest, key=lambda r: r.arrival_time)
-            deferred: set[str] = set()
-        else:
-            last_nodes = {}
-            for r in rest:
-                m = self.cache.match_prefix(r.all_ids()[:-1])
-                r.match_len = int(m.indices.numel())
-                last_nodes[id(r)] = m.last_node
-            if policy == "lpm":
-                ordered = sorted(rest, key=lambda r: (-r.match_len, r.arrival_time))
-            else:
-                ordered = self._dfs_weight(rest, last_nodes)
-            deferred = self._in_batch_deferrals(ordered, in_flight)
         starved.sort(key=lambda r: r.arrival_time)
-        return starved + ordered, deferred
+        if policy == "fcfs":
+            return starved + sorted(rest, key=lambda r: r.arrival_time), set()
+        last_nodes = {}
+        for r in waiting:
+            m = self.cache.match_prefix(r.all_ids()[:-1])
+            r.match_len = int(m.indices.numel())
+            last_nodes[id(r)] = m.last_node
+        if policy == "lpm":
+            ordered = sorted(rest, key=lambda r: (-r.match_len, r.arrival_time))
+        else:
+            ordered = self._dfs_weight(rest, last_nodes)
+        # Starved requests go first but still share: the first of a group computes the prefix.
+        final = starved + ordered
+        return final, self._in_batch_deferrals(final, in_flight)
 
     @staticmethod
     def _dfs_weight(reqs: list[Req], last_nodes: dict[int, object]) -> list[Req]:
