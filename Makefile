@@ -39,3 +39,45 @@ lint: setup
 
 clean:
 	rm -rf $(VENV)
+
+# ---- benchmarks (bench/) ------------------------------------------------------------------------
+# Peers (HF transformers generate / continuous batching, llama.cpp via llama-cpp-python) get their
+# own environment so the runtime's dependencies never include them. llama-cpp-python is built
+# from the sdist for this CPU (it compiles llama.cpp: several minutes on 2 cores). The `serving`
+# extra of transformers brings `transformers serve`, a server bench/serving.py can drive.
+BENCH_VENV := .venv-bench
+BPY := $(BENCH_VENV)/bin/python
+BENCH_STAMP := $(BENCH_VENV)/.installed
+LLAMA_CPP_PYTHON_VERSION := 0.3.36
+# Instruction sets from /proc/cpuinfo, AMX off (see the script).
+LLAMA_CPP_CMAKE_ARGS ?= $(shell sh bench/llama_cpp_cmake_args.sh)
+
+.PHONY: bench-deps bench bench-smoke
+
+$(BENCH_STAMP): $(STAMP) bench/llama_cpp_cmake_args.sh
+	$(PYTHON) -m venv $(BENCH_VENV)
+	echo '*' > $(BENCH_VENV)/.gitignore
+	$(BPY) -m pip install --upgrade pip
+	$(BPY) -m pip install torch==2.13.0
+	$(BPY) -m pip install "transformers[serving]==$$($(PY) -c 'import transformers; print(transformers.__version__)')" \
+		accelerate gguf numpy
+	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=2 \
+		$(BPY) -m pip install --no-binary llama-cpp-python --no-cache-dir --force-reinstall --no-deps \
+		"llama-cpp-python==$(LLAMA_CPP_PYTHON_VERSION)"
+	$(BPY) -m pip install "llama-cpp-python==$(LLAMA_CPP_PYTHON_VERSION)"
+	$(BPY) -c "import llama_cpp, transformers, torch; print('bench env:', llama_cpp.__version__, transformers.__version__, torch.__version__)"
+	touch $(BENCH_STAMP)
+
+bench-deps: $(BENCH_STAMP)
+
+# Every system x workload on the full preset (several tens of minutes on 2 cores); results in
+# bench/results/<date>-<host>.{json,md} plus PNG charts.
+bench: setup bench-deps
+	$(PY) -m pip install -q -e '.[bench]'
+	$(PY) bench/compare.py --preset full
+
+# Seconds-scale: the tiny preset, every system that is installed (peers are skipped with a note
+# when .venv-bench is missing).
+bench-smoke: setup
+	$(PY) -m pip install -q -e '.[bench]'
+	$(PY) bench/compare.py --preset tiny --out-dir bench/results/smoke

@@ -1,0 +1,1 @@
+"""Benchmarks: workloads (datasets), drivers (offline, serving, peers), comparison (compare)."""

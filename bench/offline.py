@@ -1,0 +1,341 @@
+"""radixrt offline benchmarks: Engine throughput on the workloads, and one-batch timings.
+
+    python bench/offline.py throughput --preset tiny [--workloads gsp] [--threads 2]
+    python bench/offline.py one-batch --batch-size 1 4 --input-len 512 --output-len 16
+    python bench/offline.py run-workload --system radixrt --workload-file W.json --out R.jsonl
+
+`throughput` / `run-workload` drive `radixrt.Engine` in this process through
+`Engine.generate_stream(input_ids=...)` (greedy, EOS ignored so every system generates the same
+number of tokens), every session's first turn sent at its arrival time and each later turn as
+soon as the previous one finished, so TTFT / ITL are measured as a client sees them (the same
+SGLang definitions as `serving.py`). After each workload the engine's counters give the
+scheduler's per-step time split (`stats()["step_time_s"]`: schedule / build / forward / sample /
+process) for that workload alone.
+
+`one-batch` is SGLang's `bench_one_batch` idea: a `ModelRunner` driven directly with the pools
+(no scheduler, no processes): one prefill of `batch x input_len` tokens, then `output_len` decode
+steps, timed per step; prefill tok/s and decode ms/step per batch size.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench import _path
+
+    _path.fix()
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
+from typing import Any  # noqa: E402
+
+from bench.common import (  # noqa: E402
+    RequestRecord,
+    Workload,
+    iter_workloads,
+    progress_bar,
+    warmup_prompt,
+    write_result,
+)
+from bench.metrics import compute_metrics  # noqa: E402
+
+RADIXRT_SYSTEMS = {
+    "radixrt": {},
+    "radixrt-no-radix": {"disable_radix_cache": True},
+    "radixrt-fcfs": {"schedule_policy": "fcfs"},
+}
+STEP_PARTS = ("schedule", "build", "forward", "sample", "process")
+
+
+# -- Engine driver ------------------------------------------------------------------------------------
+async def drive_engine(engine: Any, workload: Workload, max_concurrency: int | None = None,
+                       budget_s: float | None = None, progress: bool = False,
+                       ) -> tuple[list[RequestRecord], str]:
+    """Run a workload through `engine.generate_stream`; one record per request."""
+    from radixrt import SamplingParams
+
+    t0 = time.perf_counter()
+    now = lambda: time.perf_counter() - t0  # noqa: E731
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    records: list[RequestRecord] = []
+    skipped = 0
+    bar = progress_bar(workload.num_requests, workload.name, progress)
+
+    async def request(prompt: list[int], max_tokens: int, rec: RequestRecord) -> None:
+        sp = SamplingParams(max_new_tokens=max_tokens, temperature=0, ignore_eos=True)
+        async for ch in engine.generate_stream(input_ids=prompt, sampling_params=sp):
+            t = now()
+            if ch.token_ids:
+                rec.add_chunk(t, len(ch.token_ids))
+                rec.output_ids.extend(ch.token_ids)
+            if ch.error:
+                rec.error = ch.error
+            if ch.finish_reason is not None:
+                rec.cached_tokens = ch.cached_tokens
+                rec.end = t
+
+    async def session(s: Any) -> None:
+        nonlocal skipped
+        await asyncio.sleep(max(0.0, s.arrival - now()))
+        prompt: list[int] = []
+        out: list[int] = []
+        for k, turn in enumerate(s.turns):
+            if budget_s is not None and now() > budget_s:
+                skipped += len(s.turns) - k
+                return
+            prompt = (prompt + out if k else []) + turn.append
+            if sem is not None:
+                await sem.acquire()
+            rec = RequestRecord(s.id, k, len(prompt), turn.max_tokens, now())
+            try:
+                await request(prompt, turn.max_tokens, rec)
+            except Exception as e:  # recorded; the run goes on
+                rec.error = f"{type(e).__name__}: {e}"
+                rec.end = now()
+            finally:
+                if sem is not None:
+                    sem.release()
+            records.append(rec)
+            bar.update(1)
+            if not rec.ok:
+                skipped += len(s.turns) - k - 1
+                return
+            out = rec.output_ids
+
+    await asyncio.gather(*(session(s) for s in workload.sessions))
+    bar.close()
+    records.sort(key=lambda r: (r.session, r.turn))
+    note = (f"stopped after the {budget_s:.0f} s budget: {len(records)} of "
+            f"{workload.num_requests} requests served" if skipped and budget_s else "")
+    return records, note
+
+
+def engine_args(system: str, threads: int, model_path: str | None = None,
+                **overrides: Any) -> dict[str, Any]:
+    if system not in RADIXRT_SYSTEMS:
+        raise ValueError(f"unknown radixrt system {system!r}")
+    return {"num_threads": threads, "log_level": "warning", "model_path": model_path,
+            **RADIXRT_SYSTEMS[system], **overrides}
+
+
+def step_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
+    b, a = before.get("step_time_s", {}), after.get("step_time_s", {})
+    return {k: a.get(k, 0.0) - b.get(k, 0.0) for k in a}
+
+
+def run_engine_workloads(system: str, workloads: Sequence[Workload], threads: int,
+                         out: str | None = None, budget_s: float | None = None,
+                         max_concurrency: int | None = None, progress: bool = False,
+                         model_path: str | None = None) -> list[dict[str, Any]]:
+    """One Engine for all workloads (cache flushed between them); one result dict each."""
+    from radixrt import Engine, SamplingParams
+
+    results = []
+    t_load = time.perf_counter()
+    with Engine(**engine_args(system, threads, model_path)) as engine:
+        load_s = time.perf_counter() - t_load
+        engine.generate(input_ids=warmup_prompt(),
+                        sampling_params=SamplingParams(max_new_tokens=8, temperature=0))
+        for w in workloads:
+            engine.wait_idle()
+            engine.flush_cache()
+            before = engine.stats()
+            records, note = asyncio.run(drive_engine(engine, w, max_concurrency, budget_s,
+                                                     progress))
+            engine.wait_idle()
+            after = engine.stats()
+            extra = {
+                "note": note,
+                "threads": threads,
+                "engine_threads": engine.info.get("num_threads"),
+                "load_s": load_s,
+                "step_time_s": step_delta(before, after),
+                "forward_steps": after["forward_steps_total"] - before["forward_steps_total"],
+                "engine_hit_rate": ((after["cached_tokens_total"] - before["cached_tokens_total"])
+                                    / max(1, after["prompt_tokens_total"]
+                                          - before["prompt_tokens_total"])),
+                "retractions": after["retractions_total"] - before["retractions_total"],
+                "evicted_tokens": after["evicted_tokens_total"] - before["evicted_tokens_total"],
+            }
+            if out:
+                write_result(out, w.name, system, records, **extra)
+            results.append({"workload": w.name, "system": system, "records": records, **extra})
+    return results
+
+
+# -- one batch ----------------------------------------------------------------------------------------
+def model_flops_per_token(cfg: Any, context: float) -> float:
+    """Forward FLOPs per token (2 per multiply-add): every linear layer except the LM head (a
+    prefill computes logits for one row per request), plus attention over `context` keys
+    (QK^T and PV)."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    q = cfg.num_heads * cfg.head_dim
+    kv = cfg.num_kv_heads * cfg.head_dim
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * i
+    attn = 2 * 2 * q * context
+    return cfg.num_layers * (2 * per_layer + attn)
+
+
+def one_batch(batch_sizes: Sequence[int], input_len: int, output_len: int, threads: int,
+              runs: int = 3, model_path: str | None = None) -> dict[str, Any]:
+    import torch
+
+    from radixrt.config import ServerArgs
+    from radixrt.model.forward_batch import ForwardBatch, ForwardMode
+    from radixrt.model.runner import ModelRunner
+
+    torch.set_num_threads(threads)
+    max_bs = max(batch_sizes)
+    ctx = input_len + output_len + 8
+    args = ServerArgs(model_path=model_path, num_threads=threads, max_running_requests=max_bs,
+                      max_total_tokens=max_bs * ctx + 64, max_context_len=ctx,
+                      attention_backend="torch", log_level="warning")
+    runner = ModelRunner(args)
+    cfg = runner.model_config
+    rp, kp = runner.req_to_token_pool, runner.token_to_kv_pool
+    g = torch.Generator().manual_seed(0)
+    rows_out = []
+    for bs in batch_sizes:
+        prefill_s: list[float] = []
+        decode_s: list[float] = []
+        for run in range(runs + 1):  # run 0 warms up
+            rp.clear()
+            kp.clear()
+            rows = [rp.alloc() for _ in range(bs)]
+            ids = torch.randint(100, cfg.vocab_size, (bs * input_len,), generator=g).tolist()
+            t = time.perf_counter()
+            fb = ForwardBatch.build(ForwardMode.EXTEND, ids, rows, [0] * bs, [input_len] * bs,
+                                    kp.alloc(bs * input_len), rp.req_to_token, runner.device)
+            nxt = runner.forward(fb).argmax(-1).tolist()
+            dt = time.perf_counter() - t
+            steps = []
+            seq = input_len
+            for _ in range(output_len):
+                t = time.perf_counter()
+                fb = ForwardBatch.build(ForwardMode.DECODE, nxt, rows, [seq] * bs, [1] * bs,
+                                        kp.alloc(bs), rp.req_to_token, runner.device)
+                nxt = runner.forward(fb).argmax(-1).tolist()
+                steps.append(time.perf_counter() - t)
+                seq += 1
+            if run:
+                prefill_s.append(dt)
+                decode_s.extend(steps)
+        p = statistics.median(prefill_s)
+        d = statistics.median(decode_s) if decode_s else float("nan")
+        rows_out.append({
+            "batch_size": bs, "input_len": input_len, "output_len": output_len,
+            "prefill_ms": p * 1e3, "prefill_tok_per_s": bs * input_len / p,
+            "decode_ms_per_step": d * 1e3, "decode_tok_per_s": bs / d,
+        })
+    return {
+        "threads": torch.get_num_threads(),
+        "flops_per_token_prefill": model_flops_per_token(cfg, input_len / 2),
+        "params_no_embedding": sum(p.numel() for n, p in runner.model.named_parameters()
+                                   if "embed" not in n and "lm_head" not in n),
+        "rows": rows_out,
+    }
+
+
+def matmul_gflops(threads: int, n: int = 2048, reps: int = 5) -> float:
+    """fp32 GFLOP/s of an n x n x n torch.matmul at `threads` threads (best of `reps`)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    a = torch.randn(n, n)
+    b = torch.randn(n, n)
+    torch.matmul(a, b)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        torch.matmul(a, b)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best / 1e9
+
+
+# -- CLI ----------------------------------------------------------------------------------------------
+def _print_metrics(name: str, system: str, m: dict[str, Any], steps: dict[str, float]) -> None:
+    if not m.get("completed"):
+        print(f"{name}: no request completed")
+        return
+    hr = m["hit_rate"]
+    print(f"{name:11s} {system:17s} {m['completed']:3d} req {m['duration_s']:7.2f} s  "
+          f"total {m['total_tok_per_s']:8.1f} tok/s  out {m['output_tok_per_s']:6.1f} tok/s  "
+          f"TTFT p50 {m['ttft_s']['p50']:.3f} s p99 {m['ttft_s']['p99']:.3f} s  "
+          f"ITL p50 {m['itl_s']['p50'] * 1e3:.1f} ms  hit {hr if hr is None else round(hr, 3)}")
+    if steps:
+        total = sum(steps.values()) or 1.0
+        print("    step time: " + "  ".join(f"{k} {v:.2f} s ({v / total:.0%})"
+                                            for k, v in steps.items()))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    tp = sub.add_parser("throughput", help="Engine on generated workloads")
+    tp.add_argument("--preset", default="tiny")
+    tp.add_argument("--workloads", nargs="*", default=None)
+    tp.add_argument("--seed", type=int, default=0)
+    tp.add_argument("--request-rate", type=float, default=None)
+    tp.add_argument("--system", default="radixrt", choices=tuple(RADIXRT_SYSTEMS))
+    tp.add_argument("--threads", type=int, default=2)
+    tp.add_argument("--max-concurrency", type=int, default=None)
+    tp.add_argument("--out", default=None, help="append JSON lines (records + metrics) here")
+    rw = sub.add_parser("run-workload", help="(compare.py) a workload file through the Engine")
+    rw.add_argument("--system", required=True, choices=tuple(RADIXRT_SYSTEMS))
+    rw.add_argument("--workload-file", required=True)
+    rw.add_argument("--out", required=True)
+    rw.add_argument("--threads", type=int, default=2)
+    rw.add_argument("--budget-s", type=float, default=None)
+    rw.add_argument("--model", default=None)
+    rw.add_argument("--progress", action="store_true")
+    ob = sub.add_parser("one-batch", help="ModelRunner prefill/decode timings")
+    ob.add_argument("--batch-size", type=int, nargs="+", default=[1, 4])
+    ob.add_argument("--input-len", type=int, default=512)
+    ob.add_argument("--output-len", type=int, default=16)
+    ob.add_argument("--runs", type=int, default=3)
+    ob.add_argument("--threads", type=int, default=2)
+    ob.add_argument("--model", default=None)
+    ob.add_argument("--with-ceiling", action="store_true",
+                    help="also measure the fp32 matmul ceiling and the ideal prefill tok/s")
+    ob.add_argument("--out", default=None, help="write the JSON here")
+    a = ap.parse_args()
+
+    if a.cmd == "one-batch":
+        res = one_batch(a.batch_size, a.input_len, a.output_len, a.threads, a.runs, a.model)
+        if a.with_ceiling:
+            g = matmul_gflops(a.threads)
+            res["matmul_gflops"] = g
+            res["ideal_prefill_tok_per_s"] = g * 1e9 / res["flops_per_token_prefill"]
+            best = max(r["prefill_tok_per_s"] for r in res["rows"])
+            res["prefill_fraction_of_ideal"] = best / res["ideal_prefill_tok_per_s"]
+        text = json.dumps(res, indent=1)
+        print(text)
+        if a.out:
+            Path(a.out).write_text(text)
+        return
+    if a.cmd == "run-workload":
+        ws = iter_workloads(a.workload_file)
+        run_engine_workloads(a.system, ws, a.threads, a.out, a.budget_s, None, a.progress,
+                             a.model)
+        return
+    from bench.datasets import make_preset
+
+    ws = make_preset(a.preset, a.seed, a.workloads, request_rate=a.request_rate)
+    for res in run_engine_workloads(a.system, ws, a.threads, None, None, a.max_concurrency,
+                                    True):
+        m = compute_metrics(res["records"])
+        _print_metrics(res["workload"], a.system, m, res["step_time_s"])
+        if a.out:
+            write_result(a.out, res["workload"], a.system, res["records"],
+                         metrics=m, step_time_s=res["step_time_s"])
+
+
+if __name__ == "__main__":
+    main()

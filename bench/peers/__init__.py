@@ -1,0 +1,1 @@
+"""Peer drivers, run as subprocesses in `.venv-bench` (see compare.py)."""

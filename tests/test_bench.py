@@ -1,0 +1,256 @@
+"""bench/: workload generators, optimal hit rate, metric arithmetic, drivers, compare.py smoke run."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench import common, datasets, metrics  # noqa: E402
+from bench.common import RequestRecord, Session, Turn, Workload  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return datasets.default_tokenizer()
+
+
+# -- workloads ------------------------------------------------------------------------------------------
+def test_generators_deterministic_for_a_seed(tok):
+    a = [w.to_dict() for w in datasets.make_preset("tiny", seed=3, tokenizer=tok)]
+    b = [w.to_dict() for w in datasets.make_preset("tiny", seed=3, tokenizer=tok)]
+    c = [w.to_dict() for w in datasets.make_preset("tiny", seed=4, tokenizer=tok)]
+    assert a == b
+    assert [w["name"] for w in a] == list(datasets.WORKLOADS)
+    for wa, wc in zip(a, c, strict=True):
+        assert wa["sessions"] != wc["sessions"], wa["name"]
+
+
+def test_gsp_shape_and_sharing(tok):
+    w = datasets.make_workload("gsp", 0, tok, groups=3, prompts_per_group=4, system_len=40,
+                               question_len=10, output_len=5)
+    assert w.num_requests == 12
+    prompts = [s.turns[0].append for s in w.sessions]
+    assert all(len(p) == 50 for p in prompts)
+    assert all(s.turns[0].max_tokens == 5 for s in w.sessions)
+    systems = {tuple(p[:40]) for p in prompts}
+    assert len(systems) == 3  # one system prompt per group
+    assert [tuple(p[:40]) for p in prompts] != sorted(tuple(p[:40]) for p in prompts)  # shuffled
+    est = metrics.optimal_hit_rate(prompts)
+    assert w.optimal_hit_rate_estimate == pytest.approx(est)
+    # no more distinct tokens than 3 system prompts + 12 questions; fewer, as the chat headers
+    # ("<|im_start|>system\n...", "<|im_start|>user\n") are shared too
+    assert est > 1 - (3 * 40 + 12 * 10) / (12 * 50)
+    assert est < 1 - (3 * 30 + 12 * 5) / (12 * 50)
+
+
+def test_random_shares_nothing_and_chains_extend(tok):
+    r = datasets.make_workload("random", 0, tok, num_prompts=6, prompt_len=20, output_len=3)
+    assert r.optimal_hit_rate_estimate == 0.0
+    assert len({s.turns[0].append[0] for s in r.sessions}) == 6
+    m = datasets.make_workload("multi-turn", 0, tok, conversations=2, turns=3, system_len=20,
+                               user_len=8, output_len=4)
+    assert [len(s.turns) for s in m.sessions] == [3, 3]
+    # every conversation starts with the same system prompt
+    assert m.sessions[0].turns[0].append[:20] == m.sessions[1].turns[0].append[:20]
+    f = datasets.make_workload("few-shot", 0, tok, num_questions=5, preamble_len=50,
+                               question_len=8, max_output=8)
+    assert all(1 <= s.turns[0].max_tokens <= 8 for s in f.sessions)
+    pre = f.params["preamble_len"]
+    assert pre >= 50 and len({tuple(s.turns[0].append[:pre]) for s in f.sessions}) == 1
+
+
+def test_workload_roundtrip_and_arrivals(tmp_path, tok):
+    ws = datasets.make_preset("tiny", 0, ["gsp", "agent"], tok, request_rate=4.0)
+    common.save_workloads(tmp_path / "w.json", ws)
+    back = common.load_workloads(tmp_path / "w.json")
+    assert [w.to_dict() for w in back] == [w.to_dict() for w in ws]
+    arr = [s.arrival for s in back[0].sessions]
+    assert arr[0] == 0 and all(b > a for a, b in zip(arr, arr[1:], strict=False))
+    assert common.poisson_arrivals(3, None, 0) == [0.0, 0.0, 0.0]
+
+
+# -- optimal hit rate -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("prompts, distinct", [
+    ([[1, 2, 3], [1, 2, 4]], 4),
+    ([[1, 2], [1, 2]], 2),
+    ([[1], [2]], 2),
+    ([[1, 2, 3], [1, 2]], 3),
+    ([[5, 1, 2], [1, 2, 3]], 6),  # sharing counts from the first token only
+    ([], 0),
+])
+def test_optimal_hit_rate_hand_cases(prompts, distinct):
+    assert metrics.distinct_prefix_tokens(prompts) == distinct
+    total = sum(map(len, prompts))
+    expect = 1 - distinct / total if total else 0.0
+    assert metrics.optimal_hit_rate(prompts) == pytest.approx(expect)
+
+
+def test_optimal_hit_rate_of_sent_chain_prompts():
+    w = Workload("chain", 0, {}, [
+        Session(0, 0.0, [Turn([1, 2, 3], 2), Turn([7], 2)]),
+        Session(1, 0.0, [Turn([1, 2, 9], 2)]),
+    ])
+    recs = [RequestRecord(0, 0, 3, 2, 0.0, output_ids=[4, 5]),
+            RequestRecord(0, 1, 6, 2, 1.0, output_ids=[8, 8]),
+            RequestRecord(1, 0, 3, 2, 0.0, output_ids=[6, 6])]
+    sent, decoded = metrics.sent_sequences(w, recs)
+    assert sent == [[1, 2, 3], [1, 2, 3, 4, 5, 7], [1, 2, 9]]
+    assert decoded == [([1, 2, 3, 4], 3), ([1, 2, 3, 4, 5, 7, 8], 6), ([1, 2, 9, 6], 3)]
+    # prompt trie: 1,2,3,4,5,7 + 9 = 7 distinct of 12 tokens
+    assert metrics.optimal_hit_rate(sent) == pytest.approx(1 - 7 / 12)
+    # but token 4 was decoded by turn 0 (its KV exists): 6 to compute
+    assert metrics.prompt_tokens_to_compute(sent, decoded) == 6
+    assert metrics.run_optimal_hit_rate(w, recs) == pytest.approx(1 - 6 / 12)
+    # the pre-run estimate: the same with placeholder outputs
+    assert datasets._estimate(w.sessions) == pytest.approx(1 - 6 / 12)
+
+
+# -- metric arithmetic ----------------------------------------------------------------------------------
+def _rec(arrival, chunks, prompt_len=10, cached=None):
+    r = RequestRecord(0, 0, prompt_len, 8, arrival, cached_tokens=cached)
+    for t, n in chunks:
+        r.add_chunk(t, n)
+    return r
+
+
+def test_metric_arithmetic_on_recorded_streams():
+    a = _rec(0.0, [(0.5, 1), (0.7, 1), (1.0, 2)], prompt_len=10, cached=4)   # 4 tokens
+    b = _rec(0.2, [(1.2, 1), (2.0, 1)], prompt_len=30, cached=0)             # 2 tokens
+    c = _rec(0.0, [], prompt_len=5)
+    c.error = "boom"
+    m = metrics.compute_metrics([a, b, c])
+    assert m["completed"] == 2 and m["failed"] == 1
+    assert m["duration_s"] == pytest.approx(2.0)
+    assert m["total_input_tokens"] == 40 and m["total_output_tokens"] == 6
+    assert m["request_throughput"] == pytest.approx(1.0)
+    assert m["input_tok_per_s"] == pytest.approx(20.0)
+    assert m["output_tok_per_s"] == pytest.approx(3.0)
+    assert m["total_tok_per_s"] == pytest.approx(23.0)
+    assert m["ttft_s"]["mean"] == pytest.approx(0.75)  # 0.5 and 1.0
+    assert m["ttft_s"]["p50"] == pytest.approx(0.75)
+    assert m["ttft_s"]["p99"] == pytest.approx(0.5 + 0.99 * 0.5)
+    # ITL: a: 0.2, then a 2-token chunk 0.3 later -> 0.15, 0.15; b: 0.8
+    assert m["itl_s"]["mean"] == pytest.approx((0.2 + 0.15 + 0.15 + 0.8) / 4)
+    assert m["itl_s"]["p50"] == pytest.approx(0.175)
+    # TPOT: a (1.0 - 0.5) / 3, b (2.0 - 1.2) / 1
+    assert m["tpot_s"]["mean"] == pytest.approx((0.5 / 3 + 0.8) / 2)
+    assert m["e2e_s"]["p50"] == pytest.approx((1.0 + 1.8) / 2)
+    assert m["concurrency"] == pytest.approx(2.8 / 2.0)
+    assert m["hit_rate"] == pytest.approx(4 / 40)
+
+
+def test_percentile_matches_numpy():
+    np = pytest.importorskip("numpy")
+    xs = [0.3, 0.1, 5.0, 2.2, 0.7, 0.71, 9.0]
+    for p in (0, 1, 50, 90, 99, 100):
+        assert metrics.percentile(xs, p) == pytest.approx(float(np.percentile(xs, p)))
+    assert math.isnan(metrics.percentile([], 50))
+
+
+def test_sse_stream_parsing_and_usage():
+    from bench.serving import apply_event, sse_events
+
+    lines = [
+        'data: {"choices":[{"index":0,"text":"Hel","finish_reason":null}],"usage":null}',
+        "",
+        'data: {"choices":[{"index":0,"text":"","finish_reason":null}],"usage":null}',
+        'data: {"choices":[{"index":0,"text":"lo","finish_reason":"length"}],"usage":null}',
+        'data: {"choices":[],"usage":{"prompt_tokens":12,"completion_tokens":3,'
+        '"total_tokens":15,"prompt_tokens_details":{"cached_tokens":8}}}',
+        "data: [DONE]",
+        'data: {"choices":[{"index":0,"text":"never","finish_reason":null}]}',
+    ]
+    times = iter([0.4, 0.5, 0.9, 1.0])
+
+    async def go():
+        async def it():
+            for ln in lines:
+                yield ln
+
+        rec = RequestRecord(0, 0, 12, 3, 0.1)
+        text = ""
+        async for ev in sse_events(it()):
+            text += apply_event(rec, ev, next(times), chat=False)
+        return rec, text
+
+    rec, text = asyncio.run(go())
+    assert text == "Hello"
+    assert rec.chunks == [(0.4, 1), (0.9, 1)]
+    assert rec.first_token == 0.4
+    assert rec.output_len == 3 and rec.cached_tokens == 8 and rec.prompt_len == 12
+    chat = RequestRecord(0, 0, 1, 1, 0.0)
+    apply_event(chat, {"choices": [{"delta": {"content": "x"}}]}, 0.3, chat=True)
+    assert chat.first_token == 0.3
+
+
+def test_run_sequential_chains_and_fifo():
+    w = Workload("t", 0, {}, [
+        Session(0, 0.0, [Turn([1, 2], 2), Turn([3], 2)]),
+        Session(1, 0.0, [Turn([9], 1)]),
+    ])
+    seen = []
+
+    def gen(prompt, max_tokens, on_tokens):
+        seen.append(list(prompt))
+        for _ in range(max_tokens):
+            on_tokens(1)
+        return [100 + len(seen)] * max_tokens, 0
+
+    recs, note = common.run_sequential(w, gen)
+    assert note == ""
+    # FIFO: both sessions arrive at 0; session 0's second turn arrives after session 1 was queued
+    assert seen == [[1, 2], [9], [1, 2, 101, 101, 3]]
+    assert [(r.session, r.turn, r.prompt_len, r.output_len) for r in recs] == [
+        (0, 0, 2, 2), (1, 0, 1, 1), (0, 1, 5, 2)]
+    assert recs[2].arrival == pytest.approx(recs[0].end)
+    recs2, note2 = common.run_sequential(w, gen, budget_s=-1)
+    assert recs2 == [] and "0 of 3" in note2
+
+
+def test_results_roundtrip(tmp_path):
+    r = _rec(0.0, [(0.5, 2)], cached=3)
+    r.output_ids = [1, 2]
+    common.write_result(tmp_path / "o.jsonl", "gsp", "x", [r], note="n")
+    with open(tmp_path / "o.jsonl", "a") as f:
+        f.write('{"workload": "cut')  # a line cut short by a kill is skipped
+    back = common.read_results(tmp_path / "o.jsonl")
+    assert len(back) == 1 and back[0]["note"] == "n"
+    assert back[0]["records"][0] == r
+
+
+# -- compare.py smoke run -------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_compare_smoke_tiny_radixrt_only(tmp_path):
+    from bench import compare
+
+    path = compare.main(["--preset", "tiny", "--systems", "radixrt", "--out-dir", str(tmp_path),
+                         "--name", "smoke", "--timeout-per-system", "300"])
+    recs = json.loads(path.read_text())
+    assert {r["workload"] for r in recs} == set(datasets.WORKLOADS)
+    for r in recs:
+        assert set(compare.FIELDS) <= set(r)
+        assert r["system"] == "radixrt" and r["threads"] == 2
+        assert r["total_tok_per_s"] and r["total_tok_per_s"] > 0, r
+        assert r["ttft_p50_s"] > 0 and r["itl_p50_s"] is not None
+        assert 0 <= r["optimal_hit_rate"] <= 1
+        assert set(r["step_time_s"]) >= {"schedule", "build", "forward", "sample", "process"}
+    gsp = next(r for r in recs if r["workload"] == "gsp")
+    assert gsp["hit_rate"] > 0
+    assert gsp["hit_rate"] <= gsp["optimal_hit_rate"] + 1e-9
+    rnd = next(r for r in recs if r["workload"] == "random")
+    assert rnd["optimal_hit_rate"] == 0
+    md = (tmp_path / "smoke.md").read_text()
+    assert "| workload | system | total tok/s |" in md and "| gsp | radixrt |" in md
+    assert "ideal prefill" in md
+    for name in ("throughput", "ttft", "hit-rate"):
+        png = tmp_path / f"smoke-{name}.png"
+        assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"
