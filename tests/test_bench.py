@@ -254,3 +254,20 @@ def test_compare_smoke_tiny_radixrt_only(tmp_path):
     for name in ("throughput", "ttft", "hit-rate"):
         png = tmp_path / f"smoke-{name}.png"
         assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"
+    # the report rebuilds from the raw records alone
+    (tmp_path / "smoke.json").unlink()
+    compare.main(["--report-only", "--out-dir", str(tmp_path), "--name", "smoke"])
+    again = json.loads((tmp_path / "smoke.json").read_text())
+    assert [(r["workload"], r["total_tok_per_s"], r["hit_rate"]) for r in again] == [
+        (r["workload"], r["total_tok_per_s"], r["hit_rate"]) for r in recs]
+
+
+def test_median_run_of_repeats():
+    from bench import compare
+
+    runs = [{"total_tok_per_s": v, "ttft_p50_s": v / 100, "note": ""} for v in (5.0, 9.0, 7.0)]
+    m = compare.median_run(runs)
+    assert m["total_tok_per_s"] == 7.0 and m["runs"] == 3
+    assert m["total_tok_per_s_runs"] == [5.0, 9.0, 7.0]
+    assert "median of 3 runs (total tok/s 5-9)" in m["note"]
+    assert compare.median_run(runs[:1]) is runs[0]

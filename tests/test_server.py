@@ -309,18 +309,28 @@ def test_api_key_overload_and_dead_scheduler(tiny_llama_dir):
         sched = [p for p in pids if "scheduler.pkl" in open(f"/proc/{p}/cmdline").read()]
         assert len(sched) == 1
 
-        async def inflight() -> httpx.Response:
+        async def inflight() -> list[dict]:
+            """A streaming request killed mid-flight: it must end with an error event."""
+            events: list[dict] = []
             async with httpx.AsyncClient(timeout=60, headers=srv.headers()) as client:
-                task = asyncio.create_task(client.post(srv.url + "/v1/completions", json={
-                    "prompt": LONG, "max_tokens": 900, "ignore_eos": True}))
-                await asyncio.sleep(1.0)
-                os.kill(int(sched[0]), signal.SIGKILL)
-                t0 = time.monotonic()
-                r = await task
-                assert time.monotonic() - t0 < 10
-                return r
+                body = {"prompt": LONG, "max_tokens": 900, "ignore_eos": True, "stream": True}
+                async with client.stream("POST", srv.url + "/v1/completions", json=body) as r:
+                    assert r.status_code == 200
+                    t0 = None
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        events.append(json.loads(line[6:]))
+                        if t0 is None:  # the request is running: kill the scheduler now
+                            os.kill(int(sched[0]), signal.SIGKILL)
+                            t0 = time.monotonic()
+                    assert t0 is not None and time.monotonic() - t0 < 10
+            return events
 
-        r = asyncio.run(inflight())
+        events = asyncio.run(inflight())
+        assert events[-1]["error"]["type"] == "service_unavailable"
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi"}, headers=srv.headers(),
+                       timeout=30)
         assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
         assert httpx.get(srv.url + "/health", timeout=30).status_code == 503
     finally:
