@@ -184,25 +184,17 @@ class Server:
         if stream:
             async def gen() -> AsyncIterator[bytes]:
                 offsets = [len(prompt_texts[i // n]) if echo else 0 for i in range(len(all_ids))]
-                try:
-                    if echo:
-                        yield chunk([{"index": i, "text": prompt_texts[i // n], "logprobs": None,
-                                      "finish_reason": None} for i in range(len(all_ids))])
-                    async for i, out in group.events():
-                        lp = self.text.completion_logprobs(out.new_ids, out.logprobs, offsets[i])
-                        offsets[i] += len(out.text_delta)
-                        if out.text_delta or lp or out.finish_reason:
-                            yield chunk([{"index": i, "text": out.text_delta, "logprobs": lp,
-                                          "finish_reason": out.finish_reason}])
-                    if include_usage:
-                        yield chunk([], self.usage(group, n))
-                except EngineDeadError as e:
-                    yield self.sse_error(P.ApiError(503, str(e), type="service_unavailable"))
-                finally:
-                    group.abort_unfinished()
-                yield b"data: [DONE]\n\n"
+                if echo:
+                    yield chunk([{"index": i, "text": prompt_texts[i // n], "logprobs": None,
+                                  "finish_reason": None} for i in range(len(all_ids))])
+                async for i, out in group.events():
+                    lp = self.text.completion_logprobs(out.new_ids, out.logprobs, offsets[i])
+                    offsets[i] += len(out.text_delta)
+                    if out.text_delta or lp or out.finish_reason:
+                        yield chunk([{"index": i, "text": out.text_delta, "logprobs": lp,
+                                      "finish_reason": out.finish_reason}])
 
-            return StreamingResponse(gen(), media_type="text/event-stream")
+            return self.sse(group, n, gen(), chunk, include_usage)
 
         results = await self.collect(group)
         choices = []
@@ -252,27 +244,19 @@ class Server:
 
         if stream:
             async def gen() -> AsyncIterator[bytes]:
-                try:
-                    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                  "logprobs": None, "finish_reason": None} for i in range(n)])
-                    async for i, out in group.events():
-                        if out.text_delta or out.logprobs is not None:
-                            yield chunk([{"index": i, "delta": {"content": out.text_delta},
-                                          "logprobs": self.text.chat_logprobs(out.new_ids,
-                                                                              out.logprobs),
-                                          "finish_reason": None}])
-                        if out.finish_reason is not None:
-                            yield chunk([{"index": i, "delta": {}, "logprobs": None,
-                                          "finish_reason": out.finish_reason}])
-                    if include_usage:
-                        yield chunk([], self.usage(group, n))
-                except EngineDeadError as e:
-                    yield self.sse_error(P.ApiError(503, str(e), type="service_unavailable"))
-                finally:
-                    group.abort_unfinished()
-                yield b"data: [DONE]\n\n"
+                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None} for i in range(n)])
+                async for i, out in group.events():
+                    if out.text_delta or out.logprobs is not None:
+                        yield chunk([{"index": i, "delta": {"content": out.text_delta},
+                                      "logprobs": self.text.chat_logprobs(out.new_ids,
+                                                                          out.logprobs),
+                                      "finish_reason": None}])
+                    if out.finish_reason is not None:
+                        yield chunk([{"index": i, "delta": {}, "logprobs": None,
+                                      "finish_reason": out.finish_reason}])
 
-            return StreamingResponse(gen(), media_type="text/event-stream")
+            return self.sse(group, n, gen(), chunk, include_usage)
 
         results = await self.collect(group)
         choices = [{"index": i, "message": {"role": "assistant", "content": st.text},
@@ -302,6 +286,25 @@ class Server:
         return P.usage(sum(s.prompt_tokens for s in firsts),
                        sum(s.completion_tokens for s in group.states),
                        sum(s.cached_tokens for s in firsts))
+
+    def sse(self, group: RequestGroup, n: int, chunks: AsyncIterator[bytes],
+            chunk: Any, include_usage: bool) -> StreamingResponse:
+        """SSE framing shared by both endpoints: the endpoint's chunks, the usage chunk, an error
+        event if the runtime dies, then `[DONE]`; unfinished samples are aborted when the stream
+        ends early (client disconnected)."""
+        async def framed() -> AsyncIterator[bytes]:
+            try:
+                async for data in chunks:
+                    yield data
+                if include_usage:
+                    yield chunk([], self.usage(group, n))
+            except EngineDeadError as e:
+                yield self.sse_error(P.ApiError(503, str(e), type="service_unavailable"))
+            finally:
+                group.abort_unfinished()
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(framed(), media_type="text/event-stream")
 
     @staticmethod
     def sse_error(err: P.ApiError) -> bytes:
