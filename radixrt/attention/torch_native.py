@@ -117,9 +117,16 @@ class TorchNativeBackend(AttentionBackend):
             return None
         index = plan.kv_index.view(bs, kmax)
         seq = fb.seq_lens_cpu
+        if kmax < CASCADE_MIN_SHARED:
+            return None
+        # A slot names one token path in the radix tree, so rows holding the same slot at column
+        # CASCADE_MIN_SHARED - 1 share at least their first CASCADE_MIN_SHARED slots (grouping by
+        # column 0 would lump every chat request together on a short shared template header).
         by_first: dict[int, list[int]] = {}
-        for b, first in enumerate(index[:, 0].tolist()):
-            by_first.setdefault(first, []).append(b)
+        key_col = index[:, CASCADE_MIN_SHARED - 1].tolist()
+        for b, key in enumerate(key_col):
+            if seq[b] > CASCADE_MIN_SHARED and key != 0:
+                by_first.setdefault(key, []).append(b)
         groups: list[tuple[list[int], torch.Tensor]] = []
         start = [0] * bs
         for rows in by_first.values():
