@@ -188,7 +188,7 @@ def one_batch(batch_sizes: Sequence[int], input_len: int, output_len: int, threa
     import torch
 
     from radixrt.config import ServerArgs
-    from radixrt.model.forward_batch import ForwardBatch, ForwardMode
+    from radixrt.core.forward_batch import ForwardBatch, ForwardMode
     from radixrt.model.runner import ModelRunner
 
     torch.set_num_threads(threads)

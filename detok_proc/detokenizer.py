@@ -17,8 +17,8 @@ from typing import Any
 
 import zmq
 
-from radixrt import messages
-from radixrt.ipc import (
+from radixrt.core import messages
+from radixrt.core.ipc import (
     IpcPaths,
     exit_with_parent,
     pull_socket,
@@ -26,7 +26,7 @@ from radixrt.ipc import (
     quiet_torch_threads,
     send,
 )
-from radixrt.messages import (
+from radixrt.core.messages import (
     FINISH_ABORT,
     FINISH_STOP,
     AbortReq,

@@ -1,7 +1,7 @@
 """radixrt: an LLM serving runtime built around RadixAttention."""
 
 from radixrt.config import ServerArgs
-from radixrt.sampling.params import SamplingParams
+from radixrt.core.sampling_params import SamplingParams
 
 __all__ = ["Engine", "GenerateOutput", "SamplingParams", "ServerArgs", "StreamChunk"]
 

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixrt.config import ServerArgs
-from radixrt.messages import CheckInvariantsReq, FlushCacheReq, ReqTextOut, StatsReq, TokenLogprobs
-from radixrt.sampling.params import SamplingParams
+from radixrt.core.logprobs import TokenLogprobs
+from radixrt.core.messages import CheckInvariantsReq, FlushCacheReq, ReqTextOut, StatsReq
+from radixrt.core.sampling_params import SamplingParams
 from tokenizer_proc.manager import EngineDeadError, ReqState, TokenizerManager
 
 ParamsLike = SamplingParams | dict[str, Any] | None

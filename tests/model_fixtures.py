@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from radixrt.attention.torch_native import TorchNativeBackend
+from radixrt.core.forward_batch import ForwardBatch, ForwardMode
 from radixrt.mem.memory_pool import ReqToTokenPool, TokenToKVPool
-from radixrt.model.forward_batch import ForwardBatch, ForwardMode
 from radixrt.model.llama import LlamaForCausalLM
 from radixrt.model.loader import load_model
 from radixrt.model.model_config import ModelConfig

@@ -10,8 +10,8 @@ import torch
 from radixrt.attention import create_attention_backend, torch_native
 from radixrt.attention.flashinfer import FlashInferUnavailableError
 from radixrt.attention.torch_native import TorchNativeBackend
+from radixrt.core.forward_batch import ForwardBatch, ForwardMode
 from radixrt.mem.memory_pool import ReqToTokenPool, TokenToKVPool
-from radixrt.model.forward_batch import ForwardBatch, ForwardMode
 
 D = 16
 LAYER = 1  # exercise a non-zero layer index

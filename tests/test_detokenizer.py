@@ -29,8 +29,8 @@ from detok_proc.detokenizer import (
     TokenizerTraits,
     run_detokenizer,
 )
-from radixrt.ipc import IpcPaths, pull_socket, push_socket, send
-from radixrt.messages import (
+from radixrt.core.ipc import IpcPaths, pull_socket, push_socket, send
+from radixrt.core.messages import (
     AbortReq,
     ReqTokenOut,
     TextBatchOut,
@@ -597,6 +597,6 @@ def test_run_detokenizer_process(bpe_tok: Any, tmp_path: Path) -> None:
 
 
 def _recv(sock: zmq.Socket) -> Any:
-    from radixrt import messages
+    from radixrt.core import messages
 
     return messages.decode(sock.recv())

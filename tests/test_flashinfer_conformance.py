@@ -35,12 +35,13 @@ from radixrt.attention.flashinfer import (
     flashinfer_unavailable_reason,
 )
 from radixrt.attention.torch_native import TorchNativeBackend
+from radixrt.core.forward_batch import ForwardBatch, ForwardMode
+from radixrt.core.sampling_params import SamplingParams
 from radixrt.mem.memory_pool import TokenToKVPool
 from radixrt.model.cuda_graph_runner import capture_batch_sizes
-from radixrt.model.forward_batch import ForwardBatch, ForwardMode
+from radixrt.sampling.batch_info import SamplingBatchInfo
 from radixrt.sampling.flashinfer_sampler import flashinfer_covers, flashinfer_sample
-from radixrt.sampling.params import SamplingParams
-from radixrt.sampling.sampler import SamplingBatchInfo, filter_logits
+from radixrt.sampling.sampler import filter_logits
 
 real = pytest.importorskip(
     "flashinfer", reason="flashinfer-python not installed (scripts/install_flashinfer_cpu.sh)"

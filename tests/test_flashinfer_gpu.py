@@ -18,8 +18,8 @@ from test_flashinfer_reference import EXTEND_CASES, clone_pool, make_batch, rand
 from radixrt.attention import create_attention_backend
 from radixrt.attention.flashinfer import FlashInferBackend, import_flashinfer
 from radixrt.attention.torch_native import TorchNativeBackend
+from radixrt.core.forward_batch import ForwardBatch, ForwardMode
 from radixrt.mem.memory_pool import ReqToTokenPool, TokenToKVPool
-from radixrt.model.forward_batch import ForwardBatch, ForwardMode
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -133,9 +133,10 @@ def test_cuda_graph_decode_matches_eager(tmp_path: Path) -> None:
 
 # --- sampling --------------------------------------------------------------------------------------
 def test_flashinfer_sampling_respects_filters() -> None:
+    from radixrt.core.sampling_params import SamplingParams
+    from radixrt.sampling.batch_info import SamplingBatchInfo
     from radixrt.sampling.flashinfer_sampler import flashinfer_sample
-    from radixrt.sampling.params import SamplingParams
-    from radixrt.sampling.sampler import SamplingBatchInfo, filter_logits
+    from radixrt.sampling.sampler import filter_logits
 
     vocab = 1000
     params = [SamplingParams(temperature=0), SamplingParams(top_k=1), SamplingParams(top_k=20),

@@ -26,8 +26,8 @@ from radixrt.attention.flashinfer import (
     merge_state_torch,
 )
 from radixrt.attention.torch_native import TorchNativeBackend
+from radixrt.core.forward_batch import ForwardBatch, ForwardMode
 from radixrt.mem.memory_pool import ReqToTokenPool, TokenToKVPool
-from radixrt.model.forward_batch import ForwardBatch, ForwardMode
 
 D = 16
 WORKSPACE = 1024  # bytes; the stand-in never touches it

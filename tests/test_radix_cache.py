@@ -15,12 +15,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from radixrt.core.sampling_params import SamplingParams
 from radixrt.mem.base_prefix_cache import BasePrefixCache
 from radixrt.mem.chunk_cache import NoPrefixCache
 from radixrt.mem.invariants import check_ownership
 from radixrt.mem.memory_pool import ReqToTokenPool, TokenToKVPool
 from radixrt.mem.radix_cache import RadixCache, TreeNode
-from radixrt.sampling.params import SamplingParams
 from radixrt.sched.req import Req
 
 HUGE = 10**9

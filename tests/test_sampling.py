@@ -11,14 +11,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from radixrt.sampling.params import SamplingParams
-from radixrt.sampling.sampler import (
-    Sampler,
-    SamplingBatchInfo,
-    apply_penalties,
-    filter_logits,
-    step_seed,
-)
+from radixrt.core.sampling_params import SamplingParams
+from radixrt.sampling.batch_info import SamplingBatchInfo, step_seed
+from radixrt.sampling.sampler import Sampler, apply_penalties, filter_logits
 
 NEG_INF = float("-inf")
 

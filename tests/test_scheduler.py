@@ -18,12 +18,8 @@ import pytest
 import torch
 
 from radixrt.config import ServerArgs
-from radixrt.mem.base_prefix_cache import BasePrefixCache
-from radixrt.mem.chunk_cache import NoPrefixCache
-from radixrt.mem.invariants import check_ownership
-from radixrt.mem.memory_pool import ReqToTokenPool, TokenToKVPool
-from radixrt.mem.radix_cache import RadixCache
-from radixrt.messages import (
+from radixrt.core.forward_batch import ForwardBatch
+from radixrt.core.messages import (
     FINISH_ABORT,
     FINISH_LENGTH,
     FINISH_STOP,
@@ -34,9 +30,13 @@ from radixrt.messages import (
     ReqTokenOut,
     StatsReq,
 )
-from radixrt.model.forward_batch import ForwardBatch
+from radixrt.core.sampling_params import SamplingParams
+from radixrt.mem.base_prefix_cache import BasePrefixCache
+from radixrt.mem.chunk_cache import NoPrefixCache
+from radixrt.mem.invariants import check_ownership
+from radixrt.mem.memory_pool import ReqToTokenPool, TokenToKVPool
+from radixrt.mem.radix_cache import RadixCache
 from radixrt.model.runner import ModelRunner
-from radixrt.sampling.params import SamplingParams
 from radixrt.sched import schedule_policy
 from radixrt.sched.req import Req
 from radixrt.sched.schedule_policy import IN_BATCH_SHARE_MIN_TOKENS, PrefillAdder, SchedulePolicy

@@ -21,9 +21,9 @@ from typing import Any
 
 import zmq
 
-from radixrt import ipc
 from radixrt.config import ServerArgs
-from radixrt.messages import (
+from radixrt.core import ipc
+from radixrt.core.messages import (
     FINISH_ABORT,
     AbortReq,
     ControlReply,
@@ -33,7 +33,7 @@ from radixrt.messages import (
     TextBatchOut,
     TokenLogprobs,
 )
-from radixrt.sampling.params import SamplingParams
+from radixrt.core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from radixrt.core.forward_batch import ForwardBatch
 from radixrt.mem.memory_pool import TokenToKVPool
-from radixrt.model.forward_batch import ForwardBatch
 
 
 class AttentionBackend(ABC):

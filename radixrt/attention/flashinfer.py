@@ -40,8 +40,8 @@ from typing import Any
 import torch
 
 from radixrt.attention.base import AttentionBackend
+from radixrt.core.forward_batch import ForwardBatch
 from radixrt.mem.memory_pool import TokenToKVPool
-from radixrt.model.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from radixrt.attention.base import AttentionBackend
+from radixrt.core.forward_batch import ForwardBatch
 from radixrt.mem.memory_pool import TokenToKVPool
-from radixrt.model.forward_batch import ForwardBatch
 
 # Extend runs padded when B * Qmax * Kmax <= this factor times the useful sum(q_b * k_b).
 PADDED_WASTE_FACTOR = 2.0

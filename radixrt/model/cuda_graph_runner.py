@@ -21,7 +21,7 @@ import logging
 import torch
 
 from radixrt.attention.flashinfer import FlashInferBackend
-from radixrt.model.forward_batch import ForwardBatch, ForwardMode
+from radixrt.core.forward_batch import ForwardBatch, ForwardMode
 from radixrt.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)

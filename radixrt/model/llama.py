@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixrt.attention.base import AttentionBackend
-from radixrt.model.forward_batch import ForwardBatch
+from radixrt.core.forward_batch import ForwardBatch
 from radixrt.model.model_config import ModelConfig
 from radixrt.model.rope import RotaryEmbedding
 

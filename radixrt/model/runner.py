@@ -11,8 +11,8 @@ import torch
 from radixrt.attention import create_attention_backend
 from radixrt.attention.flashinfer import FlashInferBackend
 from radixrt.config import ServerArgs
+from radixrt.core.forward_batch import ForwardBatch
 from radixrt.mem.memory_pool import ReqToTokenPool, TokenToKVPool, kv_bytes_per_token
-from radixrt.model.forward_batch import ForwardBatch
 from radixrt.model.loader import default_model_path, load_model, resolve_device, resolve_dtype
 from radixrt.model.model_config import ModelConfig
 

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from radixrt.attention.flashinfer import import_flashinfer
-from radixrt.sampling.sampler import SamplingBatchInfo
+from radixrt.sampling.batch_info import SamplingBatchInfo
 
 
 def flashinfer_covers(info: SamplingBatchInfo) -> bool:

@@ -20,208 +20,14 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import chain
 
 import torch
 from torch import Tensor
 
-from radixrt.messages import TokenLogprobs
-from radixrt.sampling.params import SamplingParams
-
-_MASK64 = (1 << 64) - 1
-
-
-def _mix64(x: int) -> int:
-    """splitmix64 finalizer: a bijective 64-bit hash."""
-    x &= _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def step_seed(seed: int, step: int) -> int:
-    """The generator seed for a seeded request at decoding step `step` (tokens generated so far)."""
-    return _mix64(_mix64(seed + 0x9E3779B97F4A7C15) ^ (step & _MASK64))
-
-
-def _scatter_counts(
-    rows: Sequence[int],
-    chunks: Sequence[Sequence[int]],
-    batch: int,
-    vocab: int,
-    device: torch.device,
-) -> Tensor:
-    """Float32 [batch, vocab] counts of the ids in `chunks[j]` on row `rows[j]`.
-
-    Ids outside [0, vocab) are ignored. One scatter_add over flattened indices, no per-token loop.
-    """
-    lengths = torch.tensor([len(c) for c in chunks], dtype=torch.long)
-    ids = torch.tensor(list(chain.from_iterable(chunks)), dtype=torch.long)
-    row_idx = torch.repeat_interleave(torch.tensor(list(rows), dtype=torch.long), lengths)
-    keep = (ids >= 0) & (ids < vocab)
-    flat = (row_idx * vocab + ids)[keep].to(device)
-    counts = torch.zeros(batch * vocab, dtype=torch.float32, device=device)
-    counts.scatter_add_(0, flat, torch.ones(flat.shape, dtype=torch.float32, device=device))
-    return counts.view(batch, vocab)
-
-
-@dataclass
-class SamplingBatchInfo:
-    """Per-step, per-row sampling state for one batch, on the logits' device.
-
-    Row i of every [B, ...] tensor belongs to params[i]. Optional tensors are None when no row
-    needs them (then the matching step is skipped entirely).
-    """
-
-    batch_size: int
-    vocab_size: int
-    device: torch.device
-    temperatures: Tensor  # [B] float32, as requested (greedy rows may hold 0)
-    top_ps: Tensor  # [B] float32
-    top_ks: Tensor  # [B] int64, disabled -> vocab_size; clamped to vocab_size
-    min_ps: Tensor  # [B] float32
-    greedy_rows: list[int]
-    sampled_rows: list[int]
-    sampled_idx: Tensor | None  # [Ns] int64 on device; None when all rows (or none) are sampled
-    need_top_k: bool  # some sampled row has 1 < top_k < vocab
-    need_top_p: bool  # some sampled row has top_p < 1
-    need_min_p: bool  # some sampled row has min_p > 0
-    repetition_penalties: Tensor | None  # [B, 1] float32
-    repetition_mask: Tensor | None  # [B, V] bool: token occurs in prompt or output
-    frequency_penalties: Tensor | None  # [B, 1] float32
-    presence_penalties: Tensor | None  # [B, 1] float32
-    output_counts: Tensor | None  # [B, V] float32: occurrences in output
-    banned_mask: Tensor | None  # [B, V] bool: min_new_tokens not yet reached -> EOS/stop ids
-    row_seeds: list[int | None]  # per row: generator seed for this step, None when unseeded
-    logprob_rows: list[int]  # rows that asked for logprobs
-    top_logprobs: list[int]  # per row, number of alternatives (0 when logprobs is off)
-
-    @property
-    def is_fast_path(self) -> bool:
-        """All greedy, nothing to penalize, ban or report: a bare argmax suffices."""
-        return (
-            not self.sampled_rows
-            and self.repetition_mask is None
-            and self.output_counts is None
-            and self.banned_mask is None
-            and not self.logprob_rows
-        )
-
-    @classmethod
-    def build(
-        cls,
-        params: Sequence[SamplingParams],
-        prompt_ids: Sequence[Sequence[int]],
-        output_ids: Sequence[Sequence[int]],
-        vocab_size: int,
-        device: torch.device | str,
-        eos_token_ids: Sequence[int] = (),
-    ) -> SamplingBatchInfo:
-        """Gather the batch's settings. `output_ids[i]` is what request i generated so far (its
-        length is the seed step and the min_new_tokens progress). Count tensors are only built
-        when some row needs them."""
-        batch = len(params)
-        if len(prompt_ids) != batch or len(output_ids) != batch:
-            raise ValueError(
-                f"params, prompt_ids and output_ids must have equal lengths, got "
-                f"{batch}, {len(prompt_ids)}, {len(output_ids)}"
-            )
-        dev = torch.device(device)
-        vocab = vocab_size
-
-        temps: list[float] = []
-        top_ps: list[float] = []
-        top_ks: list[int] = []
-        min_ps: list[float] = []
-        greedy_rows: list[int] = []
-        sampled_rows: list[int] = []
-        need_top_k = need_top_p = need_min_p = False
-        for i, p in enumerate(params):
-            k = vocab if p.top_k <= 0 else min(p.top_k, vocab)
-            temps.append(float(p.temperature))
-            top_ps.append(float(p.top_p))
-            top_ks.append(k)
-            min_ps.append(float(p.min_p))
-            if p.is_greedy:
-                greedy_rows.append(i)
-            else:
-                sampled_rows.append(i)
-                need_top_k |= k < vocab
-                need_top_p |= p.top_p < 1.0
-                need_min_p |= p.min_p > 0.0
-
-        sampled_idx = None
-        if sampled_rows and greedy_rows:
-            sampled_idx = torch.tensor(sampled_rows, dtype=torch.long, device=dev)
-
-        rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
-        rep_pen = rep_mask = None
-        if rep_rows:
-            rep_pen = torch.tensor(
-                [[float(p.repetition_penalty)] for p in params], dtype=torch.float32, device=dev
-            )
-            rows = [i for i in rep_rows for _ in (0, 1)]
-            chunks = [c for i in rep_rows for c in (prompt_ids[i], output_ids[i])]
-            rep_mask = _scatter_counts(rows, chunks, batch, vocab, dev) > 0
-
-        fp_rows = [
-            i
-            for i, p in enumerate(params)
-            if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-        ]
-        freq = pres = counts = None
-        if fp_rows:
-            freq = torch.tensor(
-                [[float(p.frequency_penalty)] for p in params], dtype=torch.float32, device=dev
-            )
-            pres = torch.tensor(
-                [[float(p.presence_penalty)] for p in params], dtype=torch.float32, device=dev
-            )
-            counts = _scatter_counts(fp_rows, [output_ids[i] for i in fp_rows], batch, vocab, dev)
-
-        eos = tuple(eos_token_ids)
-        ban_rows: list[int] = []
-        ban_chunks: list[tuple[int, ...]] = []
-        for i, p in enumerate(params):
-            if len(output_ids[i]) < p.min_new_tokens:
-                banned = eos + tuple(p.stop_token_ids)
-                if banned:
-                    ban_rows.append(i)
-                    ban_chunks.append(banned)
-        banned_mask = None
-        if ban_rows:
-            banned_mask = _scatter_counts(ban_rows, ban_chunks, batch, vocab, dev) > 0
-
-        row_seeds = [
-            None if p.seed is None or p.is_greedy else step_seed(p.seed, len(output_ids[i]))
-            for i, p in enumerate(params)
-        ]
-        return cls(
-            batch_size=batch,
-            vocab_size=vocab,
-            device=dev,
-            temperatures=torch.tensor(temps, dtype=torch.float32, device=dev),
-            top_ps=torch.tensor(top_ps, dtype=torch.float32, device=dev),
-            top_ks=torch.tensor(top_ks, dtype=torch.long, device=dev),
-            min_ps=torch.tensor(min_ps, dtype=torch.float32, device=dev),
-            greedy_rows=greedy_rows,
-            sampled_rows=sampled_rows,
-            sampled_idx=sampled_idx,
-            need_top_k=need_top_k,
-            need_top_p=need_top_p,
-            need_min_p=need_min_p,
-            repetition_penalties=rep_pen,
-            repetition_mask=rep_mask,
-            frequency_penalties=freq,
-            presence_penalties=pres,
-            output_counts=counts,
-            banned_mask=banned_mask,
-            row_seeds=row_seeds,
-            logprob_rows=[i for i, p in enumerate(params) if p.logprobs],
-            top_logprobs=[p.top_logprobs if p.logprobs else 0 for p in params],
-        )
+from radixrt.core.logprobs import TokenLogprobs
+from radixrt.sampling.batch_info import MASK64, SamplingBatchInfo
+from radixrt.sampling.flashinfer_sampler import flashinfer_sample
 
 
 def apply_penalties(logits: Tensor, info: SamplingBatchInfo) -> Tensor:
@@ -298,7 +104,7 @@ class Sampler:
         gen = pool.get(key)
         if gen is None:
             gen = torch.Generator(device=device)
-            gen.manual_seed(self.seed & _MASK64)
+            gen.manual_seed(self.seed & MASK64)
             pool[key] = gen
         return gen
 
@@ -338,8 +144,6 @@ class Sampler:
         if info.is_fast_path:
             return SampleOutput(logits.argmax(dim=-1).tolist(), [None] * batch)
         if logits.is_cuda:  # FlashInfer's fused kernels where they cover the rows' settings
-            from radixrt.sampling.flashinfer_sampler import flashinfer_sample
-
             ids = flashinfer_sample(logits, info)
             if ids is not None:
                 return SampleOutput(ids.tolist(), [None] * batch)

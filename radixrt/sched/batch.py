@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from radixrt.core.forward_batch import ForwardBatch, ForwardMode
 from radixrt.mem.base_prefix_cache import BasePrefixCache
 from radixrt.mem.memory_pool import ReqToTokenPool, TokenToKVPool
-from radixrt.model.forward_batch import ForwardBatch, ForwardMode
 from radixrt.sched.req import Req
 
 

@@ -3,8 +3,9 @@ collect what goes to the detokenizer."""
 
 from __future__ import annotations
 
+from radixrt.core.logprobs import TokenLogprobs
+from radixrt.core.messages import FINISH_LENGTH, FINISH_STOP, ReqTokenOut, TokenBatchOut
 from radixrt.mem.base_prefix_cache import BasePrefixCache
-from radixrt.messages import FINISH_LENGTH, FINISH_STOP, ReqTokenOut, TokenBatchOut, TokenLogprobs
 from radixrt.sched.req import Req
 
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from radixrt.messages import TokenLogprobs
-from radixrt.sampling.params import SamplingParams
+from radixrt.core.logprobs import TokenLogprobs
+from radixrt.core.sampling_params import SamplingParams
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 

@@ -15,13 +15,9 @@ from dataclasses import dataclass
 import torch
 import zmq
 
-from radixrt import ipc
 from radixrt.config import ServerArgs
-from radixrt.mem.base_prefix_cache import BasePrefixCache
-from radixrt.mem.chunk_cache import NoPrefixCache
-from radixrt.mem.invariants import check_ownership
-from radixrt.mem.radix_cache import RadixCache
-from radixrt.messages import (
+from radixrt.core import ipc
+from radixrt.core.messages import (
     FINISH_ABORT,
     AbortReq,
     CheckInvariantsReq,
@@ -32,8 +28,13 @@ from radixrt.messages import (
     StatsReq,
     TokenBatchOut,
 )
+from radixrt.mem.base_prefix_cache import BasePrefixCache
+from radixrt.mem.chunk_cache import NoPrefixCache
+from radixrt.mem.invariants import check_ownership
+from radixrt.mem.radix_cache import RadixCache
 from radixrt.model.runner import ModelRunner
-from radixrt.sampling.sampler import Sampler, SamplingBatchInfo
+from radixrt.sampling.batch_info import SamplingBatchInfo
+from radixrt.sampling.sampler import Sampler
 from radixrt.sched.batch import BatchBuilder
 from radixrt.sched.output_processor import OutputProcessor
 from radixrt.sched.req import Req

@@ -23,9 +23,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from radixrt.config import ServerArgs
+from radixrt.core.logprobs import TokenLogprobs
+from radixrt.core.messages import ReqTextOut
+from radixrt.core.sampling_params import SamplingParams
 from radixrt.engine import Engine
-from radixrt.messages import ReqTextOut, TokenLogprobs
-from radixrt.sampling.params import SamplingParams
 from radixrt.server import protocol as P
 from radixrt.server.metrics import ServerMetrics
 from tokenizer_proc.manager import EngineDeadError

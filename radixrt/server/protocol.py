@@ -8,8 +8,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from radixrt.messages import TokenLogprobs
-from radixrt.sampling.params import SamplingParams
+from radixrt.core.logprobs import TokenLogprobs
+from radixrt.core.sampling_params import SamplingParams
 
 # SamplingParams field → the OpenAI parameter a user sent.
 API_NAME = {"max_new_tokens": "max_tokens", "top_logprobs": "logprobs"}

@@ -14,7 +14,8 @@ import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixrt.sampling.params import SamplingParams
+from radixrt.core.logprobs import TokenLogprobs
+from radixrt.core.sampling_params import SamplingParams
 
 # Finish reasons, as OpenAI names them ("abort" is ours: client gone or error).
 FINISH_STOP = "stop"
@@ -79,20 +80,6 @@ class ReadyMsg:
     process: str = "scheduler"
     info: dict[str, Any] = field(default_factory=dict)
     error: str = ""
-
-
-@dataclass
-class TokenLogprobs:
-    """Log-probabilities of the chosen tokens, and the top alternatives at each position."""
-
-    token_logprobs: list[float] = field(default_factory=list)
-    top_ids: list[list[int]] = field(default_factory=list)
-    top_logprobs: list[list[float]] = field(default_factory=list)
-
-    def extend(self, other: TokenLogprobs) -> None:
-        self.token_logprobs.extend(other.token_logprobs)
-        self.top_ids.extend(other.top_ids)
-        self.top_logprobs.extend(other.top_logprobs)
 
 
 @dataclass

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from radixrt import messages
+from radixrt.core import messages
 
 
 @dataclass(frozen=True)
