@@ -267,7 +267,6 @@ class _ReqState:
     decoder: IncrementalDecoder | None
     matcher: StopMatcher | None
     stopped: bool = False  # stop string hit (or detok failure): drop outs until the final one
-    stop_completion_tokens: int = 0
 
 
 class DetokenizerManager:
@@ -313,7 +312,7 @@ class DetokenizerManager:
         if out.error:
             if final:
                 self._states.pop(rid, None)
-            return self._text_out(out, "", out.finish_reason, out.completion_tokens)
+            return self._text_out(out, "", out.finish_reason)
         if st is None:
             st = _ReqState(
                 IncrementalDecoder(self._tok, out.skip_special_tokens, self._traits),
@@ -326,16 +325,16 @@ class DetokenizerManager:
             delta += st.decoder.flush()
         text, hit = st.matcher.feed(delta)
         if hit:
-            st.stopped, st.stop_completion_tokens = True, out.completion_tokens
+            st.stopped = True
             if final:
                 del self._states[rid]
             else:
                 aborts.append(AbortReq(rid, reason=FINISH_STOP))
-            return self._text_out(out, text, FINISH_STOP, out.completion_tokens)
+            return self._text_out(out, text, FINISH_STOP)
         if final:
             text += st.matcher.flush()
             del self._states[rid]
-        return self._text_out(out, text, out.finish_reason, out.completion_tokens)
+        return self._text_out(out, text, out.finish_reason)
 
     def _fail(self, out: ReqTokenOut, exc: Exception, aborts: list[AbortReq]) -> ReqTextOut:
         msg = f"detokenizer: {type(exc).__name__}: {exc}"
@@ -344,14 +343,13 @@ class DetokenizerManager:
         else:
             self._states[out.rid] = _ReqState(None, None, stopped=True)
             aborts.append(AbortReq(out.rid, reason=FINISH_ABORT, message=msg))
-        return self._text_out(out, "", FINISH_ABORT, out.completion_tokens, error=msg)
+        return self._text_out(out, "", FINISH_ABORT, error=msg)
 
     @staticmethod
     def _text_out(
         out: ReqTokenOut,
         text: str,
         finish_reason: str | None,
-        completion_tokens: int,
         error: str | None = None,
     ) -> ReqTextOut:
         return ReqTextOut(
@@ -359,9 +357,7 @@ class DetokenizerManager:
             text_delta=text,
             new_ids=list(out.new_ids),
             finish_reason=finish_reason,
-            prompt_tokens=out.prompt_tokens,
-            cached_tokens=out.cached_tokens,
-            completion_tokens=completion_tokens,
+            usage=out.usage,
             logprobs=out.logprobs,
             error=out.error if error is None else error,
         )
@@ -386,23 +382,18 @@ def run_detokenizer(
     tokenizer_path: str | None,
     ipc: IpcPaths,
     parent_pid: int,
-    ready_pipe: Any = None,
 ) -> None:
     """Process entry point: PULL `TokenBatchOut`s, PUSH `TextBatchOut`s to the tokenizer and
-    stop-string `AbortReq`s to the scheduler. Runs until the parent process dies."""
-    quiet_torch_threads()
+    stop-string `AbortReq`s to the scheduler. Reports readiness (or a start-up failure) as a
+    `ReadyMsg` to the tokenizer. Runs until the parent process dies."""
+    quiet_torch_threads()  # this process's own threads: it does no tensor work
     exit_with_parent(parent_pid, cleanup_dir=ipc.directory)
     ctx = zmq.Context()
     to_tokenizer = push_socket(ctx, ipc.tokenizer)
 
     def report(status: str) -> None:
-        # Readiness goes over the ready pipe when one is given, else to the tokenizer socket.
-        if ready_pipe is not None:
-            ready_pipe.send(status)
-            ready_pipe.close()
-        else:
-            ok = status == "ok"
-            send(to_tokenizer, ReadyMsg(ok=ok, process="detokenizer", error="" if ok else status))
+        ok = status == "ok"
+        send(to_tokenizer, ReadyMsg(ok=ok, process="detokenizer", error="" if ok else status))
 
     try:
         from radixrt.model.tokenizer import load_tokenizer

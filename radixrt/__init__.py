@@ -3,12 +3,17 @@
 from radixrt.config import ServerArgs
 from radixrt.core.sampling_params import SamplingParams
 
-__all__ = ["Engine", "GenerateOutput", "SamplingParams", "ServerArgs", "StreamChunk"]
+__all__ = ["Engine", "EngineDeadError", "GenerateOutput", "SamplingParams", "ServerArgs",
+           "StreamChunk"]
+
+_FRONTEND = ("Engine", "EngineDeadError", "GenerateOutput", "StreamChunk")
 
 
-def __getattr__(name: str):  # lazy: importing radixrt must not start torch in light processes
-    if name in ("Engine", "GenerateOutput", "StreamChunk"):
-        from radixrt import engine
+def __getattr__(name: str):
+    # Lazy, so `import radixrt` (e.g. for ServerArgs / SamplingParams) stays cheap: the Engine
+    # loads transformers, and launching a runtime imports the scheduler (torch, model code).
+    if name in _FRONTEND:
+        from radixrt.frontend import engine
 
         return getattr(engine, name)
     raise AttributeError(name)

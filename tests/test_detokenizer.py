@@ -32,10 +32,12 @@ from detok_proc.detokenizer import (
 from radixrt.core.ipc import IpcPaths, pull_socket, push_socket, send
 from radixrt.core.messages import (
     AbortReq,
+    ReadyMsg,
     ReqTokenOut,
     TextBatchOut,
     TokenBatchOut,
     TokenLogprobs,
+    Usage,
 )
 
 LINES = [
@@ -388,9 +390,7 @@ def _out(rid: str, ids: list[int], n: int, finish: str | None = None, **kw: Any)
         rid=rid,
         new_ids=ids,
         finish_reason=finish,
-        prompt_tokens=7,
-        cached_tokens=3,
-        completion_tokens=n,
+        usage=Usage(prompt_tokens=7, cached_tokens=3, completion_tokens=n),
         **kw,
     )
 
@@ -522,21 +522,10 @@ def _load_saved(model_path: str, tokenizer_path: str | None = None) -> Any:
     return PreTrainedTokenizerFast.from_pretrained(tokenizer_path or model_path)
 
 
-def _detok_child(tok_dir: str, ipc: IpcPaths, parent_pid: int, conn: Any) -> None:
+def _detok_child(tok_dir: str, ipc: IpcPaths, parent_pid: int) -> None:
     """Spawned child: the process entry point with a tokenizer loaded from `tok_dir`."""
     sys.modules["radixrt.model.tokenizer"] = _fake_tokenizer_module(_load_saved)
-    run_detokenizer(tok_dir, None, ipc, parent_pid, conn)
-
-
-class _Pipe:
-    def __init__(self) -> None:
-        self.sent: list[object] = []
-
-    def send(self, obj: object) -> None:
-        self.sent.append(obj)
-
-    def close(self) -> None:
-        pass
+    run_detokenizer(tok_dir, None, ipc, parent_pid)
 
 
 def test_run_detokenizer_reports_load_failure(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -547,12 +536,18 @@ def test_run_detokenizer_reports_load_failure(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(detok_mod, "quiet_torch_threads", lambda: None)
     monkeypatch.setattr(detok_mod, "exit_with_parent", lambda pid, **kw: None)
     ipc, ipc_dir = IpcPaths.in_new_tempdir()
-    pipe = _Pipe()
+    ctx = zmq.Context()
+    from_detok = pull_socket(ctx, ipc.tokenizer)
     try:
-        run_detokenizer("/nonexistent", None, ipc, os.getppid(), pipe)
+        run_detokenizer("/nonexistent", None, ipc, os.getppid())
+        assert from_detok.poll(20_000)
+        (msg,) = [_recv(from_detok)]
+        assert not from_detok.poll(100)  # exactly one report
     finally:
+        ctx.destroy(linger=0)
         shutil.rmtree(ipc_dir, ignore_errors=True)
-    assert len(pipe.sent) == 1 and "no such tokenizer" in str(pipe.sent[0])
+    assert isinstance(msg, ReadyMsg) and not msg.ok and msg.process == "detokenizer"
+    assert "no such tokenizer" in msg.error
 
 
 def test_run_detokenizer_process(bpe_tok: Any, tmp_path: Path) -> None:
@@ -563,13 +558,11 @@ def test_run_detokenizer_process(bpe_tok: Any, tmp_path: Path) -> None:
     to_sched = pull_socket(ctx, ipc.scheduler)
     to_detok = push_socket(ctx, ipc.detokenizer)
     mpc = mp.get_context("spawn")
-    parent_conn, child_conn = mpc.Pipe()
-    proc = mpc.Process(
-        target=_detok_child, args=(str(tmp_path / "tok"), ipc, os.getpid(), child_conn)
-    )
+    proc = mpc.Process(target=_detok_child, args=(str(tmp_path / "tok"), ipc, os.getpid()))
     proc.start()
     try:
-        assert parent_conn.poll(60) and parent_conn.recv() == "ok"
+        assert from_detok.poll(60_000)
+        assert _recv(from_detok) == ReadyMsg(ok=True, process="detokenizer")
         to_detok.send(b"not a pickle")  # must not kill the loop
         send(to_detok, "not a batch")
         send(to_detok, TokenBatchOut([]))  # empty: nothing forwarded

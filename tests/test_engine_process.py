@@ -11,7 +11,7 @@ import time
 import pytest
 
 from radixrt import Engine, SamplingParams
-from tokenizer_proc.manager import EngineDeadError
+from radixrt.core.errors import EngineDeadError
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +128,7 @@ def test_many_concurrent_requests_and_flush(engine):
 def test_dead_scheduler_fails_fast(tiny_llama_dir):
     eng = Engine(model_path=str(tiny_llama_dir), max_total_tokens=2048, num_threads=1)
     try:
-        os.kill(eng.tm.scheduler_proc.pid, signal.SIGKILL)
+        os.kill(eng.launcher.scheduler.pid, signal.SIGKILL)
         t0 = time.monotonic()
         with pytest.raises(EngineDeadError, match="scheduler"):
             eng.generate("anyone there?", SamplingParams(max_new_tokens=4))
@@ -137,7 +137,7 @@ def test_dead_scheduler_fails_fast(tiny_llama_dir):
             eng.generate("and now?", SamplingParams(max_new_tokens=4))
     finally:
         eng.shutdown()
-    assert not eng.tm.detok_proc.is_alive()
+    assert not eng.launcher.detokenizer.is_alive()
 
 
 def test_children_exit_when_parent_dies(tiny_llama_dir, tmp_path):
@@ -151,7 +151,7 @@ def test_children_exit_when_parent_dies(tiny_llama_dir, tmp_path):
         "import sys, time\n"
         "from radixrt import Engine\n"
         f"e = Engine(model_path={str(tiny_llama_dir)!r}, max_total_tokens=1024, num_threads=1)\n"
-        f"open({str(pidfile)!r}, 'w').write(f'{{e.tm.scheduler_proc.pid}} {{e.tm.detok_proc.pid}}')\n"
+        f"open({str(pidfile)!r}, 'w').write(f'{{e.launcher.scheduler.pid}} {{e.launcher.detokenizer.pid}}')\n"
         "time.sleep(600)\n")
     proc = subprocess.Popen([sys.executable, str(script)], cwd=os.getcwd())
     try:

@@ -11,6 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from radixrt.core.errors import InvalidRequestError
 from radixrt.core.sampling_params import SamplingParams
 from radixrt.sampling.batch_info import SamplingBatchInfo, step_seed
 from radixrt.sampling.sampler import Sampler, apply_penalties, filter_logits
@@ -112,8 +113,9 @@ def test_validate_names_field(field: str, value: object) -> None:
 
 
 def test_validate_message_and_top_logprobs_needs_logprobs() -> None:
-    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 1.5"):
+    with pytest.raises(InvalidRequestError, match=r"top_p: must be in \(0, 1\], got 1.5") as ei:
         SamplingParams(top_p=1.5).validate()
+    assert ei.value.field == "top_p"
     with pytest.raises(ValueError, match="top_logprobs"):
         SamplingParams(top_logprobs=3).validate()
     SamplingParams(logprobs=True, top_logprobs=20, top_k=0, seed=-5, temperature=0).validate()

@@ -350,3 +350,27 @@ def test_sigterm_stops_every_process(tiny_llama_dir):
     for k in kids:
         assert not os.path.exists(f"/proc/{k}") or open(f"/proc/{k}/stat").read().split()[2] == "Z"
     assert not os.path.exists(sockdir)
+
+
+def test_non_streaming_request_aborted_when_client_disconnects(server):
+    """A non-streaming client that hangs up must not leave its samples generating."""
+    server.wait_idle()
+    before = server.get("/debug/stats").json()
+    max_tokens = 1000
+    body = {"model": "default", "prompt": "Once upon a time", "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "n": 2}
+    with pytest.raises(httpx.ReadTimeout):  # hang up while the request is running
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=1.0)
+    deadline = time.monotonic() + 10
+    while server.get("/debug/stats").json()["num_running"] != 0:
+        assert time.monotonic() < deadline, "the abandoned request kept running"
+        time.sleep(0.05)
+    after = server.get("/debug/stats").json()
+    generated = after["generated_tokens_total"] - before["generated_tokens_total"]
+    assert after["num_finished_requests_total"] - before["num_finished_requests_total"] == 2
+    assert 0 < generated < max_tokens  # both samples together: far below one full budget
+    server.assert_clean()
+    ok = server.client().completions.create(model="default", prompt="still serving",
+                                            max_tokens=3, temperature=0,
+                                            extra_body={"ignore_eos": True})
+    assert ok.usage.completion_tokens == 3

@@ -10,6 +10,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
@@ -89,8 +90,9 @@ def exit_with_parent(parent_pid: int, interval_s: float = 0.5,
 
 
 def quiet_torch_threads() -> None:
-    """For processes that do no tensor work: never spin up a BLAS/OpenMP pool that would fight
-    the scheduler for cores (measured: 7-10x slower decode on 2 cores)."""
+    """For child processes that do no tensor work (the detokenizer): never spin up a
+    BLAS/OpenMP pool that would fight the scheduler for cores (measured: 7-10x slower decode
+    on 2 cores). Only a child calls this, on itself: the caller's process is left alone."""
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ[var] = "1"
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -103,12 +105,22 @@ def quiet_torch_threads() -> None:
         pass
 
 
-def spawn_child(name: str, target: str, kwargs: dict, workdir: str,
+def entry_point_name(target: Callable[..., object]) -> str:
+    """"module:qualname" of a module-level function, which a fresh interpreter can import."""
+    module, qualname = target.__module__, target.__qualname__
+    if "<" in qualname or "." in qualname or module == "__main__":
+        raise ValueError(f"a child entry point must be a module-level function of an importable "
+                         f"module, got {module}:{qualname}")
+    return f"{module}:{qualname}"
+
+
+def spawn_child(name: str, target: Callable[..., object], kwargs: dict, workdir: str,
                 env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start `target` ("module:function") with `kwargs` in a fresh interpreter."""
+    """Start `target(**kwargs)` in a fresh interpreter (`python -m radixrt.core.child_main`)."""
     path = os.path.join(workdir, f"{name}.pkl")
     with open(path, "wb") as f:
-        pickle.dump({"target": target, "kwargs": kwargs}, f)
+        pickle.dump({"target": entry_point_name(target), "kwargs": kwargs}, f)
     child_env = dict(os.environ)
     child_env.update(env or {})
-    return subprocess.Popen([sys.executable, "-m", "radixrt.child", path], env=child_env)
+    return subprocess.Popen([sys.executable, "-m", "radixrt.core.child_main", path],
+                            env=child_env)

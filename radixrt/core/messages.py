@@ -30,7 +30,6 @@ class GenerateReq:
     rid: str
     input_ids: list[int]
     sampling: SamplingParams
-    stream: bool = False
 
 
 @dataclass
@@ -83,15 +82,41 @@ class ReadyMsg:
 
 
 @dataclass
-class ReqTokenOut:
+class Usage:
+    """A request's token accounting, the one record every output shape embeds: prompt tokens,
+    how many of them came from the prefix cache, and tokens generated so far."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class UsageFields:
+    """Read-only `prompt_tokens` / `cached_tokens` / `completion_tokens` over `self.usage`."""
+
+    usage: Usage
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.usage.prompt_tokens
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.usage.cached_tokens
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.usage.completion_tokens
+
+
+@dataclass
+class ReqTokenOut(UsageFields):
     """One request's progress in one step. `new_ids` are tokens produced since the last out."""
 
     rid: str
     new_ids: list[int]
     finish_reason: str | None
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
+    usage: Usage
     logprobs: TokenLogprobs | None = None
     # Detokenization settings travel with the request's outputs (the detokenizer keeps no
     # request registry of its own beyond incremental-decoding state).
@@ -106,14 +131,14 @@ class TokenBatchOut:
 
 
 @dataclass
-class ReqTextOut:
+class ReqTextOut(UsageFields):
+    """`ReqTokenOut` after detokenization: the text produced since the last out."""
+
     rid: str
     text_delta: str
     new_ids: list[int]
     finish_reason: str | None
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
+    usage: Usage
     logprobs: TokenLogprobs | None = None
     error: str = ""
 

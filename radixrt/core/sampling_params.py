@@ -13,6 +13,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from radixrt.core.errors import InvalidRequestError
+
 # Temperatures below this are treated as greedy (dividing by them would overflow float32 logits).
 GREEDY_TEMPERATURE_EPS = 1e-5
 MAX_TOP_LOGPROBS = 20
@@ -82,11 +84,12 @@ class SamplingParams:
         )
 
     def validate(self) -> None:
-        """Raise ValueError naming the first offending field. Context-length checks (prompt +
-        max_new_tokens) are the caller's, which knows the model."""
+        """Raise `InvalidRequestError` (a ValueError) naming the first offending field.
+        Context-length checks (prompt + max_new_tokens) are `core.validation`'s, called by
+        whoever knows the model."""
 
         def bad(name: str, msg: str) -> None:
-            raise ValueError(f"{name} {msg}, got {getattr(self, name)!r}")
+            raise InvalidRequestError(name, f"{msg}, got {getattr(self, name)!r}")
 
         for name in ("max_new_tokens", "top_k", "min_new_tokens", "top_logprobs"):
             v = getattr(self, name)
@@ -149,12 +152,15 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
-        """Build from untrusted input: unknown keys are a ValueError naming them; then validate."""
+        """Build from untrusted input: unknown keys are an `InvalidRequestError` naming them;
+        then validate."""
         if not isinstance(d, dict):
-            raise ValueError(f"sampling params must be a dict, got {type(d).__name__}")
+            raise InvalidRequestError("sampling_params",
+                                      f"must be a dict, got {type(d).__name__}")
         unknown = sorted(str(k) for k in d if k not in cls.field_names())
         if unknown:
-            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+            raise InvalidRequestError(unknown[0], "unknown sampling parameter(s): "
+                                                  f"{', '.join(unknown)}")
         params = cls(**d)
         params.validate()
         return params

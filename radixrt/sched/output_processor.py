@@ -4,7 +4,7 @@ collect what goes to the detokenizer."""
 from __future__ import annotations
 
 from radixrt.core.logprobs import TokenLogprobs
-from radixrt.core.messages import FINISH_LENGTH, FINISH_STOP, ReqTokenOut, TokenBatchOut
+from radixrt.core.messages import FINISH_LENGTH, FINISH_STOP, ReqTokenOut, TokenBatchOut, Usage
 from radixrt.mem.base_prefix_cache import BasePrefixCache
 from radixrt.sched.req import Req
 
@@ -63,8 +63,10 @@ class OutputProcessor:
             sp = req.sampling
             outs.append(ReqTokenOut(
                 rid=req.rid, new_ids=new, finish_reason=req.finish_reason,
-                prompt_tokens=len(req.origin_input_ids), cached_tokens=req.cached_tokens or 0,
-                completion_tokens=len(req.output_ids), logprobs=req.pending_logprobs,
+                usage=Usage(prompt_tokens=len(req.origin_input_ids),
+                            cached_tokens=req.cached_tokens or 0,
+                            completion_tokens=len(req.output_ids)),
+                logprobs=req.pending_logprobs,
                 stop=sp.stop, skip_special_tokens=sp.skip_special_tokens, error=req.error,
             ))
             req.pending_logprobs = None

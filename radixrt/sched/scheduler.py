@@ -106,11 +106,18 @@ class Scheduler:
 
     # -- inputs -------------------------------------------------------------------------------------
     def add_request(self, msg: GenerateReq) -> None:
-        req = Req(msg.rid, list(msg.input_ids), msg.sampling, msg.stream)
-        if len(req.origin_input_ids) + 1 > self.max_context_len:
+        # Imported here so this change stays inside add_request (the module's imports are
+        # being refactored concurrently); core is below sched, so this is no upward edge.
+        from radixrt.core.errors import InvalidRequestError
+        from radixrt.core.validation import check_context_length
+
+        req = Req(msg.rid, list(msg.input_ids), msg.sampling)
+        try:
+            check_context_length(len(req.origin_input_ids), self.max_context_len,
+                                 prompt_field="input_ids")
+        except InvalidRequestError as e:
             req.finish_reason = FINISH_ABORT
-            req.error = (f"input_ids: prompt has {len(req.origin_input_ids)} tokens, the context "
-                         f"holds {self.max_context_len}")
+            req.error = str(e)
             self.finished_this_step.append(req)
             return
         self.counters.requests += 1

@@ -23,17 +23,22 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from radixrt.config import ServerArgs
+from radixrt.core.errors import EngineDeadError, InvalidRequestError, InvariantError
 from radixrt.core.logprobs import TokenLogprobs
 from radixrt.core.messages import ReqTextOut
 from radixrt.core.sampling_params import SamplingParams
-from radixrt.engine import Engine
+from radixrt.frontend.engine import Engine, ReqState
 from radixrt.server import protocol as P
 from radixrt.server.metrics import ServerMetrics
-from tokenizer_proc.manager import EngineDeadError
 
 logger = logging.getLogger("radixrt.server")
 
 OPEN_PATHS = ("/health", "/metrics")
+DISCONNECT_POLL_S = 0.2  # how often a non-streaming request checks that its client is there
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client of a non-streaming request went away."""
 
 
 class RequestGroup:
@@ -43,9 +48,9 @@ class RequestGroup:
         self.server = server
         self.queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        tm = server.engine.tm
-        self.states = [tm.submit(ids, sp, stream=True, loop=loop, queue=self.queue)
-                       for ids, sp in zip(ids_list, params, strict=True)]
+        self.states: list[ReqState] = [
+            server.engine.submit(ids, sp, loop=loop, queue=self.queue)
+            for ids, sp in zip(ids_list, params, strict=True)]
         self.index = {st.rid: i for i, st in enumerate(self.states)}
         self.start = time.monotonic()
         self.last_token: dict[int, float] = {}
@@ -58,7 +63,7 @@ class RequestGroup:
             try:
                 item = await asyncio.wait_for(self.queue.get(), timeout=1.0)
             except asyncio.TimeoutError:
-                self.server.engine.tm.check_alive()
+                self.server.engine.check_alive()
                 continue
             if isinstance(item, BaseException):
                 raise item
@@ -89,7 +94,14 @@ class RequestGroup:
     def abort_unfinished(self) -> None:
         for i, st in enumerate(self.states):
             if i not in self.finished:
-                self.server.engine.tm.abort(st.rid)
+                self.server.engine.abort(st.rid)
+
+    async def abort_on_disconnect(self, request: Request) -> None:
+        """Until cancelled: once the client is gone, end `events` with `ClientDisconnected`
+        (the caller then aborts every unfinished sample)."""
+        while not await request.is_disconnected():
+            await asyncio.sleep(DISCONNECT_POLL_S)
+        self.queue.put_nowait(ClientDisconnected())
 
 
 class Server:
@@ -111,7 +123,7 @@ class Server:
                              type="invalid_request_error", code="model_not_found")
 
     def check_capacity(self, n: int) -> None:
-        outstanding = len(self.engine.tm.states)
+        outstanding = self.engine.num_outstanding()
         limit = self.args.max_running_requests + self.args.max_queued_requests
         if outstanding + n > limit:
             raise P.ApiError(429, f"server overloaded: {outstanding} requests in flight, the "
@@ -120,20 +132,17 @@ class Server:
 
     def check_alive(self) -> None:
         try:
-            self.engine.tm.check_alive()
+            self.engine.check_alive()
         except EngineDeadError as e:
             raise P.ApiError(503, str(e), type="service_unavailable",
                              code="engine_dead") from None
 
     def check_ids(self, ids: list[int], param: str) -> list[int]:
-        vocab = self.engine.vocab_size
-        for t in ids:
-            if not 0 <= t < vocab:
-                raise P.bad(param, f"token id {t} is outside the vocabulary [0, {vocab})")
-        if len(ids) >= self.engine.max_context_len:
-            raise P.bad(param, f"the prompt has {len(ids)} tokens; this model's context is "
-                               f"{self.engine.max_context_len}", code="context_length_exceeded")
-        return ids
+        """Vocabulary and prompt-length checks; both name `param` (the prompt's API field)."""
+        try:
+            return self.engine.check_input_ids(ids, ids_field=param, prompt_field=param)
+        except InvalidRequestError as e:
+            raise P.invalid(e) from None
 
     @staticmethod
     def per_sample(sp: SamplingParams, n: int) -> list[SamplingParams]:
@@ -149,7 +158,7 @@ class Server:
         return out
 
     # -- endpoints ------------------------------------------------------------------------------
-    async def completions(self, body: dict[str, Any]) -> Response:
+    async def completions(self, body: dict[str, Any], request: Request | None = None) -> Response:
         self.check_model(body)
         prompts = P.prompts_from(body)
         n = P.n_from(body)
@@ -164,7 +173,8 @@ class Server:
                                    "prompt") for p in prompts]
         params: list[SamplingParams] = []
         for ids in ids_list:
-            mt = P.max_tokens_from(body, ("max_tokens",), 16, len(ids), self.engine.max_context_len)
+            mt = P.max_tokens_from(body, ("max_tokens",), 16, len(ids), self.engine.max_context_len,
+                                   "prompt")
             sp = P.sampling_from_body(body, mt, top_lp is not None, top_lp or 0)
             params.extend(self.per_sample(sp, n))
         all_ids = [ids for ids in ids_list for _ in range(n)]
@@ -197,7 +207,7 @@ class Server:
 
             return self.sse(group, n, gen(), chunk, include_usage)
 
-        results = await self.collect(group)
+        results = await self.collect(group, request)
         choices = []
         for i, (st, lp) in enumerate(results):
             prefix = prompt_texts[i // n] if echo else ""
@@ -209,7 +219,7 @@ class Server:
                              "model": self.model_name, "choices": choices,
                              "usage": self.usage(group, n)})
 
-    async def chat(self, body: dict[str, Any]) -> Response:
+    async def chat(self, body: dict[str, Any], request: Request | None = None) -> Response:
         self.check_model(body)
         messages = P.messages_from(body)
         n = P.n_from(body)
@@ -222,13 +232,13 @@ class Server:
             raise P.bad("top_logprobs", f"'top_logprobs' must be in 0..20, got {top_lp}")
         try:
             ids = self.engine.apply_chat_template(messages)
-        except ValueError as e:
-            raise P.bad("messages", str(e)) from None
+        except InvalidRequestError as e:
+            raise P.invalid(e) from None
         except Exception as e:  # template errors (e.g. roles the template rejects)
             raise P.bad("messages", f"chat template failed: {e}") from None
         self.check_ids(ids, "messages")
         mt = P.max_tokens_from(body, ("max_completion_tokens", "max_tokens"), None, len(ids),
-                               self.engine.max_context_len)
+                               self.engine.max_context_len, "messages")
         sp = P.sampling_from_body(body, mt, want_lp, top_lp)
         params = self.per_sample(sp, n)
         self.check_alive()
@@ -259,7 +269,7 @@ class Server:
 
             return self.sse(group, n, gen(), chunk, include_usage)
 
-        results = await self.collect(group)
+        results = await self.collect(group, request)
         choices = [{"index": i, "message": {"role": "assistant", "content": st.text},
                     "logprobs": self.text.chat_logprobs(st.token_ids, lp),
                     "finish_reason": st.finish_reason} for i, (st, lp) in enumerate(results)]
@@ -267,13 +277,25 @@ class Server:
                              "model": self.model_name, "choices": choices,
                              "usage": self.usage(group, n)})
 
-    async def collect(self, group: RequestGroup) -> list[tuple[Any, TokenLogprobs | None]]:
+    async def collect(self, group: RequestGroup, request: Request | None = None,
+                      ) -> list[tuple[ReqState, TokenLogprobs | None]]:
+        """Wait for every sample of a non-streaming request. If the client disconnects first,
+        every unfinished sample is aborted (as a dropped stream's are)."""
+        watcher = (asyncio.create_task(group.abort_on_disconnect(request))
+                   if request is not None else None)
         try:
             async for _ in group.events():
                 pass
         except EngineDeadError as e:
             raise P.ApiError(503, str(e), type="service_unavailable", code="engine_dead") from None
+        except ClientDisconnected:
+            logger.info("client disconnected: aborting %d unfinished sample(s)",
+                        len(group.states) - len(group.finished))
+            raise P.ApiError(499, "client closed the connection", type="invalid_request_error",
+                             code="client_disconnected") from None
         finally:
+            if watcher is not None:
+                watcher.cancel()
             group.abort_unfinished()
         errors = [st.error for st in group.states if st.error]
         if errors:
@@ -284,9 +306,9 @@ class Server:
     def usage(group: RequestGroup, n: int) -> dict[str, Any]:
         """Prompt tokens count once per prompt (its first sample); completions for every sample."""
         firsts = group.states[::n]
-        return P.usage(sum(s.prompt_tokens for s in firsts),
-                       sum(s.completion_tokens for s in group.states),
-                       sum(s.cached_tokens for s in firsts))
+        return P.usage(sum(s.usage.prompt_tokens for s in firsts),
+                       sum(s.usage.completion_tokens for s in group.states),
+                       sum(s.usage.cached_tokens for s in firsts))
 
     def sse(self, group: RequestGroup, n: int, chunks: AsyncIterator[bytes],
             chunk: Any, include_usage: bool) -> StreamingResponse:
@@ -352,7 +374,7 @@ def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
 
     async def handle(request: Request, fn: Any) -> Response:
         try:
-            return await fn(await json_body(request))
+            return await fn(await json_body(request), request)
         except P.ApiError as e:
             return error_response(e)
 
@@ -402,7 +424,7 @@ def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
         server.check_alive()
         try:
             await run_in_threadpool(engine.check_invariants)
-        except AssertionError as e:
+        except InvariantError as e:
             return JSONResponse({"ok": False, "error": str(e)}, status_code=500)
         return JSONResponse({"ok": True})
 

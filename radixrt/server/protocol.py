@@ -8,8 +8,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from radixrt.core.errors import InvalidRequestError
 from radixrt.core.logprobs import TokenLogprobs
 from radixrt.core.sampling_params import SamplingParams
+from radixrt.core.validation import check_context_length
 
 # SamplingParams field → the OpenAI parameter a user sent.
 API_NAME = {"max_new_tokens": "max_tokens", "top_logprobs": "logprobs"}
@@ -36,6 +38,11 @@ class ApiError(Exception):
 
 def bad(param: str | None, message: str, code: str | None = None) -> ApiError:
     return ApiError(400, message, param=param, code=code)
+
+
+def invalid(err: InvalidRequestError) -> ApiError:
+    """A 400 whose `param` is the field `err` names, in the API's spelling."""
+    return bad(API_NAME.get(err.field, err.field), str(err), code=err.code)
 
 
 def _get(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any,
@@ -91,14 +98,13 @@ def sampling_from_body(body: dict[str, Any], max_tokens: int, logprobs: bool,
     try:
         sp = SamplingParams(**fields)
         sp.validate()
-    except ValueError as e:
-        field = str(e).split()[0].strip("'\":")
-        raise bad(API_NAME.get(field, field), str(e)) from None
+    except InvalidRequestError as e:
+        raise invalid(e) from None
     return sp
 
 
 def max_tokens_from(body: dict[str, Any], names: tuple[str, ...], default: int | None,
-                    prompt_len: int, context: int) -> int:
+                    prompt_len: int, context: int, prompt_field: str = "prompt") -> int:
     """The output budget; `None` default means "the rest of the context"."""
     value, used = None, names[0]
     for name in names:
@@ -109,10 +115,11 @@ def max_tokens_from(body: dict[str, Any], names: tuple[str, ...], default: int |
         value = default if default is not None else context - prompt_len
     if value < 1:
         raise bad(used, f"'{used}' must be >= 1, got {value}")
-    if prompt_len + value > context:
-        raise bad(used, f"this model's context is {context} tokens; the prompt has "
-                        f"{prompt_len} and '{used}' asks for {value} more",
-                  code="context_length_exceeded")
+    try:
+        check_context_length(prompt_len, context, value, prompt_field=prompt_field,
+                             budget_field=used)
+    except InvalidRequestError as e:
+        raise invalid(e) from None
     return value
 
 

@@ -1,7 +1,8 @@
-"""Entry point of the runtime's child processes: `python -m radixrt.child <payload.pkl>`.
+"""Entry point of the runtime's child processes: `python -m radixrt.core.child_main <payload.pkl>`.
 
 Children are started as fresh interpreters (not multiprocessing "spawn"), so the caller's
-`__main__` is never re-imported: scripts need no `if __name__ == "__main__"` guard.
+`__main__` is never re-imported: scripts need no `if __name__ == "__main__"` guard. The payload
+names the entry point as "module:function" (`ipc.spawn_child` derives it from the function).
 """
 
 from __future__ import annotations

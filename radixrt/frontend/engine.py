@@ -1,0 +1,183 @@
+"""`Engine`: the Python API over the three-process runtime, and the narrow API the HTTP server
+uses (`submit` / `abort` / `num_outstanding` / `check_alive`, the input helpers, `info`)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from radixrt.config import ServerArgs
+from radixrt.core.errors import EngineDeadError, InvariantError
+from radixrt.core.messages import CheckInvariantsReq, FlushCacheReq, ReqTextOut, StatsReq
+from radixrt.core.sampling_params import SamplingParams
+from radixrt.frontend.launcher import Launcher
+from radixrt.model.loader import default_model_path
+from radixrt.model.tokenizer import load_tokenizer
+from tokenizer_proc.input_processor import InputProcessor, ParamsLike
+from tokenizer_proc.manager import TokenizerManager
+from tokenizer_proc.request_state import GenerateOutput, ReqState, StreamChunk
+
+__all__ = ["Engine", "EngineDeadError", "GenerateOutput", "ParamsLike", "ReqState",
+           "StreamChunk"]
+
+
+class Engine:
+    """`Engine(**fields of ServerArgs)` or `Engine(args=ServerArgs(...))`. Use as a context
+    manager (or call `shutdown`) so the child processes stop with it."""
+
+    def __init__(self, args: ServerArgs | None = None, **kwargs: Any):
+        if args is not None and kwargs:
+            raise TypeError("pass either args=ServerArgs(...) or keyword fields, not both")
+        args = args or ServerArgs(**kwargs)
+        model_path = args.model_path or str(default_model_path())
+        self.args = args.replace(model_path=model_path)
+        self.tokenizer = load_tokenizer(model_path, self.args.tokenizer_path)
+        self.launcher = Launcher(self.args)
+        self._tm = TokenizerManager(self.launcher.paths, self.launcher.dead_child)
+        self._closed = False
+        try:
+            self.launcher.start()
+            self.info: dict[str, Any] = self._tm.wait_ready(Launcher.PROCESSES)
+        except BaseException:
+            self.shutdown()
+            raise
+        self._tm.start()
+        self.max_context_len: int = self.info["max_context_len"]
+        self.vocab_size: int = self.info["vocab_size"]
+        self._inputs = InputProcessor(self.tokenizer, self.vocab_size, self.max_context_len)
+
+    # -- input preparation (shared with the HTTP server) ---------------------------------------------
+    def tokenize(self, prompt: str) -> list[int]:
+        return self._inputs.tokenize(prompt)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        return self._inputs.apply_chat_template(messages)
+
+    def check_input_ids(self, ids: Sequence[int], max_new_tokens: int = 1, *,
+                        ids_field: str = "input_ids", prompt_field: str = "prompt",
+                        budget_field: str = "max_new_tokens") -> list[int]:
+        """Vocabulary and context-length checks; `InvalidRequestError` names the field."""
+        return self._inputs.check_ids(ids, max_new_tokens, ids_field=ids_field,
+                                      prompt_field=prompt_field, budget_field=budget_field)
+
+    def validate_input_ids(self, ids: Sequence[int], sp: SamplingParams) -> list[int]:
+        return self.check_input_ids(ids, sp.max_new_tokens)
+
+    # -- the request API (what the HTTP server uses) -------------------------------------------
+    def submit(self, input_ids: list[int], sampling: SamplingParams, *,
+               loop: asyncio.AbstractEventLoop | None = None,
+               queue: asyncio.Queue | None = None) -> ReqState:
+        """Send one validated request; returns its handle (`ReqState`), filled as outputs
+        arrive. With `loop`, each `ReqTextOut` (or the `EngineDeadError` that ended the runtime)
+        is also put on `queue` (a new one unless given) on that loop."""
+        return self._tm.submit(input_ids, sampling, loop=loop, queue=queue)
+
+    def abort(self, rid: str) -> None:
+        """Give up on a request: it is forgotten here and freed in the scheduler."""
+        self._tm.abort(rid)
+
+    def num_outstanding(self) -> int:
+        """Requests submitted and neither finished nor aborted."""
+        return self._tm.num_outstanding()
+
+    def check_alive(self) -> None:
+        """Raise `EngineDeadError` if a runtime process died."""
+        self._tm.check_alive()
+
+    # -- generation --------------------------------------------------------------------------------
+    def generate(self, prompts: str | list[str] | None = None,
+                 sampling_params: ParamsLike | list[ParamsLike] = None,
+                 input_ids: list[int] | list[list[int]] | None = None,
+                 ) -> GenerateOutput | list[GenerateOutput]:
+        """Blocking batch generation. A single prompt (str or one id list) returns one output."""
+        ids_list, params, single = self._inputs.prepare(prompts, input_ids, sampling_params)
+        states = [self.submit(ids, sp) for ids, sp in zip(ids_list, params, strict=True)]
+        for st in states:
+            while not st.done.wait(0.5):
+                self.check_alive()
+            if self._tm.dead_error is not None:
+                raise EngineDeadError(self._tm.dead_error)
+        outs = [st.result() for st in states]
+        return outs[0] if single else outs
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: ParamsLike | list[ParamsLike] = None,
+             ) -> GenerateOutput | list[GenerateOutput]:
+        """One conversation (list of messages) or a list of conversations."""
+        if isinstance(messages, list) and messages and isinstance(messages[0], dict):
+            return self.generate(input_ids=[self.apply_chat_template(messages)],
+                                 sampling_params=sampling_params)[0]  # type: ignore[index]
+        return self.generate(input_ids=[self.apply_chat_template(m) for m in messages],
+                             sampling_params=sampling_params)
+
+    async def generate_stream(self, prompt: str | None = None, sampling_params: ParamsLike = None,
+                              input_ids: list[int] | None = None) -> AsyncIterator[StreamChunk]:
+        """Yields text deltas as they are produced; aborts the request if the consumer stops."""
+        ids_list, params, _ = self._inputs.prepare(prompt, input_ids, sampling_params)
+        state = self.submit(ids_list[0], params[0], loop=asyncio.get_running_loop())
+        assert state.queue is not None
+        finished = False
+        try:
+            while not finished:
+                try:
+                    item = await asyncio.wait_for(state.queue.get(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    self.check_alive()
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                out: ReqTextOut = item
+                finished = out.finish_reason is not None
+                yield state.chunk(out)
+        finally:
+            if not finished:
+                self.abort(state.rid)
+
+    # -- control -----------------------------------------------------------------------------------
+    def flush_cache(self) -> bool:
+        """Drop every cached prefix. Only possible when no request is running or waiting."""
+        return self._tm.control(FlushCacheReq(req_id=0)).ok
+
+    def stats(self) -> dict[str, Any]:
+        """Monotonic counters (requests, prompt/cached/generated tokens, retractions, evictions),
+        current gauges (running, waiting, pool usage, evictable vs locked cache) and hit rate."""
+        return self._tm.control(StatsReq(req_id=0)).data
+
+    def check_invariants(self) -> None:
+        """Raise `InvariantError` if any pool or the radix tree is inconsistent (slot leaks...)."""
+        reply = self._tm.control(CheckInvariantsReq(req_id=0))
+        if not reply.ok:
+            raise InvariantError(reply.error)
+
+    def wait_idle(self, timeout_s: float = 30.0) -> None:
+        """Wait until the scheduler has no running or waiting request (after aborts)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            s = self.stats()
+            if s["num_running"] == 0 and s["num_waiting"] == 0:
+                return
+            time.sleep(0.05)
+        raise TimeoutError("engine did not become idle")
+
+    def shutdown(self) -> None:
+        """Stop the children, close the sockets, remove the socket dir. Idempotent."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        self.launcher.stop()
+        self._tm.close()
+        self.launcher.remove_workdir()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:
+            pass

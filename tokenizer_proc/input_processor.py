@@ -1,0 +1,99 @@
+"""Input preparation on the tokenizer side: tokenization, chat templates, and validation.
+
+Every rejection is an `InvalidRequestError` naming the offending field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from radixrt.core.errors import InvalidRequestError
+from radixrt.core.sampling_params import SamplingParams
+from radixrt.core.validation import check_context_length
+
+ParamsLike = SamplingParams | dict[str, Any] | None
+
+
+def to_params(p: ParamsLike) -> SamplingParams:
+    """`None` (defaults), a `SamplingParams`, or a dict of its fields; validated."""
+    if p is None:
+        sp = SamplingParams()
+    elif isinstance(p, SamplingParams):
+        sp = p
+    elif isinstance(p, dict):
+        return SamplingParams.from_dict(p)
+    else:
+        raise TypeError(f"sampling_params: expected SamplingParams or dict, got {type(p).__name__}")
+    sp.validate()
+    return sp
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Any, vocab_size: int, max_context_len: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_context_len = max_context_len
+
+    def tokenize(self, prompt: str) -> list[int]:
+        if not isinstance(prompt, str):
+            raise InvalidRequestError("prompt", f"expected a string, got {type(prompt).__name__}")
+        if not prompt:
+            raise InvalidRequestError("prompt", "must not be empty")
+        return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        if not isinstance(messages, list) or not messages:
+            raise InvalidRequestError("messages",
+                                      "must be a non-empty list of {role, content} objects")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise InvalidRequestError(f"messages[{i}]", "must have 'role' and 'content'")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=True)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def check_ids(self, ids: Sequence[int], max_new_tokens: int = 1, *,
+                  ids_field: str = "input_ids", prompt_field: str = "prompt",
+                  budget_field: str = "max_new_tokens") -> list[int]:
+        """Token ids inside the vocabulary, and the context-length rule (prompt alone when
+        `max_new_tokens` is left at 1)."""
+        if not isinstance(ids, (list, tuple)) or not ids:
+            raise InvalidRequestError(ids_field, "must be a non-empty list of token ids")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise InvalidRequestError(ids_field, "every token id must be an integer")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                ids_field, f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        check_context_length(len(ids), self.max_context_len, max_new_tokens,
+                             prompt_field=prompt_field, budget_field=budget_field)
+        return list(ids)
+
+    def prepare(self, prompts: str | list[str] | None, input_ids: Any,
+                sampling_params: ParamsLike | list[ParamsLike],
+                ) -> tuple[list[list[int]], list[SamplingParams], bool]:
+        """(token id lists, their sampling params, whether a single prompt was given)."""
+        if (prompts is None) == (input_ids is None):
+            raise InvalidRequestError("prompts", "pass exactly one of prompts or input_ids")
+        if prompts is not None:
+            single = isinstance(prompts, str)
+            plist = [prompts] if single else list(prompts)
+            if not plist:
+                raise InvalidRequestError("prompts", "must not be empty")
+            ids_list = [self.tokenize(p) for p in plist]
+        else:
+            single = bool(input_ids) and isinstance(input_ids[0], int)
+            ids_list = [list(input_ids)] if single else [list(x) for x in input_ids]
+            if not ids_list:
+                raise InvalidRequestError("input_ids", "must not be empty")
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != len(ids_list):
+                raise InvalidRequestError(
+                    "sampling_params", "list length differs from the number of prompts")
+            params = [to_params(p) for p in sampling_params]
+        else:
+            params = [to_params(sampling_params)] * len(ids_list)
+        ids_list = [self.check_ids(ids, sp.max_new_tokens)
+                    for ids, sp in zip(ids_list, params, strict=True)]
+        return ids_list, params, single

@@ -1,0 +1,103 @@
+"""What a caller sees of one request: `ReqState` (filled as outputs arrive) and the two public
+result shapes it builds, `GenerateOutput` (whole request) and `StreamChunk` (one delta)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field
+
+from radixrt.core.logprobs import TokenLogprobs
+from radixrt.core.messages import FINISH_ABORT, ReqTextOut, Usage, UsageFields
+
+
+@dataclass
+class GenerateOutput(UsageFields):
+    """A finished request. `prompt_tokens` / `cached_tokens` / `completion_tokens` read `usage`."""
+
+    rid: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" | "length" | "abort"
+    usage: Usage
+    logprobs: TokenLogprobs | None = None
+    error: str = ""
+
+
+@dataclass
+class StreamChunk(UsageFields):
+    """One streamed delta; `usage` is the request's accounting so far."""
+
+    rid: str
+    text: str  # the delta since the previous chunk
+    token_ids: list[int]  # new token ids since the previous chunk
+    finish_reason: str | None
+    usage: Usage
+    logprobs: TokenLogprobs | None = None
+    error: str = ""
+
+
+@dataclass
+class ReqState(UsageFields):
+    """One request's handle; filled by the tokenizer manager's receive thread.
+
+    Sync callers wait on `done`; async callers read each `ReqTextOut` (or the exception that
+    ended the runtime) from `queue`, on their own `loop`.
+    """
+
+    rid: str
+    usage: Usage
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    logprobs: TokenLogprobs | None = None
+    error: str = ""
+    created: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    loop: asyncio.AbstractEventLoop | None = None
+    queue: asyncio.Queue | None = None
+
+    def apply(self, out: ReqTextOut) -> None:
+        self.text += out.text_delta
+        self.token_ids.extend(out.new_ids)
+        if out.new_ids and self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+        self.usage = out.usage
+        if out.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = TokenLogprobs()
+            self.logprobs.extend(out.logprobs)
+        if out.error:
+            self.error = out.error
+        if out.finish_reason is not None:
+            self.finish_reason = out.finish_reason
+
+    def notify(self, item: ReqTextOut | BaseException) -> None:
+        if self.loop is not None and self.queue is not None:
+            try:
+                self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            except RuntimeError:  # the caller's event loop is closed: nobody is listening
+                pass
+        if isinstance(item, BaseException) or self.finish_reason is not None:
+            self.done.set()
+
+    def fail(self, err: str, exc: BaseException) -> None:
+        """The runtime died: end this request with `err`."""
+        self.error = err
+        self.finish_reason = self.finish_reason or FINISH_ABORT
+        self.notify(exc)
+
+    # -- the public result shapes, built here only --------------------------------------------
+    def result(self) -> GenerateOutput:
+        return GenerateOutput(
+            rid=self.rid, text=self.text, token_ids=list(self.token_ids),
+            finish_reason=self.finish_reason or FINISH_ABORT, usage=self.usage,
+            logprobs=self.logprobs, error=self.error)
+
+    def chunk(self, out: ReqTextOut) -> StreamChunk:
+        return StreamChunk(
+            rid=self.rid, text=out.text_delta, token_ids=list(out.new_ids),
+            finish_reason=out.finish_reason, usage=out.usage, logprobs=out.logprobs,
+            error=out.error)
