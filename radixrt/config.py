@@ -5,9 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Literal
 
-SchedulePolicyName = Literal["lpm", "fcfs", "dfs-weight"]
 SCHEDULE_POLICIES: tuple[str, ...] = ("lpm", "fcfs", "dfs-weight")
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 

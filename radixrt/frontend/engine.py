@@ -166,8 +166,8 @@ class Engine:
         if getattr(self, "_closed", True):
             return
         self._closed = True
+        self._tm.close()  # first: a child stopped below is no death to report
         self.launcher.stop()
-        self._tm.close()
         self.launcher.remove_workdir()
 
     def __enter__(self) -> Engine:

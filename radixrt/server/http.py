@@ -34,7 +34,7 @@ from radixrt.server.metrics import ServerMetrics
 logger = logging.getLogger("radixrt.server")
 
 OPEN_PATHS = ("/health", "/metrics")
-DISCONNECT_POLL_S = 0.2  # how often a non-streaming request checks that its client is there
+DISCONNECT_POLL_S = 0.2  # pause between unexpected ASGI messages while awaiting a disconnect
 
 
 class ClientDisconnected(Exception):
@@ -99,7 +99,9 @@ class RequestGroup:
     async def abort_on_disconnect(self, request: Request) -> None:
         """Until cancelled: once the client is gone, end `events` with `ClientDisconnected`
         (the caller then aborts every unfinished sample)."""
-        while not await request.is_disconnected():
+        # The body is read already, so the next ASGI message is the disconnect (a blocking
+        # receive: Starlette's `is_disconnected()` polls one that never completes here).
+        while (await request.receive())["type"] != "http.disconnect":
             await asyncio.sleep(DISCONNECT_POLL_S)
         self.queue.put_nowait(ClientDisconnected())
 
