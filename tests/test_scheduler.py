@@ -33,11 +33,11 @@ from radixrt.core.messages import (
 from radixrt.core.sampling_params import SamplingParams
 from radixrt.mem.base_prefix_cache import BasePrefixCache
 from radixrt.mem.chunk_cache import NoPrefixCache
-from radixrt.mem.invariants import check_ownership
 from radixrt.mem.memory_pool import ReqToTokenPool, TokenToKVPool
 from radixrt.mem.radix_cache import RadixCache
 from radixrt.model.runner import ModelRunner
 from radixrt.sched import schedule_policy
+from radixrt.sched.kv_owner import KVOwner
 from radixrt.sched.req import Req
 from radixrt.sched.schedule_policy import IN_BATCH_SHARE_MIN_TOKENS, PrefillAdder, SchedulePolicy
 from radixrt.sched.scheduler import Scheduler
@@ -57,6 +57,7 @@ class Pools:
     req_pool: ReqToTokenPool
     kv_pool: TokenToKVPool
     cache: RadixCache
+    kv: KVOwner
 
     def insert(self, ids: Sequence[int]) -> torch.Tensor:
         """Cache `ids` the way a finished request would (slots from the pool); returns the slots
@@ -72,17 +73,18 @@ class Pools:
         if held:
             for h in held:
                 self.kv_pool.free(h)
-        check_ownership(self.req_pool, self.kv_pool, self.cache, list(live))
+        self.kv.check(list(live))
 
 
 def make_pools(slots: int = 256, rows: int = 8, ctx: int = 256) -> Pools:
     req_pool = ReqToTokenPool(rows, ctx)
     kv_pool = TokenToKVPool(slots, 1, 1, 1)
-    return Pools(req_pool, kv_pool, RadixCache(req_pool, kv_pool))
+    cache = RadixCache()
+    return Pools(req_pool, kv_pool, cache, KVOwner(req_pool, kv_pool, cache))
 
 
 def make_req(rid: str, ids: Sequence[int], arrival: float = 0.0, max_new: int = 8) -> Req:
-    req = Req(rid, list(ids), SamplingParams(max_new_tokens=max_new, temperature=0.0), False)
+    req = Req(rid, list(ids), SamplingParams(max_new_tokens=max_new, temperature=0.0))
     req.arrival_time = arrival
     return req
 
@@ -183,7 +185,7 @@ def test_starved_requests_go_first_in_every_policy(name: str, enabled: bool) -> 
     p = make_pools()
     cached = seq(3, 30)
     p.insert(cached)
-    cache: BasePrefixCache = p.cache if enabled else NoPrefixCache(p.req_pool, p.kv_pool)
+    cache: BasePrefixCache = p.cache if enabled else NoPrefixCache()
     # The two old requests have no cached prefix; the young ones match 30 tokens.
     old = [make_req("old0", seq(100, 5), arrival=0.0), make_req("old1", seq(120, 5), arrival=1.0)]
     young = [make_req(f"young{i}", [*cached, 300 + i], arrival=95.0 + i) for i in range(3)]
@@ -270,8 +272,7 @@ def test_in_batch_deferral_counts_only_uncached_tokens(name: str, shared_len: in
 
 @pytest.mark.parametrize("name", POLICIES)
 def test_cache_disabled_is_fcfs_without_deferral(name: str) -> None:
-    p = make_pools()
-    cache = NoPrefixCache(p.req_pool, p.kv_pool)
+    cache = NoPrefixCache()
     shared = seq(10, 64)
     reqs = [make_req(f"r{i}", [*shared, 300 + i], arrival=float(i)) for i in range(4)]
     ordered, deferred = policy(name, cache, enabled=False).order(reqs[::-1])
@@ -284,17 +285,14 @@ def test_cache_disabled_is_fcfs_without_deferral(name: str) -> None:
 # =============================================================================================
 def adder(p: Pools, running: Sequence[Req] = (), max_running: int = 64,
           max_prefill: int = 10_000, chunk: int = 10_000, ratio: float = 0.0,
-          free_rows: int | None = None) -> PrefillAdder:
+          free_rows: int | None = None, clip: int = 10**9) -> PrefillAdder:
     rows = p.req_pool.available_size() if free_rows is None else free_rows
-    return PrefillAdder(p.cache, p.kv_pool.available_size, rows, list(running), max_running,
-                        max_prefill, chunk, ratio)
+    return PrefillAdder(p.kv, rows, list(running), max_running, max_prefill, chunk, ratio, clip)
 
 
 def unlock(p: Pools, reqs: Iterable[Req]) -> None:
     for r in reqs:
-        if r.last_node is not None:
-            p.cache.dec_lock_ref(r.last_node)
-            r.release_kv()
+        p.kv.release(r)
 
 
 def test_adder_respects_max_prefill_tokens() -> None:
@@ -315,6 +313,7 @@ def test_adder_respects_max_running_and_free_rows() -> None:
     reqs = [make_req(f"r{i}", seq(10 * i + 20, 5)) for i in range(3)]
     a = adder(p, running=running, max_running=3)
     assert [a.add(r) for r in reqs] == [True, False, False]
+    unlock(p, a.admitted)
     a = adder(p, max_running=64, free_rows=2)
     assert [a.add(r) for r in reqs] == [True, True, False]
     unlock(p, reqs)
