@@ -892,3 +892,103 @@ def test_lifecycle_scripted_busy_run() -> None:
             sim.check()
         sim.finish_all()
         sim.check_drained()
+
+
+# --------------------------------------------------------------------------------------------
+# 5. The tree is a pure structure; the KV owner moves slots; checks raise InvariantError
+# --------------------------------------------------------------------------------------------
+
+
+def test_tree_evict_returns_slots_and_touches_no_pool() -> None:
+    cache = RadixCache()  # no pools at all
+    cache.insert([1, 2, 3], t([7, 8, 9]))
+    cache.insert([1, 2, 4], t([10, 11, 12]))
+    node = cache.match_prefix([1, 2, 3]).last_node
+    assert cache.parent(node) is cache.match_prefix([1, 2]).last_node
+    assert cache.parent(cache.parent(node)) is cache.root and cache.parent(cache.root) is None
+    cache.inc_lock_ref(node)
+    dropped = cache.evict(HUGE)
+    assert dropped.dtype == torch.int64 and dropped.tolist() == [12]
+    assert sorted(cache.owned_slots().tolist()) == [7, 8, 9]
+    assert cache.evict(0).numel() == 0
+    cache.dec_lock_ref(node)
+    assert sorted(cache.evict(HUGE).tolist()) == [7, 8, 9] and cache.total_size() == 0
+
+
+def test_no_prefix_cache_parent_and_evict() -> None:
+    cache = NoPrefixCache()
+    assert cache.parent(cache.match_prefix([1]).last_node) is None
+    assert cache.evict(HUGE).numel() == 0 and not cache.keeps_kv
+
+
+def test_invariant_checks_raise_invariant_error() -> None:
+    cache = RadixCache()
+    cache.insert([1, 2], t([3, 4]))
+    cache.check_invariants()
+    cache._evictable += 1  # a broken size counter
+    with pytest.raises(InvariantError, match="evictable"):
+        cache.check_invariants()
+    cache._evictable -= 1
+    node = cache.match_prefix([1, 2]).last_node
+    node.value = t([3])  # key and payload lengths differ
+    with pytest.raises(InvariantError, match="lengths differ"):
+        cache.check_invariants()
+    req_pool, kv_pool = make_pools(slots=8, rows=2)
+    req_pool._free_rows.append(0)  # a row free twice
+    with pytest.raises(InvariantError, match="twice"):
+        req_pool.check_invariants()
+    kv_pool._free[kv_pool._num_free - 1] = kv_pool._free[0]  # a slot free twice
+    with pytest.raises(InvariantError, match="free twice"):
+        kv_pool.check_invariants()
+    assert issubclass(InvariantError, Exception) and not issubclass(InvariantError, AssertionError)
+
+
+@pytest.mark.parametrize("cache_cls", [RadixCache, NoPrefixCache])
+def test_kv_owner_step_abort_and_release_leave_every_slot_owned_once(cache_cls) -> None:
+    sim = Sim(cache_cls, slots=32, rows=3)
+    a, b, c = sim.new([1, 2, 3, 4]), sim.new([1, 2, 5]), sim.new([6, 6])
+    for r in (a, b, c):
+        assert sim.admit(r)
+    sim.extend(a, 4, token=0)
+    sim.check()
+    free = sim.kv_pool.available_size()
+    # a step takes slots for b and c; only b's forward "completes" before the failure
+    sim.kv.start_step([b, c], [3, 2])
+    for r, n in ((b, 3), (c, 2)):  # what the forward pass would write there
+        row = sim.req_pool.req_to_token[r.req_pool_idx].tolist()  # type: ignore[index]
+        for j in range(r.kv_len, r.kv_len + n):
+            sim.content[row[j]] = tuple(r.all_ids()[: j + 1])
+    assert sim.kv.in_flight_slots() == 5 and sim.kv_pool.available_size() == free - 5
+    with pytest.raises(InvariantError):
+        sim.kv.check(sim.live())  # nobody owns in-flight slots: no check mid-step
+    sim.kv.commit(b)
+    with pytest.raises(InvariantError, match="uncommitted"):
+        sim.kv.end_step()
+    assert sim.kv.abort_step() == 2  # c's slots go back; b owns its 3 now
+    assert b.kv_len == 3 and c.kv_len == 0
+    sim.check()
+    with pytest.raises(InvariantError):
+        sim.kv.commit(c)  # nothing in flight any more
+    # release frees a request's in-flight slots too, and is idempotent
+    sim.kv.start_step([c], [2])
+    sim.kv.release(c)
+    sim.kv.release(c)
+    sim.extending.remove(c)
+    sim.check()
+    sim.finish_all()
+    sim.check_drained()
+
+
+def test_kv_owner_counts_evicted_tokens() -> None:
+    sim = Sim(RadixCache, slots=8, rows=2)
+    a = sim.new([1, 2, 3, 4, 5], max_new=1)
+    sim.admit(a)
+    sim.extend(a, 5, token=0)  # finishes: 5 cached, 3 free
+    assert sim.kv.evicted_tokens == 0
+    b = sim.new([7, 7, 7, 7, 7])
+    sim.admit(b)
+    assert sim.extend(b, 5, token=0)  # needs 2 slots from the tree
+    assert sim.kv.evicted_tokens == 5  # a whole leaf goes
+    sim.check()
+    sim.finish_all()
+    sim.check_drained()

@@ -1068,3 +1068,124 @@ def test_in_batch_share_threshold_is_used_by_the_scheduler(
     run.drive(sched)
     assert all(run.finals[rid].finish_reason == FINISH_LENGTH for rid in jobs)
     assert_clean(sched)
+
+
+# -- (j) only the KV owner writes a request's KV fields ------------------------------------------
+KV_FIELDS = {"kv_len", "req_pool_idx", "prefix_indices", "last_node"}
+
+
+def test_only_the_kv_owner_assigns_request_kv_fields() -> None:
+    import ast
+
+    root = Path(__file__).resolve().parent.parent / "radixrt"
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root.parent).as_posix()
+        tree = ast.parse(path.read_text(), filename=rel)
+        allowed: set[int] = set()  # Req.__init__ sets the initial (empty) state
+        if rel == "radixrt/sched/req.py":
+            for fn in ast.walk(tree):
+                if isinstance(fn, ast.FunctionDef) and fn.name == "__init__":
+                    allowed |= {n.lineno for n in ast.walk(fn) if hasattr(n, "lineno")}
+        for node in ast.walk(tree):
+            targets: list[ast.expr] = []
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            for tgt in targets:
+                for t in ast.walk(tgt):
+                    if (isinstance(t, ast.Attribute) and t.attr in KV_FIELDS
+                            and rel != "radixrt/sched/kv_owner.py" and node.lineno not in allowed):
+                        bad.append(f"{rel}:{node.lineno} assigns .{t.attr}")
+    assert not bad, "\n".join(sorted(set(bad)))
+
+
+# -- (k) a step failing at any point: every slot owned once, every request finished once -------
+@pytest.mark.parametrize(("point", "nth", "chunk"), [
+    ("forward", 1, 2048), ("forward", 3, 2048), ("forward", 2, 7),
+    ("sample", 1, 2048), ("sample", 4, 2048),
+    ("append", 2, 2048),  # mid-process: some requests committed their slots, others not
+    ("append", 5, 2048),
+    ("cache_unfinished", 2, 7),
+    ("retire", 2, 2048),  # after another request of the same step finished and was counted
+])
+def test_step_failure_at_any_point_keeps_ownership(make_sched: Callable[..., Scheduler],
+                                                   point: str, nth: int, chunk: int) -> None:
+    rng = random.Random(11)
+    jobs = {"a": (prompt(rng, 20), 6), "b": (prompt(rng, 12), 1), "c": (prompt(rng, 15), 4),
+            "d": (prompt(rng, 9), 1)}
+    ref = reference(make_sched, jobs)
+    sched = make_sched(chunked_prefill_size=chunk)
+    calls = [0]
+
+    def failing(orig: Callable[..., object], when: Callable[..., bool] = lambda *a: True):
+        def wrapper(*args: object, **kw: object) -> object:
+            if when(*args):
+                calls[0] += 1
+                if calls[0] == nth:
+                    raise RuntimeError("boom")
+            return orig(*args, **kw)
+        return wrapper
+
+    if point == "forward":
+        sched.runner.forward = failing(sched.runner.forward)  # type: ignore[method-assign]
+    elif point == "sample":
+        sched.sampler.sample = failing(sched.sampler.sample)  # type: ignore[method-assign]
+    elif point == "append":
+        sched.outputs._append = failing(sched.outputs._append)  # type: ignore[method-assign]
+    elif point == "cache_unfinished":
+        sched.kv.cache_unfinished = failing(sched.kv.cache_unfinished)  # type: ignore[method-assign]
+    else:
+        sched.kv.release = failing(sched.kv.release,  # type: ignore[method-assign]
+                                   when=lambda req: req.finished)
+    submit(sched, jobs)
+    run = Run().drive(sched)  # check_invariants after every step
+    assert calls[0] >= nth, "the failure was never injected"
+    assert set(run.finals) == set(jobs)
+    aborted = {rid for rid, f in run.finals.items() if f.finish_reason == FINISH_ABORT}
+    assert aborted, "some request must have failed"
+    for rid, fin in run.finals.items():
+        toks = run.tokens.get(rid, [])
+        if rid in aborted:
+            assert "boom" in fin.error and toks == ref[rid][: len(toks)]
+        else:
+            assert fin.finish_reason == FINISH_LENGTH and toks == ref[rid], rid
+    assert sched.stats()["num_finished_requests_total"] == len(jobs)  # each finished once
+    assert_clean(sched)
+
+
+# -- (l) the decode reserve of a request without max_tokens is clipped --------------------------
+def test_adder_clips_the_decode_reserve() -> None:
+    p = make_pools(slots=4096, rows=16)
+    reqs = [make_req(f"r{i}", seq(10 * i + 3, 10), max_new=8000) for i in range(8)]
+    a = adder(p, ratio=0.7)  # unclipped: the first reserves 5600 > the whole pool
+    assert [a.add(r) for r in reqs[:2]] == [True, False]
+    unlock(p, reqs)
+    a = adder(p, ratio=0.7, clip=256)  # 10 + int(256 * 0.7) = 189 per request
+    assert all(a.add(r) for r in reqs)
+    assert a.reserved == 8 * (10 + 179)
+    unlock(p, reqs)
+    p.check()
+
+
+def test_clipped_reserve_admits_at_once_and_retracts_on_real_shortage(
+        make_sched: Callable[..., Scheduler]) -> None:
+    rng = random.Random(12)
+    jobs = {f"r{i}": (prompt(rng, 20), 200) for i in range(8)}  # 8 × 220 > 1024 slots
+    ref = reference(make_sched, jobs)
+    first_step_running = {}
+    for clip in (16, 1024):
+        sched = make_sched(max_total_tokens=1024, clip_max_new_tokens_estimation=clip)
+        submit(sched, jobs)
+        run = Run()
+        run.record(sched)
+        first_step_running[clip] = len(sched.running)
+        run.drive(sched)
+        for rid in jobs:
+            assert run.finals[rid].finish_reason == FINISH_LENGTH and run.tokens[rid] == ref[rid]
+        if clip == 16:
+            assert sched.stats()["retractions_total"] > 0  # the shortage is real: decode retracts
+        assert_clean(sched)
+    assert first_step_running[16] == 8  # not throttled by the reserve
+    assert first_step_running[1024] < 8  # 0.7 × 199 per request is
