@@ -548,6 +548,8 @@ def main(argv: list[str] | None = None) -> Path:
     available = {s: (peer_available(s) if s in PEERS else "") for s in a.systems}
     for rnd in range(a.repeat):
         for system in a.systems:
+            if rnd > 0 and available[system]:
+                continue  # an unavailable peer has nothing to repeat; later systems still run
             t = time.perf_counter()
             tag = system if a.repeat == 1 else f"{system}-run{rnd + 1}"
             out = raw / f"{tag}.jsonl"
@@ -576,8 +578,6 @@ def main(argv: list[str] | None = None) -> Path:
                           f"{_fmt(rec['optimal_hit_rate'], '.3f')}  {rec['note'] or ''}",
                           flush=True)
             print(f"{tag}: {time.perf_counter() - t:.0f} s", flush=True)
-            if available[system]:
-                break  # nothing to repeat
     records = [median_run(runs[(w.name, s)]) for s in a.systems for w in workloads
                if (w.name, s) in runs]
     meta["wall_s"] = time.perf_counter() - t_start

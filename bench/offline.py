@@ -211,16 +211,18 @@ def one_batch(batch_sizes: Sequence[int], input_len: int, output_len: int, threa
             rows = [rp.alloc() for _ in range(bs)]
             ids = torch.randint(100, cfg.vocab_size, (bs * input_len,), generator=g).tolist()
             t = time.perf_counter()
+            rp.write(rows, [0] * bs, [input_len] * bs, kp.alloc(bs * input_len))
             fb = ForwardBatch.build(ForwardMode.EXTEND, ids, rows, [0] * bs, [input_len] * bs,
-                                    kp.alloc(bs * input_len), rp.req_to_token, runner.device)
+                                    rp.req_to_token, runner.device)
             nxt = runner.forward(fb).argmax(-1).tolist()
             dt = time.perf_counter() - t
             steps = []
             seq = input_len
             for _ in range(output_len):
                 t = time.perf_counter()
+                rp.write(rows, [seq] * bs, [1] * bs, kp.alloc(bs))
                 fb = ForwardBatch.build(ForwardMode.DECODE, nxt, rows, [seq] * bs, [1] * bs,
-                                        kp.alloc(bs), rp.req_to_token, runner.device)
+                                        rp.req_to_token, runner.device)
                 nxt = runner.forward(fb).argmax(-1).tolist()
                 steps.append(time.perf_counter() - t)
                 seq += 1

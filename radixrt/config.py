@@ -57,13 +57,19 @@ class ServerArgs:
     init_new_token_ratio: float = _f(0.7, "share of max_new_tokens reserved per running request")
     min_new_token_ratio: float = _f(0.1, "floor of that share as it decays")
     new_token_ratio_decay: float = _f(0.002, "decay of that share per decode step")
+    clip_max_new_tokens_estimation: int = _f(
+        1024, "cap on a request's remaining max_new_tokens when reserving decode KV at "
+              "admission (a request without max_tokens may otherwise reserve most of the "
+              "context); a request that outgrows its reserve is retracted, not failed")
     # Runtime
     attention_backend: str = _f("auto", "auto (flashinfer on CUDA if installed, else torch) | "
                                         "torch | flashinfer")
     disable_cuda_graph: bool = _f(False, "do not capture CUDA graphs for decode")
     num_threads: int | None = _f(None, "torch threads of the scheduler (default: cores "
                                        "available)")
-    random_seed: int = _f(0, "seed of the sampler's shared generator (unseeded requests)")
+    random_seed: int = _f(0, "seed of the torch sampler's shared generator (unseeded requests); "
+                             "batches sampled by FlashInfer on CUDA use torch's default CUDA "
+                             "generator and ignore it")
     log_level: str = _f("info", "debug | info | warning | error")
     stats_interval_s: float = _f(10.0, "seconds between the scheduler's status log lines")
     # HTTP server
@@ -94,7 +100,7 @@ class ServerArgs:
             if v is not None and v <= 0:
                 bad(name, f"must be positive, got {v}")
         for name in ("max_running_requests", "chunked_prefill_size", "max_prefill_tokens",
-                     "max_queued_requests", "max_request_bytes"):
+                     "max_queued_requests", "max_request_bytes", "clip_max_new_tokens_estimation"):
             if getattr(self, name) <= 0:
                 bad(name, f"must be positive, got {getattr(self, name)}")
         if not 0 < self.port < 65536:

@@ -184,15 +184,9 @@ class PagedRunner:
         loc = self.kv_pool.alloc(sum(ext))
         assert loc is not None
         ids = [t for c in chunks for t in c]
-        fb = ForwardBatch.build(
-            mode,
-            ids,
-            list(rows),
-            [self.cached[r] for r in rows],
-            ext,
-            loc,
-            self.req_pool.req_to_token,
-        )
+        prefix = [self.cached[r] for r in rows]
+        self.req_pool.write(list(rows), prefix, ext, loc)
+        fb = ForwardBatch.build(mode, ids, list(rows), prefix, ext, self.req_pool.req_to_token)
         assert self.model.attn_backend is not None
         self.model.attn_backend.init_forward_metadata(fb)
         logits = self.model(fb)

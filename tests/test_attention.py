@@ -44,7 +44,8 @@ def _setup(
     out_loc = perm[used:]
     n = sum(extend_lens)
     ids = torch.zeros(n, dtype=torch.int64)
-    fb = ForwardBatch.build(mode, ids, rows, prefix_lens, extend_lens, out_loc, reqs.req_to_token)
+    reqs.write(rows, prefix_lens, extend_lens, out_loc)  # type: ignore[arg-type]
+    fb = ForwardBatch.build(mode, ids, rows, prefix_lens, extend_lens, reqs.req_to_token)
     return kv, fb, torch.tensor(rows)
 
 
@@ -241,8 +242,9 @@ def test_decode_over_shared_prefixes_matches_reference(
             prefix_lens.append(sp + len(own))
             b += 1
     out_loc = torch.tensor([slots.pop() for _ in range(bs)])
+    reqs.write(rows, prefix_lens, [1] * bs, out_loc)
     fb = ForwardBatch.build(ForwardMode.DECODE, torch.zeros(bs, dtype=torch.int64), rows,
-                            prefix_lens, [1] * bs, out_loc, reqs.req_to_token)
+                            prefix_lens, [1] * bs, reqs.req_to_token)
     q = torch.randn(bs, heads, D, generator=g)
     k = torch.randn(bs, kv_heads, D, generator=g)
     v = torch.randn(bs, kv_heads, D, generator=g)

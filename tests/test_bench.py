@@ -271,3 +271,29 @@ def test_median_run_of_repeats():
     assert m["total_tok_per_s_runs"] == [5.0, 9.0, 7.0]
     assert "median of 3 runs (total tok/s 5-9)" in m["note"]
     assert compare.median_run(runs[:1]) is runs[0]
+
+
+@pytest.mark.parametrize("repeat", [1, 2])
+def test_compare_unavailable_peer_does_not_skip_later_systems(tmp_path, monkeypatch, repeat):
+    """Regression: a `break` after an unavailable peer left the systems loop, so the systems
+    after it got no record at all."""
+    from bench import compare
+
+    ran: list[str] = []
+
+    def fake_run(cmd, timeout_s, log_path, threads):
+        ran.append(Path(log_path).stem)
+        return 1, "fake failure"  # writes no result lines
+
+    monkeypatch.setattr(compare, "peer_available", lambda system: "not installed: test")
+    monkeypatch.setattr(compare, "run_subprocess", fake_run)
+    path = compare.main(["--preset", "tiny", "--systems", "llama.cpp", "radixrt",
+                         "--workloads", "gsp", "--skip-one-batch", "--repeat", str(repeat),
+                         "--out-dir", str(tmp_path), "--name", "peer"])
+    recs = json.loads(path.read_text())
+    by_system = {r["system"]: r for r in recs}
+    assert set(by_system) == {"llama.cpp", "radixrt"}
+    assert "not installed" in by_system["llama.cpp"]["note"]
+    assert "fake failure" in by_system["radixrt"]["note"]
+    expected = ["radixrt"] if repeat == 1 else ["radixrt-run1", "radixrt-run2"]
+    assert ran == expected  # the unavailable peer never runs; radixrt runs every round

@@ -113,13 +113,15 @@ def test_cuda_graph_decode_matches_eager(tmp_path: Path) -> None:
     prompts = [[5, 6, 7, 8, 9], list(range(10, 40)), [3]]
     lens = [len(p) for p in prompts]
     loc = kv.alloc(sum(lens))
+    reqs.write(rows, [0, 0, 0], lens, loc)  # type: ignore[arg-type]
     fb = ForwardBatch.build(ForwardMode.EXTEND, [t for p in prompts for t in p], rows,
-                            [0, 0, 0], lens, loc, reqs.req_to_token, CUDA)
+                            [0, 0, 0], lens, reqs.req_to_token, CUDA)
     backend.init_forward_metadata(fb)
     last = model(fb).argmax(-1).tolist()
     for _ in range(4):  # decode steps: eager, then the graph on the very same batch
         loc = kv.alloc(3)
-        fb = ForwardBatch.build(ForwardMode.DECODE, last, rows, lens, [1, 1, 1], loc,
+        reqs.write(rows, lens, [1, 1, 1], loc)  # type: ignore[arg-type]
+        fb = ForwardBatch.build(ForwardMode.DECODE, last, rows, lens, [1, 1, 1],
                                 reqs.req_to_token, CUDA)
         backend.init_forward_metadata(fb)
         eager = model(fb)

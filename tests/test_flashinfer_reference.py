@@ -315,9 +315,8 @@ def make_batch(
         reqs.req_to_token[r, :p] = perm[used : used + p].to(torch.int32)
         used += p
     ids = torch.zeros(sum(extend_lens), dtype=torch.int64)
-    fb = ForwardBatch.build(
-        mode, ids, rows, prefix_lens, extend_lens, perm[used:], reqs.req_to_token, device
-    )
+    reqs.write(rows, prefix_lens, extend_lens, perm[used:])  # type: ignore[arg-type]
+    fb = ForwardBatch.build(mode, ids, rows, prefix_lens, extend_lens, reqs.req_to_token, device)
     return kv, fb
 
 

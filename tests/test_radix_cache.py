@@ -1,9 +1,9 @@
 """RadixCache / NoPrefixCache: tree operations, slot hand-over and the ownership invariant (CPU).
 
-The request lifecycle is simulated without a model, the way the scheduler drives the cache:
-admission (match on `all_ids()[:-1]`, lock, row), extend/decode (allocate slots, write the row,
-advance `kv_len`, sample), `cache_unfinished_req` after extends and `cache_finished_req` at
-finish or retraction. Every slot write records which token prefix its KV stands for, so a slot
+The request lifecycle is simulated without a model, the way the scheduler drives the cache
+through its `KVOwner`: admission (match on `all_ids()[:-1]`, `admit`, `take_row`), extend/decode
+(`start_step` allocates and writes the row, `commit` advances `kv_len`, sample),
+`cache_unfinished` after extends and `release` at finish, retraction or abort. Every slot write records which token prefix its KV stands for, so a slot
 that is reused while someone still reads it, or a row pointing at the wrong copy, is caught.
 """
 
@@ -15,12 +15,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from radixrt.core.errors import InvariantError
 from radixrt.core.sampling_params import SamplingParams
 from radixrt.mem.base_prefix_cache import BasePrefixCache
 from radixrt.mem.chunk_cache import NoPrefixCache
 from radixrt.mem.invariants import check_ownership
 from radixrt.mem.memory_pool import ReqToTokenPool, TokenToKVPool
 from radixrt.mem.radix_cache import RadixCache, TreeNode
+from radixrt.sched.kv_owner import KVOwner, OutOfKVSlots
 from radixrt.sched.req import Req
 
 HUGE = 10**9
@@ -30,8 +32,23 @@ def make_pools(slots: int = 64, rows: int = 4, ctx: int = 32) -> tuple[ReqToToke
     return ReqToTokenPool(rows, ctx), TokenToKVPool(slots, 1, 1, 1)
 
 
-def make_cache(slots: int = 64, rows: int = 4) -> RadixCache:
-    return RadixCache(*make_pools(slots, rows))
+class PoolCache(RadixCache):
+    """A RadixCache next to its pools, evicting into the pool the way `KVOwner.evict` does, so
+    the tree tests can watch slots come back."""
+
+    def __init__(self, req_pool: ReqToTokenPool, kv_pool: TokenToKVPool):
+        super().__init__()
+        self.req_to_token_pool = req_pool
+        self.token_to_kv_pool = kv_pool
+
+    def evict(self, num_tokens: int) -> int:  # type: ignore[override]
+        slots = super().evict(num_tokens)
+        self.token_to_kv_pool.free(slots)
+        return int(slots.numel())
+
+
+def make_cache(slots: int = 64, rows: int = 4) -> PoolCache:
+    return PoolCache(*make_pools(slots, rows))
 
 
 def t(values: list[int]) -> torch.Tensor:
@@ -323,11 +340,11 @@ def test_owned_slots_and_ownership_partition() -> None:
     check_ownership(cache.req_to_token_pool, pool, cache, [])
     # a leaked slot and a double-owned slot are both caught
     leaked = pool.alloc(1)
-    with pytest.raises(AssertionError, match="leaked"):
+    with pytest.raises(InvariantError, match="leaked"):
         check_ownership(cache.req_to_token_pool, pool, cache, [])
     pool.free(cache.owned_slots()[:1])
     pool.free(leaked)  # type: ignore[arg-type]
-    with pytest.raises(AssertionError):
+    with pytest.raises(InvariantError):
         check_ownership(cache.req_to_token_pool, pool, cache, [])
 
 
@@ -343,7 +360,8 @@ class Sim:
     def __init__(self, cache_cls: type[BasePrefixCache], slots: int = 64, rows: int = 4,
                  ctx: int = 32):
         self.req_pool, self.kv_pool = make_pools(slots, rows, ctx)
-        self.cache = cache_cls(self.req_pool, self.kv_pool)
+        self.cache = cache_cls()
+        self.kv = KVOwner(self.req_pool, self.kv_pool, self.cache)
         self.radix = isinstance(self.cache, RadixCache)
         self.waiting: list[Req] = []
         self.extending: list[Req] = []
@@ -354,7 +372,7 @@ class Sim:
     # -- requests --------------------------------------------------------------------------
     def new(self, prompt: list[int], max_new: int = 4) -> Req:
         self._n += 1
-        req = Req(f"r{self._n}", list(prompt), SamplingParams(max_new_tokens=max_new), stream=False)
+        req = Req(f"r{self._n}", list(prompt), SamplingParams(max_new_tokens=max_new))
         self.waiting.append(req)
         return req
 
@@ -364,40 +382,30 @@ class Sim:
     def admit(self, req: Req) -> bool:
         """`PrefillAdder.add` + the row part of `BatchBuilder.build_extend`."""
         assert req in self.waiting
-        m = self.cache.match_prefix(req.all_ids()[:-1])
-        self.cache.inc_lock_ref(m.last_node)
-        row = self.req_pool.alloc()
-        if row is None:
-            self.cache.dec_lock_ref(m.last_node)
+        self.kv.admit(req, self.kv.match(req.all_ids()[:-1]))
+        if not self.kv.take_row(req):
+            self.kv.release(req)
             return False
-        req.prefix_indices = m.indices
-        req.last_node = m.last_node
-        req.kv_len = int(m.indices.numel())
-        req.req_pool_idx = row
         if req.kv_len:
-            self.req_pool.req_to_token[row, : req.kv_len] = m.indices.to(torch.int32)
+            row = self.req_pool.req_to_token[req.req_pool_idx, : req.kv_len]  # type: ignore[index]
+            assert torch.equal(row.to(torch.int64), req.prefix_indices)
         self.waiting.remove(req)
         self.extending.append(req)
         return True
 
-    def _alloc(self, n: int) -> torch.Tensor | None:
-        short = n - self.kv_pool.available_size()
-        if short > 0:
-            self.cache.evict(short)
-        return self.kv_pool.alloc(n)
-
     def _compute(self, req: Req, n: int) -> bool:
         """Write KV for `all_ids()[kv_len : kv_len + n]` into fresh slots; advance kv_len."""
-        slots = self._alloc(n)
-        if slots is None:
+        try:
+            self.kv.start_step([req], [n])
+        except OutOfKVSlots:
             return False
         row = req.req_pool_idx
         assert row is not None
         ids = req.all_ids()
-        self.req_pool.req_to_token[row, req.kv_len : req.kv_len + n] = slots.to(torch.int32)
+        slots = self.req_pool.req_to_token[row, req.kv_len : req.kv_len + n]
         for j, s in enumerate(slots.tolist()):
             self.content[s] = tuple(ids[: req.kv_len + j + 1])
-        req.kv_len += n
+        self.kv.commit(req)
         return True
 
     def _sample(self, req: Req, token: int) -> None:
@@ -416,10 +424,10 @@ class Sim:
             self._sample(req, token)
             self.extending.remove(req)
             if req.finished:
-                self.cache.cache_finished_req(req)
+                self.kv.release(req)
                 return
             self.decoding.append(req)
-        self.cache.cache_unfinished_req(req)
+        self.kv.cache_unfinished(req)
 
     def extend(self, req: Req, n: int, token: int) -> bool:
         if not self.compute(req, n):
@@ -434,19 +442,18 @@ class Sim:
         self._sample(req, token)
         if req.finished:
             self.decoding.remove(req)
-            self.cache.cache_finished_req(req)
+            self.kv.release(req)
         return True
 
     def retract(self, req: Req) -> None:
         self._drop(req)
-        self.cache.cache_finished_req(req)
+        self.kv.release(req)
         req.num_retractions += 1
         self.waiting.insert(0, req)
 
     def abort(self, req: Req) -> None:
         self._drop(req)
-        if req.req_pool_idx is not None:
-            self.cache.cache_finished_req(req)
+        self.kv.release(req)
         req.finish_reason = "abort"
 
     def _drop(self, req: Req) -> None:
@@ -461,7 +468,7 @@ class Sim:
     # -- checks ----------------------------------------------------------------------------
     def check(self) -> None:
         live = self.live()
-        check_ownership(self.req_pool, self.kv_pool, self.cache, live)
+        self.kv.check(live)
         free = set(self.kv_pool.free_slots().tolist())
         tree = set(self.cache.owned_slots().tolist())
         for req in live:
@@ -495,7 +502,7 @@ class Sim:
         self.check()
         if self.radix:
             assert self.cache.protected_size() == 0
-            self.cache.evict(HUGE)
+            self.kv.evict(HUGE)
         assert self.cache.total_size() == 0
         assert self.kv_pool.available_size() == self.kv_pool.size
         assert sorted(self.kv_pool.free_slots().tolist()) == list(range(1, self.kv_pool.size + 1))
@@ -542,7 +549,7 @@ def test_same_prompt_computed_concurrently_dedups() -> None:
     sim.abort(a)
     sim.check()
     assert sim.cache.protected_size() == 5
-    sim.cache.evict(HUGE)  # must not touch B's locked prefix
+    sim.kv.evict(HUGE)  # must not touch B's locked prefix
     sim.check()
     assert torch.equal(b.prefix_indices, canonical)
     assert set(canonical.tolist()) <= set(sim.cache.owned_slots().tolist())
@@ -687,7 +694,7 @@ class RadixTreeMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.req_pool, self.kv_pool = make_pools(SLOTS, rows=1, ctx=8)
-        self.cache = RadixCache(self.req_pool, self.kv_pool)
+        self.cache = PoolCache(self.req_pool, self.kv_pool)
         self.ref: dict[tuple[int, ...], int] = {}  # cached token prefix → slot
         self.locks: list[tuple[TreeNode, tuple[int, ...]]] = []
 
@@ -835,7 +842,7 @@ def run_lifecycle(cache_cls: type[BasePrefixCache], ops: list[tuple]) -> None:
         elif kind == "abort" and live:
             sim.abort(live[i % len(live)])
         elif kind == "evict":
-            sim.cache.evict(n * 2)
+            sim.kv.evict(n * 2)
         sim.check()
     sim.finish_all()
     sim.check_drained()
@@ -881,7 +888,107 @@ def test_lifecycle_scripted_busy_run() -> None:
             elif r < 95 and sim.decoding:
                 sim.retract(sim.decoding[0])
             else:
-                sim.cache.evict(r % 7)
+                sim.kv.evict(r % 7)
             sim.check()
         sim.finish_all()
         sim.check_drained()
+
+
+# --------------------------------------------------------------------------------------------
+# 5. The tree is a pure structure; the KV owner moves slots; checks raise InvariantError
+# --------------------------------------------------------------------------------------------
+
+
+def test_tree_evict_returns_slots_and_touches_no_pool() -> None:
+    cache = RadixCache()  # no pools at all
+    cache.insert([1, 2, 3], t([7, 8, 9]))
+    cache.insert([1, 2, 4], t([10, 11, 12]))
+    node = cache.match_prefix([1, 2, 3]).last_node
+    assert cache.parent(node) is cache.match_prefix([1, 2]).last_node
+    assert cache.parent(cache.parent(node)) is cache.root and cache.parent(cache.root) is None
+    cache.inc_lock_ref(node)
+    dropped = cache.evict(HUGE)
+    assert dropped.dtype == torch.int64 and dropped.tolist() == [12]
+    assert sorted(cache.owned_slots().tolist()) == [7, 8, 9]
+    assert cache.evict(0).numel() == 0
+    cache.dec_lock_ref(node)
+    assert sorted(cache.evict(HUGE).tolist()) == [7, 8, 9] and cache.total_size() == 0
+
+
+def test_no_prefix_cache_parent_and_evict() -> None:
+    cache = NoPrefixCache()
+    assert cache.parent(cache.match_prefix([1]).last_node) is None
+    assert cache.evict(HUGE).numel() == 0 and not cache.keeps_kv
+
+
+def test_invariant_checks_raise_invariant_error() -> None:
+    cache = RadixCache()
+    cache.insert([1, 2], t([3, 4]))
+    cache.check_invariants()
+    cache._evictable += 1  # a broken size counter
+    with pytest.raises(InvariantError, match="evictable"):
+        cache.check_invariants()
+    cache._evictable -= 1
+    node = cache.match_prefix([1, 2]).last_node
+    node.value = t([3])  # key and payload lengths differ
+    with pytest.raises(InvariantError, match="lengths differ"):
+        cache.check_invariants()
+    req_pool, kv_pool = make_pools(slots=8, rows=2)
+    req_pool._free_rows.append(0)  # a row free twice
+    with pytest.raises(InvariantError, match="twice"):
+        req_pool.check_invariants()
+    kv_pool._free[kv_pool._num_free - 1] = kv_pool._free[0]  # a slot free twice
+    with pytest.raises(InvariantError, match="free twice"):
+        kv_pool.check_invariants()
+    assert issubclass(InvariantError, Exception) and not issubclass(InvariantError, AssertionError)
+
+
+@pytest.mark.parametrize("cache_cls", [RadixCache, NoPrefixCache])
+def test_kv_owner_step_abort_and_release_leave_every_slot_owned_once(cache_cls) -> None:
+    sim = Sim(cache_cls, slots=32, rows=3)
+    a, b, c = sim.new([1, 2, 3, 4]), sim.new([1, 2, 5]), sim.new([6, 6])
+    for r in (a, b, c):
+        assert sim.admit(r)
+    sim.extend(a, 4, token=0)
+    sim.check()
+    free = sim.kv_pool.available_size()
+    # a step takes slots for b and c; only b's forward "completes" before the failure
+    sim.kv.start_step([b, c], [3, 2])
+    for r, n in ((b, 3), (c, 2)):  # what the forward pass would write there
+        row = sim.req_pool.req_to_token[r.req_pool_idx].tolist()  # type: ignore[index]
+        for j in range(r.kv_len, r.kv_len + n):
+            sim.content[row[j]] = tuple(r.all_ids()[: j + 1])
+    assert sim.kv.in_flight_slots() == 5 and sim.kv_pool.available_size() == free - 5
+    with pytest.raises(InvariantError):
+        sim.kv.check(sim.live())  # nobody owns in-flight slots: no check mid-step
+    sim.kv.commit(b)
+    with pytest.raises(InvariantError, match="uncommitted"):
+        sim.kv.end_step()
+    assert sim.kv.abort_step() == 2  # c's slots go back; b owns its 3 now
+    assert b.kv_len == 3 and c.kv_len == 0
+    sim.check()
+    with pytest.raises(InvariantError):
+        sim.kv.commit(c)  # nothing in flight any more
+    # release frees a request's in-flight slots too, and is idempotent
+    sim.kv.start_step([c], [2])
+    sim.kv.release(c)
+    sim.kv.release(c)
+    sim.extending.remove(c)
+    sim.check()
+    sim.finish_all()
+    sim.check_drained()
+
+
+def test_kv_owner_counts_evicted_tokens() -> None:
+    sim = Sim(RadixCache, slots=8, rows=2)
+    a = sim.new([1, 2, 3, 4, 5], max_new=1)
+    sim.admit(a)
+    sim.extend(a, 5, token=0)  # finishes: 5 cached, 3 free
+    assert sim.kv.evicted_tokens == 0
+    b = sim.new([7, 7, 7, 7, 7])
+    sim.admit(b)
+    assert sim.extend(b, 5, token=0)  # needs 2 slots from the tree
+    assert sim.kv.evicted_tokens == 5  # a whole leaf goes
+    sim.check()
+    sim.finish_all()
+    sim.check_drained()

@@ -33,11 +33,11 @@ from radixrt.core.messages import (
 from radixrt.core.sampling_params import SamplingParams
 from radixrt.mem.base_prefix_cache import BasePrefixCache
 from radixrt.mem.chunk_cache import NoPrefixCache
-from radixrt.mem.invariants import check_ownership
 from radixrt.mem.memory_pool import ReqToTokenPool, TokenToKVPool
 from radixrt.mem.radix_cache import RadixCache
 from radixrt.model.runner import ModelRunner
 from radixrt.sched import schedule_policy
+from radixrt.sched.kv_owner import KVOwner
 from radixrt.sched.req import Req
 from radixrt.sched.schedule_policy import IN_BATCH_SHARE_MIN_TOKENS, PrefillAdder, SchedulePolicy
 from radixrt.sched.scheduler import Scheduler
@@ -57,6 +57,7 @@ class Pools:
     req_pool: ReqToTokenPool
     kv_pool: TokenToKVPool
     cache: RadixCache
+    kv: KVOwner
 
     def insert(self, ids: Sequence[int]) -> torch.Tensor:
         """Cache `ids` the way a finished request would (slots from the pool); returns the slots
@@ -72,17 +73,18 @@ class Pools:
         if held:
             for h in held:
                 self.kv_pool.free(h)
-        check_ownership(self.req_pool, self.kv_pool, self.cache, list(live))
+        self.kv.check(list(live))
 
 
 def make_pools(slots: int = 256, rows: int = 8, ctx: int = 256) -> Pools:
     req_pool = ReqToTokenPool(rows, ctx)
     kv_pool = TokenToKVPool(slots, 1, 1, 1)
-    return Pools(req_pool, kv_pool, RadixCache(req_pool, kv_pool))
+    cache = RadixCache()
+    return Pools(req_pool, kv_pool, cache, KVOwner(req_pool, kv_pool, cache))
 
 
 def make_req(rid: str, ids: Sequence[int], arrival: float = 0.0, max_new: int = 8) -> Req:
-    req = Req(rid, list(ids), SamplingParams(max_new_tokens=max_new, temperature=0.0), False)
+    req = Req(rid, list(ids), SamplingParams(max_new_tokens=max_new, temperature=0.0))
     req.arrival_time = arrival
     return req
 
@@ -183,7 +185,7 @@ def test_starved_requests_go_first_in_every_policy(name: str, enabled: bool) -> 
     p = make_pools()
     cached = seq(3, 30)
     p.insert(cached)
-    cache: BasePrefixCache = p.cache if enabled else NoPrefixCache(p.req_pool, p.kv_pool)
+    cache: BasePrefixCache = p.cache if enabled else NoPrefixCache()
     # The two old requests have no cached prefix; the young ones match 30 tokens.
     old = [make_req("old0", seq(100, 5), arrival=0.0), make_req("old1", seq(120, 5), arrival=1.0)]
     young = [make_req(f"young{i}", [*cached, 300 + i], arrival=95.0 + i) for i in range(3)]
@@ -270,8 +272,7 @@ def test_in_batch_deferral_counts_only_uncached_tokens(name: str, shared_len: in
 
 @pytest.mark.parametrize("name", POLICIES)
 def test_cache_disabled_is_fcfs_without_deferral(name: str) -> None:
-    p = make_pools()
-    cache = NoPrefixCache(p.req_pool, p.kv_pool)
+    cache = NoPrefixCache()
     shared = seq(10, 64)
     reqs = [make_req(f"r{i}", [*shared, 300 + i], arrival=float(i)) for i in range(4)]
     ordered, deferred = policy(name, cache, enabled=False).order(reqs[::-1])
@@ -284,17 +285,14 @@ def test_cache_disabled_is_fcfs_without_deferral(name: str) -> None:
 # =============================================================================================
 def adder(p: Pools, running: Sequence[Req] = (), max_running: int = 64,
           max_prefill: int = 10_000, chunk: int = 10_000, ratio: float = 0.0,
-          free_rows: int | None = None) -> PrefillAdder:
+          free_rows: int | None = None, clip: int = 10**9) -> PrefillAdder:
     rows = p.req_pool.available_size() if free_rows is None else free_rows
-    return PrefillAdder(p.cache, p.kv_pool.available_size, rows, list(running), max_running,
-                        max_prefill, chunk, ratio)
+    return PrefillAdder(p.kv, rows, list(running), max_running, max_prefill, chunk, ratio, clip)
 
 
 def unlock(p: Pools, reqs: Iterable[Req]) -> None:
     for r in reqs:
-        if r.last_node is not None:
-            p.cache.dec_lock_ref(r.last_node)
-            r.release_kv()
+        p.kv.release(r)
 
 
 def test_adder_respects_max_prefill_tokens() -> None:
@@ -315,6 +313,7 @@ def test_adder_respects_max_running_and_free_rows() -> None:
     reqs = [make_req(f"r{i}", seq(10 * i + 20, 5)) for i in range(3)]
     a = adder(p, running=running, max_running=3)
     assert [a.add(r) for r in reqs] == [True, False, False]
+    unlock(p, a.admitted)
     a = adder(p, max_running=64, free_rows=2)
     assert [a.add(r) for r in reqs] == [True, True, False]
     unlock(p, reqs)
@@ -1069,3 +1068,124 @@ def test_in_batch_share_threshold_is_used_by_the_scheduler(
     run.drive(sched)
     assert all(run.finals[rid].finish_reason == FINISH_LENGTH for rid in jobs)
     assert_clean(sched)
+
+
+# -- (j) only the KV owner writes a request's KV fields ------------------------------------------
+KV_FIELDS = {"kv_len", "req_pool_idx", "prefix_indices", "last_node"}
+
+
+def test_only_the_kv_owner_assigns_request_kv_fields() -> None:
+    import ast
+
+    root = Path(__file__).resolve().parent.parent / "radixrt"
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root.parent).as_posix()
+        tree = ast.parse(path.read_text(), filename=rel)
+        allowed: set[int] = set()  # Req.__init__ sets the initial (empty) state
+        if rel == "radixrt/sched/req.py":
+            for fn in ast.walk(tree):
+                if isinstance(fn, ast.FunctionDef) and fn.name == "__init__":
+                    allowed |= {n.lineno for n in ast.walk(fn) if hasattr(n, "lineno")}
+        for node in ast.walk(tree):
+            targets: list[ast.expr] = []
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            for tgt in targets:
+                for t in ast.walk(tgt):
+                    if (isinstance(t, ast.Attribute) and t.attr in KV_FIELDS
+                            and rel != "radixrt/sched/kv_owner.py" and node.lineno not in allowed):
+                        bad.append(f"{rel}:{node.lineno} assigns .{t.attr}")
+    assert not bad, "\n".join(sorted(set(bad)))
+
+
+# -- (k) a step failing at any point: every slot owned once, every request finished once -------
+@pytest.mark.parametrize(("point", "nth", "chunk"), [
+    ("forward", 1, 2048), ("forward", 3, 2048), ("forward", 2, 7),
+    ("sample", 1, 2048), ("sample", 4, 2048),
+    ("append", 2, 2048),  # mid-process: some requests committed their slots, others not
+    ("append", 5, 2048),
+    ("cache_unfinished", 2, 7),
+    ("retire", 2, 2048),  # after another request of the same step finished and was counted
+])
+def test_step_failure_at_any_point_keeps_ownership(make_sched: Callable[..., Scheduler],
+                                                   point: str, nth: int, chunk: int) -> None:
+    rng = random.Random(11)
+    jobs = {"a": (prompt(rng, 20), 6), "b": (prompt(rng, 12), 1), "c": (prompt(rng, 15), 4),
+            "d": (prompt(rng, 9), 1)}
+    ref = reference(make_sched, jobs)
+    sched = make_sched(chunked_prefill_size=chunk)
+    calls = [0]
+
+    def failing(orig: Callable[..., object], when: Callable[..., bool] = lambda *a: True):
+        def wrapper(*args: object, **kw: object) -> object:
+            if when(*args):
+                calls[0] += 1
+                if calls[0] == nth:
+                    raise RuntimeError("boom")
+            return orig(*args, **kw)
+        return wrapper
+
+    if point == "forward":
+        sched.runner.forward = failing(sched.runner.forward)  # type: ignore[method-assign]
+    elif point == "sample":
+        sched.sampler.sample = failing(sched.sampler.sample)  # type: ignore[method-assign]
+    elif point == "append":
+        sched.outputs._append = failing(sched.outputs._append)  # type: ignore[method-assign]
+    elif point == "cache_unfinished":
+        sched.kv.cache_unfinished = failing(sched.kv.cache_unfinished)  # type: ignore[method-assign]
+    else:
+        sched.kv.release = failing(sched.kv.release,  # type: ignore[method-assign]
+                                   when=lambda req: req.finished)
+    submit(sched, jobs)
+    run = Run().drive(sched)  # check_invariants after every step
+    assert calls[0] >= nth, "the failure was never injected"
+    assert set(run.finals) == set(jobs)
+    aborted = {rid for rid, f in run.finals.items() if f.finish_reason == FINISH_ABORT}
+    assert aborted, "some request must have failed"
+    for rid, fin in run.finals.items():
+        toks = run.tokens.get(rid, [])
+        if rid in aborted:
+            assert "boom" in fin.error and toks == ref[rid][: len(toks)]
+        else:
+            assert fin.finish_reason == FINISH_LENGTH and toks == ref[rid], rid
+    assert sched.stats()["num_finished_requests_total"] == len(jobs)  # each finished once
+    assert_clean(sched)
+
+
+# -- (l) the decode reserve of a request without max_tokens is clipped --------------------------
+def test_adder_clips_the_decode_reserve() -> None:
+    p = make_pools(slots=4096, rows=16)
+    reqs = [make_req(f"r{i}", seq(10 * i + 3, 10), max_new=8000) for i in range(8)]
+    a = adder(p, ratio=0.7)  # unclipped: the first reserves 5600 > the whole pool
+    assert [a.add(r) for r in reqs[:2]] == [True, False]
+    unlock(p, reqs)
+    a = adder(p, ratio=0.7, clip=256)  # 10 + int(256 * 0.7) = 189 per request
+    assert all(a.add(r) for r in reqs)
+    assert a.reserved == 8 * (10 + 179)
+    unlock(p, reqs)
+    p.check()
+
+
+def test_clipped_reserve_admits_at_once_and_retracts_on_real_shortage(
+        make_sched: Callable[..., Scheduler]) -> None:
+    rng = random.Random(12)
+    jobs = {f"r{i}": (prompt(rng, 20), 200) for i in range(8)}  # 8 × 220 > 1024 slots
+    ref = reference(make_sched, jobs)
+    first_step_running = {}
+    for clip in (16, 1024):
+        sched = make_sched(max_total_tokens=1024, clip_max_new_tokens_estimation=clip)
+        submit(sched, jobs)
+        run = Run()
+        run.record(sched)
+        first_step_running[clip] = len(sched.running)
+        run.drive(sched)
+        for rid in jobs:
+            assert run.finals[rid].finish_reason == FINISH_LENGTH and run.tokens[rid] == ref[rid]
+        if clip == 16:
+            assert sched.stats()["retractions_total"] > 0  # the shortage is real: decode retracts
+        assert_clean(sched)
+    assert first_step_running[16] == 8  # not throttled by the reserve
+    assert first_step_running[1024] < 8  # 0.7 × 199 per request is

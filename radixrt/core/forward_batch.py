@@ -7,6 +7,10 @@ Layout follows FlashInfer with page size 1, so the CUDA backend consumes it unch
 - decode: one new token per request; `kv_indptr`/`kv_indices` list *all* of each request's slots,
   including the one this step writes.
 The new tokens' K/V are written to `out_cache_loc` before attention reads the pool.
+
+`build` is pure: it only reads the request-to-token table. Whoever allocates the step's slots
+(the scheduler's KV owner, or a test) writes them into the rows first, at columns
+`prefix_len .. prefix_len + extend_len`; `out_cache_loc` is read back from there.
 """
 
 from __future__ import annotations
@@ -60,11 +64,11 @@ class ForwardBatch:
         req_pool_indices: Sequence[int],
         prefix_lens: Sequence[int],
         extend_lens: Sequence[int],
-        out_cache_loc: torch.Tensor,
         req_to_token: torch.Tensor,
         device: torch.device | str = "cpu",
     ) -> ForwardBatch:
-        """Write `out_cache_loc` into the requests' rows, then derive every index tensor.
+        """Derive every index tensor from the rows of `req_to_token`, which must already hold
+        each request's `prefix_len + extend_len` slots. Writes nothing.
 
         `input_ids` is the concatenation of each request's new tokens, in batch order.
         """
@@ -79,9 +83,6 @@ class ForwardBatch:
         ext_t = torch.tensor(ext, dtype=torch.int64)
         seq_t = prefix_t + ext_t
         num_tokens = sum(ext)
-        loc = out_cache_loc.to(torch.int64).cpu()
-        if loc.numel() != num_tokens:
-            raise ValueError(f"out_cache_loc has {loc.numel()} slots for {num_tokens} tokens")
 
         qo_indptr = torch.zeros(bs + 1, dtype=torch.int64)
         torch.cumsum(ext_t, 0, out=qo_indptr[1:])
@@ -92,7 +93,7 @@ class ForwardBatch:
         positions = prefix_t[tok_req] + offs
 
         rtt = req_to_token
-        rtt[rows[tok_req].to(rtt.device), positions.to(rtt.device)] = loc.to(rtt.device, torch.int32)
+        loc = rtt[rows[tok_req].to(rtt.device), positions.to(rtt.device)].to(torch.int64)
 
         kv_lens = seq_t if mode is ForwardMode.DECODE else prefix_t
         kv_indptr = torch.zeros(bs + 1, dtype=torch.int64)

@@ -1,23 +1,28 @@
 """The prefix-cache seam: `RadixCache` (shared prefixes) or `NoPrefixCache` (radix disabled).
 
-Slot ownership contract with the scheduler (see also `memory_pool`):
-- A request owns the slots in its ReqToTokenPool row from `len(req.prefix_indices)` up to
-  `req.kv_len` (its private tail). The first `len(req.prefix_indices)` slots belong to the cache,
-  which keeps them alive because the request holds a lock on `req.last_node`.
-- `cache_unfinished_req` / `cache_finished_req` hand the private tail to the cache; duplicates of
-  tokens the cache already holds are freed only after the row points at the cache's copies.
+A prefix cache is a pure structure over token ids and KV slot numbers. It knows nothing of
+requests or pools: it never allocates, never frees into a pool and never writes a request row.
+The scheduler's KV owner (`radixrt.sched.kv_owner.KVOwner`) drives it and moves slots between
+the cache, the pools and the requests.
+
+Slot ownership (the invariant `radixrt.mem.invariants.check_ownership` verifies): every KV slot
+is owned by exactly one of the pool's free list, the cache, or one live request's private tail.
+- `insert(key, value)` transfers `value[already:]` to the cache; `value[:already]` (tokens the
+  cache held before) stays with the caller, who re-points readers at the cache's copies before
+  freeing them.
+- `evict(n)` transfers the slots it drops back to the caller, who frees them into the pool.
+Locks: a handle returned by `match_prefix` stays valid (its slots stay cached) while it holds at
+least one lock. `lock_ref` changes only in `inc_lock_ref` / `dec_lock_ref`, one pair per reader;
+`match_prefix` and `insert` may split nodes but never change the locked token counts.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from radixrt.sched.req import Req
 
 
 @dataclass
@@ -27,6 +32,9 @@ class MatchResult:
 
 
 class BasePrefixCache(ABC):
+    #: False when nothing is ever kept (the KV owner frees a request's slots itself).
+    keeps_kv: bool = True
+
     @abstractmethod
     def match_prefix(self, key: list[int]) -> MatchResult:
         """Longest cached prefix of `key`. Touches the matched path (LRU)."""
@@ -34,7 +42,8 @@ class BasePrefixCache(ABC):
     @abstractmethod
     def insert(self, key: list[int], value: torch.Tensor) -> int:
         """Cache `value[i]` as the KV slot of `key[i]`; returns how many leading tokens were
-        already cached. The caller owns (and must free) `value[:returned]`."""
+        already cached. The cache now owns `value[returned:]`; the caller keeps (and must
+        eventually free) `value[:returned]`."""
 
     @abstractmethod
     def inc_lock_ref(self, node: Any) -> None:
@@ -45,18 +54,13 @@ class BasePrefixCache(ABC):
         """Undo one `inc_lock_ref`; the path becomes evictable when no reader is left."""
 
     @abstractmethod
-    def cache_unfinished_req(self, req: Req) -> None:
-        """After a forward pass: give the request's computed KV to the cache, re-point its row
-        at canonical slots, move its lock down to the new last node. The request keeps running."""
+    def parent(self, node: Any) -> Any:
+        """The handle above `node`, or None at the root (for tree-shaped scheduling)."""
 
     @abstractmethod
-    def cache_finished_req(self, req: Req) -> None:
-        """The request ends (finished or retracted): give its KV to the cache, unlock, and free
-        its row. Afterwards the request holds no slots and no row."""
-
-    @abstractmethod
-    def evict(self, num_tokens: int) -> int:
-        """Free at least `num_tokens` unlocked cached slots if possible; returns how many."""
+    def evict(self, num_tokens: int) -> torch.Tensor:
+        """Drop at least `num_tokens` unlocked cached tokens if possible, least recently used
+        leaves first; returns their slots (int64), which the caller now owns and frees."""
 
     @abstractmethod
     def evictable_size(self) -> int: ...
@@ -77,4 +81,4 @@ class BasePrefixCache(ABC):
 
     @abstractmethod
     def check_invariants(self) -> None:
-        """Assert the structure's internal consistency (sizes, lock counts, keys)."""
+        """Raise `InvariantError` unless the structure is consistent (sizes, lock counts, keys)."""

@@ -1,27 +1,48 @@
-"""The whole-system slot ownership check that tests (and the debug endpoint) call."""
+"""The whole-system slot ownership check that tests (and the debug endpoint) call.
+
+It knows no requests: the scheduler side describes each live request's KV as a `KVHolding`
+(`radixrt.sched.kv_owner.KVOwner.holdings`).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
+from radixrt.core.errors import InvariantError
 from radixrt.mem.base_prefix_cache import BasePrefixCache
 from radixrt.mem.memory_pool import ReqToTokenPool, TokenToKVPool
 
-if TYPE_CHECKING:
-    from radixrt.sched.req import Req
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+@dataclass(frozen=True)
+class KVHolding:
+    """What one live request holds: `row` (None: nothing), `kv_len` valid columns of it, of
+    which the first `len(prefix_slots)` are cache-owned (locked) and the rest its private tail."""
+
+    name: str
+    row: int | None
+    kv_len: int
+    prefix_slots: torch.Tensor = _EMPTY
+
+
+def _need(ok: bool, msg: str) -> None:
+    if not ok:
+        raise InvariantError(msg)
 
 
 def check_ownership(
     req_pool: ReqToTokenPool,
     kv_pool: TokenToKVPool,
     cache: BasePrefixCache,
-    live_reqs: Iterable[Req],
+    holdings: Iterable[KVHolding],
 ) -> None:
-    """Assert every KV slot 1..size is owned exactly once (free list, tree, or one request's
-    private tail) and every request row is either free or held by exactly one live request."""
+    """Raise `InvariantError` unless every KV slot 1..size is owned exactly once (free list,
+    tree, or one request's private tail) and every request row is either free or held by
+    exactly one live request."""
     req_pool.check_invariants()
     kv_pool.check_invariants()
     cache.check_invariants()
@@ -30,25 +51,25 @@ def check_ownership(
     tree_owned = torch.zeros(kv_pool.size + 1, dtype=torch.bool)
     tree_owned[tree_slots] = True
     rows_held: list[int] = []
-    for req in live_reqs:
-        if req.req_pool_idx is None:
-            assert req.kv_len == 0 and len(req.prefix_indices) == 0, f"{req.rid}: KV without row"
+    for h in holdings:
+        p = int(h.prefix_slots.numel())
+        if h.row is None:
+            _need(h.kv_len == 0 and p == 0, f"{h.name}: KV without row")
             continue
-        rows_held.append(req.req_pool_idx)
-        row = req_pool.req_to_token[req.req_pool_idx].to(torch.int64)
-        p = len(req.prefix_indices)
-        assert p <= req.kv_len, f"{req.rid}: prefix longer than its KV"
-        assert torch.equal(row[:p], req.prefix_indices), f"{req.rid}: row disagrees with prefix"
-        assert bool(tree_owned[row[:p]].all()), f"{req.rid}: reads cached slots the tree dropped"
-        owners.append(row[p : req.kv_len])
+        rows_held.append(h.row)
+        row = req_pool.req_to_token[h.row].to(torch.int64).cpu()
+        _need(p <= h.kv_len, f"{h.name}: prefix longer than its KV")
+        _need(torch.equal(row[:p], h.prefix_slots.cpu()), f"{h.name}: row disagrees with prefix")
+        _need(bool(tree_owned[row[:p]].all()), f"{h.name}: reads cached slots the tree dropped")
+        owners.append(row[p : h.kv_len])
     slots = torch.cat(owners)
     counts = torch.bincount(slots, minlength=kv_pool.size + 1)
-    assert int(counts[0]) == 0, "dummy slot 0 is owned by someone"
+    _need(int(counts[0]) == 0, "dummy slot 0 is owned by someone")
     dup = (counts[1:] > 1).nonzero().flatten() + 1
     lost = (counts[1:] == 0).nonzero().flatten() + 1
-    assert dup.numel() == 0, f"KV slots owned twice: {dup[:10].tolist()}"
-    assert lost.numel() == 0, f"KV slots owned by nobody (leaked): {lost[:10].tolist()}"
+    _need(dup.numel() == 0, f"KV slots owned twice: {dup[:10].tolist()}")
+    _need(lost.numel() == 0, f"KV slots owned by nobody (leaked): {lost[:10].tolist()}")
     free_rows = req_pool.free_rows()
-    assert len(set(rows_held)) == len(rows_held), "a request row is held by two requests"
-    assert not set(rows_held) & set(free_rows), "a held request row is also free"
-    assert len(rows_held) + len(free_rows) == req_pool.size, "a request row leaked"
+    _need(len(set(rows_held)) == len(rows_held), "a request row is held by two requests")
+    _need(not set(rows_held) & set(free_rows), "a held request row is also free")
+    _need(len(rows_held) + len(free_rows) == req_pool.size, "a request row leaked")

@@ -8,8 +8,11 @@ Slot 0 is a dummy that padded positions write to and read from; it is never hand
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import torch
+
+from radixrt.core.errors import InvariantError
 
 logger = logging.getLogger(__name__)
 
@@ -40,13 +43,35 @@ class ReqToTokenPool:
     def free_rows(self) -> list[int]:
         return list(self._free_rows)
 
+    def write(self, rows: Sequence[int], starts: Sequence[int], lens: Sequence[int],
+              slots: torch.Tensor) -> None:
+        """Row `rows[b]` gets the next `lens[b]` of `slots` at columns `starts[b]`, ... (one
+        scatter for the whole batch; `slots` is the concatenation in batch order)."""
+        lens_t = torch.tensor(list(lens), dtype=torch.int64)
+        n = int(lens_t.sum())
+        if int(slots.numel()) != n:
+            raise ValueError(f"write: {slots.numel()} slots for {n} positions")
+        if n == 0:
+            return
+        bs = len(lens_t)
+        which = torch.repeat_interleave(torch.arange(bs), lens_t)
+        first = torch.zeros(bs, dtype=torch.int64)
+        torch.cumsum(lens_t[:-1], 0, out=first[1:])
+        cols = torch.tensor(list(starts), dtype=torch.int64)[which] + (
+            torch.arange(n, dtype=torch.int64) - first[which])
+        row_idx = torch.tensor(list(rows), dtype=torch.int64)[which]
+        dev = self.req_to_token.device
+        self.req_to_token[row_idx.to(dev), cols.to(dev)] = slots.to(dev, torch.int32)
+
     def clear(self) -> None:
         self._free_rows = list(range(self.size))
 
     def check_invariants(self) -> None:
         rows = self._free_rows
-        assert len(set(rows)) == len(rows), "a request row is on the free list twice"
-        assert all(0 <= r < self.size for r in rows), "free row out of range"
+        if len(set(rows)) != len(rows):
+            raise InvariantError("a request row is on the free list twice")
+        if not all(0 <= r < self.size for r in rows):
+            raise InvariantError("free row out of range")
 
 
 class TokenToKVPool:
@@ -117,10 +142,13 @@ class TokenToKVPool:
 
     def check_invariants(self) -> None:
         free = self.free_slots()
-        assert int(free.numel()) == self._num_free
+        if int(free.numel()) != self._num_free:
+            raise InvariantError("free-slot count disagrees with the free list")
         if self._num_free:
-            assert int(free.min()) >= 1 and int(free.max()) <= self.size, "free slot out of range"
-            assert int(torch.unique(free).numel()) == self._num_free, "a KV slot is free twice"
+            if int(free.min()) < 1 or int(free.max()) > self.size:
+                raise InvariantError("free slot out of range")
+            if int(torch.unique(free).numel()) != self._num_free:
+                raise InvariantError("a KV slot is free twice")
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -1,32 +1,37 @@
 """RadixCache: token-id sequences → KV slot indices, shared across requests (page size 1).
 
-Invariants (checked by `check_invariants`):
-- Every non-root node has a non-empty key and a value of the same length; children are keyed by
-  the first token of their key.
-- `lock_ref` of a node counts the live requests whose locked path passes through it, so it is
+A pure structure: it knows nothing of requests or pools (see `base_prefix_cache` for who owns
+which slot). `evict` returns the slots it drops; the caller frees them.
+
+Invariants (checked by `check_invariants`, which raises `InvariantError`):
+- Every non-root node has a non-empty key and per-token payloads of the same length; children
+  are keyed by the first token of their key.
+- `lock_ref` of a node counts the live readers whose locked path passes through it, so it is
   ≥ the sum of its children's; a node with `lock_ref > 0` is never evicted.
 - `evictable_size()` is the token count of nodes with `lock_ref == 0`, `protected_size()` of
   nodes with `lock_ref > 0`; both are kept exact on every lock change, insert, split and evict.
+
+Per-token payloads: `TreeNode.PER_TOKEN` names the node fields holding one entry per key token
+(today only `value`, the KV slots). Split and evict go through them, so a parallel payload
+(e.g. prompt logprobs) is one more name there plus an argument to `insert`.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from typing import TYPE_CHECKING
 
 import torch
 
+from radixrt.core.errors import InvariantError
 from radixrt.mem.base_prefix_cache import BasePrefixCache, MatchResult
-from radixrt.mem.memory_pool import ReqToTokenPool, TokenToKVPool
-
-if TYPE_CHECKING:
-    from radixrt.sched.req import Req
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
 
 class TreeNode:
+    # Fields with one entry per token of `key`: sliced together on split, dropped on evict.
+    PER_TOKEN = ("value",)
     __slots__ = ("key", "value", "children", "parent", "lock_ref", "last_access_time", "id")
 
     def __init__(self, key: list[int], value: torch.Tensor, parent: TreeNode | None, nid: int):
@@ -51,9 +56,7 @@ def _common_len(a: list[int], b: list[int]) -> int:
 
 
 class RadixCache(BasePrefixCache):
-    def __init__(self, req_to_token_pool: ReqToTokenPool, token_to_kv_pool: TokenToKVPool):
-        self.req_to_token_pool = req_to_token_pool
-        self.token_to_kv_pool = token_to_kv_pool
+    def __init__(self) -> None:
         self._ids = itertools.count()
         self._clock = itertools.count(1)
         self.reset()
@@ -111,13 +114,17 @@ class RadixCache(BasePrefixCache):
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Cut `child` after its first `n` tokens; returns the new upper node. Sizes unchanged."""
         parent = child.parent
-        assert parent is not None and 0 < n < len(child.key)
+        if parent is None or not 0 < n < len(child.key):
+            raise InvariantError(f"split of node {child.id} at {n} of {len(child.key)}")
         upper = TreeNode(child.key[:n], child.value[:n].clone(), parent, next(self._ids))
         upper.lock_ref = child.lock_ref
         upper.last_access_time = child.last_access_time
         parent.children[upper.key[0]] = upper
         child.key = child.key[n:]
-        child.value = child.value[n:].clone()
+        for name in TreeNode.PER_TOKEN:
+            payload = getattr(child, name)
+            setattr(upper, name, payload[:n].clone())
+            setattr(child, name, payload[n:].clone())
         child.parent = upper
         upper.children[child.key[0]] = child
         return upper
@@ -141,65 +148,29 @@ class RadixCache(BasePrefixCache):
             node.lock_ref -= 1
             node = node.parent  # type: ignore[assignment]
 
-    # -- request hand-over -----------------------------------------------------------------------
-    def _give_kv_to_tree(self, req: Req) -> MatchResult:
-        """Insert the request's computed tokens; free its duplicate slots after re-pointing."""
-        row = req.req_pool_idx
-        assert row is not None
-        kv_len = req.kv_len
-        key = req.all_ids()[:kv_len]
-        slots = self.req_to_token_pool.req_to_token[row, :kv_len].to(torch.int64)
-        old_prefix = len(req.prefix_indices)
-        already = self.insert(key, slots)
-        match = self.match_prefix(key)
-        assert int(match.indices.numel()) == kv_len, "tree must hold every inserted token"
-        if already > old_prefix:
-            # Another request cached [old_prefix, already) meanwhile: point our row at the
-            # tree's canonical copies first, then free our now-unreferenced duplicates.
-            self.req_to_token_pool.req_to_token[row, old_prefix:already] = match.indices[
-                old_prefix:already
-            ].to(torch.int32)
-            self.token_to_kv_pool.free(slots[old_prefix:already])
-        return match
-
-    def cache_unfinished_req(self, req: Req) -> None:
-        if req.kv_len == 0:
-            return
-        match = self._give_kv_to_tree(req)
-        self.inc_lock_ref(match.last_node)
-        if req.last_node is not None:
-            self.dec_lock_ref(req.last_node)
-        req.prefix_indices = match.indices
-        req.last_node = match.last_node
-
-    def cache_finished_req(self, req: Req) -> None:
-        if req.req_pool_idx is None:
-            return
-        if req.kv_len > 0:
-            self._give_kv_to_tree(req)
-        if req.last_node is not None:
-            self.dec_lock_ref(req.last_node)
-        self.req_to_token_pool.free(req.req_pool_idx)
-        req.release_kv()
+    def parent(self, node: TreeNode) -> TreeNode | None:
+        return node.parent
 
     # -- eviction --------------------------------------------------------------------------------
-    def evict(self, num_tokens: int) -> int:
+    def evict(self, num_tokens: int) -> torch.Tensor:
         if num_tokens <= 0:
-            return 0
+            return _EMPTY
         heap = [n for n in self._iter_nodes() if not n.children and n.lock_ref == 0]
         heapq.heapify(heap)
         freed = 0
+        dropped: list[torch.Tensor] = []
         while freed < num_tokens and heap:
             leaf = heapq.heappop(heap)
             parent = leaf.parent
-            assert parent is not None
-            self.token_to_kv_pool.free(leaf.value)
+            if parent is None:
+                raise InvariantError(f"node {leaf.id} below the root has no parent")
+            dropped.append(leaf.value)
             freed += len(leaf.key)
             self._evictable -= len(leaf.key)
             del parent.children[leaf.key[0]]
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, parent)
-        return freed
+        return torch.cat(dropped) if dropped else _EMPTY
 
     # -- sizes and checks ------------------------------------------------------------------------
     def evictable_size(self) -> int:
@@ -223,20 +194,28 @@ class RadixCache(BasePrefixCache):
         return torch.cat(vals) if vals else _EMPTY
 
     def check_invariants(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise InvariantError(f"radix tree: {msg}")
+
+        need(self.root.lock_ref >= 1, "the root lost its permanent lock")
         evictable = protected = 0
         for node in self._iter_nodes():
-            assert node.key, "empty key below the root"
-            assert len(node.key) == int(node.value.numel()), "key and value lengths differ"
-            assert node.lock_ref >= 0, "negative lock_ref"
-            assert node.parent is not None and node.parent.children.get(node.key[0]) is node
+            need(bool(node.key), f"node {node.id}: empty key below the root")
+            for name in TreeNode.PER_TOKEN:
+                need(len(node.key) == int(getattr(node, name).numel()),
+                     f"node {node.id}: key and {name} lengths differ")
+            need(node.lock_ref >= 0, f"node {node.id}: negative lock_ref")
+            need(node.parent is not None and node.parent.children.get(node.key[0]) is node,
+                 f"node {node.id}: not its parent's child")
             child_locks = sum(c.lock_ref for c in node.children.values())
-            assert node.lock_ref >= child_locks, "a node is locked less than its children"
+            need(node.lock_ref >= child_locks, f"node {node.id}: locked less than its children")
             if node.lock_ref:
                 protected += len(node.key)
             else:
                 evictable += len(node.key)
-        assert evictable == self._evictable, f"evictable {self._evictable} != actual {evictable}"
-        assert protected == self._protected, f"protected {self._protected} != actual {protected}"
+        need(evictable == self._evictable, f"evictable {self._evictable} != actual {evictable}")
+        need(protected == self._protected, f"protected {self._protected} != actual {protected}")
 
     def pretty(self) -> str:  # debugging aid
         lines: list[str] = []

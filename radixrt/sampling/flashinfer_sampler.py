@@ -9,7 +9,9 @@ Filter semantics match `radixrt.sampling.sampler.filter_logits`: temperature, th
 top-p over the top-k-renormalised distribution (FlashInfer's `filter_apply_order="top_k_first"`),
 then min-p relative to the most likely token (a ratio, so renormalising before it changes
 nothing). Sampling is FlashInfer's (inverse-CDF / rejection), not the torch sampler's Gumbel race:
-the same distribution, a different random stream.
+the same distribution, a different random stream. `Sampler` calls it without a generator, so
+its draws come from torch's default CUDA generator: `Sampler(seed=...)` (the scheduler passes
+`ServerArgs.random_seed`) seeds only the torch path, not this one.
 """
 
 from __future__ import annotations

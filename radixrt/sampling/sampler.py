@@ -92,7 +92,12 @@ class SampleOutput:
 
 
 class Sampler:
-    """Owns the generator of unseeded rows (seeded from `seed`); stateless otherwise."""
+    """Owns the generator of unseeded rows (seeded from `seed`); stateless otherwise.
+
+    `seed` only reaches the torch path. A CUDA batch that `flashinfer_sample` covers (no
+    seeded row, penalties, bans or logprobs) is sampled with torch's default CUDA generator,
+    so `ServerArgs.random_seed` does not make such batches reproducible.
+    """
 
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed

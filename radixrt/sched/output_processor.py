@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from radixrt.core.logprobs import TokenLogprobs
 from radixrt.core.messages import FINISH_LENGTH, FINISH_STOP, ReqTokenOut, TokenBatchOut, Usage
-from radixrt.mem.base_prefix_cache import BasePrefixCache
+from radixrt.sched.kv_owner import KVOwner
 from radixrt.sched.req import Req
 
 
 class OutputProcessor:
-    def __init__(self, cache: BasePrefixCache, eos_token_ids: tuple[int, ...], max_context_len: int):
-        self.cache = cache
+    def __init__(self, kv: KVOwner, eos_token_ids: tuple[int, ...], max_context_len: int):
+        self.kv = kv
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_context_len = max_context_len
 
@@ -33,7 +33,7 @@ class OutputProcessor:
         are returned (mid-prefill, to continue next step)."""
         chunked = []
         for i, req in enumerate(reqs):
-            req.kv_len += req.extend_len
+            self.kv.commit(req)
             if req.finished:  # aborted while in flight
                 continue
             if req.kv_len == req.seq_len():
@@ -41,13 +41,13 @@ class OutputProcessor:
             else:
                 chunked.append(req)
             if not req.finished:
-                self.cache.cache_unfinished_req(req)
+                self.kv.cache_unfinished(req)
         return chunked
 
     def process_decode(self, reqs: list[Req], next_ids: list[int],
                        logprobs: list[TokenLogprobs | None]) -> None:
         for i, req in enumerate(reqs):
-            req.kv_len += 1
+            self.kv.commit(req)
             if not req.finished:
                 self._append(req, next_ids[i], logprobs[i])
 

@@ -18,14 +18,15 @@ class Req:
     - `req_pool_idx`: the ReqToTokenPool row, held from admission to finish/retraction.
     - `kv_len`: tokens of `all_ids()` whose KV is in the row (`row[:kv_len]` valid).
     - `prefix_indices`/`last_node`: the cache-owned, locked head of the row.
+    Everyone may read these four; only `radixrt.sched.kv_owner.KVOwner` assigns them (checked
+    by an AST test in tests/test_scheduler.py).
     """
 
-    def __init__(self, rid: str, input_ids: list[int], sampling: SamplingParams, stream: bool):
+    def __init__(self, rid: str, input_ids: list[int], sampling: SamplingParams):
         self.rid = rid
         self.origin_input_ids = input_ids
         self.output_ids: list[int] = []
         self.sampling = sampling
-        self.stream = stream
         self.arrival_time = time.monotonic()
         # KV state
         self.req_pool_idx: int | None = None
@@ -38,6 +39,7 @@ class Req:
         self.extend_len = 0  # tokens this step computes (set by the prefill adder)
         self.num_retractions = 0
         self.counted = False  # prompt/cached tokens added to the counters
+        self.finish_counted = False  # counted in finished_requests (exactly once)
         # Output state
         self.finish_reason: str | None = None
         self.error = ""
@@ -56,13 +58,6 @@ class Req:
 
     def remaining_new_tokens(self) -> int:
         return max(0, self.sampling.max_new_tokens - len(self.output_ids))
-
-    def release_kv(self) -> None:
-        """Forget the KV state after the cache took it over (row freed, lock released)."""
-        self.req_pool_idx = None
-        self.kv_len = 0
-        self.prefix_indices = _EMPTY
-        self.last_node = None
 
     def __repr__(self) -> str:
         return (f"Req({self.rid}, in={len(self.origin_input_ids)}, out={len(self.output_ids)}, "

@@ -6,11 +6,14 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 
-import torch
-
+from radixrt.config import ServerArgs
 from radixrt.mem.base_prefix_cache import BasePrefixCache
-from radixrt.mem.radix_cache import RadixCache
+from radixrt.mem.token_trie import TokenTrie
+from radixrt.sched.kv_owner import KVOwner
 from radixrt.sched.req import Req
+
+# See `ServerArgs.clip_max_new_tokens_estimation`.
+DEFAULT_CLIP_MAX_NEW_TOKENS = ServerArgs.clip_max_new_tokens_estimation
 
 # A waiting request that shares at least this many not-yet-cached tokens with one admitted
 # earlier in the same step waits one step, so it hits the cache instead of recomputing them.
@@ -71,8 +74,7 @@ class SchedulePolicy:
         final = starved + ordered
         return final, self._in_batch_deferrals(final, in_flight)
 
-    @staticmethod
-    def _dfs_weight(reqs: list[Req], last_nodes: dict[int, object]) -> list[Req]:
+    def _dfs_weight(self, reqs: list[Req], last_nodes: dict[int, object]) -> list[Req]:
         by_node: dict[object, list[Req]] = defaultdict(list)
         weight: dict[object, int] = defaultdict(int)
         children: dict[object, list[object]] = defaultdict(list)
@@ -84,7 +86,7 @@ class SchedulePolicy:
             cur = node
             while cur is not None:
                 weight[cur] += len(by_node.get(node, ()))
-                parent = getattr(cur, "parent", None)
+                parent = self.cache.parent(cur)
                 if parent is not None and cur not in children[parent]:
                     children[parent].append(cur)
                 if parent is None and cur not in roots:
@@ -102,20 +104,23 @@ class SchedulePolicy:
     def _in_batch_deferrals(ordered: list[Req], in_flight: tuple[Req, ...] = ()) -> set[str]:
         """Requests whose uncached part overlaps an earlier or in-flight request's by ≥ the
         threshold."""
-        pending = RadixCache(None, None)  # type: ignore[arg-type]  # a trie of planned prompts
+        pending = TokenTrie()  # the prompts planned so far
         for r in in_flight:
-            ids = r.all_ids()
-            pending.insert(ids, torch.zeros(len(ids), dtype=torch.int64))
+            pending.insert(r.all_ids())
         deferred: set[str] = set()
         for r in ordered:
             ids = r.all_ids()
-            m = pending.match_prefix(ids)
-            shared = int(m.indices.numel())
+            shared = pending.match_len(ids)
             if shared - r.match_len >= IN_BATCH_SHARE_MIN_TOKENS:
                 deferred.add(r.rid)
             else:
-                pending.insert(ids, torch.zeros(len(ids), dtype=torch.int64))
+                pending.insert(ids)
         return deferred
+
+
+def decode_estimate(req: Req, clip: int) -> int:
+    """Decode tokens `req` may still need, for budgeting: its remaining tokens, clipped."""
+    return min(req.remaining_new_tokens(), clip)
 
 
 class PrefillAdder:
@@ -125,15 +130,18 @@ class PrefillAdder:
       `chunk_budget` is cut into chunks (at most one chunked request per step);
     - running + admitted requests ≤ `max_running_requests` (and free request rows);
     - KV: new tokens + the decode tokens every running and admitted request is still expected to
-      need (`remaining × new_token_ratio`) ≤ free + evictable slots.
-    Admission locks the request's matched prefix at once, so later evictions cannot drop it.
+      need (`min(remaining, clip_max_new_tokens) × new_token_ratio`) ≤ free + evictable slots.
+      The clip keeps a request without `max_tokens` (remaining ≈ the whole context) from
+      reserving thousands of slots it will most likely never use; if it does, decode retracts.
+    Admission locks the request's matched prefix at once (through the `KVOwner`), so later
+    evictions cannot drop it.
     """
 
-    def __init__(self, cache: BasePrefixCache, available_slots: Callable[[], int],
-                 free_rows: int, running: list[Req], max_running: int, max_prefill_tokens: int,
-                 chunk_budget: int, new_token_ratio: float):
-        self.cache = cache
-        self.available_slots = available_slots
+    def __init__(self, kv: KVOwner, free_rows: int, running: list[Req], max_running: int,
+                 max_prefill_tokens: int, chunk_budget: int, new_token_ratio: float,
+                 clip_max_new_tokens: int = DEFAULT_CLIP_MAX_NEW_TOKENS):
+        self.kv = kv
+        self.clip = clip_max_new_tokens
         self.rows_left = min(free_rows, max_running - len(running))
         self.tokens_left = max_prefill_tokens
         self.chunk_budget = chunk_budget
@@ -143,10 +151,10 @@ class PrefillAdder:
         self.has_chunked = False
 
     def _decode_reserve(self, req: Req) -> int:
-        return int(req.remaining_new_tokens() * self.ratio)
+        return int(decode_estimate(req, self.clip) * self.ratio)
 
     def _kv_room(self) -> int:
-        return self.available_slots() + self.cache.evictable_size() - self.reserved
+        return self.kv.room() - self.reserved
 
     def add_chunked(self, req: Req) -> bool:
         """Continue a request whose prompt is mid-chunk (it already holds a row and locks)."""
@@ -162,10 +170,10 @@ class PrefillAdder:
         if self.rows_left <= 0 or self.tokens_left <= 0 or self.chunk_budget <= 0:
             return False
         ids = req.all_ids()
-        match = self.cache.match_prefix(ids[:-1])
+        match = self.kv.match(ids[:-1])
         prefix_len = int(match.indices.numel())
         todo = len(ids) - prefix_len
-        self.cache.inc_lock_ref(match.last_node)
+        self.kv.admit(req, match)  # lock first: a locked prefix is no longer evictable room
         n = min(todo, self.chunk_budget, self.tokens_left)
         final = n == todo
         reserve = self._decode_reserve(req) if final else 0
@@ -173,11 +181,8 @@ class PrefillAdder:
         # request with a pessimistic reserve can still make progress.
         alone = not self.admitted and self.reserved == 0
         if (not final and self.has_chunked) or n + (0 if alone else reserve) > self._kv_room():
-            self.cache.dec_lock_ref(match.last_node)
+            self.kv.release(req)
             return False
-        req.prefix_indices = match.indices
-        req.last_node = match.last_node
-        req.kv_len = prefix_len
         if req.cached_tokens is None:
             req.cached_tokens = min(prefix_len, len(req.origin_input_ids))
         self.rows_left -= 1

@@ -1,7 +1,8 @@
 """The scheduler process: one loop of receive → schedule → run → process results.
 
-Decisions live in `schedule_policy` (ordering, budgets), allocation and metadata in `batch`,
-result handling in `output_processor`; this module only sequences them and keeps counters.
+Decisions live in `schedule_policy` (ordering, budgets), every KV move in `kv_owner`, batch
+metadata in `batch`, result handling in `output_processor`; this module only sequences them and
+keeps counters.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import zmq
 
 from radixrt.config import ServerArgs
 from radixrt.core import ipc
+from radixrt.core.errors import InvalidRequestError, InvariantError
 from radixrt.core.messages import (
     FINISH_ABORT,
     AbortReq,
@@ -28,17 +30,18 @@ from radixrt.core.messages import (
     StatsReq,
     TokenBatchOut,
 )
+from radixrt.core.validation import check_context_length
 from radixrt.mem.base_prefix_cache import BasePrefixCache
 from radixrt.mem.chunk_cache import NoPrefixCache
-from radixrt.mem.invariants import check_ownership
 from radixrt.mem.radix_cache import RadixCache
 from radixrt.model.runner import ModelRunner
 from radixrt.sampling.batch_info import SamplingBatchInfo
 from radixrt.sampling.sampler import Sampler
 from radixrt.sched.batch import BatchBuilder
+from radixrt.sched.kv_owner import KVOwner
 from radixrt.sched.output_processor import OutputProcessor
 from radixrt.sched.req import Req
-from radixrt.sched.schedule_policy import PrefillAdder, SchedulePolicy
+from radixrt.sched.schedule_policy import PrefillAdder, SchedulePolicy, decode_estimate
 
 logger = logging.getLogger(__name__)
 
@@ -56,24 +59,8 @@ class Counters:
     cached_tokens: int = 0
     generated_tokens: int = 0
     retractions: int = 0
-    evicted_tokens: int = 0
     forward_steps: int = 0
-
-
-class _CountingCache:
-    """Wraps `evict` so every evicted token is counted, whoever triggers it."""
-
-    def __init__(self, cache: BasePrefixCache, counters: Counters):
-        self._cache = cache
-        self._counters = counters
-
-    def __getattr__(self, name: str):
-        return getattr(self._cache, name)
-
-    def evict(self, num_tokens: int) -> int:
-        n = self._cache.evict(num_tokens)
-        self._counters.evicted_tokens += n
-        return n
+    # Evicted tokens are counted where eviction happens: `KVOwner.evicted_tokens`.
 
 
 class Scheduler:
@@ -84,16 +71,16 @@ class Scheduler:
         self.kv_pool = runner.token_to_kv_pool
         self.counters = Counters()
         cache_cls = NoPrefixCache if args.disable_radix_cache else RadixCache
-        self.cache: BasePrefixCache = _CountingCache(
-            cache_cls(self.req_pool, self.kv_pool), self.counters)  # type: ignore[assignment]
+        self.cache: BasePrefixCache = cache_cls()
+        self.kv = KVOwner(self.req_pool, self.kv_pool, self.cache)
         self.policy = SchedulePolicy(
             args.schedule_policy, self.cache, not args.disable_radix_cache,
             args.lpm_fallback_queue_len, args.starvation_timeout_s)
-        self.builder = BatchBuilder(self.req_pool, self.kv_pool, self.cache, runner.device)
+        self.builder = BatchBuilder(self.kv, runner.device)
         cfg = runner.model_config
         self.eos_token_ids = tuple(cfg.eos_token_ids)
         self.max_context_len = runner.sizes.max_context_len
-        self.outputs = OutputProcessor(self.cache, self.eos_token_ids, self.max_context_len)
+        self.outputs = OutputProcessor(self.kv, self.eos_token_ids, self.max_context_len)
         self.sampler = Sampler(seed=args.random_seed)
         self.vocab_size = cfg.vocab_size
         self.waiting: list[Req] = []
@@ -106,11 +93,6 @@ class Scheduler:
 
     # -- inputs -------------------------------------------------------------------------------------
     def add_request(self, msg: GenerateReq) -> None:
-        # Imported here so this change stays inside add_request (the module's imports are
-        # being refactored concurrently); core is below sched, so this is no upward edge.
-        from radixrt.core.errors import InvalidRequestError
-        from radixrt.core.validation import check_context_length
-
         req = Req(msg.rid, list(msg.input_ids), msg.sampling)
         try:
             check_context_length(len(req.origin_input_ids), self.max_context_len,
@@ -124,31 +106,31 @@ class Scheduler:
         self.waiting.append(req)
 
     def abort(self, rid: str, reason: str = FINISH_ABORT, message: str = "") -> None:
-        for i, req in enumerate(self.waiting):
+        for req in [*self.waiting, *self.running, *([self.chunked_req] if self.chunked_req else [])]:
             if req.rid == rid:
-                del self.waiting[i]
-                if req.req_pool_idx is not None:  # retracted requests hold nothing, but be safe
-                    self.cache.cache_finished_req(req)
                 self._finish(req, reason, message)
                 return
-        for req in self.running:
-            if req.rid == rid:
-                self.running.remove(req)
-                self.cache.cache_finished_req(req)
-                self._finish(req, reason, message)
-                return
-        if self.chunked_req is not None and self.chunked_req.rid == rid:
-            req, self.chunked_req = self.chunked_req, None
-            self.cache.cache_finished_req(req)
-            self._finish(req, reason, message)
 
     def _finish(self, req: Req, reason: str, message: str = "") -> None:
         """End a request outside the normal result path (abort, failed batch)."""
         if req.finish_reason is None:
             req.finish_reason = reason
         req.error = req.error or message
-        self.counters.finished_requests += 1
-        self.finished_this_step.append(req)
+        self._retire(req)
+
+    def _retire(self, req: Req) -> None:
+        """A finished request leaves every queue and gives up its KV; counted exactly once."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.running:
+            self.running.remove(req)
+        if self.chunked_req is req:
+            self.chunked_req = None
+        self.kv.release(req)
+        if not req.finish_counted:
+            req.finish_counted = True
+            self.counters.finished_requests += 1
+            self.finished_this_step.append(req)
 
     # -- one step -----------------------------------------------------------------------------------
     def step(self) -> TokenBatchOut | None:
@@ -176,9 +158,10 @@ class Scheduler:
         if not self.waiting and self.chunked_req is None:
             return None
         adder = PrefillAdder(
-            self.cache, self.kv_pool.available_size, self.req_pool.available_size(),
-            self.running, self.args.max_running_requests, self.args.max_prefill_tokens,
-            self.args.chunked_prefill_size, self.new_token_ratio)
+            self.kv, self.req_pool.available_size(), self.running,
+            self.args.max_running_requests, self.args.max_prefill_tokens,
+            self.args.chunked_prefill_size, self.new_token_ratio,
+            self.args.clip_max_new_tokens_estimation)
         in_flight: tuple[Req, ...] = ()
         if self.chunked_req is not None:
             if not adder.add_chunked(self.chunked_req):
@@ -204,7 +187,7 @@ class Scheduler:
 
     def _schedule_decode(self) -> list[Req]:
         need = len(self.running)
-        if self.kv_pool.available_size() + self.cache.evictable_size() < need:
+        if self.kv.room() < need:
             self._retract(need)
         self.new_token_ratio = max(self.args.min_new_token_ratio,
                                    self.new_token_ratio - self.args.new_token_ratio_decay)
@@ -215,7 +198,7 @@ class Scheduler:
         remaining request) can be had. Their KV goes to the tree, so re-admission hits it.
         A mid-prefill `chunked_req` holds KV too: it goes back last, before the oldest request."""
         victims = sorted(self.running, key=lambda r: r.arrival_time)
-        while victims and self.kv_pool.available_size() + self.cache.evictable_size() < need:
+        while victims and self.kv.room() < need:
             if len(victims) > 1:
                 req = victims.pop()
                 self.running.remove(req)
@@ -224,11 +207,12 @@ class Scheduler:
                 req, self.chunked_req = self.chunked_req, None  # else: no slot, ever (deadlock)
             else:
                 break  # the oldest request alone always fits: the pool holds a whole context
-            self.cache.cache_finished_req(req)
+            self.kv.release(req)
             req.num_retractions += 1
             self.counters.retractions += 1
             self.waiting.insert(0, req)
-        remaining = sum(r.remaining_new_tokens() for r in self.running)
+        clip = self.args.clip_max_new_tokens_estimation
+        remaining = sum(decode_estimate(r, clip) for r in self.running)
         decoded = sum(len(r.output_ids) for r in self.running)
         total = max(1, remaining + decoded)
         est = (decoded + RETRACT_DECODE_STEPS * len(self.running)) / total
@@ -250,7 +234,6 @@ class Scheduler:
             [r.output_ids for r in reqs], self.vocab_size, logits.device, self.eos_token_ids)
         sample = self.sampler.sample(logits, info)
         t3 = time.perf_counter()
-        self.builder.take_pending_slots()  # kv_len advances below: the requests own them now
         before = sum(len(r.output_ids) for r in reqs)
         if mode == "extend":
             chunked = self.outputs.process_extend(reqs, sample.next_token_ids, sample.logprobs)
@@ -262,12 +245,10 @@ class Scheduler:
         else:
             self.outputs.process_decode(reqs, sample.next_token_ids, sample.logprobs)
         self.counters.generated_tokens += sum(len(r.output_ids) for r in reqs) - before
+        self.kv.end_step()
         for req in reqs:
-            if req.finished and req.req_pool_idx is not None:
-                if req in self.running:
-                    self.running.remove(req)
-                self.cache.cache_finished_req(req)
-                self.counters.finished_requests += 1
+            if req.finished:
+                self._retire(req)
         self.counters.forward_steps += 1
         t4 = time.perf_counter()
         self.step_times["build"] += t1 - t0
@@ -276,18 +257,13 @@ class Scheduler:
         self.step_times["process"] += t4 - t3
 
     def _fail_batch(self, reqs: list[Req], message: str) -> None:
-        """A step raised before its results were processed: free the step's slots (nobody owns
-        them yet), hand each request's valid KV to the cache and finish it with an error."""
-        stray = self.builder.take_pending_slots()
-        if stray is not None:
-            self.kv_pool.free(stray)
+        """A step raised, at whatever point: free the step's slots no request committed, hand
+        each request's committed KV to the cache and finish it with an error. A request that
+        already finished normally in this step keeps its result and is not counted again."""
+        self.kv.abort_step()
         for req in reqs:
-            if req.req_pool_idx is not None:
-                self.cache.cache_finished_req(req)
-            if req in self.running:
-                self.running.remove(req)
-            if self.chunked_req is req:
-                self.chunked_req = None
+            if req.finish_counted:
+                continue
             req.finish_reason = None
             self._finish(req, FINISH_ABORT, message)
 
@@ -299,14 +275,13 @@ class Scheduler:
         return reqs
 
     def check_invariants(self) -> None:
-        check_ownership(self.req_pool, self.kv_pool, self.cache, self.live_reqs())
+        """Raise `InvariantError` unless every slot and row is owned exactly once."""
+        self.kv.check(self.live_reqs())
 
     def flush_cache(self) -> tuple[bool, str]:
         if self.live_reqs():
             return False, "cannot flush the cache while requests are running or waiting"
-        self.cache.reset()
-        self.kv_pool.clear()
-        self.req_pool.clear()
+        self.kv.reset()
         return True, ""
 
     def stats(self) -> dict[str, object]:
@@ -318,7 +293,7 @@ class Scheduler:
             "cached_tokens_total": c.cached_tokens,
             "generated_tokens_total": c.generated_tokens,
             "retractions_total": c.retractions,
-            "evicted_tokens_total": c.evicted_tokens,
+            "evicted_tokens_total": self.kv.evicted_tokens,
             "forward_steps_total": c.forward_steps,
             "cache_hit_rate": c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
             "num_running": len(self.running) + (self.chunked_req is not None),
@@ -347,7 +322,7 @@ class Scheduler:
             try:
                 self.check_invariants()
                 return ControlReply(msg.req_id, True)
-            except AssertionError as e:
+            except InvariantError as e:
                 return ControlReply(msg.req_id, False, error=f"invariant violated: {e}")
         else:
             logger.warning("scheduler: unknown message %r", type(msg).__name__)
