@@ -1,4 +1,10 @@
-"""`TokenLogprobs`: what the sampler reports per sampled position, carried up to the API."""
+"""`TokenLogprobs`: log-probabilities of tokens, carried from the scheduler up to the API.
+
+Two uses: the sampler's report for each generated token, and prompt scores (`prompt_logprobs`
+of an output), where entry j is about prompt token `logprob_start_len + j` given the tokens
+before it. Prompt token 0 has no context, so its entry is `None` with no alternatives, as in
+OpenAI's legacy `echo` + `logprobs` format.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,7 @@ from dataclasses import dataclass, field
 class TokenLogprobs:
     """Log-probabilities of the chosen tokens, and the top alternatives at each position."""
 
-    token_logprobs: list[float] = field(default_factory=list)
+    token_logprobs: list[float | None] = field(default_factory=list)
     top_ids: list[list[int]] = field(default_factory=list)
     top_logprobs: list[list[float]] = field(default_factory=list)
 

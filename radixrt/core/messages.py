@@ -118,6 +118,9 @@ class ReqTokenOut(UsageFields):
     finish_reason: str | None
     usage: Usage
     logprobs: TokenLogprobs | None = None
+    # Sent once, with the first out after the prompt is computed, when the request asked for
+    # prompt scores (`SamplingParams.logprob_start_len >= 0`).
+    prompt_logprobs: TokenLogprobs | None = None
     # Detokenization settings travel with the request's outputs (the detokenizer keeps no
     # request registry of its own beyond incremental-decoding state).
     stop: tuple[str, ...] = ()
@@ -140,6 +143,7 @@ class ReqTextOut(UsageFields):
     finish_reason: str | None
     usage: Usage
     logprobs: TokenLogprobs | None = None
+    prompt_logprobs: TokenLogprobs | None = None
     error: str = ""
 
 

@@ -43,6 +43,12 @@ class SamplingParams:
     output tokens only: logit -= frequency * count + presence * (count > 0)). min_new_tokens
     bans EOS and stop_token_ids until that many tokens were generated. top_logprobs (0..20)
     alternatives are returned only when logprobs is True.
+
+    logprob_start_len >= 0 asks for prompt scores: the log-probability of every prompt token
+    from that position on given the tokens before it (position 0 has none), with
+    `top_logprobs` alternatives each; -1 (default) asks for none. They are served from the
+    radix cache when a cached prefix already holds them. max_new_tokens == 0 (allowed only
+    with prompt scores) scores the prompt without generating.
     """
 
     max_new_tokens: int = 128
@@ -61,6 +67,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: bool = False
     top_logprobs: int = 0
+    logprob_start_len: int = -1
 
     def __post_init__(self) -> None:
         self.normalize()
@@ -91,7 +98,8 @@ class SamplingParams:
         def bad(name: str, msg: str) -> None:
             raise InvalidRequestError(name, f"{msg}, got {getattr(self, name)!r}")
 
-        for name in ("max_new_tokens", "top_k", "min_new_tokens", "top_logprobs"):
+        for name in ("max_new_tokens", "top_k", "min_new_tokens", "top_logprobs",
+                     "logprob_start_len"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool):
                 bad(name, "must be an integer")
@@ -112,8 +120,11 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be a bool")
 
-        if self.max_new_tokens < 1:
-            bad("max_new_tokens", "must be >= 1")
+        if self.logprob_start_len < -1:
+            bad("logprob_start_len", "must be -1 (no prompt scores) or a prompt position >= 0")
+        if self.max_new_tokens < 0 or (self.max_new_tokens == 0 and self.logprob_start_len < 0):
+            bad("max_new_tokens", "must be >= 1 (0 only when scoring the prompt: "
+                                  "logprob_start_len >= 0)")
         if self.temperature < 0:
             bad("temperature", "must be >= 0")
         if not 0.0 < self.top_p <= 1.0:
@@ -133,8 +144,8 @@ class SamplingParams:
             bad("min_new_tokens", f"must be <= max_new_tokens ({self.max_new_tokens})")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             bad("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]")
-        if self.top_logprobs > 0 and not self.logprobs:
-            bad("top_logprobs", "requires logprobs=True")
+        if self.top_logprobs > 0 and not self.logprobs and self.logprob_start_len < 0:
+            bad("top_logprobs", "requires logprobs=True or logprob_start_len >= 0")
         if self.seed is not None and (
             not isinstance(self.seed, int) or isinstance(self.seed, bool)
         ):
