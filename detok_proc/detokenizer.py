@@ -359,6 +359,7 @@ class DetokenizerManager:
             finish_reason=finish_reason,
             usage=out.usage,
             logprobs=out.logprobs,
+            prompt_logprobs=out.prompt_logprobs,
             error=out.error if error is None else error,
         )
 

@@ -96,4 +96,15 @@ class InputProcessor:
             params = [to_params(sampling_params)] * len(ids_list)
         ids_list = [self.check_ids(ids, sp.max_new_tokens)
                     for ids, sp in zip(ids_list, params, strict=True)]
+        for ids, sp in zip(ids_list, params, strict=True):
+            check_logprob_start(len(ids), sp)
         return ids_list, params, single
+
+
+def check_logprob_start(prompt_len: int, sp: SamplingParams,
+                        field: str = "logprob_start_len") -> None:
+    """Prompt scores start at a prompt position: `logprob_start_len` < the prompt's length."""
+    if sp.logprob_start_len >= prompt_len:
+        raise InvalidRequestError(
+            field, f"must be a prompt position (< {prompt_len}, the prompt's length) or -1, "
+                   f"got {sp.logprob_start_len}")

@@ -22,6 +22,9 @@ class GenerateOutput(UsageFields):
     finish_reason: str  # "stop" | "length" | "abort"
     usage: Usage
     logprobs: TokenLogprobs | None = None
+    # Prompt scores (`SamplingParams.logprob_start_len >= 0`): entry j is about prompt token
+    # `logprob_start_len + j`; None when none were asked for.
+    prompt_logprobs: TokenLogprobs | None = None
     error: str = ""
 
 
@@ -35,6 +38,8 @@ class StreamChunk(UsageFields):
     finish_reason: str | None
     usage: Usage
     logprobs: TokenLogprobs | None = None
+    # Set on the one chunk that carries the prompt scores (the first, when asked for).
+    prompt_logprobs: TokenLogprobs | None = None
     error: str = ""
 
 
@@ -52,6 +57,7 @@ class ReqState(UsageFields):
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     logprobs: TokenLogprobs | None = None
+    prompt_logprobs: TokenLogprobs | None = None
     error: str = ""
     created: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
@@ -69,6 +75,8 @@ class ReqState(UsageFields):
             if self.logprobs is None:
                 self.logprobs = TokenLogprobs()
             self.logprobs.extend(out.logprobs)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         if out.error:
             self.error = out.error
         if out.finish_reason is not None:
@@ -94,10 +102,10 @@ class ReqState(UsageFields):
         return GenerateOutput(
             rid=self.rid, text=self.text, token_ids=list(self.token_ids),
             finish_reason=self.finish_reason or FINISH_ABORT, usage=self.usage,
-            logprobs=self.logprobs, error=self.error)
+            logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs, error=self.error)
 
     def chunk(self, out: ReqTextOut) -> StreamChunk:
         return StreamChunk(
             rid=self.rid, text=out.text_delta, token_ids=list(out.new_ids),
             finish_reason=out.finish_reason, usage=out.usage, logprobs=out.logprobs,
-            error=out.error)
+            prompt_logprobs=out.prompt_logprobs, error=out.error)

@@ -90,27 +90,53 @@ class Engine:
     def generate(self, prompts: str | list[str] | None = None,
                  sampling_params: ParamsLike | list[ParamsLike] = None,
                  input_ids: list[int] | list[list[int]] | None = None,
+                 use_tqdm: bool = True,
                  ) -> GenerateOutput | list[GenerateOutput]:
-        """Blocking batch generation. A single prompt (str or one id list) returns one output."""
+        """Blocking batch generation. A single prompt (str or one id list) returns one output.
+
+        With more than one prompt a progress bar (finished requests, output tokens/s) is
+        written to stderr unless `use_tqdm=False`.
+        """
         ids_list, params, single = self._inputs.prepare(prompts, input_ids, sampling_params)
         states = [self.submit(ids, sp) for ids, sp in zip(ids_list, params, strict=True)]
-        for st in states:
-            while not st.done.wait(0.5):
-                self.check_alive()
-            if self._tm.dead_error is not None:
-                raise EngineDeadError(self._tm.dead_error)
+        self._wait_all(states, show_progress=use_tqdm and len(states) > 1)
         outs = [st.result() for st in states]
         return outs[0] if single else outs
 
+    def _wait_all(self, states: list[ReqState], show_progress: bool) -> None:
+        """Block until every request finished; raise `EngineDeadError` if the runtime died."""
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(states), desc="Generating", unit="req", disable=not show_progress,
+                   dynamic_ncols=True)
+        try:
+            pending = list(states)
+            start = time.monotonic()
+            while pending:
+                if not pending[0].done.wait(0.1 if show_progress else 0.5):
+                    self.check_alive()
+                still = [st for st in pending if not st.done.is_set()]
+                if len(still) != len(pending):
+                    bar.update(len(pending) - len(still))
+                    pending = still
+                    if show_progress:
+                        out_toks = sum(st.completion_tokens for st in states)
+                        rate = out_toks / max(time.monotonic() - start, 1e-9)
+                        bar.set_postfix_str(f"output {rate:.1f} tok/s", refresh=False)
+                if self._tm.dead_error is not None:
+                    raise EngineDeadError(self._tm.dead_error)
+        finally:
+            bar.close()
+
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
-             sampling_params: ParamsLike | list[ParamsLike] = None,
+             sampling_params: ParamsLike | list[ParamsLike] = None, use_tqdm: bool = True,
              ) -> GenerateOutput | list[GenerateOutput]:
         """One conversation (list of messages) or a list of conversations."""
         if isinstance(messages, list) and messages and isinstance(messages[0], dict):
             return self.generate(input_ids=[self.apply_chat_template(messages)],
                                  sampling_params=sampling_params)[0]  # type: ignore[index]
         return self.generate(input_ids=[self.apply_chat_template(m) for m in messages],
-                             sampling_params=sampling_params)
+                             sampling_params=sampling_params, use_tqdm=use_tqdm)
 
     async def generate_stream(self, prompt: str | None = None, sampling_params: ParamsLike = None,
                               input_ids: list[int] | None = None) -> AsyncIterator[StreamChunk]:

@@ -171,21 +171,35 @@ class Server:
             raise P.bad("logprobs", f"'logprobs' must be in 0..20, got {top_lp}")
         if P._get(body, "suffix", (str,), None, "a string"):
             raise P.bad("suffix", "'suffix' is not supported")
+        # echo + logprobs: the logprobs cover the prompt too (scored by the runtime from prompt
+        # position 0, served from the radix cache where a cached prefix holds them).
+        score_prompt = echo and top_lp is not None
         ids_list = [self.check_ids(self.engine.tokenize(p) if isinstance(p, str) else p,
                                    "prompt") for p in prompts]
         params: list[SamplingParams] = []
         for ids in ids_list:
             mt = P.max_tokens_from(body, ("max_tokens",), 16, len(ids), self.engine.max_context_len,
-                                   "prompt")
-            sp = P.sampling_from_body(body, mt, top_lp is not None, top_lp or 0)
+                                   "prompt", zero_ok=echo)
+            # max_tokens 0 without logprobs needs a scored position too (the runtime generates
+            # nothing only for scoring requests): the last one, whose scores are dropped.
+            start = 0 if score_prompt else (len(ids) - 1 if mt == 0 else -1)
+            sp = P.sampling_from_body(body, mt, top_lp is not None, top_lp or 0, start)
             params.extend(self.per_sample(sp, n))
         all_ids = [ids for ids in ids_list for _ in range(n)]
         self.check_alive()
         self.check_capacity(len(all_ids))
         group = RequestGroup(self, all_ids, params)
         rid, created = P.new_id("cmpl"), P.now()
+        # The echoed prompt: as sent, or the token ids decoded (special tokens kept).
         prompt_texts = [p if isinstance(p, str) else self.engine.tokenizer.decode(p)
                         for p in prompts]
+
+        def prompt_lp(i: int, lp: TokenLogprobs | None) -> dict[str, Any] | None:
+            """Sample i's prompt part of `logprobs` (None: the runtime sent no scores, which
+            only happens to a request that failed)."""
+            if lp is None:
+                return None
+            return self.text.prompt_logprobs(all_ids[i], lp, prompt_texts[i // n])
 
         def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
             obj = {"id": rid, "object": "text_completion", "created": created,
@@ -197,15 +211,30 @@ class Server:
         if stream:
             async def gen() -> AsyncIterator[bytes]:
                 offsets = [len(prompt_texts[i // n]) if echo else 0 for i in range(len(all_ids))]
-                if echo:
+                # With prompt scores a sample's first chunk (prompt text + its logprobs) waits
+                # for the runtime's first out, which carries them; outs are held until then.
+                unscored = set(range(len(all_ids))) if score_prompt else set()
+                held: dict[int, list[ReqTextOut]] = {}
+                if echo and not score_prompt:
                     yield chunk([{"index": i, "text": prompt_texts[i // n], "logprobs": None,
                                   "finish_reason": None} for i in range(len(all_ids))])
                 async for i, out in group.events():
-                    lp = self.text.completion_logprobs(out.new_ids, out.logprobs, offsets[i])
-                    offsets[i] += len(out.text_delta)
-                    if out.text_delta or lp or out.finish_reason:
-                        yield chunk([{"index": i, "text": out.text_delta, "logprobs": lp,
-                                      "finish_reason": out.finish_reason}])
+                    outs = [out]
+                    if i in unscored:
+                        if out.prompt_logprobs is None and out.finish_reason is None:
+                            held.setdefault(i, []).append(out)
+                            continue
+                        unscored.discard(i)
+                        yield chunk([{"index": i, "text": prompt_texts[i // n],
+                                      "logprobs": prompt_lp(i, out.prompt_logprobs),
+                                      "finish_reason": None}])
+                        outs = held.pop(i, []) + outs
+                    for o in outs:
+                        lp = self.text.completion_logprobs(o.new_ids, o.logprobs, offsets[i])
+                        offsets[i] += len(o.text_delta)
+                        if o.text_delta or lp or o.finish_reason:
+                            yield chunk([{"index": i, "text": o.text_delta, "logprobs": lp,
+                                          "finish_reason": o.finish_reason}])
 
             return self.sse(group, n, gen(), chunk, include_usage)
 
@@ -213,9 +242,14 @@ class Server:
         choices = []
         for i, (st, lp) in enumerate(results):
             prefix = prompt_texts[i // n] if echo else ""
-            choices.append({"index": i, "text": prefix + st.text,
-                            "logprobs": self.text.completion_logprobs(st.token_ids, lp,
-                                                                      len(prefix)),
+            logprobs = self.text.completion_logprobs(st.token_ids, lp, len(prefix))
+            if score_prompt:
+                head = prompt_lp(i, st.prompt_logprobs)
+                if head is None:
+                    raise P.ApiError(500, "the runtime returned no prompt scores",
+                                     type="internal_error")
+                logprobs = self.text.join(head, logprobs)
+            choices.append({"index": i, "text": prefix + st.text, "logprobs": logprobs,
                             "finish_reason": st.finish_reason})
         return JSONResponse({"id": rid, "object": "text_completion", "created": created,
                              "model": self.model_name, "choices": choices,
@@ -279,6 +313,58 @@ class Server:
                              "model": self.model_name, "choices": choices,
                              "usage": self.usage(group, n)})
 
+    # -- tokenizer endpoints (server root, as vLLM / SGLang; lm-eval's remote tokenizer) --------
+    def tokenizer_info(self) -> dict[str, Any]:
+        tok = self.engine.tokenizer
+        template = getattr(tok, "chat_template", None)
+
+        def token(name: str) -> str | None:
+            v = getattr(tok, name, None)
+            return v if isinstance(v, str) else None
+
+        return {
+            "tokenizer_class": type(tok).__name__,
+            "eos_token": token("eos_token"), "bos_token": token("bos_token"),
+            "pad_token": token("pad_token"), "unk_token": token("unk_token"),
+            "eos_token_id": tok.eos_token_id, "bos_token_id": tok.bos_token_id,
+            "pad_token_id": tok.pad_token_id,
+            "chat_template": template if isinstance(template, str | dict) else None,
+            "model_max_length": self.engine.max_context_len,
+            "max_model_len": self.engine.max_context_len,
+            "vocab_size": self.engine.vocab_size,
+        }
+
+    async def tokenize(self, body: dict[str, Any], request: Request | None = None) -> Response:
+        """`{"prompt": str, "add_special_tokens": bool = true}` → `{"tokens", "count",
+        "max_model_len"}`. Special-token text ("<|im_end|>") maps to its one id."""
+        self.check_model(body)
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise P.bad("prompt", f"'prompt' must be a string, got {type(prompt).__name__}")
+        special = P._get(body, "add_special_tokens", (bool,), True, "a boolean")
+        ids = await run_in_threadpool(self.engine.tokenizer.encode, prompt,
+                                      add_special_tokens=special)
+        return JSONResponse({"tokens": list(ids), "count": len(ids),
+                             "max_model_len": self.engine.max_context_len})
+
+    async def detokenize(self, body: dict[str, Any], request: Request | None = None) -> Response:
+        """`{"tokens": [int, ...]}` → `{"prompt": str}`; special tokens are kept."""
+        self.check_model(body)
+        ids = body.get("tokens")
+        if not isinstance(ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise P.bad("tokens", "'tokens' must be a list of token ids")
+        vocab = self.engine.vocab_size
+        outside = [t for t in ids if not 0 <= t < vocab]
+        if outside:
+            raise P.bad("tokens", f"token id {outside[0]} is outside the vocabulary "
+                                  f"[0, {vocab})")
+        try:
+            text = await run_in_threadpool(self.engine.tokenizer.decode, ids)
+        except Exception as e:  # ids the tokenizer itself cannot decode
+            raise P.bad("tokens", f"cannot decode 'tokens': {e}") from None
+        return JSONResponse({"prompt": text})
+
     async def collect(self, group: RequestGroup, request: Request | None = None,
                       ) -> list[tuple[ReqState, TokenLogprobs | None]]:
         """Wait for every sample of a non-streaming request. If the client disconnects first,
@@ -325,6 +411,8 @@ class Server:
                     yield chunk([], self.usage(group, n))
             except EngineDeadError as e:
                 yield self.sse_error(P.ApiError(503, str(e), type="service_unavailable"))
+            except P.ApiError as e:
+                yield self.sse_error(e)
             finally:
                 group.abort_unfinished()
             yield b"data: [DONE]\n\n"
@@ -387,6 +475,20 @@ def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         return await handle(request, server.chat)
+
+    # Tokenizer endpoints at the root (lm-eval's `tokenizer_backend=remote` strips
+    # /v1/completions from base_url); behind the API key like everything but /health, /metrics.
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> Response:
+        return JSONResponse(server.tokenizer_info())
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await handle(request, server.tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await handle(request, server.detokenize)
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -73,8 +73,9 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
 
 
 def sampling_from_body(body: dict[str, Any], max_tokens: int, logprobs: bool,
-                       top_logprobs: int) -> SamplingParams:
-    """Common sampling fields of both endpoints; `max_tokens` already resolved and checked."""
+                       top_logprobs: int, logprob_start_len: int = -1) -> SamplingParams:
+    """Common sampling fields of both endpoints; `max_tokens` already resolved and checked.
+    `logprob_start_len` >= 0 asks for prompt scores (completions with `echo` + `logprobs`)."""
     fields = {
         "max_new_tokens": max_tokens,
         "temperature": float(_get(body, "temperature", _NUM, 1.0, "a number >= 0")),
@@ -90,6 +91,7 @@ def sampling_from_body(body: dict[str, Any], max_tokens: int, logprobs: bool,
         "skip_special_tokens": _get(body, "skip_special_tokens", (bool,), True, "a boolean"),
         "logprobs": logprobs,
         "top_logprobs": top_logprobs,
+        "logprob_start_len": logprob_start_len,
     }
     if fields["temperature"] < 0:
         raise bad("temperature", f"'temperature' must be >= 0, got {fields['temperature']}")
@@ -104,17 +106,21 @@ def sampling_from_body(body: dict[str, Any], max_tokens: int, logprobs: bool,
 
 
 def max_tokens_from(body: dict[str, Any], names: tuple[str, ...], default: int | None,
-                    prompt_len: int, context: int, prompt_field: str = "prompt") -> int:
-    """The output budget; `None` default means "the rest of the context"."""
+                    prompt_len: int, context: int, prompt_field: str = "prompt",
+                    zero_ok: bool = False) -> int:
+    """The output budget; `None` default means "the rest of the context". 0 is accepted only
+    with `zero_ok` (completions with `echo`: the prompt and its scores, nothing generated)."""
     value, used = None, names[0]
+    least = 0 if zero_ok else 1
     for name in names:
         if body.get(name) is not None:
-            value, used = _get(body, name, (int,), None, "an integer >= 1"), name
+            value, used = _get(body, name, (int,), None, f"an integer >= {least}"), name
             break
     if value is None:
         value = default if default is not None else context - prompt_len
-    if value < 1:
-        raise bad(used, f"'{used}' must be >= 1, got {value}")
+    if value < least:
+        hint = "" if zero_ok or value != 0 else " (0 only with 'echo': true)"
+        raise bad(used, f"'{used}' must be >= {least}{hint}, got {value}")
     try:
         check_context_length(prompt_len, context, value, prompt_field=prompt_field,
                              budget_field=used)
@@ -204,8 +210,56 @@ class TokenText:
 
     tokenizer: Any
 
+    def __post_init__(self) -> None:
+        self._pieces: dict[int, str] = {}
+
     def piece(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        """One token's text, special tokens included (cached: at most one entry per id)."""
+        p = self._pieces.get(token_id)
+        if p is None:
+            p = self._pieces[token_id] = self.tokenizer.decode([token_id])
+        return p
+
+    def _tops(self, chosen: list[int], lp: TokenLogprobs) -> list[dict[str, float] | None]:
+        """Legacy `top_logprobs`: per position, the alternatives (descending) plus the chosen
+        token, as text → logprob; None where the chosen token has no logprob (prompt token 0).
+
+        Values are the runtime's floats untouched, so when the chosen token is the argmax its
+        entry equals `token_logprobs` exactly (lm-eval's is_greedy compares with ==). Two ids
+        with the same text keep the first (larger) value, and the chosen token never
+        overwrites an alternative: a non-argmax choice cannot look greedy.
+        """
+        out: list[dict[str, float] | None] = []
+        for tid, v, ti, tv in zip(chosen, lp.token_logprobs, lp.top_ids, lp.top_logprobs,
+                                  strict=True):
+            if v is None:
+                out.append(None)
+                continue
+            d: dict[str, float] = {}
+            for i, x in zip(ti, tv, strict=True):
+                d.setdefault(self.piece(i), x)
+            d.setdefault(self.piece(tid), v)
+            out.append(d)
+        return out
+
+    def _offsets(self, ids: list[int], tokens: list[str], text: str, start: int) -> list[int]:
+        """Character offset of each token in `text` (which starts at `start` in the choice's
+        text). Token texts that concatenate to `text` give exact offsets; otherwise (byte
+        tokens split a character, an added BOS not in the text...) the offset of token i is
+        the length of the decoded prefix `ids[:i]`, clamped into `text`."""
+        offsets, pos = [], start
+        if "".join(tokens) == text:
+            for t in tokens:
+                offsets.append(pos)
+                pos += len(t)
+            return offsets
+        skip = self.tokenizer.decode(ids, skip_special_tokens=True) == text
+        prev = 0
+        for i in range(len(ids)):
+            n = len(self.tokenizer.decode(ids[:i], skip_special_tokens=skip)) if i else 0
+            prev = min(max(prev, n), len(text))
+            offsets.append(start + prev)
+        return offsets
 
     def completion_logprobs(self, ids: list[int], lp: TokenLogprobs | None,
                             text_offset: int) -> dict[str, Any] | None:
@@ -217,10 +271,27 @@ class TokenText:
         for t in tokens:
             offsets.append(pos)
             pos += len(t)
-        tops = [{self.piece(i): v for i, v in zip(ti, tv, strict=True)} if ti else None
-                for ti, tv in zip(lp.top_ids, lp.top_logprobs, strict=True)]
         return {"tokens": tokens, "token_logprobs": list(lp.token_logprobs),
-                "top_logprobs": tops, "text_offset": offsets}
+                "top_logprobs": self._tops(ids, lp), "text_offset": offsets}
+
+    def prompt_logprobs(self, ids: list[int], lp: TokenLogprobs, text: str) -> dict[str, Any]:
+        """`echo` + `logprobs`: the prompt's part of a choice's logprobs (`text` is the echoed
+        prompt; `lp` scores every prompt token, None for token 0)."""
+        if len(lp.token_logprobs) != len(ids):
+            raise ApiError(500, f"the runtime scored {len(lp.token_logprobs)} of the prompt's "
+                                f"{len(ids)} tokens", type="internal_error")
+        tokens = [self.piece(t) for t in ids]
+        return {"tokens": tokens, "token_logprobs": list(lp.token_logprobs),
+                "top_logprobs": self._tops(ids, lp),
+                "text_offset": self._offsets(ids, tokens, text, 0)}
+
+    @staticmethod
+    def join(a: dict[str, Any], b: dict[str, Any] | None) -> dict[str, Any]:
+        """Prompt part `a` followed by completion part `b` (None: nothing generated)."""
+        if b is None:
+            return a
+        return {k: a[k] + b[k] for k in ("tokens", "token_logprobs", "top_logprobs",
+                                           "text_offset")}
 
     def chat_logprobs(self, ids: list[int], lp: TokenLogprobs | None) -> dict[str, Any] | None:
         if lp is None:
