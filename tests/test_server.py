@@ -184,8 +184,82 @@ def test_n_seed_stop_logprobs(server):
     assert echo.startswith("Radix")
 
 
+def test_echo_logprobs_cover_the_prompt(server, engine):
+    """echo + logprobs: prompt scores (token 0 null) then the generated tokens', equal to the
+    Engine's `prompt_logprobs` for the same prompt; a repeat (prompt now cached) agrees."""
+    prompts = [LONG, "Radix trees"]
+    body = {"model": "default", "prompt": prompts, "echo": True, "logprobs": 2,
+            "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    first = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+    again = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    for out in (first, again):
+        assert [c["index"] for c in out["choices"]] == [0, 1]
+        for c, p in zip(out["choices"], prompts, strict=True):
+            ref = engine.generate(p, SamplingParams(max_new_tokens=2, temperature=0,
+                                                    ignore_eos=True, logprobs=True,
+                                                    top_logprobs=2, logprob_start_len=0))
+            n = ref.prompt_tokens
+            lp = c["logprobs"]
+            assert c["text"] == p + ref.text
+            assert len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == n + 2
+            assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+            assert ref.prompt_logprobs is not None
+            assert lp["token_logprobs"][1:n] == pytest.approx(
+                ref.prompt_logprobs.token_logprobs[1:], abs=1e-4)
+            for v, top in zip(lp["token_logprobs"][1:], lp["top_logprobs"][1:], strict=True):
+                assert max(top.values()) >= v and len(top) <= 3
+            assert lp["text_offset"][n] == len(p)
+    # max_tokens 0: the prompt and its scores only
+    r = server.client().completions.create(model="default", prompt=prompts[1], echo=True,
+                                           logprobs=1, max_tokens=0)
+    assert r.choices[0].text == prompts[1] and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 0
+    assert len(r.choices[0].logprobs.token_logprobs) == r.usage.prompt_tokens
+    # streaming: the first chunk carries the prompt and its scores
+    chunks = list(server.client().completions.create(
+        model="default", prompt=prompts[1], echo=True, logprobs=1, max_tokens=3,
+        temperature=0, stream=True, extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].text == prompts[1]
+    assert len(chunks[0].choices[0].logprobs.token_logprobs) == r.usage.prompt_tokens
+    assert sum(len(ch.choices[0].logprobs.tokens) for ch in chunks[1:]
+               if ch.choices and ch.choices[0].logprobs) == 3
+    server.assert_clean()
+
+
+def test_tokenizer_endpoints_live(server, tiny_llama_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
+    info = server.get("/tokenizer_info").json()
+    assert info["eos_token"] == tok.eos_token and info["vocab_size"] >= len(tok)
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": "Radix trees<|im_end|>",
+                                                    "add_special_tokens": False}).json()
+    assert ids["tokens"] == tok.encode("Radix trees<|im_end|>", add_special_tokens=False)
+    text = httpx.post(f"{server.url}/detokenize", json={"tokens": ids["tokens"]}).json()
+    assert text == {"prompt": "Radix trees<|im_end|>"}
+
+
+def test_generate_progress_bar(engine, capsys):
+    sp = SamplingParams(max_new_tokens=2, temperature=0)
+    engine.generate(["one two", "three four", "five six"], sp)
+    err = capsys.readouterr().err
+    assert "Generating" in err and "3/3" in err
+    engine.generate(["one two", "three four"], sp, use_tqdm=False)
+    engine.generate("one prompt", sp)
+    assert "Generating" not in capsys.readouterr().err
+
+
 BAD = [
-    # (endpoint, body or raw bytes, status, param)
+    # (endpoint, body or raw bytes, status, param); a leading "/" is a path at the server root
+    ("completions", {"prompt": "hi", "echo": True, "logprobs": 21}, 400, "logprobs"),
+    ("completions", {"prompt": "hi", "echo": False, "max_tokens": 0}, 400, "max_tokens"),
+    ("completions", {"prompt": [1] * 2000, "echo": True, "logprobs": 1, "max_tokens": 0}, 400,
+     "prompt"),
+    ("/tokenize", {"prompt": ["not", "a string"]}, 400, "prompt"),
+    ("/tokenize", {"prompt": "x", "add_special_tokens": 1}, 400, "add_special_tokens"),
+    ("/detokenize", {"tokens": [1, 10**9]}, 400, "tokens"),
+    ("/detokenize", {"prompt": "x"}, 400, "tokens"),
     ("completions", b"{not json", 400, None),
     ("completions", {"max_tokens": 4}, 400, "prompt"),
     ("completions", {"prompt": ""}, 400, "prompt"),
@@ -210,7 +284,8 @@ BAD = [
 @pytest.mark.parametrize("endpoint, body, status, param", BAD)
 def test_bad_input_table(server, endpoint, body, status, param):
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    r = httpx.post(f"{server.url}/v1/{endpoint}", content=data,
+    path = endpoint if endpoint.startswith("/") else f"/v1/{endpoint}"
+    r = httpx.post(server.url + path, content=data,
                    headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == status, r.text
     err = r.json()["error"]

@@ -246,7 +246,9 @@ class TokenText:
         """Character offset of each token in `text` (which starts at `start` in the choice's
         text). Token texts that concatenate to `text` give exact offsets; otherwise (byte
         tokens split a character, an added BOS not in the text...) the offset of token i is
-        the length of the decoded prefix `ids[:i]`, clamped into `text`."""
+        the length of the decoded prefix `ids[:i]` without a trailing U+FFFD (the part of a
+        character split across tokens: every token of that character starts at it), clamped
+        into `text`."""
         offsets, pos = [], start
         if "".join(tokens) == text:
             for t in tokens:
@@ -256,7 +258,8 @@ class TokenText:
         skip = self.tokenizer.decode(ids, skip_special_tokens=True) == text
         prev = 0
         for i in range(len(ids)):
-            n = len(self.tokenizer.decode(ids[:i], skip_special_tokens=skip)) if i else 0
+            head = self.tokenizer.decode(ids[:i], skip_special_tokens=skip) if i else ""
+            n = len(head.rstrip("\ufffd"))
             prev = min(max(prev, n), len(text))
             offsets.append(start + prev)
         return offsets
