@@ -47,6 +47,10 @@ class ForwardBatch:
     seq_lens_cpu: list[int]
     prefix_lens_cpu: list[int]
     extend_lens_cpu: list[int]
+    # Prompt scoring (extend only; None when no request asks): token rows whose logits score
+    # the next prompt token, and that token's id. Set by the scheduler's batch builder.
+    score_rows: torch.Tensor | None = None  # int64 [S]
+    score_targets: torch.Tensor | None = None  # int64 [S]
 
     @property
     def num_tokens(self) -> int:

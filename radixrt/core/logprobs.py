@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 
 @dataclass
 class TokenLogprobs:
@@ -23,3 +25,53 @@ class TokenLogprobs:
         self.token_logprobs.extend(other.token_logprobs)
         self.top_ids.extend(other.top_ids)
         self.top_logprobs.extend(other.top_logprobs)
+
+
+@dataclass
+class TokenScores:
+    """Per-token prompt scores in tensor form, aligned with a token sequence: `logprob[i]` is
+    log p(token i | tokens < i) and `top_id[i]` / `top_logprob[i]` the most likely token there.
+    NaN in `logprob` marks a position never scored. This is what the radix tree stores beside
+    each KV slot (12 bytes a token); only the top-1 alternative is kept there, since that is
+    what eval harnesses read (lm-eval's `is_greedy`), so wider `top_logprobs` are recomputed.
+    """
+
+    logprob: torch.Tensor  # float32 [n]
+    top_id: torch.Tensor  # int64 [n]
+    top_logprob: torch.Tensor  # float32 [n]
+
+    @classmethod
+    def unknown(cls, n: int) -> TokenScores:
+        return cls(torch.full((n,), float("nan")), torch.zeros(n, dtype=torch.int64),
+                   torch.full((n,), float("nan")))
+
+    def __len__(self) -> int:
+        return int(self.logprob.numel())
+
+    def known(self) -> torch.Tensor:
+        """bool [n]: positions holding a score."""
+        return ~torch.isnan(self.logprob)
+
+    def slice(self, start: int, end: int) -> TokenScores:
+        return TokenScores(self.logprob[start:end].clone(), self.top_id[start:end].clone(),
+                           self.top_logprob[start:end].clone())
+
+    def fill_unknown(self, other: TokenScores, offset: int = 0) -> None:
+        """Copy `other`'s known scores into positions `offset ..` of self that hold none (a
+        score, once known, never changes: the first computation is the canonical one)."""
+        n = min(len(other), len(self) - offset)
+        if n <= 0:
+            return
+        take = torch.isnan(self.logprob[offset : offset + n]) & other.known()[:n]
+        for mine, theirs in ((self.logprob, other.logprob), (self.top_id, other.top_id),
+                             (self.top_logprob, other.top_logprob)):
+            view = mine[offset : offset + n]
+            view[take] = theirs[:n][take]
+
+    @staticmethod
+    def cat(parts: list[TokenScores]) -> TokenScores:
+        if not parts:
+            return TokenScores.unknown(0)
+        return TokenScores(torch.cat([p.logprob for p in parts]),
+                           torch.cat([p.top_id for p in parts]),
+                           torch.cat([p.top_logprob for p in parts]))

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from radixrt.core.logprobs import TokenScores
+
 
 @dataclass
 class MatchResult:
@@ -40,10 +42,16 @@ class BasePrefixCache(ABC):
         """Longest cached prefix of `key`. Touches the matched path (LRU)."""
 
     @abstractmethod
-    def insert(self, key: list[int], value: torch.Tensor) -> int:
+    def insert(self, key: list[int], value: torch.Tensor,
+               scores: TokenScores | None = None) -> int:
         """Cache `value[i]` as the KV slot of `key[i]`; returns how many leading tokens were
         already cached. The cache now owns `value[returned:]`; the caller keeps (and must
-        eventually free) `value[:returned]`."""
+        eventually free) `value[:returned]`. `scores` (aligned with `key`) fill in prompt
+        scores of tokens that hold none yet; a known score is never overwritten."""
+
+    def prefix_scores(self, node: Any) -> TokenScores:
+        """The prompt scores of every token on the path to `node` (NaN where never scored)."""
+        return TokenScores.unknown(0)
 
     @abstractmethod
     def inc_lock_ref(self, node: Any) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from radixrt.core.logprobs import TokenScores
 from radixrt.mem.base_prefix_cache import BasePrefixCache, MatchResult
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
@@ -22,7 +23,8 @@ class NoPrefixCache(BasePrefixCache):
     def match_prefix(self, key: list[int]) -> MatchResult:
         return MatchResult(indices=_EMPTY, last_node=None)
 
-    def insert(self, key: list[int], value: torch.Tensor) -> int:
+    def insert(self, key: list[int], value: torch.Tensor,
+               scores: TokenScores | None = None) -> int:
         raise NotImplementedError("NoPrefixCache keeps nothing (keeps_kv is False)")
 
     def inc_lock_ref(self, node: Any) -> None:

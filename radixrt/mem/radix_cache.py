@@ -24,6 +24,7 @@ import itertools
 import torch
 
 from radixrt.core.errors import InvariantError
+from radixrt.core.logprobs import TokenScores
 from radixrt.mem.base_prefix_cache import BasePrefixCache, MatchResult
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
@@ -31,12 +32,21 @@ _EMPTY = torch.empty(0, dtype=torch.int64)
 
 class TreeNode:
     # Fields with one entry per token of `key`: sliced together on split, dropped on evict.
-    PER_TOKEN = ("value",)
-    __slots__ = ("key", "value", "children", "parent", "lock_ref", "last_access_time", "id")
+    # `lp`/`top_id`/`top_lp`: the prompt scores of each token (`TokenScores`; NaN `lp` = never
+    # scored), filled by whichever request first computes them and never changed after.
+    PER_TOKEN = ("value", "lp", "top_id", "top_lp")
+    __slots__ = ("key", "value", "lp", "top_id", "top_lp", "children", "parent", "lock_ref",
+                 "last_access_time", "id")
 
-    def __init__(self, key: list[int], value: torch.Tensor, parent: TreeNode | None, nid: int):
+    def __init__(self, key: list[int], value: torch.Tensor, parent: TreeNode | None, nid: int,
+                 scores: TokenScores | None = None):
         self.key = key
         self.value = value
+        if scores is None:
+            scores = TokenScores.unknown(len(key))
+        self.lp = scores.logprob
+        self.top_id = scores.top_id
+        self.top_lp = scores.top_logprob
         self.children: dict[int, TreeNode] = {}
         self.parent = parent
         self.lock_ref = 0
@@ -45,6 +55,11 @@ class TreeNode:
 
     def __lt__(self, other: TreeNode) -> bool:
         return self.last_access_time < other.last_access_time
+
+
+def _node_scores(node: TreeNode) -> TokenScores:
+    """A view of `node`'s per-token scores (writes go through to the node)."""
+    return TokenScores(node.lp, node.top_id, node.top_lp)
 
 
 def _common_len(a: list[int], b: list[int]) -> int:
@@ -88,9 +103,12 @@ class RadixCache(BasePrefixCache):
         indices = torch.cat(parts) if parts else _EMPTY
         return MatchResult(indices=indices, last_node=node)
 
-    def insert(self, key: list[int], value: torch.Tensor) -> int:
+    def insert(self, key: list[int], value: torch.Tensor,
+               scores: TokenScores | None = None) -> int:
         if len(key) != int(value.numel()):
             raise ValueError(f"insert: {len(key)} tokens but {value.numel()} slots")
+        if scores is not None and len(scores) != len(key):
+            raise ValueError(f"insert: {len(key)} tokens but {len(scores)} scores")
         node = self.root
         now = next(self._clock)
         node.last_access_time = now
@@ -98,7 +116,8 @@ class RadixCache(BasePrefixCache):
         while i < len(key):
             child = node.children.get(key[i])
             if child is None:
-                new = TreeNode(list(key[i:]), value[i:].clone(), node, next(self._ids))
+                new = TreeNode(list(key[i:]), value[i:].clone(), node, next(self._ids),
+                               None if scores is None else scores.slice(i, len(key)))
                 new.last_access_time = now
                 node.children[key[i]] = new
                 self._evictable += len(new.key)
@@ -107,16 +126,25 @@ class RadixCache(BasePrefixCache):
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access_time = now
+            if scores is not None:
+                _node_scores(child).fill_unknown(scores.slice(i, i + n))
             node = child
             i += n
         return i
+
+    def prefix_scores(self, node: TreeNode) -> TokenScores:
+        parts = []
+        while node is not self.root:
+            parts.append(_node_scores(node))
+            node = node.parent  # type: ignore[assignment]
+        return TokenScores.cat(parts[::-1])
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Cut `child` after its first `n` tokens; returns the new upper node. Sizes unchanged."""
         parent = child.parent
         if parent is None or not 0 < n < len(child.key):
             raise InvariantError(f"split of node {child.id} at {n} of {len(child.key)}")
-        upper = TreeNode(child.key[:n], child.value[:n].clone(), parent, next(self._ids))
+        upper = TreeNode(child.key[:n], child.value[:n], parent, next(self._ids))
         upper.lock_ref = child.lock_ref
         upper.last_access_time = child.last_access_time
         parent.children[upper.key[0]] = upper

@@ -124,7 +124,13 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        """Run every layer of one step; float32 logits `[B, vocab]` for rows `fb.logits_indices`.
+        """Run every layer of one step; float32 logits `[B, vocab]` for rows `fb.logits_indices`."""
+        return self.forward_scored(fb)[0]
+
+    @torch.inference_mode()
+    def forward_scored(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward`'s logits, plus the final-normed hidden states of `fb.score_rows` (prompt
+        scoring; None when the batch has none), for `model.scoring.score_hidden`.
 
         The caller runs `attn_backend.init_forward_metadata(fb)` first (once per step, as
         `ModelRunner.forward` does), so it can plan, e.g. for CUDA graphs, outside the model.
@@ -139,9 +145,13 @@ class LlamaForCausalLM(nn.Module):
             h, residual = layer(h, residual, cos, sin, fb, attn)
         assert residual is not None
         idx = fb.logits_indices
+        b = int(idx.numel())
+        if fb.score_rows is not None:
+            idx = torch.cat([idx, fb.score_rows])
         last = torch.index_select(h, 0, idx) + torch.index_select(residual, 0, idx)
         last = rms_norm(last, self.norm, self.config.rms_norm_eps)
-        return F.linear(last, self.lm_head).float()
+        logits = F.linear(last[:b], self.lm_head).float()
+        return logits, (last[b:] if fb.score_rows is not None else None)
 
     # -- weights -----------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -15,6 +15,7 @@ from radixrt.core.forward_batch import ForwardBatch
 from radixrt.mem.memory_pool import ReqToTokenPool, TokenToKVPool, kv_bytes_per_token
 from radixrt.model.loader import default_model_path, load_model, resolve_device, resolve_dtype
 from radixrt.model.model_config import ModelConfig
+from radixrt.model.scoring import RowScores, score_hidden
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,18 @@ class ModelRunner:
             self.sizes.max_total_tokens,
             self.sizes.max_total_tokens * self.token_to_kv_pool.bytes_per_token() / 2**20,
             self.dtype, self.sizes.max_running_requests, self.sizes.max_context_len, self.device)
+
+    @torch.inference_mode()
+    def forward_scored(self, fb: ForwardBatch, top_k: int) -> tuple[torch.Tensor, RowScores | None]:
+        """`forward`, plus the scores of `fb.score_targets` at `fb.score_rows` (extend batches
+        that score prompt tokens; never CUDA-graphed) with `top_k` alternatives."""
+        if fb.score_rows is None:
+            return self.forward(fb), None
+        self.attn_backend.init_forward_metadata(fb)
+        logits, hidden = self.model.forward_scored(fb)
+        if hidden is None or fb.score_targets is None:
+            raise ValueError("score_rows without score_targets")
+        return logits, score_hidden(hidden, self.model.lm_head, fb.score_targets, top_k)
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:

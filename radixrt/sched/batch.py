@@ -6,6 +6,7 @@ import torch
 
 from radixrt.core.forward_batch import ForwardBatch, ForwardMode
 from radixrt.sched.kv_owner import KVOwner, OutOfKVSlots
+from radixrt.sched.prompt_scores import PromptScoring
 from radixrt.sched.req import Req
 
 __all__ = ["BatchBuilder", "OutOfKVSlots"]
@@ -18,6 +19,9 @@ class BatchBuilder:
     def __init__(self, kv: KVOwner, device: torch.device):
         self.kv = kv
         self.device = device
+        # The last batch's prompt-scoring rows, in `score_rows` order: (request's scoring
+        # state, prompt position).
+        self.scored: list[tuple[PromptScoring, int]] = []
 
     def build_extend(self, reqs: list[Req]) -> ForwardBatch:
         """Each req computes `all_ids()[kv_len : kv_len + extend_len]` on top of its KV."""
@@ -26,16 +30,29 @@ class BatchBuilder:
                 raise RuntimeError("no free request row (admission budget violated)")
         self.kv.start_step(reqs, [r.extend_len for r in reqs])
         ids: list[int] = []
+        rows: list[int] = []
+        targets: list[int] = []
+        self.scored = []
         for req in reqs:
+            if req.scoring is not None:
+                for t in req.scoring.targets(req.kv_len, req.extend_len):
+                    rows.append(len(ids) + (t - 1 - req.kv_len))  # position t-1 scores t
+                    targets.append(req.origin_input_ids[t])
+                    self.scored.append((req.scoring, t))
             ids.extend(req.all_ids()[req.kv_len : req.kv_len + req.extend_len])
-        return ForwardBatch.build(
+        fb = ForwardBatch.build(
             ForwardMode.EXTEND, ids, [r.req_pool_idx for r in reqs],  # type: ignore[misc]
             [r.kv_len for r in reqs], [r.extend_len for r in reqs],
             self.kv.req_pool.req_to_token, self.device,
         )
+        if rows:
+            fb.score_rows = torch.tensor(rows, dtype=torch.int64, device=self.device)
+            fb.score_targets = torch.tensor(targets, dtype=torch.int64)
+        return fb
 
     def build_decode(self, reqs: list[Req]) -> ForwardBatch:
         """One new token per request: the last sampled one, at position `kv_len`."""
+        self.scored = []
         for req in reqs:
             req.extend_len = 1
         self.kv.start_step(reqs, [1] * len(reqs))

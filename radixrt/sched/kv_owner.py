@@ -142,7 +142,8 @@ class KVOwner:
         key = req.all_ids()[:kv_len]
         slots = self.req_pool.req_to_token[row, :kv_len].to(torch.int64).cpu()
         old_prefix = int(req.prefix_indices.numel())
-        already = self.cache.insert(key, slots)
+        scores = None if req.scoring is None else req.scoring.tree_payload(kv_len)
+        already = self.cache.insert(key, slots, scores)
         match = self.cache.match_prefix(key)
         if int(match.indices.numel()) != kv_len:
             raise InvariantError(f"{req.rid}: the cache lost tokens it was just given")

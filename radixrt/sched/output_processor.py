@@ -37,7 +37,12 @@ class OutputProcessor:
             if req.finished:  # aborted while in flight
                 continue
             if req.kv_len == req.seq_len():
-                self._append(req, next_ids[i], logprobs[i])
+                if req.scoring is not None and not req.scoring.reported:
+                    req.pending_prompt_logprobs = req.scoring.report()
+                if req.sampling.max_new_tokens == 0:  # scoring only: nothing is generated
+                    req.finish_reason = FINISH_LENGTH
+                else:
+                    self._append(req, next_ids[i], logprobs[i])
             else:
                 chunked.append(req)
             if not req.finished:
@@ -57,7 +62,8 @@ class OutputProcessor:
         outs = []
         for req in reqs:
             new = req.output_ids[req.send_offset :]
-            if not new and not req.finished and req.pending_logprobs is None:
+            if (not new and not req.finished and req.pending_logprobs is None
+                    and req.pending_prompt_logprobs is None):
                 continue
             req.send_offset = len(req.output_ids)
             sp = req.sampling
@@ -66,8 +72,9 @@ class OutputProcessor:
                 usage=Usage(prompt_tokens=len(req.origin_input_ids),
                             cached_tokens=req.cached_tokens or 0,
                             completion_tokens=len(req.output_ids)),
-                logprobs=req.pending_logprobs,
+                logprobs=req.pending_logprobs, prompt_logprobs=req.pending_prompt_logprobs,
                 stop=sp.stop, skip_special_tokens=sp.skip_special_tokens, error=req.error,
             ))
             req.pending_logprobs = None
+            req.pending_prompt_logprobs = None
         return TokenBatchOut(outs)

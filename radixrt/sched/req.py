@@ -9,6 +9,7 @@ import torch
 
 from radixrt.core.logprobs import TokenLogprobs
 from radixrt.core.sampling_params import SamplingParams
+from radixrt.sched.prompt_scores import PromptScoring
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -45,6 +46,11 @@ class Req:
         self.error = ""
         self.send_offset = 0  # output_ids already sent to the detokenizer
         self.pending_logprobs: TokenLogprobs | None = None
+        # Prompt scores (`logprob_start_len >= 0`), reported once when the prompt is computed.
+        self.scoring: PromptScoring | None = (
+            PromptScoring(len(input_ids), sampling.logprob_start_len, sampling.top_logprobs)
+            if sampling.logprob_start_len >= 0 else None)
+        self.pending_prompt_logprobs: TokenLogprobs | None = None
 
     def all_ids(self) -> list[int]:
         return self.origin_input_ids + self.output_ids

@@ -172,6 +172,12 @@ class PrefillAdder:
         ids = req.all_ids()
         match = self.kv.match(ids[:-1])
         prefix_len = int(match.indices.numel())
+        if req.scoring is not None:  # prompt scores: the prefix ends before the first unscored
+            req.scoring.take_from_tree(self.kv.cache.prefix_scores(match.last_node))
+            usable = req.scoring.usable_prefix(prefix_len)
+            if usable < prefix_len:
+                match = self.kv.match(ids[:usable])
+                prefix_len = usable
         todo = len(ids) - prefix_len
         self.kv.admit(req, match)  # lock first: a locked prefix is no longer evictable room
         n = min(todo, self.chunk_budget, self.tokens_left)

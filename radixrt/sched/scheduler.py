@@ -40,6 +40,7 @@ from radixrt.sampling.sampler import Sampler
 from radixrt.sched.batch import BatchBuilder
 from radixrt.sched.kv_owner import KVOwner
 from radixrt.sched.output_processor import OutputProcessor
+from radixrt.sched.prompt_scores import record_scores
 from radixrt.sched.req import Req
 from radixrt.sched.schedule_policy import PrefillAdder, SchedulePolicy, decode_estimate
 
@@ -227,7 +228,12 @@ class Scheduler:
         else:
             fb = self.builder.build_decode(reqs)
         t1 = time.perf_counter()
-        logits = self.runner.forward(fb)
+        if fb.score_rows is not None:
+            top_k = max((sc.top_k for sc, _ in self.builder.scored), default=0)
+            logits, scores = self.runner.forward_scored(fb, top_k)
+            record_scores(self.builder.scored, scores)
+        else:
+            logits = self.runner.forward(fb)
         t2 = time.perf_counter()
         info = SamplingBatchInfo.build(
             [r.sampling for r in reqs], [r.origin_input_ids for r in reqs],
