@@ -186,19 +186,23 @@ def test_n_seed_stop_logprobs(server):
 
 def test_echo_logprobs_cover_the_prompt(server, engine):
     """echo + logprobs: prompt scores (token 0 null) then the generated tokens', equal to the
-    Engine's `prompt_logprobs` for the same prompt; a repeat (prompt now cached) agrees."""
+    Engine's `prompt_logprobs` for the same prompt; a repeat (scores now read from the radix
+    tree, which keeps the top-1 alternative: logprobs 1, as lm-eval asks) agrees."""
     prompts = [LONG, "Radix trees"]
-    body = {"model": "default", "prompt": prompts, "echo": True, "logprobs": 2,
+    body = {"model": "default", "prompt": prompts, "echo": True, "logprobs": 1,
             "max_tokens": 2, "temperature": 0, "ignore_eos": True}
     first = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
     again = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-    for out in (first, again):
+    wide = httpx.post(f"{server.url}/v1/completions", json={**body, "logprobs": 2},
+                      timeout=60).json()
+    for out, k in ((first, 1), (again, 1), (wide, 2)):
         assert [c["index"] for c in out["choices"]] == [0, 1]
         for c, p in zip(out["choices"], prompts, strict=True):
             ref = engine.generate(p, SamplingParams(max_new_tokens=2, temperature=0,
                                                     ignore_eos=True, logprobs=True,
-                                                    top_logprobs=2, logprob_start_len=0))
+                                                    top_logprobs=k,
+                                                    logprob_start_len=0))
             n = ref.prompt_tokens
             lp = c["logprobs"]
             assert c["text"] == p + ref.text
@@ -208,7 +212,7 @@ def test_echo_logprobs_cover_the_prompt(server, engine):
             assert lp["token_logprobs"][1:n] == pytest.approx(
                 ref.prompt_logprobs.token_logprobs[1:], abs=1e-4)
             for v, top in zip(lp["token_logprobs"][1:], lp["top_logprobs"][1:], strict=True):
-                assert max(top.values()) >= v and len(top) <= 3
+                assert max(top.values()) >= v and len(top) <= k + 1
             assert lp["text_offset"][n] == len(p)
     # max_tokens 0: the prompt and its scores only
     r = server.client().completions.create(model="default", prompt=prompts[1], echo=True,
