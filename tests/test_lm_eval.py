@@ -2,8 +2,8 @@
 model on the same fp32 weights (issue 9).
 
 Both sides load one fp32 HF export of the default SmolLM2 GGUF. The local tasks (tests/lm_eval_tasks)
-are a 5-shot multiple-choice task (loglikelihood: `echo` + `logprobs` over the prompt) and a
-3-shot greedy `generate_until` task. Required: identical accuracy, per-sample log-likelihoods within
+are a 3-shot multiple-choice task (loglikelihood: `echo` + `logprobs` over the prompt) and a
+2-shot greedy `generate_until` task. Required: identical accuracy, per-sample log-likelihoods within
 1e-4, identical greedy flags and generations; a second run against the warm server gives the same
 numbers and hits the radix cache.
 
@@ -34,6 +34,9 @@ from test_server import LiveServer, start_server, stop_server
 
 LL_TOL = 1e-4
 SERVED_NAME = "smollm2-fp32"
+# local-completions results by tokenizer backend: the warm rerun reuses the `remote` run as its
+# first run instead of evaluating once more (~35 s on 2 cores).
+RUNS: dict[str, dict[str, Any]] = {}
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +169,8 @@ def test_echo_logprobs_cover_the_prompt(live: LiveServer, hf_dir: Path) -> None:
 def test_local_completions_matches_hf(live: LiveServer, hf_ref: dict[str, Any], include_path: Path,
                                       hf_dir: Path, tokenizer_backend: str) -> None:
     """`huggingface` isolates scoring (local tokenizer); `remote` is the no-local-tokenizer path."""
-    got = local_completions(live, include_path, tokenizer_backend, hf_dir)
+    got = RUNS[tokenizer_backend] = local_completions(live, include_path, tokenizer_backend,
+                                                      hf_dir)
     assert_same_scores(got, hf_ref)
     live.assert_clean()
 
@@ -174,7 +178,8 @@ def test_local_completions_matches_hf(live: LiveServer, hf_ref: dict[str, Any], 
 @pytest.mark.slow
 def test_warm_rerun_same_numbers_and_cache_hits(live: LiveServer, hf_ref: dict[str, Any],
                                                 include_path: Path, hf_dir: Path) -> None:
-    first = local_completions(live, include_path, "remote", hf_dir)
+    first = RUNS.get("remote") or local_completions(live, include_path, "remote", hf_dir)
+    live.wait_idle()
     before = cached_prompt_tokens(live)
     second = local_completions(live, include_path, "remote", hf_dir)
     live.wait_idle()
