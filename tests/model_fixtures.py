@@ -178,7 +178,11 @@ class PagedRunner:
         return row
 
     def _step(
-        self, mode: ForwardMode, rows: Sequence[int], chunks: Sequence[Sequence[int]]
+        self,
+        mode: ForwardMode,
+        rows: Sequence[int],
+        chunks: Sequence[Sequence[int]],
+        all_positions: bool = False,
     ) -> torch.Tensor:
         ext = [len(c) for c in chunks]
         loc = self.kv_pool.alloc(sum(ext))
@@ -187,6 +191,8 @@ class PagedRunner:
         prefix = [self.cached[r] for r in rows]
         self.req_pool.write(list(rows), prefix, ext, loc)
         fb = ForwardBatch.build(mode, ids, list(rows), prefix, ext, self.req_pool.req_to_token)
+        if all_positions:  # logits for every new token, not only each request's last
+            fb.logits_indices = torch.arange(fb.num_tokens)
         assert self.model.attn_backend is not None
         self.model.attn_backend.init_forward_metadata(fb)
         logits = self.model(fb)
@@ -194,8 +200,18 @@ class PagedRunner:
             self.cached[r] += e
         return logits
 
-    def extend(self, rows: Sequence[int], chunks: Sequence[Sequence[int]]) -> torch.Tensor:
-        return self._step(ForwardMode.EXTEND, rows, chunks)
+    def extend(
+        self, rows: Sequence[int], chunks: Sequence[Sequence[int]], all_positions: bool = False
+    ) -> torch.Tensor:
+        """Logits `[B, vocab]` (or `[num_tokens, vocab]` with `all_positions`)."""
+        return self._step(ForwardMode.EXTEND, rows, chunks, all_positions)
+
+    def share_prefix(self, src: int, length: int) -> int:
+        """A new request whose first `length` tokens are `src`'s cached KV slots (a radix hit)."""
+        row = self.new_request()
+        self.req_pool.req_to_token[row, :length] = self.req_pool.req_to_token[src, :length]
+        self.cached[row] = length
+        return row
 
     def decode(self, rows: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
         return self._step(ForwardMode.DECODE, rows, [[t] for t in tokens])

@@ -120,6 +120,28 @@ def test_extend_matches_reference(
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(8, 2), (6, 3), (4, 4)])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"p{c[0][:4]}e{c[1][:4]}")
+def test_invariant_extend_matches_reference(
+    case: tuple[list[int], list[int]], heads: int, kv_heads: int
+) -> None:
+    prefix, ext = case
+    kv, fb, _ = _setup(prefix, ext, heads, kv_heads, ForwardMode.EXTEND, seed=len(prefix))
+    g = torch.Generator().manual_seed(1)
+    n = fb.num_tokens
+    q = torch.randn(n, heads, D, generator=g)
+    k = torch.randn(n, kv_heads, D, generator=g)
+    v = torch.randn(n, kv_heads, D, generator=g)
+    scale = D**-0.5
+    ref = _reference(q, k, v, kv, fb, scale)
+    backend = TorchNativeBackend(kv, batch_invariant=True)
+    backend.init_forward_metadata(fb)
+    assert backend._invariant is not None and backend._padded is None
+    out = backend.forward(q, k, v, LAYER, scale, fb)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kv.k_buffer[LAYER][fb.out_cache_loc], k)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (6, 3), (4, 4)])
 @pytest.mark.parametrize(
     "seq_lens", [[1], [50], [1, 9, 33, 2], [1 + (7 * i) % 40 for i in range(64)]]
 )

@@ -1071,7 +1071,7 @@ def test_in_batch_share_threshold_is_used_by_the_scheduler(
 
 
 # -- (j) only the KV owner writes a request's KV fields ------------------------------------------
-KV_FIELDS = {"kv_len", "req_pool_idx", "prefix_indices", "last_node"}
+KV_FIELDS = {"kv_len", "req_pool_idx", "prefix_indices", "last_node", "exact_len"}
 
 
 def test_only_the_kv_owner_assigns_request_kv_fields() -> None:

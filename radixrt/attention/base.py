@@ -9,6 +9,11 @@ import torch
 from radixrt.core.forward_batch import ForwardBatch
 from radixrt.mem.memory_pool import TokenToKVPool
 
+# Row count below which CPU fp32 GEMMs (MKL) take other kernels: measured on torch 2.13 / MKL
+# (AVX512), rows of `x[:n] @ W.T` equal those of the full product except for n in
+# {1, 2, 3, 5, 6, 7, 9, 10, 11}. Batch-invariant steps pad every matmul to at least this many rows.
+MIN_INVARIANT_ROWS = 16
+
 
 class AttentionBackend(ABC):
     """Computes attention for every layer of one step from the step's `ForwardBatch`.
@@ -17,6 +22,11 @@ class AttentionBackend(ABC):
     derived from the batch (plans, padded index tensors, masks); `forward` runs once per layer,
     writes the new tokens' K/V into the pool at `fb.out_cache_loc`, then attends.
     """
+
+    # True when every extend token's attention output is a bitwise-deterministic function of its
+    # own token prefix (independent of batch companions, cached-prefix split, chunking); the
+    # model then also pads its matmuls to `MIN_INVARIANT_ROWS` rows in extend steps.
+    batch_invariant: bool = False
 
     def __init__(self, kv_pool: TokenToKVPool):
         self.kv_pool = kv_pool

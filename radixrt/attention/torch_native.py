@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from radixrt.attention.base import AttentionBackend
+from radixrt.attention.base import MIN_INVARIANT_ROWS, AttentionBackend
 from radixrt.core.forward_batch import ForwardBatch
 from radixrt.mem.memory_pool import TokenToKVPool
 
@@ -30,6 +30,8 @@ PADDED_WASTE_FACTOR = 2.0
 # prefix: the radix cache points every row at the same canonical slots) attend to that prefix
 # together: it is gathered once per group instead of once per request.
 CASCADE_MIN_SHARED = 32
+# Batch-invariant extend: keys are processed in blocks of this size, aligned to position 0.
+INVARIANT_KEY_BLOCK = 64
 
 
 @dataclass
@@ -66,24 +68,44 @@ class _RaggedReq:
     causal: bool  # P == 0: SDPA's own (top-left) causal mask is the right one
 
 
-class TorchNativeBackend(AttentionBackend):
-    """Portable backend (CPU or CUDA) built on `torch.nn.functional.scaled_dot_product_attention`."""
+@dataclass
+class _InvariantReq:
+    q_start: int
+    q_end: int
+    rows: int  # padded query rows, >= q_end - q_start
+    kv_index: torch.Tensor  # int64 [Lpad]: prefix slots, this step's slots, then 0 (padding)
+    hidden: torch.Tensor  # bool [rows, Lpad]: True where the key is not visible to the query
 
-    def __init__(self, kv_pool: TokenToKVPool, device: torch.device | str | None = None):
+
+class TorchNativeBackend(AttentionBackend):
+    """Portable backend (CPU or CUDA) built on `torch.nn.functional.scaled_dot_product_attention`.
+
+    `batch_invariant=True` runs extend steps through `_extend_invariant` instead (decode is
+    unchanged): each token's output is then bitwise the same whatever the batch, the split
+    between cached prefix and computed tokens, and the chunking.
+    """
+
+    def __init__(self, kv_pool: TokenToKVPool, device: torch.device | str | None = None,
+                 batch_invariant: bool = False):
         super().__init__(kv_pool)
         self.device = torch.device(device) if device is not None else kv_pool.device
+        self.batch_invariant = batch_invariant
         self._padded: _PaddedPlan | None = None
         self._cascade: _CascadePlan | None = None
         self._ragged: list[_RaggedReq] | None = None
+        self._invariant: list[_InvariantReq] | None = None
         self._planned_for: ForwardBatch | None = None  # the batch the plan above describes
 
     # -- per step ----------------------------------------------------------------------------
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
-        self._padded, self._cascade, self._ragged = None, None, None
+        self._padded, self._cascade, self._ragged, self._invariant = None, None, None, None
         self._planned_for = fb
         if fb.is_decode:
             self._padded = self._plan_decode(fb)
             self._cascade = self._plan_cascade(fb, self._padded)
+            return
+        if self.batch_invariant or fb.batch_invariant:
+            self._invariant = self._plan_invariant(fb)
             return
         ext, pre = fb.extend_lens_cpu, fb.prefix_lens_cpu
         qmax = max(ext)
@@ -219,6 +241,28 @@ class TorchNativeBackend(AttentionBackend):
             kv_start += p
         return reqs
 
+    def _plan_invariant(self, fb: ForwardBatch) -> list[_InvariantReq]:
+        dev = self.device
+        kv_indices = fb.kv_indices.to(dev, torch.int64)
+        loc = fb.out_cache_loc.to(dev, torch.int64)
+        blk = INVARIANT_KEY_BLOCK
+        reqs: list[_InvariantReq] = []
+        q_start = kv_start = 0
+        for p, e in zip(fb.prefix_lens_cpu, fb.extend_lens_cpu, strict=True):
+            lpad = -(-(p + e) // blk) * blk
+            index = torch.zeros(lpad, dtype=torch.int64, device=dev)
+            index[:p] = kv_indices[kv_start : kv_start + p]
+            index[p : p + e] = loc[q_start : q_start + e]
+            # Zero query rows up to MIN_INVARIANT_ROWS: short extends (e.g. one new token after
+            # a long cached prefix) would otherwise take the GEMMs' small-M kernels.
+            rows = max(e, MIN_INVARIANT_ROWS)
+            qpos = torch.arange(rows, device=dev).unsqueeze(1) + p
+            hidden = torch.arange(lpad, device=dev).unsqueeze(0) > qpos
+            reqs.append(_InvariantReq(q_start, q_start + e, rows, index, hidden))
+            q_start += e
+            kv_start += p
+        return reqs
+
     # -- per layer ---------------------------------------------------------------------------
     def forward(
         self,
@@ -233,6 +277,8 @@ class TorchNativeBackend(AttentionBackend):
             raise RuntimeError("init_forward_metadata(fb) was not called for this batch")
         # Contiguous sources: index_put from a strided view is ~100x slower on CPU.
         self.kv_pool.set_kv(layer_id, fb.out_cache_loc, k.contiguous(), v.contiguous())
+        if self._invariant is not None:
+            return self._extend_invariant(q, layer_id, scaling)
         if self._cascade is not None:
             return self._decode_cascade(q, layer_id, scaling)
         if self._padded is not None:
@@ -342,6 +388,49 @@ class TorchNativeBackend(AttentionBackend):
                 enable_gqa=True,
             )
             out[r.q_start : r.q_end] = o[0].transpose(0, 1)
+        return out
+
+
+    def _extend_invariant(self, q: torch.Tensor, layer_id: int, scaling: float) -> torch.Tensor:
+        """Per request, queries (zero-padded to >= MIN_INVARIANT_ROWS rows) against its keys
+        gathered from the pool and zero-padded to a multiple of INVARIANT_KEY_BLOCK:
+        scores = q @ kᵀ · scale, masked to -inf, softmax over the padded row, then p @ v summed
+        block by block in key order.
+
+        Why each row is bitwise a function of its own prefix only: every score is one
+        64-long dot product (GEMM rows are M-invariant for M >= MIN_INVARIANT_ROWS); the softmax
+        row length is a multiple of the block, and masked keys add exact zeros to its sum; each
+        p @ v block is a GEMM with a fixed inner size, and blocks past a row's causal limit add
+        exact zeros. SDPA's fused kernels choose tilings by sequence length, hence not used.
+        """
+        assert self._invariant is not None
+        n, heads, dim = q.shape
+        pool = self.kv_pool
+        kv_heads = pool.num_kv_heads
+        group = heads // kv_heads
+        kb, vb = pool.k_buffer[layer_id], pool.v_buffer[layer_id]
+        blk = INVARIANT_KEY_BLOCK
+        out = torch.empty(n, heads, dim, dtype=q.dtype, device=q.device)
+        for r in self._invariant:
+            e = r.q_end - r.q_start
+            rows = r.rows
+            qp = q.new_zeros(rows, heads, dim)
+            qp[:e] = q[r.q_start : r.q_end]
+            # Query head h uses KV head h // group: fold the group onto the row axis.
+            qg = qp.view(rows, kv_heads, group, dim).permute(1, 0, 2, 3).reshape(
+                kv_heads, rows * group, dim)
+            k = torch.index_select(kb, 0, r.kv_index)  # [Lpad, Hkv, D]
+            v = torch.index_select(vb, 0, r.kv_index)
+            s = torch.bmm(qg, k.permute(1, 2, 0)).mul_(scaling)  # [Hkv, rows * group, Lpad]
+            s.view(kv_heads, rows, group, -1).masked_fill_(
+                r.hidden.view(1, rows, 1, -1), float("-inf"))
+            p = torch.softmax(s, dim=-1)
+            vt = v.transpose(0, 1)  # [Hkv, Lpad, D]
+            o = torch.bmm(p[..., :blk], vt[:, :blk])
+            for b0 in range(blk, vt.shape[1], blk):
+                o = o + torch.bmm(p[..., b0 : b0 + blk], vt[:, b0 : b0 + blk])
+            out[r.q_start : r.q_end] = o.view(kv_heads, rows, group, dim).permute(
+                1, 0, 2, 3)[:e].reshape(e, heads, dim)
         return out
 
 

@@ -51,6 +51,9 @@ class ForwardBatch:
     # the next prompt token, and that token's id. Set by the scheduler's batch builder.
     score_rows: torch.Tensor | None = None  # int64 [S]
     score_targets: torch.Tensor | None = None  # int64 [S]
+    # Run this extend step batch-invariant (every token's K/V and logits a bitwise function of
+    # its own token prefix); set when the batch scores prompt tokens. See `AttentionBackend`.
+    batch_invariant: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -29,21 +29,25 @@ class TokenLogprobs:
 
 @dataclass
 class TokenScores:
-    """Per-token prompt scores in tensor form, aligned with a token sequence: `logprob[i]` is
-    log p(token i | tokens < i) and `top_id[i]` / `top_logprob[i]` the most likely token there.
-    NaN in `logprob` marks a position never scored. This is what the radix tree stores beside
-    each KV slot (12 bytes a token); only the top-1 alternative is kept there, since that is
-    what eval harnesses read (lm-eval's `is_greedy`), so wider `top_logprobs` are recomputed.
+    """The per-token payload the radix tree keeps beside each KV slot, aligned with a token
+    sequence:
+    - `logprob[i]`: log p(token i | tokens < i), NaN where never scored; `top_id[i]` /
+      `top_logprob[i]`: the most likely token there. Only the top-1 alternative is kept (what
+      eval harnesses read: lm-eval's `is_greedy`); wider `top_logprobs` are recomputed.
+    - `exact[i]`: token i's K/V was computed by a batch-invariant step from exact K/V, so it is
+      a bitwise function of tokens <= i alone; prompt scores only build on exact K/V.
+    About 13 bytes a token, against tens of KB of K/V.
     """
 
     logprob: torch.Tensor  # float32 [n]
     top_id: torch.Tensor  # int64 [n]
     top_logprob: torch.Tensor  # float32 [n]
+    exact: torch.Tensor  # bool [n]
 
     @classmethod
-    def unknown(cls, n: int) -> TokenScores:
+    def unknown(cls, n: int, exact_len: int = 0) -> TokenScores:
         return cls(torch.full((n,), float("nan")), torch.zeros(n, dtype=torch.int64),
-                   torch.full((n,), float("nan")))
+                   torch.full((n,), float("nan")), torch.arange(n) < exact_len)
 
     def __len__(self) -> int:
         return int(self.logprob.numel())
@@ -52,13 +56,19 @@ class TokenScores:
         """bool [n]: positions holding a score."""
         return ~torch.isnan(self.logprob)
 
+    def exact_len(self) -> int:
+        """Length of the leading run of exact tokens."""
+        bad = (~self.exact).nonzero()
+        return int(bad[0]) if bad.numel() else len(self)
+
     def slice(self, start: int, end: int) -> TokenScores:
         return TokenScores(self.logprob[start:end].clone(), self.top_id[start:end].clone(),
-                           self.top_logprob[start:end].clone())
+                           self.top_logprob[start:end].clone(), self.exact[start:end].clone())
 
     def fill_unknown(self, other: TokenScores, offset: int = 0) -> None:
         """Copy `other`'s known scores into positions `offset ..` of self that hold none (a
-        score, once known, never changes: the first computation is the canonical one)."""
+        score, once known, never changes: the first computation is the canonical one).
+        `exact` describes K/V slots, which a fill never replaces, so it is left alone."""
         n = min(len(other), len(self) - offset)
         if n <= 0:
             return
@@ -74,4 +84,5 @@ class TokenScores:
             return TokenScores.unknown(0)
         return TokenScores(torch.cat([p.logprob for p in parts]),
                            torch.cat([p.top_id for p in parts]),
-                           torch.cat([p.top_logprob for p in parts]))
+                           torch.cat([p.top_logprob for p in parts]),
+                           torch.cat([p.exact for p in parts]))

@@ -32,11 +32,11 @@ _EMPTY = torch.empty(0, dtype=torch.int64)
 
 class TreeNode:
     # Fields with one entry per token of `key`: sliced together on split, dropped on evict.
-    # `lp`/`top_id`/`top_lp`: the prompt scores of each token (`TokenScores`; NaN `lp` = never
-    # scored), filled by whichever request first computes them and never changed after.
-    PER_TOKEN = ("value", "lp", "top_id", "top_lp")
-    __slots__ = ("key", "value", "lp", "top_id", "top_lp", "children", "parent", "lock_ref",
-                 "last_access_time", "id")
+    # `lp`/`top_id`/`top_lp`/`exact`: each token's `TokenScores` (NaN `lp` = never scored),
+    # scores filled by whichever request first computes them and never changed after.
+    PER_TOKEN = ("value", "lp", "top_id", "top_lp", "exact")
+    __slots__ = ("key", "value", "lp", "top_id", "top_lp", "exact", "children", "parent",
+                 "lock_ref", "last_access_time", "id")
 
     def __init__(self, key: list[int], value: torch.Tensor, parent: TreeNode | None, nid: int,
                  scores: TokenScores | None = None):
@@ -47,6 +47,7 @@ class TreeNode:
         self.lp = scores.logprob
         self.top_id = scores.top_id
         self.top_lp = scores.top_logprob
+        self.exact = scores.exact
         self.children: dict[int, TreeNode] = {}
         self.parent = parent
         self.lock_ref = 0
@@ -59,7 +60,7 @@ class TreeNode:
 
 def _node_scores(node: TreeNode) -> TokenScores:
     """A view of `node`'s per-token scores (writes go through to the node)."""
-    return TokenScores(node.lp, node.top_id, node.top_lp)
+    return TokenScores(node.lp, node.top_id, node.top_lp, node.exact)
 
 
 def _common_len(a: list[int], b: list[int]) -> int:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixrt.attention.base import AttentionBackend
+from radixrt.attention.base import MIN_INVARIANT_ROWS, AttentionBackend
 from radixrt.core.forward_batch import ForwardBatch
 from radixrt.model.model_config import ModelConfig
 from radixrt.model.rope import RotaryEmbedding
@@ -32,6 +32,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype) * weight
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+           invariant: bool = False) -> torch.Tensor:
+    """`F.linear`; with `invariant`, inputs of fewer than MIN_INVARIANT_ROWS rows are zero-padded
+    to it (and the result cut back), so each output row is bitwise the same whatever the row
+    count: the small-M GEMM kernels round differently."""
+    n = x.shape[0]
+    if not invariant or n >= MIN_INVARIANT_ROWS:
+        return F.linear(x, w, b)
+    xp = x.new_zeros(MIN_INVARIANT_ROWS, *x.shape[1:])
+    xp[:n] = x
+    return F.linear(xp, w, b)[:n]
+
+
+def invariant_step(attn: AttentionBackend, fb: ForwardBatch) -> bool:
+    """Whether this step runs batch-invariant (extend steps only; see `AttentionBackend`)."""
+    return not fb.is_decode and (attn.batch_invariant or fb.batch_invariant)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -72,7 +90,8 @@ class LlamaDecoderLayer(nn.Module):
         residual = h if residual is None else h + residual
         x = rms_norm(residual, self.input_layernorm, self.eps)
         n = x.shape[0]
-        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
+        inv = invariant_step(attn, fb)
+        qkv = linear(x, self.qkv_proj, self.qkv_bias, inv)
         qk_heads = self.num_heads + self.num_kv_heads
         qk = RotaryEmbedding.apply(
             qkv[:, : self.q_size + self.kv_size].view(n, qk_heads, self.head_dim), cos, sin
@@ -81,13 +100,13 @@ class LlamaDecoderLayer(nn.Module):
         o = attn.forward(
             qk[:, : self.num_heads], qk[:, self.num_heads :], v, self.layer_id, self.scaling, fb
         )
-        h = F.linear(o.reshape(n, self.q_size), self.o_proj, self.o_bias)
+        h = linear(o.reshape(n, self.q_size), self.o_proj, self.o_bias, inv)
 
         residual = h + residual
         x = rms_norm(residual, self.post_attention_layernorm, self.eps)
-        gate_up = F.linear(x, self.gate_up_proj, self.gate_up_bias)
+        gate_up = linear(x, self.gate_up_proj, self.gate_up_bias, inv)
         gate, up = gate_up.chunk(2, dim=-1)
-        h = F.linear(F.silu(gate) * up, self.down_proj, self.down_bias)
+        h = linear(F.silu(gate) * up, self.down_proj, self.down_bias, inv)
         return h, residual
 
 
@@ -150,7 +169,7 @@ class LlamaForCausalLM(nn.Module):
             idx = torch.cat([idx, fb.score_rows])
         last = torch.index_select(h, 0, idx) + torch.index_select(residual, 0, idx)
         last = rms_norm(last, self.norm, self.config.rms_norm_eps)
-        logits = F.linear(last[:b], self.lm_head).float()
+        logits = linear(last[:b], self.lm_head, None, invariant_step(attn, fb)).float()
         return logits, (last[b:] if fb.score_rows is not None else None)
 
     # -- weights -----------------------------------------------------------------------------

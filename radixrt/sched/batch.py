@@ -28,7 +28,10 @@ class BatchBuilder:
         for req in reqs:
             if not self.kv.take_row(req):
                 raise RuntimeError("no free request row (admission budget violated)")
-        self.kv.start_step(reqs, [r.extend_len for r in reqs])
+        # A batch that scores prompt tokens runs batch-invariant, so the scores (and the K/V
+        # later scores build on) do not depend on batch companions or cache hits.
+        invariant = any(r.scoring is not None for r in reqs)
+        self.kv.start_step(reqs, [r.extend_len for r in reqs], invariant)
         ids: list[int] = []
         rows: list[int] = []
         targets: list[int] = []
@@ -45,6 +48,7 @@ class BatchBuilder:
             [r.kv_len for r in reqs], [r.extend_len for r in reqs],
             self.kv.req_pool.req_to_token, self.device,
         )
+        fb.batch_invariant = invariant
         if rows:
             fb.score_rows = torch.tensor(rows, dtype=torch.int64, device=self.device)
             fb.score_targets = torch.tensor(targets, dtype=torch.int64)

@@ -27,6 +27,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from radixrt.core.errors import InvariantError
+from radixrt.core.logprobs import TokenScores
 from radixrt.mem.base_prefix_cache import BasePrefixCache, MatchResult
 from radixrt.mem.invariants import KVHolding, check_ownership
 from radixrt.mem.memory_pool import ReqToTokenPool, TokenToKVPool
@@ -47,6 +48,7 @@ class KVOwner:
         self.evicted_tokens = 0  # monotonic: every token evicted since start-up
         # Slots of the current step that no request owns yet: id(req) → (req, slots).
         self._in_flight: dict[int, tuple[Req, torch.Tensor]] = {}
+        self._invariant = False  # the step in flight runs batch-invariant
 
     # -- queries ----------------------------------------------------------------------------------
     def match(self, ids: list[int]) -> MatchResult:
@@ -68,6 +70,7 @@ class KVOwner:
         req.prefix_indices = match.indices
         req.last_node = match.last_node
         req.kv_len = int(match.indices.numel())
+        req.exact_len = self.cache.prefix_scores(match.last_node).exact_len() if req.kv_len else 0
 
     def take_row(self, req: Req) -> bool:
         """Give an admitted request a row holding its prefix slots; False when none is free."""
@@ -93,9 +96,11 @@ class KVOwner:
             raise OutOfKVSlots(f"need {n} KV slots, {self.kv_pool.available_size()} free")
         return slots
 
-    def start_step(self, reqs: Sequence[Req], lens: Sequence[int]) -> None:
+    def start_step(self, reqs: Sequence[Req], lens: Sequence[int],
+                   invariant: bool = False) -> None:
         """Allocate `lens[i]` slots for each request (each already holds a row) and write them
-        into its row at columns `kv_len ..`; they stay in flight until `commit`."""
+        into its row at columns `kv_len ..`; they stay in flight until `commit`. `invariant`:
+        the step runs batch-invariant, so its tokens extend a request's exact run."""
         for req in reqs:
             if req.req_pool_idx is None:
                 raise InvariantError(f"{req.rid}: a step without a row")
@@ -108,12 +113,15 @@ class KVOwner:
         for req, n in zip(reqs, lens, strict=True):
             self._in_flight[id(req)] = (req, slots[start : start + n])
             start += n
+        self._invariant = invariant
 
     def commit(self, req: Req) -> None:
         """The step's forward pass computed `req`'s in-flight tokens: they are its KV now."""
         entry = self._in_flight.pop(id(req), None)
         if entry is None:
             raise InvariantError(f"{req.rid}: commit without a step in flight")
+        if self._invariant and req.exact_len == req.kv_len:
+            req.exact_len += int(entry[1].numel())
         req.kv_len += int(entry[1].numel())
 
     def abort_step(self) -> int:
@@ -142,7 +150,10 @@ class KVOwner:
         key = req.all_ids()[:kv_len]
         slots = self.req_pool.req_to_token[row, :kv_len].to(torch.int64).cpu()
         old_prefix = int(req.prefix_indices.numel())
-        scores = None if req.scoring is None else req.scoring.tree_payload(kv_len)
+        if req.scoring is None:
+            scores = TokenScores.unknown(kv_len, req.exact_len)
+        else:
+            scores = req.scoring.tree_payload(kv_len, req.exact_len)
         already = self.cache.insert(key, slots, scores)
         match = self.cache.match_prefix(key)
         if int(match.indices.numel()) != kv_len:
@@ -154,6 +165,8 @@ class KVOwner:
                 old_prefix:already
             ].to(self.req_pool.req_to_token.device, torch.int32)
             self.kv_pool.free(slots[old_prefix:already])
+            # The row now reads the cache's copies, which may not be exact.
+            req.exact_len = min(req.exact_len, self.cache.prefix_scores(match.last_node).exact_len())
         return match
 
     def cache_unfinished(self, req: Req) -> None:
@@ -188,6 +201,7 @@ class KVOwner:
         req.kv_len = 0
         req.prefix_indices = _EMPTY
         req.last_node = None
+        req.exact_len = 0
 
     # -- eviction and reset -----------------------------------------------------------------------
     def evict(self, num_tokens: int) -> int:

@@ -39,14 +39,16 @@ class PromptScoring:
             return pos in self.wide
         return not bool(torch.isnan(self.scores.logprob[pos]))
 
-    def take_from_tree(self, tree_scores: TokenScores) -> None:
-        """Adopt the tree's scores of the matched prefix (positions it holds, we lack)."""
+    def take_from_tree(self, tree_scores: TokenScores) -> int:
+        """Adopt the tree's scores of the matched prefix (positions it holds, we lack); returns
+        how much of the prefix is usable: its exact run (see `usable_prefix`)."""
         self.scores.fill_unknown(tree_scores.slice(0, min(len(tree_scores), self.num_prompt)))
+        return self.usable_prefix(tree_scores.exact_len())
 
     def usable_prefix(self, match_len: int) -> int:
-        """How much of a `match_len`-token cached prefix the request can use: every wanted
-        position at or after the prefix's end is scored by this request, which needs the
-        logits of the position before it, so the prefix stops before the first position
+        """How much of a `match_len`-token cached prefix (all exact) the request can use: every
+        wanted position at or after the prefix's end is scored by this request, which needs
+        the logits of the position before it, so the prefix stops before the first position
         neither known nor computable."""
         for pos in range(self.first_needed, min(match_len, self.num_prompt - 1) + 1):
             if not self.known(pos):
@@ -66,10 +68,11 @@ class PromptScoring:
         if self.top_k > 1:
             self.wide[pos] = (top_ids[: self.top_k], top_lps[: self.top_k])
 
-    def tree_payload(self, length: int) -> TokenScores:
-        """Scores aligned with the first `length` tokens of the sequence (outputs unknown)."""
-        n = min(length, self.num_prompt)
-        out = TokenScores.unknown(length)
+    def tree_payload(self, length: int, exact_len: int) -> TokenScores:
+        """Payload for the first `length` tokens of the sequence: the scores that build on
+        exact K/V only (token t's score reads K/V < t), exactness from `exact_len`."""
+        out = TokenScores.unknown(length, exact_len)
+        n = min(length, self.num_prompt, exact_len + 1)
         out.fill_unknown(self.scores.slice(0, n))
         return out
 

@@ -19,7 +19,8 @@ class Req:
     - `req_pool_idx`: the ReqToTokenPool row, held from admission to finish/retraction.
     - `kv_len`: tokens of `all_ids()` whose KV is in the row (`row[:kv_len]` valid).
     - `prefix_indices`/`last_node`: the cache-owned, locked head of the row.
-    Everyone may read these four; only `radixrt.sched.kv_owner.KVOwner` assigns them (checked
+    - `exact_len`: how many leading KV tokens are exact (batch-invariant, from exact K/V).
+    Everyone may read these; only `radixrt.sched.kv_owner.KVOwner` assigns them (checked
     by an AST test in tests/test_scheduler.py).
     """
 
@@ -34,6 +35,7 @@ class Req:
         self.kv_len = 0
         self.prefix_indices: torch.Tensor = _EMPTY
         self.last_node: Any = None
+        self.exact_len = 0  # leading KV tokens computed batch-invariantly (`TokenScores.exact`)
         # Scheduling state
         self.match_len = 0  # cached prefix length as last seen by the policy
         self.cached_tokens: int | None = None  # prompt tokens served by the cache (first admission)

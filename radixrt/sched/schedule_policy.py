@@ -172,9 +172,8 @@ class PrefillAdder:
         ids = req.all_ids()
         match = self.kv.match(ids[:-1])
         prefix_len = int(match.indices.numel())
-        if req.scoring is not None:  # prompt scores: the prefix ends before the first unscored
-            req.scoring.take_from_tree(self.kv.cache.prefix_scores(match.last_node))
-            usable = req.scoring.usable_prefix(prefix_len)
+        if req.scoring is not None:  # prompt scores: only exact K/V, up to the first unscored
+            usable = req.scoring.take_from_tree(self.kv.cache.prefix_scores(match.last_node))
             if usable < prefix_len:
                 match = self.kv.match(ids[:usable])
                 prefix_len = usable
