@@ -188,7 +188,9 @@ def test_echo_logprobs_cover_the_prompt(server, engine):
     """echo + logprobs: prompt scores (token 0 null) then the generated tokens', equal to the
     Engine's `prompt_logprobs` for the same prompt; a repeat (scores now read from the radix
     tree, which keeps the top-1 alternative: logprobs 1, as lm-eval asks) agrees."""
-    prompts = [LONG, "Radix trees"]
+    # Prompts no other test sends: a prefix first cached by a request that scored nothing holds
+    # K/V that is not batch-invariant ("exact"), which scoring requests do not build on.
+    prompts = ["Scoring: " + LONG, "Prompt scores come back from the tree"]
     body = {"model": "default", "prompt": prompts, "echo": True, "logprobs": 1,
             "max_tokens": 2, "temperature": 0, "ignore_eos": True}
     first = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
