@@ -136,6 +136,13 @@ def test_cached_prefix_serves_scores_without_recompute(make_sched) -> None:
     res = run(sched2, [("b", b, scoring())])
     assert computed2 == [len(b)]
     assert res["prompt"]["b"].token_logprobs[:64] == first["prompt"]["a"].token_logprobs[:64]
+    # ... once: its exact K/V replaced the plain copy (nobody read it), so the next one hits.
+    computed2.clear()
+    c = shared + rand_ids(rng, 7)
+    res_c = run(sched2, [("c", c, scoring())])
+    assert computed2 == [len(c) - 64 + 1], computed2
+    assert res_c["finals"]["c"].cached_tokens == 63
+    assert res_c["prompt"]["c"].token_logprobs[:64] == first["prompt"]["a"].token_logprobs[:64]
 
 
 def _workload(seed: int) -> list[tuple[str, list[int], SamplingParams]]:
@@ -218,3 +225,19 @@ def test_usable_prefix_rule() -> None:
     assert sc.take_from_tree(tree) == 5  # 3..5 known, 6 is not: recompute position 5  # 3..5 known, 6 is not: recompute position 5
     assert sc.targets(5, 5) == [6, 7, 8, 9]
     assert list(itertools.islice(sc.targets(0, 10), 3)) == [6, 7, 8]
+
+
+def test_adopt_exact_never_touches_locked_nodes() -> None:
+    cache = RadixCache()
+    key = list(range(100, 108))
+    cache.insert(key, torch.arange(1, 9))  # inexact K/V (plain traffic)
+    m = cache.match_prefix(key[:4])
+    cache.inc_lock_ref(m.last_node)  # a live request reads the first four slots
+    exact = torch.ones(8, dtype=torch.bool)
+    replaced = cache.adopt_exact(key, torch.arange(21, 29), exact)
+    assert replaced.tolist() == [5, 6, 7, 8]  # only the unlocked tail is upgraded
+    full = cache.match_prefix(key)
+    assert full.indices.tolist() == [1, 2, 3, 4, 25, 26, 27, 28]
+    assert cache.prefix_scores(full.last_node).exact.tolist() == [False] * 4 + [True] * 4
+    cache.dec_lock_ref(m.last_node)
+    cache.check_invariants()

@@ -49,6 +49,12 @@ class BasePrefixCache(ABC):
         eventually free) `value[:returned]`. `scores` (aligned with `key`) fill in prompt
         scores of tokens that hold none yet; a known score is never overwritten."""
 
+    def adopt_exact(self, key: list[int], value: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+        """Upgrade cached tokens of `key` whose K/V is not exact to the caller's exact slots
+        (`value[i]` where `exact[i]`), in unlocked nodes only; returns the replaced slots, which
+        the caller now owns and frees. The radix-disabled cache holds nothing to upgrade."""
+        return torch.empty(0, dtype=torch.int64)
+
     def prefix_scores(self, node: Any) -> TokenScores:
         """The prompt scores of every token on the path to `node` (NaN where never scored)."""
         return TokenScores.unknown(0)

@@ -133,6 +133,31 @@ class RadixCache(BasePrefixCache):
             i += n
         return i
 
+    def adopt_exact(self, key: list[int], value: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+        """Where the tree holds a token of `key` with inexact K/V in a node nobody has locked
+        (so no request reads its slot), take the caller's exact slot `value[i]` instead;
+        returns the replaced slots, which the caller now owns and frees."""
+        node = self.root
+        i = 0
+        replaced: list[torch.Tensor] = []
+        while i < len(key):
+            child = node.children.get(key[i])
+            if child is None:
+                break
+            n = _common_len(child.key, key[i:])
+            if child.lock_ref == 0:
+                swap = ~child.exact[:n] & exact[i : i + n]
+                if bool(swap.any()):
+                    idx = swap.nonzero().flatten()
+                    replaced.append(child.value[idx].clone())
+                    child.value[idx] = value[i : i + n][idx].to(child.value.dtype)
+                    child.exact[idx] = True
+            if n < len(child.key):
+                break
+            node = child
+            i += n
+        return torch.cat(replaced) if replaced else _EMPTY
+
     def prefix_scores(self, node: TreeNode) -> TokenScores:
         parts = []
         while node is not self.root:

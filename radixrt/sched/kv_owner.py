@@ -154,17 +154,24 @@ class KVOwner:
             scores = TokenScores.unknown(kv_len, req.exact_len)
         else:
             scores = req.scoring.tree_payload(kv_len, req.exact_len)
+        # Exact K/V we computed replaces inexact cached copies nobody reads, so a prefix first
+        # cached by plain traffic becomes usable for prompt scores.
+        replaced = self.cache.adopt_exact(key, slots, scores.exact)
+        if replaced.numel():
+            self.kv_pool.free(replaced)
         already = self.cache.insert(key, slots, scores)
         match = self.cache.match_prefix(key)
         if int(match.indices.numel()) != kv_len:
             raise InvariantError(f"{req.rid}: the cache lost tokens it was just given")
         if already > old_prefix:
             # Another request cached [old_prefix, already) meanwhile: point our row at the
-            # cache's canonical copies first, then free our now-unreferenced duplicates.
-            self.req_pool.req_to_token[row, old_prefix:already] = match.indices[
-                old_prefix:already
-            ].to(self.req_pool.req_to_token.device, torch.int32)
-            self.kv_pool.free(slots[old_prefix:already])
+            # cache's canonical copies first, then free our now-unreferenced duplicates (those
+            # the cache did not adopt).
+            ours = slots[old_prefix:already]
+            canonical = match.indices[old_prefix:already]
+            self.req_pool.req_to_token[row, old_prefix:already] = canonical.to(
+                self.req_pool.req_to_token.device, torch.int32)
+            self.kv_pool.free(ours[ours != canonical])
             # The row now reads the cache's copies, which may not be exact.
             req.exact_len = min(req.exact_len, self.cache.prefix_scores(match.last_node).exact_len())
         return match
