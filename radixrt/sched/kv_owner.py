@@ -70,7 +70,10 @@ class KVOwner:
         req.prefix_indices = match.indices
         req.last_node = match.last_node
         req.kv_len = int(match.indices.numel())
-        req.exact_len = self.cache.prefix_scores(match.last_node).exact_len() if req.kv_len else 0
+        # Exactness matters to prompt scoring only: plain requests skip the path walk and count
+        # as inexact (conservative: their tokens are then never marked exact).
+        req.exact_len = (self.cache.prefix_scores(match.last_node).exact_len()
+                         if req.kv_len and req.scoring is not None else 0)
 
     def take_row(self, req: Req) -> bool:
         """Give an admitted request a row holding its prefix slots; False when none is free."""
@@ -150,15 +153,17 @@ class KVOwner:
         key = req.all_ids()[:kv_len]
         slots = self.req_pool.req_to_token[row, :kv_len].to(torch.int64).cpu()
         old_prefix = int(req.prefix_indices.numel())
-        if req.scoring is None:
-            scores = TokenScores.unknown(kv_len, req.exact_len)
-        else:
+        scores = None  # plain traffic: nothing to store beside the slots (the hot path)
+        if req.scoring is not None:
             scores = req.scoring.tree_payload(kv_len, req.exact_len)
-        # Exact K/V we computed replaces inexact cached copies nobody reads, so a prefix first
-        # cached by plain traffic becomes usable for prompt scores.
-        replaced = self.cache.adopt_exact(key, slots, scores.exact)
-        if replaced.numel():
-            self.kv_pool.free(replaced)
+        elif req.exact_len:
+            scores = TokenScores.unknown(kv_len, req.exact_len)
+        if scores is not None and req.exact_len > old_prefix:
+            # Exact K/V we computed replaces inexact cached copies nobody reads, so a prefix
+            # first cached by plain traffic becomes usable for prompt scores.
+            replaced = self.cache.adopt_exact(key, slots, scores.exact)
+            if replaced.numel():
+                self.kv_pool.free(replaced)
         already = self.cache.insert(key, slots, scores)
         match = self.cache.match_prefix(key)
         if int(match.indices.numel()) != kv_len:
@@ -172,8 +177,9 @@ class KVOwner:
             self.req_pool.req_to_token[row, old_prefix:already] = canonical.to(
                 self.req_pool.req_to_token.device, torch.int32)
             self.kv_pool.free(ours[ours != canonical])
-            # The row now reads the cache's copies, which may not be exact.
-            req.exact_len = min(req.exact_len, self.cache.prefix_scores(match.last_node).exact_len())
+            if req.exact_len > old_prefix:  # the row now reads the cache's copies: exact?
+                req.exact_len = min(req.exact_len,
+                                    self.cache.prefix_scores(match.last_node).exact_len())
         return match
 
     def cache_unfinished(self, req: Req) -> None:
