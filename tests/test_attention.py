@@ -282,3 +282,47 @@ def test_decode_over_shared_prefixes_matches_reference(
         expect)
     out = backend.forward(q, k, v, LAYER, scale, fb)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cascade_decode_in_half_precision(dtype: torch.dtype) -> None:
+    """bf16/fp16 pools: the cascade path (>= 2 rows sharing >= CASCADE_MIN_SHARED slots) merges
+    in fp32 and writes `out` in the pool's dtype; it agrees with the non-cascade decode."""
+    shared, private = 40, [3, 9, 0]
+    heads, kv_heads = 8, 2
+    g = torch.Generator().manual_seed(11)
+    bs = len(private)
+    total = shared + sum(private) + bs + 4
+    kv = TokenToKVPool(total, 2, kv_heads, D, dtype=dtype)
+    for buf in kv.k_buffer + kv.v_buffer:
+        buf.copy_(torch.randn(buf.shape, generator=g))
+    slots = (torch.randperm(total, generator=g) + 1).tolist()
+    reqs = ReqToTokenPool(bs + 1, shared + max(private) + 2)
+    common = [slots.pop() for _ in range(shared)]
+    rows, prefix_lens = [], []
+    for n in private:
+        own = [slots.pop() for _ in range(n)]
+        r = reqs.alloc()
+        assert r is not None
+        reqs.req_to_token[r, : shared + n] = torch.tensor(common + own, dtype=torch.int32)
+        rows.append(r)
+        prefix_lens.append(shared + n)
+    out_loc = torch.tensor([slots.pop() for _ in range(bs)])
+    reqs.write(rows, prefix_lens, [1] * bs, out_loc)
+    fb = ForwardBatch.build(ForwardMode.DECODE, torch.zeros(bs, dtype=torch.int64), rows,
+                            prefix_lens, [1] * bs, reqs.req_to_token)
+    q = torch.randn(bs, heads, D, generator=g).to(dtype)
+    k = torch.randn(bs, kv_heads, D, generator=g).to(dtype)
+    v = torch.randn(bs, kv_heads, D, generator=g).to(dtype)
+    scale = D**-0.5
+    ref = _reference(q, k, v, kv, fb, scale)  # float64 over the same half-precision inputs
+    backend = TorchNativeBackend(kv)
+    backend.init_forward_metadata(fb)
+    assert backend._cascade is not None and backend._cascade.num_groups == 1
+    out = backend.forward(q, k, v, LAYER, scale, fb)
+    assert out.dtype == dtype and out.shape == (bs, heads, D)
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+    # The padded (non-cascade) decode of the same batch, in the same dtype.
+    backend._cascade = None
+    plain = backend.forward(q, k, v, LAYER, scale, fb)
+    torch.testing.assert_close(out.float(), plain.float(), atol=2e-2, rtol=2e-2)

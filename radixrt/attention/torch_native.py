@@ -337,13 +337,14 @@ class TorchNativeBackend(AttentionBackend):
             ng * nmax, kv_heads, group, dim).index_select(0, plan.grouped_slots)
         lse_s = lse_s.view(ng, kv_heads, nmax, group).transpose(1, 2).reshape(
             ng * nmax, kv_heads, group).index_select(0, plan.grouped_slots)
+        # The merge runs in fp32 whatever the pool's dtype (the LSEs are fp32); one cast back.
         rows = plan.grouped_rows
         lse_x = lse.index_select(0, rows)
         top = torch.maximum(lse_x, lse_s)
         w_x = torch.exp(lse_x - top).unsqueeze(-1)
         w_s = torch.exp(lse_s - top).unsqueeze(-1)
-        merged = (out.index_select(0, rows) * w_x + out_s * w_s) / (w_x + w_s)
-        out = out.index_copy(0, rows, merged)
+        merged = (out.index_select(0, rows).float() * w_x + out_s.float() * w_s) / (w_x + w_s)
+        out = out.index_copy(0, rows, merged.to(out.dtype))
         return out.reshape(bs, heads, dim)
 
     def _extend_padded(self, q: torch.Tensor, layer_id: int, scaling: float) -> torch.Tensor:
@@ -437,12 +438,15 @@ class TorchNativeBackend(AttentionBackend):
 def _attention_lse(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention `[..., Lq, D]` and its natural-log log-sum-exp `[..., Lq]`; K/V heads already
-    matched to the query heads. On CPU, the fused flash kernel (which returns the LSE)."""
+    """Attention `[..., Lq, D]` in q's dtype and its natural-log log-sum-exp `[..., Lq]` in fp32
+    (whatever q's dtype); K/V heads already matched to the query heads. On CPU, the fused flash
+    kernel (which accumulates in fp32 and returns an fp32 LSE); elsewhere scores, LSE and
+    softmax in fp32."""
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, False, attn_mask=mask, scale=scale)
-        return out, lse
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale + mask
+        return out, lse.float()
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale + mask.float()
     lse = torch.logsumexp(s, dim=-1)
-    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v), lse
+    out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.float())
+    return out.to(q.dtype), lse
