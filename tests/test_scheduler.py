@@ -461,6 +461,7 @@ class Run:
 def make_sched(tiny_llama_dir: Path) -> Callable[..., Scheduler]:
     def make(**kw: object) -> Scheduler:
         kw.setdefault("max_total_tokens", 1024)
+        kw.setdefault("dtype", "float32")  # parity with the fp32 HF reference
         args = ServerArgs(model_path=str(tiny_llama_dir), num_threads=1, **kw)  # type: ignore[arg-type]
         return Scheduler(args, ModelRunner(args))
 
@@ -1189,3 +1190,35 @@ def test_clipped_reserve_admits_at_once_and_retracts_on_real_shortage(
         assert_clean(sched)
     assert first_step_running[16] == 8  # not throttled by the reserve
     assert first_step_running[1024] < 8  # 0.7 × 199 per request is
+
+
+# -- bf16 decode over a shared cached prefix (the cascade path) ----------------------------------
+def test_bf16_shared_prefix_decode_agrees_with_fp32(make_sched: Callable[..., Scheduler]) -> None:
+    """A bf16 runner decodes requests sharing a >= CASCADE_MIN_SHARED cached prefix through the
+    cascade merge (it used to abort on a dtype mismatch) and agrees with fp32 greedy tokens over
+    the first steps (later ones may part on near-ties of the random model's logits)."""
+    from radixrt.attention import torch_native
+
+    rng = random.Random(8)
+    shared = prompt(rng, 2 * torch_native.CASCADE_MIN_SHARED)
+    jobs = {f"r{i}": ([*shared, *prompt(rng, 2 + i)], 6) for i in range(3)}
+    runs = {}
+    for dtype in ("float32", "bfloat16"):
+        sched = make_sched(dtype=dtype)
+        assert sched.runner.dtype == getattr(torch, dtype)
+        backend = sched.runner.attn_backend
+        cascades: list[int] = []
+        orig = backend._decode_cascade
+
+        def spy(*a: object, _orig=orig, _seen=cascades) -> torch.Tensor:  # type: ignore[no-untyped-def]
+            _seen.append(1)
+            return _orig(*a)
+
+        backend._decode_cascade = spy  # type: ignore[method-assign]
+        submit(sched, jobs)
+        runs[dtype] = Run().drive(sched)
+        assert cascades, f"{dtype}: no decode step took the cascade path"
+        assert all(f.finish_reason == FINISH_LENGTH for f in runs[dtype].finals.values())
+        assert_clean(sched)
+    for rid in jobs:
+        assert runs["bfloat16"].tokens[rid][:3] == runs["float32"].tokens[rid][:3], rid

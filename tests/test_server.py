@@ -61,7 +61,7 @@ class LiveServer:
 def start_server(model_dir: str, *extra: str) -> LiveServer:
     port = free_port()
     cmd = [sys.executable, "-m", "radixrt", "serve", "--model", model_dir, "--port", str(port),
-           "--max-total-tokens", "8192", "--num-threads", "1", "--log-level", "warning", *extra]
+           "--max-total-tokens", "8192", "--num-threads", "1", "--dtype", "float32", "--log-level", "warning", *extra]
     proc = subprocess.Popen(cmd)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
@@ -96,7 +96,8 @@ def server(tiny_llama_dir) -> Iterator[LiveServer]:
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama_dir) -> Iterator[Engine]:
-    with Engine(model_path=str(tiny_llama_dir), max_total_tokens=8192, num_threads=1) as eng:
+    with Engine(model_path=str(tiny_llama_dir), max_total_tokens=8192, num_threads=1,
+                dtype="float32") as eng:
         yield eng
 
 

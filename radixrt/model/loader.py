@@ -13,7 +13,7 @@ import logging
 import os
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import MappingProxyType
 
@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from radixrt.attention.base import AttentionBackend
+from radixrt.model.dtype_probe import DtypeProbe, probe_cpu_dtype
 from radixrt.model.llama import LlamaForCausalLM
 from radixrt.model.model_config import ModelConfig, resolve_gguf_file
 
@@ -170,16 +171,19 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 
 def resolve_dtype(
-    dtype: str | torch.dtype, device: torch.device, config: ModelConfig
+    dtype: str | torch.dtype, device: torch.device, config: ModelConfig,
+    probe: Callable[[], DtypeProbe] = probe_cpu_dtype,
 ) -> torch.dtype:
-    """The parameter dtype. With "auto": float32 on CPU; on CUDA the checkpoint's dtype, or
-    bfloat16 (float16 where unsupported) when it names none, as GGUF files do."""
+    """The parameter dtype. With "auto": on CPU bfloat16 where `probe` (a start-up matmul
+    timing, see `dtype_probe`) finds it clearly faster than float32, else float32; on CUDA the
+    checkpoint's dtype, or bfloat16 (float16 where unsupported) when it names none, as GGUF
+    files do."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype != "auto":
         return getattr(torch, dtype)
     if device.type == "cpu":
-        return torch.float32
+        return probe().choice
     if config.torch_dtype is not None:
         return config.torch_dtype
     if torch.cuda.is_available() and torch.cuda.is_bf16_supported():

@@ -13,6 +13,7 @@ from radixrt.attention.flashinfer import FlashInferBackend
 from radixrt.config import ServerArgs
 from radixrt.core.forward_batch import ForwardBatch
 from radixrt.mem.memory_pool import ReqToTokenPool, TokenToKVPool, kv_bytes_per_token
+from radixrt.model.dtype_probe import DtypeProbe, probe_cpu_dtype
 from radixrt.model.loader import default_model_path, load_model, resolve_device, resolve_dtype
 from radixrt.model.model_config import ModelConfig
 from radixrt.model.scoring import RowScores, score_hidden
@@ -47,7 +48,15 @@ class ModelRunner:
         self.device = resolve_device(args.device)
         self.model_path = args.model_path or str(default_model_path())
         self.model_config = ModelConfig.from_path(self.model_path)
-        self.dtype = resolve_dtype(args.dtype, self.device, self.model_config)
+        self.dtype_probe: DtypeProbe | None = None  # set when `auto` timed (or was forced)
+
+        def probe() -> DtypeProbe:
+            self.dtype_probe = probe_cpu_dtype()
+            return self.dtype_probe
+
+        self.dtype = resolve_dtype(args.dtype, self.device, self.model_config, probe)
+        if self.dtype_probe is not None:
+            logger.info("dtype auto -> %s", self.dtype_probe.describe())
         cfg = self.model_config
         self.sizes = plan_pools(args, cfg, self.dtype, self.device)
         self.req_to_token_pool = ReqToTokenPool(

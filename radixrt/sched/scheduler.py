@@ -366,6 +366,8 @@ def run_scheduler(args: ServerArgs, paths: ipc.IpcPaths, parent_pid: int) -> Non
         "model_path": runner.model_path,
         "device": str(runner.device),
         "dtype": str(runner.dtype),
+        # How `dtype="auto"` chose on CPU (choice, fp32/bf16 probe times); None otherwise.
+        "dtype_probe": runner.dtype_probe.as_info() if runner.dtype_probe else None,
         "num_threads": torch.get_num_threads(),
     }
     ipc.send(to_tok, ReadyMsg(True, info=info))

@@ -1,0 +1,116 @@
+"""`dtype="auto"` on CPU: time a model-shaped matmul in fp32 and bf16 once at start-up.
+
+bf16 matmul speed depends on the CPU, not on anything we can read from torch cheaply: with
+AVX-512-BF16 or AMX it can be ~2x faster than fp32; without native bf16 it is emulated and
+7-100x slower. So `auto` measures (with the thread count already set for this process) and takes
+bf16 only when it is clearly faster (>= MIN_SPEEDUP), fp32 otherwise.
+
+`RADIXRT_AUTO_DTYPE=float32|bfloat16` forces the outcome without measuring (tests, or a
+machine whose answer is known); an explicit `--dtype` bypasses `auto` altogether.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+ENV_FORCE = "RADIXRT_AUTO_DTYPE"
+MIN_SPEEDUP = 1.3
+# A decode-sized and a prefill-sized GEMM of a small Llama (hidden 576, MLP 1536).
+SHAPES = ((8, 576, 1536), (64, 576, 1536))
+WARMUP = 3  # steps per dtype before timing (the first bf16 calls set up their kernels)
+MIN_REPS, MAX_REPS = 3, 20
+BUDGET_S = 0.3  # timed reps stop after this long (once MIN_REPS are in)
+
+# () -> (fp32 seconds, bf16 seconds): best time of one probe step (every SHAPES matmul once).
+Measure = Callable[[], tuple[float, float]]
+
+
+@dataclass(frozen=True)
+class DtypeProbe:
+    choice: torch.dtype
+    fp32_ms: float | None  # best time of one probe step (None when forced)
+    bf16_ms: float | None
+    threads: int
+    forced: bool = False
+
+    @property
+    def speedup(self) -> float | None:
+        """fp32 time / bf16 time (> 1: bf16 faster)."""
+        if self.fp32_ms is None or not self.bf16_ms:
+            return None
+        return self.fp32_ms / self.bf16_ms
+
+    def describe(self) -> str:
+        if self.forced:
+            return f"{_name(self.choice)} (forced by {ENV_FORCE})"
+        return (f"{_name(self.choice)} (matmul probe, {self.threads} threads: fp32 "
+                f"{self.fp32_ms:.3f} ms, bf16 {self.bf16_ms:.3f} ms, bf16 speedup "
+                f"{self.speedup:.2f}x, needs >= {MIN_SPEEDUP}x)")
+
+    def as_info(self) -> dict[str, object]:
+        return {"choice": _name(self.choice), "fp32_ms": self.fp32_ms, "bf16_ms": self.bf16_ms,
+                "threads": self.threads, "forced": self.forced}
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def measure_matmul() -> tuple[float, float]:
+    """Best wall time (s) of one step (each of SHAPES' `x @ w` once) in fp32 and in bf16. The
+    two dtypes alternate step by step and each keeps its minimum, so load from other processes
+    hits both alike and rarely survives the minimum."""
+    g = torch.Generator().manual_seed(0)
+    operands = {dt: [(torch.randn(m, k, generator=g).to(dt), torch.randn(k, n, generator=g).to(dt))
+                     for m, k, n in SHAPES] for dt in (torch.float32, torch.bfloat16)}
+
+    def step(dt: torch.dtype) -> float:
+        t0 = time.perf_counter()
+        for x, w in operands[dt]:
+            torch.matmul(x, w)
+        return time.perf_counter() - t0
+
+    for _ in range(WARMUP):
+        for dt in operands:
+            step(dt)
+    best = {dt: float("inf") for dt in operands}
+    start = time.perf_counter()
+    for rep in range(MAX_REPS):
+        for dt in operands:
+            best[dt] = min(best[dt], step(dt))
+        if rep + 1 >= MIN_REPS and time.perf_counter() - start > BUDGET_S:
+            break
+    return best[torch.float32], best[torch.bfloat16]
+
+
+def decide(fp32_s: float, bf16_s: float, min_speedup: float = MIN_SPEEDUP) -> torch.dtype:
+    return torch.bfloat16 if bf16_s * min_speedup <= fp32_s else torch.float32
+
+
+_cached: DtypeProbe | None = None
+
+
+def probe_cpu_dtype(measure: Measure | None = None,
+                    min_speedup: float = MIN_SPEEDUP) -> DtypeProbe:
+    """The dtype `auto` means on this CPU, with the figures behind the choice. Measured once per
+    process (later calls return the first result) unless `measure` is injected."""
+    global _cached
+    threads = torch.get_num_threads()
+    forced = os.environ.get(ENV_FORCE, "").strip()
+    if forced:
+        if forced not in ("float32", "bfloat16"):
+            raise ValueError(f"{ENV_FORCE} must be float32 or bfloat16, got {forced!r}")
+        return DtypeProbe(getattr(torch, forced), None, None, threads, forced=True)
+    if measure is None and _cached is not None:
+        return _cached
+    with torch.inference_mode():
+        fp32, bf16 = (measure or measure_matmul)()
+    result = DtypeProbe(decide(fp32, bf16, min_speedup), fp32 * 1e3, bf16 * 1e3, threads)
+    if measure is None:
+        _cached = result
+    return result

@@ -1,0 +1,97 @@
+"""`dtype="auto"` on CPU: the start-up fp32-vs-bf16 matmul probe and `resolve_dtype`.
+
+The decision is tested with injected timings (never this CPU's); one test runs the real probe
+only for its shape and cost."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+
+from radixrt.model import dtype_probe
+from radixrt.model.dtype_probe import ENV_FORCE, DtypeProbe, probe_cpu_dtype
+from radixrt.model.loader import resolve_dtype
+from radixrt.model.model_config import ModelConfig
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def _unforced(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENV_FORCE, raising=False)  # conftest forces float32 for other tests
+
+
+def _config(torch_dtype: torch.dtype | None = None) -> ModelConfig:
+    cfg = ModelConfig.__new__(ModelConfig)
+    object.__setattr__(cfg, "torch_dtype", torch_dtype)
+    return cfg
+
+
+@pytest.mark.parametrize("fp32,bf16,expect", [
+    (2.0, 1.0, torch.bfloat16),  # bf16 2x faster (AVX-512-BF16 / AMX)
+    (1.0, 30.0, torch.float32),  # emulated bf16
+    (1.2, 1.0, torch.float32),  # faster, but not clearly (< MIN_SPEEDUP)
+    (1.3, 1.0, torch.bfloat16),  # exactly MIN_SPEEDUP
+])
+def test_decision_from_injected_timings(fp32: float, bf16: float, expect: torch.dtype) -> None:
+    p = probe_cpu_dtype(measure=lambda: (fp32 * 1e-3, bf16 * 1e-3))
+    assert p.choice == expect and not p.forced
+    assert p.fp32_ms == pytest.approx(fp32) and p.bf16_ms == pytest.approx(bf16)
+    assert p.speedup == pytest.approx(fp32 / bf16)
+    assert p.threads == torch.get_num_threads()
+    assert str(expect).removeprefix("torch.") in p.describe()
+    assert p.as_info()["choice"] == str(expect).removeprefix("torch.")
+
+
+@pytest.mark.parametrize("forced", ["float32", "bfloat16"])
+def test_env_forces_the_outcome_without_measuring(monkeypatch: pytest.MonkeyPatch,
+                                                  forced: str) -> None:
+    monkeypatch.setenv(ENV_FORCE, forced)
+
+    def never() -> tuple[float, float]:
+        raise AssertionError("measured although forced")
+
+    p = probe_cpu_dtype(measure=never)
+    assert p.choice == getattr(torch, forced) and p.forced and p.fp32_ms is None
+    assert ENV_FORCE in p.describe()
+    monkeypatch.setenv(ENV_FORCE, "float16")
+    with pytest.raises(ValueError, match=ENV_FORCE):
+        probe_cpu_dtype(measure=never)
+
+
+def test_resolve_dtype_auto_uses_the_probe_on_cpu_only() -> None:
+    calls: list[int] = []
+
+    def probe(choice: torch.dtype):  # noqa: ANN202
+        def run() -> DtypeProbe:
+            calls.append(1)
+            return DtypeProbe(choice, 2.0, 1.0, 1)
+        return run
+
+    assert resolve_dtype("auto", CPU, _config(), probe(torch.bfloat16)) == torch.bfloat16
+    assert resolve_dtype("auto", CPU, _config(), probe(torch.float32)) == torch.float32
+    assert len(calls) == 2
+    # An explicit dtype overrides `auto`: no probe.
+    for name in ("float32", "bfloat16", "float16"):
+        assert resolve_dtype(name, CPU, _config(), probe(torch.bfloat16)) == getattr(torch, name)
+    assert resolve_dtype(torch.float16, CPU, _config(), probe(torch.bfloat16)) == torch.float16
+    # CUDA keeps the checkpoint's dtype, unprobed.
+    cuda = torch.device("cuda")
+    assert resolve_dtype("auto", cuda, _config(torch.float16), probe(torch.bfloat16)) == (
+        torch.float16)
+    assert len(calls) == 2
+
+
+def test_real_probe_is_cheap_and_cached(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dtype_probe, "_cached", None)
+    t0 = time.perf_counter()
+    p = probe_cpu_dtype()
+    took = time.perf_counter() - t0
+    assert p.choice in (torch.float32, torch.bfloat16) and not p.forced
+    assert p.fp32_ms is not None and p.bf16_ms is not None
+    assert math.isfinite(p.fp32_ms) and p.fp32_ms > 0 and math.isfinite(p.bf16_ms)
+    assert took < 5.0  # ~0.3-0.7 s; generous for a loaded machine
+    assert probe_cpu_dtype() is p  # once per process
