@@ -52,7 +52,34 @@ LLAMA_CPP_PYTHON_VERSION := 0.3.36
 # Instruction sets from /proc/cpuinfo, AMX off (see the script).
 LLAMA_CPP_CMAKE_ARGS ?= $(shell sh bench/llama_cpp_cmake_args.sh)
 
-.PHONY: bench-deps bench bench-smoke
+.PHONY: bench-deps bench bench-smoke bench-llama-server
+
+# llama.cpp's own server (`llama-server`) as a peer: built from the llama.cpp that the same
+# llama-cpp-python sdist vendors (vendor/llama.cpp), same instruction sets, static, only the
+# llama-server target with 2 jobs (several minutes on 2 cores). No network at build time: no
+# curl / OpenSSL, and the web UI is neither built nor downloaded. The binary is the stamp.
+LLAMA_SERVER_BUILD := build/llama-server
+LLAMA_SERVER_BIN := bench/.bin/llama-server
+LLAMA_SERVER_CMAKE_ARGS := $(LLAMA_CPP_CMAKE_ARGS) -DCMAKE_BUILD_TYPE=Release \
+	-DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_COMMON=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON \
+	-DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF \
+	-DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+
+$(LLAMA_SERVER_BIN): bench/llama_cpp_cmake_args.sh | $(PY)
+	rm -rf $(LLAMA_SERVER_BUILD)/src $(LLAMA_SERVER_BUILD)/cmake
+	mkdir -p $(LLAMA_SERVER_BUILD)/src $(dir $(LLAMA_SERVER_BIN))
+	test -f $(LLAMA_SERVER_BUILD)/llama_cpp_python-$(LLAMA_CPP_PYTHON_VERSION).tar.gz || \
+		$(PIP) download --no-deps --no-binary llama-cpp-python -d $(LLAMA_SERVER_BUILD) \
+		"llama-cpp-python==$(LLAMA_CPP_PYTHON_VERSION)"
+	tar xzf $(LLAMA_SERVER_BUILD)/llama_cpp_python-$(LLAMA_CPP_PYTHON_VERSION).tar.gz \
+		-C $(LLAMA_SERVER_BUILD)/src --strip-components=3 \
+		llama_cpp_python-$(LLAMA_CPP_PYTHON_VERSION)/vendor/llama.cpp
+	cmake -S $(LLAMA_SERVER_BUILD)/src -B $(LLAMA_SERVER_BUILD)/cmake $(LLAMA_SERVER_CMAKE_ARGS)
+	cmake --build $(LLAMA_SERVER_BUILD)/cmake --target llama-server -j 2
+	install -m 755 $(LLAMA_SERVER_BUILD)/cmake/bin/llama-server $@
+	$@ --version
+
+bench-llama-server: $(LLAMA_SERVER_BIN)
 
 $(BENCH_STAMP): $(STAMP) bench/llama_cpp_cmake_args.sh
 	$(PYTHON) -m venv $(BENCH_VENV)
@@ -68,7 +95,7 @@ $(BENCH_STAMP): $(STAMP) bench/llama_cpp_cmake_args.sh
 	$(BPY) -c "import llama_cpp, transformers, torch; print('bench env:', llama_cpp.__version__, transformers.__version__, torch.__version__)"
 	touch $(BENCH_STAMP)
 
-bench-deps: $(BENCH_STAMP)
+bench-deps: $(BENCH_STAMP) $(LLAMA_SERVER_BIN)
 
 # Every system x workload on the full preset (several tens of minutes on 2 cores); results in
 # bench/results/<date>-<host>.{json,md} plus PNG charts.

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 SYSTEMS = ("radixrt", "radixrt-no-radix", "radixrt-fcfs", "hf-generate",
-           "hf-continuous-batching", "llama.cpp")
+           "hf-continuous-batching", "llama.cpp", "llama-server")
 
 
 # -- workloads ---------------------------------------------------------------------------------------

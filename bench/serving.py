@@ -235,7 +235,7 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 def run(client: Client, workloads: list[Workload], system: str, out: str | None,
         max_concurrency: int | None, progress: bool, flush_url: str | None = None,
-        ) -> list[dict[str, Any]]:
+        **extra: Any) -> list[dict[str, Any]]:
     import httpx
 
     results = []
@@ -250,7 +250,8 @@ def run(client: Client, workloads: list[Workload], system: str, out: str | None,
         opt = run_optimal_hit_rate(w, records) if client.tok is not None else None
         res = {"workload": w.name, "system": system, "metrics": m, "optimal_hit_rate": opt}
         if out:
-            write_result(out, w.name, system, records, metrics=m, optimal_hit_rate=opt)
+            write_result(out, w.name, system, records, metrics=m, optimal_hit_rate=opt,
+                         **extra)
         results.append({**res, "records": records})
         hr = m.get("hit_rate")
         if m.get("completed"):

@@ -297,3 +297,114 @@ def test_compare_unavailable_peer_does_not_skip_later_systems(tmp_path, monkeypa
     assert "fake failure" in by_system["radixrt"]["note"]
     expected = ["radixrt"] if repeat == 1 else ["radixrt-run1", "radixrt-run2"]
     assert ran == expected  # the unavailable peer never runs; radixrt runs every round
+
+
+# -- llama-server peer ----------------------------------------------------------------------------------
+def _chain_workload() -> Workload:
+    return Workload("w", 0, {}, [
+        Session(0, 0.0, [Turn([1] * 100, 32), Turn([2] * 50, 32)]),  # turn 2: 100+32+8+50 (+32)
+        Session(1, 0.0, [Turn([3] * 300, 32)]),                      # 300 + 32
+        Session(2, 0.0, [Turn([4] * 10, 4)]),
+    ])
+
+
+def test_llama_server_command_line():
+    from bench.peers import llama_server_peer as ls
+
+    w = _chain_workload()
+    assert ls.workload_concurrency(w) == 3  # one slot per session: all arrive at once
+    assert ls.workload_concurrency(w, 2) == 2 and ls.workload_concurrency(w, 8) == 3
+    # the longest request is 300 + 32 (+8 slack) = 340 -> rounded up to 512 per slot
+    assert ls.slot_context(w) == 512
+    assert ls.slot_context(Workload("s", 0, {}, [Session(0, 0.0, [Turn([1] * 10, 4)])])) == 256
+    # a chain's later turn counts the previous turns' outputs (+ re-tokenization slack)
+    chain = Workload("c", 0, {}, [Session(0, 0.0, [Turn([1] * 200, 32), Turn([2] * 20, 32)])])
+    assert ls.slot_context(chain) == 512  # 200 + 32 + 8 + 20 + 32 + 8 = 300
+
+    cmd = ls.server_command("/x/llama-server", "/m.gguf", parallel=3, threads=2,
+                            ctx_per_slot=512, port=8123)
+    assert cmd[0] == "/x/llama-server"
+
+    def opt(flag):
+        return cmd[cmd.index(flag) + 1]
+
+    assert opt("-m") == "/m.gguf"
+    assert opt("-np") == "3"  # -np = concurrency
+    assert opt("-t") == "2" and opt("-tb") == "2"
+    assert opt("-c") == str(3 * 512)  # llama-server splits -c between its slots
+    assert opt("--host") == "127.0.0.1" and opt("--port") == "8123"
+    assert "-cb" in cmd and "--cache-prompt" in cmd
+
+
+def test_llama_server_missing_binary_is_a_note(tmp_path, monkeypatch):
+    from bench import compare
+    from bench.peers import llama_server_peer as ls
+
+    monkeypatch.setenv("LLAMA_SERVER_BIN", str(tmp_path / "nope"))
+    assert ls.find_binary() is None
+    note = ls.unavailable_note()
+    assert note.startswith("not installed") and "make bench-llama-server" in note
+    assert compare.peer_available("llama-server") == note
+    with pytest.raises(SystemExit, match="not installed"):
+        ls.main(["--workload-file", "w", "--out", "o", "--model", "m"])
+    fake = tmp_path / "llama-server"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("LLAMA_SERVER_BIN", str(fake))
+    assert ls.find_binary() == fake and compare.peer_available("llama-server") == ""
+
+    # compare.py: a missing llama-server gets its note, is never run, and is a peer for ratios
+    monkeypatch.setenv("LLAMA_SERVER_BIN", str(tmp_path / "nope"))
+    ran: list[str] = []
+    monkeypatch.setattr(compare, "run_subprocess",
+                        lambda cmd, t, log, th: (ran.append(Path(log).stem), (1, "x"))[1])
+    path = compare.main(["--preset", "tiny", "--systems", "llama-server", "radixrt",
+                         "--workloads", "gsp", "--skip-one-batch", "--out-dir", str(tmp_path),
+                         "--name", "ls"])
+    recs = {r["system"]: r for r in json.loads(path.read_text())}
+    assert "make bench-llama-server" in recs["llama-server"]["note"] and ran == ["radixrt"]
+    assert "llama-server" in compare.PEERS
+
+
+def test_llama_server_driven_like_radixrt_server():
+    """Same client, same concurrency: both commands carry --max-concurrency."""
+    from bench import compare
+
+    w, o = Path("/tmp/w.json"), Path("/tmp/o.jsonl")
+    ls = compare.system_command("llama-server", w, o, 2, "/m.gguf", None, "engine", 1, 8)
+    assert ls[0] == sys.executable and ls[1].endswith("llama_server_peer.py")
+    assert ls[ls.index("--max-concurrency") + 1] == "8" and ls[ls.index("--threads") + 1] == "2"
+    rr = compare.system_command("radixrt", w, o, 2, "/m.gguf", None, "server", 1, 8)
+    assert rr[1].endswith("serving.py") and rr[rr.index("--max-concurrency") + 1] == "8"
+    assert "--max-concurrency" not in compare.system_command("llama-server", w, o, 2, "/m", None,
+                                                             "engine", 1)
+    recs = [{"system": "llama-server", "workload": "gsp", "total_tok_per_s": 300.0,
+             "ttft_p50_s": 0.2},
+            {"system": "llama.cpp", "workload": "gsp", "total_tok_per_s": 100.0,
+             "ttft_p50_s": 0.1},
+            {"system": "radixrt", "workload": "gsp", "total_tok_per_s": 600.0, "ttft_p50_s": 0.05,
+             "hit_rate": None, "optimal_hit_rate": None}]
+    row = compare.ratios(recs, ["gsp"])[0]
+    assert row["best_peer_throughput"] == "llama-server" and row["throughput_ratio"] == 2.0
+    assert row["best_peer_ttft"] == "llama.cpp" and row["ttft_ratio"] == 0.5
+
+
+@pytest.mark.slow
+def test_llama_server_peer_end_to_end(tmp_path):
+    """With a built llama-server (`make bench-llama-server`): the tiny gsp workload over HTTP."""
+    from bench.peers import llama_server_peer as ls
+    from radixrt.model.loader import default_model_path
+
+    if ls.find_binary() is None:
+        pytest.skip(ls.unavailable_note())
+    ws = datasets.make_preset("tiny", 0, ["gsp"])
+    common.save_workloads(tmp_path / "w.json", ws)
+    ls.main(["--workload-file", str(tmp_path / "w.json"), "--out", str(tmp_path / "o.jsonl"),
+             "--model", str(default_model_path()), "--threads", "2"])
+    (res,) = common.read_results(tmp_path / "o.jsonl")
+    assert res["system"] == "llama-server" and res["parallel"] == len(ws[0].sessions)
+    recs = res["records"]
+    assert len(recs) == ws[0].num_requests and all(r.ok for r in recs)
+    assert all(r.output_len == t.max_tokens for r, s in zip(recs, ws[0].sessions, strict=True)
+               for t in s.turns)  # ignore_eos honoured
+    assert all(r.cached_tokens is not None for r in recs)
