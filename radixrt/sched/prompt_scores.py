@@ -35,9 +35,13 @@ class PromptScoring:
         return max(self.start, 1)
 
     def known(self, pos: int) -> bool:
+        return bool(self._known(pos, pos + 1)[0])
+
+    def _known(self, lo: int, hi: int) -> torch.Tensor:
+        """bool [hi - lo]: whether positions lo..hi-1 hold what the caller asked for."""
         if self.top_k > 1:
-            return pos in self.wide
-        return not bool(torch.isnan(self.scores.logprob[pos]))
+            return torch.tensor([p in self.wide for p in range(lo, hi)], dtype=torch.bool)
+        return ~torch.isnan(self.scores.logprob[lo:hi])
 
     def take_from_tree(self, tree_scores: TokenScores) -> int:
         """Adopt the tree's scores of the matched prefix (positions it holds, we lack); returns
@@ -50,23 +54,19 @@ class PromptScoring:
         wanted position at or after the prefix's end is scored by this request, which needs
         the logits of the position before it, so the prefix stops before the first position
         neither known nor computable."""
-        for pos in range(self.first_needed, min(match_len, self.num_prompt - 1) + 1):
-            if not self.known(pos):
-                return pos - 1
-        return match_len
+        lo, hi = self.first_needed, min(match_len, self.num_prompt - 1) + 1
+        if lo >= hi:
+            return match_len
+        missing = (~self._known(lo, hi)).nonzero()
+        return match_len if missing.numel() == 0 else lo + int(missing[0]) - 1
 
     def targets(self, kv_len: int, extend_len: int) -> list[int]:
         """Prompt positions this step can score: `t` for each computed position `t - 1`."""
         lo = max(kv_len + 1, self.first_needed)
         hi = min(kv_len + extend_len, self.num_prompt - 1)
-        return [t for t in range(lo, hi + 1) if not self.known(t)]
-
-    def record(self, pos: int, logprob: float, top_ids: list[int], top_lps: list[float]) -> None:
-        self.scores.logprob[pos] = logprob
-        self.scores.top_id[pos] = top_ids[0]
-        self.scores.top_logprob[pos] = top_lps[0]
-        if self.top_k > 1:
-            self.wide[pos] = (top_ids[: self.top_k], top_lps[: self.top_k])
+        if lo > hi:
+            return []
+        return (torch.arange(lo, hi + 1)[~self._known(lo, hi + 1)]).tolist()
 
     def tree_payload(self, length: int, exact_len: int) -> TokenScores:
         """Payload for the first `length` tokens of the sequence: the scores that build on
@@ -79,36 +79,50 @@ class PromptScoring:
     def report(self) -> TokenLogprobs:
         """Entries for prompt positions `start ..`; raises if one was never scored."""
         out = TokenLogprobs()
-        for pos in range(self.start, self.num_prompt):
-            if pos == 0:
-                out.token_logprobs.append(None)
-                out.top_ids.append([])
-                out.top_logprobs.append([])
-                continue
-            if not self.known(pos):
-                raise RuntimeError(f"prompt position {pos} was never scored")
-            out.token_logprobs.append(float(self.scores.logprob[pos]))
-            if self.top_k > 1:
+        lo = max(self.start, 1)
+        if self.start == 0 and self.num_prompt:
+            out.token_logprobs.append(None)
+            out.top_ids.append([])
+            out.top_logprobs.append([])
+        if lo >= self.num_prompt:
+            self.reported = True
+            return out
+        if not bool(self._known(lo, self.num_prompt).all()):
+            raise RuntimeError("a wanted prompt position was never scored")
+        out.token_logprobs.extend(self.scores.logprob[lo:].tolist())
+        if self.top_k > 1:
+            for pos in range(lo, self.num_prompt):
                 ids, lps = self.wide[pos]
                 out.top_ids.append(list(ids))
                 out.top_logprobs.append(list(lps))
-            elif self.top_k == 1:
-                out.top_ids.append([int(self.scores.top_id[pos])])
-                out.top_logprobs.append([float(self.scores.top_logprob[pos])])
-            else:
-                out.top_ids.append([])
-                out.top_logprobs.append([])
+        elif self.top_k == 1:
+            out.top_ids.extend([i] for i in self.scores.top_id[lo:].tolist())
+            out.top_logprobs.extend([v] for v in self.scores.top_logprob[lo:].tolist())
+        else:
+            out.top_ids.extend([] for _ in range(lo, self.num_prompt))
+            out.top_logprobs.extend([] for _ in range(lo, self.num_prompt))
         self.reported = True
         return out
 
 
 def record_scores(scored: list[tuple[PromptScoring, int]], rows: RowScores | None) -> None:
     """Store a step's computed scores (`rows[i]` is that of `scored[i]`: a request's scoring
-    state and a prompt position)."""
+    state and a prompt position), one indexed write per request."""
     if rows is None:
         return
-    lp = rows.logprob.tolist()
-    ids = rows.top_ids.tolist()
-    tops = rows.top_logprobs.tolist()
+    by_req: dict[int, tuple[PromptScoring, list[int], list[int]]] = {}
     for i, (scoring, pos) in enumerate(scored):
-        scoring.record(pos, lp[i], ids[i], tops[i])
+        entry = by_req.setdefault(id(scoring), (scoring, [], []))
+        entry[1].append(i)
+        entry[2].append(pos)
+    for scoring, rows_i, positions in by_req.values():
+        ri = torch.tensor(rows_i)
+        pi = torch.tensor(positions)
+        scoring.scores.logprob[pi] = rows.logprob[ri]
+        scoring.scores.top_id[pi] = rows.top_ids[ri, 0]
+        scoring.scores.top_logprob[pi] = rows.top_logprobs[ri, 0]
+        if scoring.top_k > 1:
+            ids = rows.top_ids[ri, : scoring.top_k].tolist()
+            lps = rows.top_logprobs[ri, : scoring.top_k].tolist()
+            for j, pos in enumerate(positions):
+                scoring.wide[pos] = (ids[j], lps[j])
