@@ -87,6 +87,19 @@ CASES = [
 ]
 
 
+def _extend_case(case: tuple[list[int], list[int]], heads: int, kv_heads: int):
+    """An extend batch over the pool with random q/k/v and the float64 reference output."""
+    prefix, ext = case
+    kv, fb, _ = _setup(prefix, ext, heads, kv_heads, ForwardMode.EXTEND, seed=len(prefix))
+    g = torch.Generator().manual_seed(1)
+    n = fb.num_tokens
+    q = torch.randn(n, heads, D, generator=g)
+    k = torch.randn(n, kv_heads, D, generator=g)
+    v = torch.randn(n, kv_heads, D, generator=g)
+    scale = D**-0.5
+    return kv, fb, q, k, v, scale, _reference(q, k, v, kv, fb, scale)
+
+
 @pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4)])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"p{c[0][:4]}e{c[1][:4]}")
 @pytest.mark.parametrize("waste", [0.0, 1e9], ids=["ragged", "padded"])
@@ -98,15 +111,9 @@ def test_extend_matches_reference(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(torch_native, "PADDED_WASTE_FACTOR", waste)
-    prefix, ext = case
-    kv, fb, _ = _setup(prefix, ext, heads, kv_heads, ForwardMode.EXTEND, seed=len(prefix))
-    g = torch.Generator().manual_seed(1)
+    prefix, _ = case
+    kv, fb, q, k, v, scale, ref = _extend_case(case, heads, kv_heads)
     n = fb.num_tokens
-    q = torch.randn(n, heads, D, generator=g)
-    k = torch.randn(n, kv_heads, D, generator=g)
-    v = torch.randn(n, kv_heads, D, generator=g)
-    scale = D**-0.5
-    ref = _reference(q, k, v, kv, fb, scale)
     backend = TorchNativeBackend(kv)
     backend.init_forward_metadata(fb)
     padded = waste > 1 and len(prefix) > 1
@@ -124,15 +131,7 @@ def test_extend_matches_reference(
 def test_invariant_extend_matches_reference(
     case: tuple[list[int], list[int]], heads: int, kv_heads: int
 ) -> None:
-    prefix, ext = case
-    kv, fb, _ = _setup(prefix, ext, heads, kv_heads, ForwardMode.EXTEND, seed=len(prefix))
-    g = torch.Generator().manual_seed(1)
-    n = fb.num_tokens
-    q = torch.randn(n, heads, D, generator=g)
-    k = torch.randn(n, kv_heads, D, generator=g)
-    v = torch.randn(n, kv_heads, D, generator=g)
-    scale = D**-0.5
-    ref = _reference(q, k, v, kv, fb, scale)
+    kv, fb, q, k, v, scale, ref = _extend_case(case, heads, kv_heads)
     backend = TorchNativeBackend(kv, batch_invariant=True)
     backend.init_forward_metadata(fb)
     assert backend._invariant is not None and backend._padded is None
