@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
@@ -166,7 +167,57 @@ def prompts_from(body: dict[str, Any]) -> list[str | list[int]]:
     return items
 
 
+def _text(content: Any, where: str) -> str:
+    """A message's content: a string, null, or a list of text parts (joined)."""
+    if content is None:
+        return ""
+    if isinstance(content, list):  # content parts: the text ones
+        texts = [p.get("text") for p in content
+                 if isinstance(p, dict) and p.get("type") in ("text", "input_text")]
+        if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
+            raise bad(where, f"'{where}': only text content parts ({{\"type\": \"text\", "
+                             f"\"text\": ...}}) are supported")
+        return "".join(texts)
+    if not isinstance(content, str):
+        raise bad(where, f"'{where}' must be a string, a list of text parts or null")
+    return content
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's `tool_calls`, with each call's `arguments` JSON text turned into
+    an object (what chat templates expect; a string that is not a JSON object stays as is)."""
+    if not isinstance(calls, list):
+        raise bad(where, f"'{where}' must be a list")
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad(f"{where}[{j}]", f"'{where}[{j}]' must be {{\"id\", \"type\": "
+                                       f"\"function\", \"function\": {{\"name\", \"arguments\"}}}}")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                parsed = json.loads(args) if args.strip() else {}
+            except ValueError:
+                parsed = None
+            args = parsed if isinstance(parsed, dict) else args
+        elif not isinstance(args, dict):
+            raise bad(f"{where}[{j}].function.arguments",
+                      f"'{where}[{j}].function.arguments' must be a JSON string")
+        call: dict[str, Any] = {"type": "function",
+                                "function": {"name": fn["name"], "arguments": args}}
+        if c.get("id") is not None:
+            if not isinstance(c["id"], str):
+                raise bad(f"{where}[{j}].id", f"'{where}[{j}].id' must be a string")
+            call["id"] = c["id"]
+        out.append(call)
+    return out
+
+
 def messages_from(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """`messages` for the chat template: content as a string (text parts joined, null → ""),
+    the `developer` role as `system`, assistant `tool_calls` with parsed arguments, `tool`
+    messages with their `tool_call_id`."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages", "'messages' must be a non-empty list")
@@ -174,18 +225,20 @@ def messages_from(body: dict[str, Any]) -> list[dict[str, Any]]:
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise bad(f"messages[{i}]", f"'messages[{i}]' must be an object with a 'role'")
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: keep the text ones
-            texts = [p.get("text", "") for p in content
-                     if isinstance(p, dict) and p.get("type") == "text"]
-            if len(texts) != len(content):
-                raise bad(f"messages[{i}].content", "only text content parts are supported")
-            content = "".join(texts)
-        if content is None:
-            content = ""
-        if not isinstance(content, str):
-            raise bad(f"messages[{i}].content", f"'messages[{i}].content' must be a string")
-        out.append({**m, "content": content})
+        msg = {**m, "content": _text(m.get("content"), f"messages[{i}].content")}
+        if msg["role"] == "developer":
+            msg["role"] = "system"
+        if m.get("tool_calls") is not None:
+            if msg["role"] != "assistant":
+                raise bad(f"messages[{i}].tool_calls", "only assistant messages have 'tool_calls'")
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], f"messages[{i}].tool_calls")
+        elif "tool_calls" in msg:
+            del msg["tool_calls"]
+        if msg["role"] == "tool" and m.get("tool_call_id") is not None and not isinstance(
+                m["tool_call_id"], str):
+            raise bad(f"messages[{i}].tool_call_id",
+                      f"'messages[{i}].tool_call_id' must be a string")
+        out.append(msg)
     return out
 
 
