@@ -181,7 +181,7 @@ class SamplingParams:
 
     def _validate_grammar(self) -> None:
         """At most one grammar field, each a non-empty string; a JSON schema must parse as a
-        JSON object or boolean (its meaning is checked when it is compiled)."""
+        JSON object (its meaning is checked by the grammar backend)."""
         given = [k for k in GRAMMAR_FIELDS if getattr(self, k) is not None]
         for k in given:
             if not isinstance(getattr(self, k), str) or not getattr(self, k).strip():
@@ -194,7 +194,7 @@ class SamplingParams:
                 schema = json.loads(self.json_schema)
             except ValueError as e:
                 raise InvalidRequestError("json_schema", f"is not valid JSON: {e}") from None
-            if not isinstance(schema, (dict, bool)):
+            if not isinstance(schema, dict):
                 raise InvalidRequestError("json_schema", "must be a JSON object (a JSON "
                                                          "Schema), got "
                                                          f"{type(schema).__name__}")
