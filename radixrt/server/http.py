@@ -121,9 +121,6 @@ class Server:
         self.tool_parser = T.parser_class(args.tool_call_parser, template)
         self.keep_specials, self.remove_specials = T.kept_specials(
             self.tool_parser, list(getattr(engine.tokenizer, "all_special_tokens", []) or []))
-        logger.info("tool calls: %s parser, tools %s", self.tool_parser.name,
-                    "through the chat template" if engine.template_takes_tools()
-                    else "in the fallback system block")
 
     # -- request checks -------------------------------------------------------------------------
     def check_model(self, body: dict[str, Any]) -> None:
@@ -614,6 +611,9 @@ def serve(args: ServerArgs) -> int:
         app = create_app(engine, args)
         logger.info("serving %s on http://%s:%d", app.state.server.model_name, args.host,
                     args.port)
+        logger.info("tool calls: %s parser; tools %s", app.state.server.tool_parser.name,
+                    "through the chat template" if engine.template_takes_tools()
+                    else "in the fallback system block")
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                     timeout_graceful_shutdown=5, access_log=False)
     except _Stop as e:
