@@ -28,6 +28,7 @@ from radixrt.core.logprobs import TokenLogprobs
 from radixrt.core.messages import ReqTextOut
 from radixrt.core.sampling_params import SamplingParams
 from radixrt.frontend.engine import Engine, ReqState
+from radixrt.server import api_fields
 from radixrt.server import protocol as P
 from radixrt.server.metrics import ServerMetrics
 
@@ -162,6 +163,7 @@ class Server:
     # -- endpoints ------------------------------------------------------------------------------
     async def completions(self, body: dict[str, Any], request: Request | None = None) -> Response:
         self.check_model(body)
+        P.check_fields(body, api_fields.COMPLETIONS)
         prompts = P.prompts_from(body)
         n = P.n_from(body)
         stream, include_usage = P.stream_opts(body)
@@ -257,6 +259,7 @@ class Server:
 
     async def chat(self, body: dict[str, Any], request: Request | None = None) -> Response:
         self.check_model(body)
+        P.check_fields(body, api_fields.CHAT)
         messages = P.messages_from(body)
         n = P.n_from(body)
         stream, include_usage = P.stream_opts(body)
