@@ -36,6 +36,7 @@ from radixrt.sampling.batch_info import SamplingBatchInfo
 from radixrt.sampling.sampler import Sampler
 from radixrt.sampling.vocab_mask import apply_vocab_mask, unpack_bitmask
 from radixrt.sched.scheduler import Scheduler
+from tokenizer_proc.input_processor import to_params
 
 PERSON = {
     "type": "object",
@@ -163,8 +164,11 @@ def test_sampling_params_grammar_fields() -> None:
     check_params(sp)
     with pytest.raises(GrammarError):
         check_params(SamplingParams(regex="[z-a]"))
-    # The grammar fields go through the dict entry point (the Engine's) as well.
-    assert SamplingParams.from_dict({"regex": "a+"}).regex == "a+"
+    # The Engine's entry point checks that the grammar compiles, whichever form it is given in.
+    assert to_params({"regex": "a+"}).regex == "a+"
+    for bad in ({"ebnf": "root ::= nowhere"}, SamplingParams(json_schema='{"type": "nope"}')):
+        with pytest.raises(GrammarError):
+            to_params(bad)
 
 
 # -- compiler ------------------------------------------------------------------------------------
@@ -238,6 +242,8 @@ def test_unpack_and_apply_mask_against_naive() -> None:
         assert torch.isneginf(out[r][~got[j]]).all()
     for r in (1, 3):
         assert torch.equal(out[r], logits[r])
+    every = apply_vocab_mask(logits[:3], None, bitmask)  # rows None: row i <- bitmask i
+    assert torch.equal(every, torch.where(got, logits[:3], float("-inf")))
 
 
 def test_sampler_masks_only_constrained_rows_and_grammar_beats_bans() -> None:

@@ -204,8 +204,6 @@ def api_error(body: dict[str, Any]) -> ApiError:
      "tools[0].function.parameters", "schema"),
     ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name", "duplicate"),
     ({"tools": [WEATHER], "parallel_tool_calls": "no"}, "parallel_tool_calls", "boolean"),
-    ({"functions": [WEATHER["function"]]}, "functions", "'tools'"),
-    ({"tools": [WEATHER], "function_call": "auto"}, "function_call", "'tool_choice'"),
 ])
 def test_bad_tool_requests_name_the_field(body, param, words):
     err = api_error(body)

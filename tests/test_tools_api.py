@@ -222,3 +222,21 @@ def test_special_token_marker_is_kept_and_other_specials_dropped(tiny_llama_dir,
     assert msg.content == "I will look both up."
     assert [(t.function.name, json.loads(t.function.arguments)) for t in msg.tool_calls] == \
         EXPECTED
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "frobnicate"}}}], "tool_choice": "required"}, "tools"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+      "regex": "a+"}, "tool_choice"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+])
+def test_grammar_conflicts_and_unenforceable_schemas_are_400(tokenizer, extra, param):
+    eng = ScriptedEngine(tokenizer, "x")
+    c = client_for(eng)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="toy", messages=ASK, extra_body=extra)
+    assert e.value.status_code == 400 and e.value.body["param"] == param, e.value.body
+    assert not eng.submitted

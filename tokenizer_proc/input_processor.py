@@ -12,21 +12,24 @@ from typing import Any
 from radixrt.core.errors import InvalidRequestError
 from radixrt.core.sampling_params import SamplingParams
 from radixrt.core.validation import check_context_length
+from radixrt.grammar import check_params
 
 ParamsLike = SamplingParams | dict[str, Any] | None
 
 
 def to_params(p: ParamsLike) -> SamplingParams:
-    """`None` (defaults), a `SamplingParams`, or a dict of its fields; validated."""
+    """`None` (defaults), a `SamplingParams`, or a dict of its fields; validated, its grammar
+    (if any) checked to compile (`GrammarError`, an `InvalidRequestError`, names the field)."""
     if p is None:
         sp = SamplingParams()
     elif isinstance(p, SamplingParams):
         sp = p
     elif isinstance(p, dict):
-        return SamplingParams.from_dict(p)
+        sp = SamplingParams.from_dict(p)
     else:
         raise TypeError(f"sampling_params: expected SamplingParams or dict, got {type(p).__name__}")
     sp.validate()
+    check_params(sp)
     return sp
 
 

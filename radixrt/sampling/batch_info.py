@@ -80,8 +80,8 @@ class SamplingBatchInfo:
     logprob_rows: list[int]  # rows that asked for logprobs
     top_logprobs: list[int]  # per row, number of alternatives (0 when logprobs is off)
     # Grammar-constrained rows and their token masks (`radixrt.sampling.vocab_mask` layout):
-    # mask_rows [Nc] int64 on device, vocab_bitmask [Nc, W] int32 on CPU; None when no row
-    # is constrained.
+    # vocab_bitmask [Nc, W] int32 on CPU (None when no row is constrained); mask_rows [Nc]
+    # int64 on device, None when every row is constrained (bitmask row i = batch row i).
     mask_rows: Tensor | None = None
     vocab_bitmask: Tensor | None = None
 
@@ -211,7 +211,8 @@ class SamplingBatchInfo:
             logprob_rows=[i for i, p in enumerate(params) if p.logprobs],
             top_logprobs=[p.top_logprobs if p.logprobs else 0 for p in params],
             mask_rows=(torch.tensor(list(vocab_mask[0]), dtype=torch.long, device=dev)
-                       if vocab_mask is not None and len(vocab_mask[0]) else None),
+                       if vocab_mask is not None and len(vocab_mask[0])
+                       and list(vocab_mask[0]) != list(range(batch)) else None),
             vocab_bitmask=(vocab_mask[1] if vocab_mask is not None and len(vocab_mask[0])
                            else None),
         )

@@ -53,7 +53,6 @@ def apply_penalties(logits: Tensor, info: SamplingBatchInfo) -> Tensor:
     if info.banned_mask is not None:
         out = out.masked_fill(info.banned_mask, float("-inf"))
     if info.vocab_bitmask is not None:
-        assert info.mask_rows is not None
         out = apply_vocab_mask(out, info.mask_rows, info.vocab_bitmask,
                                fallback=unbanned if info.banned_mask is not None else None)
     return out

@@ -29,6 +29,8 @@ from radixrt.core.logprobs import TokenLogprobs
 from radixrt.core.messages import ReqTextOut
 from radixrt.core.sampling_params import SamplingParams
 from radixrt.frontend.engine import Engine, ReqState
+from radixrt.grammar import check_params
+from radixrt.server import api_fields
 from radixrt.server import protocol as P
 from radixrt.server import tools as T
 from radixrt.server.metrics import ServerMetrics
@@ -162,7 +164,13 @@ class Server:
                 raise P.bad("tool_choice", f"'tool_choice': {treq.choice!r} is enforced by a "
                                            "grammar and cannot be combined with "
                                            "'response_format', 'regex' or 'ebnf'")
-            return dataclasses.replace(sp, json_schema=treq.grammar_schema())
+            sp = dataclasses.replace(sp, json_schema=treq.grammar_schema())
+            try:
+                check_params(sp)
+            except InvalidRequestError as e:  # a tool's parameters the grammar cannot enforce
+                raise P.bad("tools", f"tool_choice {treq.choice!r} needs the tools' "
+                                     f"parameters as a grammar: {e}") from None
+            return sp
         if self.keep_specials:
             return dataclasses.replace(sp, skip_special_tokens=False)
         return sp
@@ -190,6 +198,7 @@ class Server:
     # -- endpoints ------------------------------------------------------------------------------
     async def completions(self, body: dict[str, Any], request: Request | None = None) -> Response:
         self.check_model(body)
+        P.check_fields(body, api_fields.COMPLETIONS)
         prompts = P.prompts_from(body)
         n = P.n_from(body)
         stream, include_usage = P.stream_opts(body)
@@ -285,6 +294,7 @@ class Server:
 
     async def chat(self, body: dict[str, Any], request: Request | None = None) -> Response:
         self.check_model(body)
+        P.check_fields(body, api_fields.CHAT)
         treq = T.tool_request_from(body)
         messages = P.messages_from(body)
         n = P.n_from(body)

@@ -13,9 +13,14 @@ from radixrt.core.errors import InvalidRequestError
 from radixrt.core.logprobs import TokenLogprobs
 from radixrt.core.sampling_params import SamplingParams
 from radixrt.core.validation import check_context_length
+from radixrt.grammar import check_params
+from radixrt.server.api_fields import unsupported_field
 
 # SamplingParams field → the OpenAI parameter a user sent.
-API_NAME = {"max_new_tokens": "max_tokens", "top_logprobs": "logprobs"}
+API_NAME = {"max_new_tokens": "max_tokens", "top_logprobs": "logprobs",
+            "min_new_tokens": "min_tokens", "json_schema": "response_format"}
+# response_format {"type": "json_object"}: any JSON object.
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
 
 
 class ApiError(Exception):
@@ -73,6 +78,56 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     return tuple(stop)
 
 
+def check_fields(body: dict[str, Any], implemented: frozenset[str]) -> None:
+    """400 naming the first field the endpoint neither implements nor ignores as metadata
+    (see `api_fields`): never a quiet success that dropped part of the request."""
+    name = unsupported_field(body, implemented)
+    if name is not None:
+        raise bad(name, f"'{name}' is not supported by this server; remove it from the "
+                        "request", code="unsupported_parameter")
+
+
+def grammar_from_body(body: dict[str, Any]) -> dict[str, str]:
+    """The SamplingParams grammar field set by `response_format` (`text`, `json_object`,
+    `json_schema` with `schema` and optional `strict`), `regex` or `ebnf`; at most one."""
+    fields: dict[str, str] = {}
+    rf = _get(body, "response_format", (dict,), None, "an object")
+    if rf is not None:
+        kind = rf.get("type")
+        if kind == "json_object":
+            fields["json_schema"] = JSON_OBJECT_SCHEMA
+        elif kind == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict):
+                raise bad("response_format.json_schema",
+                          "'response_format.json_schema' must be an object with a 'schema'")
+            schema = js.get("schema")
+            if not isinstance(schema, dict):
+                raise bad("response_format.json_schema.schema",
+                          "'response_format.json_schema.schema' must be a JSON Schema object")
+            strict = js.get("strict")
+            if strict is not None and not isinstance(strict, bool):
+                raise bad("response_format.json_schema.strict",
+                          "'response_format.json_schema.strict' must be a boolean")
+            name = js.get("name")
+            if name is not None and not isinstance(name, str):
+                raise bad("response_format.json_schema.name",
+                          "'response_format.json_schema.name' must be a string")
+            fields["json_schema"] = json.dumps(schema)
+        elif kind != "text":
+            raise bad("response_format.type", "'response_format.type' must be 'text', "
+                                              f"'json_object' or 'json_schema', got {kind!r}")
+    for name in ("regex", "ebnf"):
+        v = _get(body, name, (str,), None, "a string")
+        if v is not None:
+            fields[name] = v
+    if len(fields) > 1:
+        given = ["response_format" if k == "json_schema" else k for k in fields]
+        raise bad(given[1], f"only one of response_format (json), regex, ebnf may be set, "
+                            f"got {' and '.join(given)}")
+    return fields
+
+
 def sampling_from_body(body: dict[str, Any], max_tokens: int, logprobs: bool,
                        top_logprobs: int, logprob_start_len: int = -1) -> SamplingParams:
     """Common sampling fields of both endpoints; `max_tokens` already resolved and checked.
@@ -90,9 +145,12 @@ def sampling_from_body(body: dict[str, Any], max_tokens: int, logprobs: bool,
         "stop": _stop(body),
         "ignore_eos": _get(body, "ignore_eos", (bool,), False, "a boolean"),
         "skip_special_tokens": _get(body, "skip_special_tokens", (bool,), True, "a boolean"),
+        "min_new_tokens": _get(body, "min_tokens", (int,), 0, "an integer >= 0"),
+        "stop_token_ids": _get(body, "stop_token_ids", (list,), [], "a list of token ids"),
         "logprobs": logprobs,
         "top_logprobs": top_logprobs,
         "logprob_start_len": logprob_start_len,
+        **grammar_from_body(body),
     }
     if fields["temperature"] < 0:
         raise bad("temperature", f"'temperature' must be >= 0, got {fields['temperature']}")
@@ -101,6 +159,7 @@ def sampling_from_body(body: dict[str, Any], max_tokens: int, logprobs: bool,
     try:
         sp = SamplingParams(**fields)
         sp.validate()
+        check_params(sp)  # a grammar that does not compile is a 400 before anything queues
     except InvalidRequestError as e:
         raise invalid(e) from None
     return sp

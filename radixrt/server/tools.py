@@ -132,11 +132,7 @@ def tool_request_from(body: dict[str, Any]) -> ToolRequest | None:
     """The request's tool settings; None when it has no tools (an empty list is none).
     Errors (HTTP 400) name the field: a malformed tool, duplicate names, an unknown
     `tool_choice`, a function `tool_choice` does not find among `tools`, `tool_choice`
-    without `tools`, the legacy `functions` / `function_call`."""
-    for legacy, now in (("functions", "tools"), ("function_call", "tool_choice")):
-        if body.get(legacy) is not None:
-            raise bad(legacy, f"'{legacy}' (deprecated by OpenAI) is not supported; use "
-                              f"'{now}'")
+    without `tools`."""
     raw = body.get("tools")
     if raw is not None and not isinstance(raw, list):
         raise bad("tools", "'tools' must be a list of function tools")
