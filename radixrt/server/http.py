@@ -176,10 +176,11 @@ class Server:
         return sp
 
     def tool_stream(self, treq: T.ToolRequest | None) -> T.ToolCallStream | None:
+        """One choice's reader of tool calls (None: no tools, or `none`: the text is content)."""
         parser = treq.parser(self.tool_parser) if treq is not None else None
-        if parser is None:
+        if treq is None or parser is None:
             return None
-        remove = self.remove_specials if treq is not None and treq.choice == "auto" else ()
+        remove = self.remove_specials if treq.choice == "auto" else ()
         return T.ToolCallStream(parser, treq.parallel, remove)
 
     @staticmethod
