@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 SCHEDULE_POLICIES: tuple[str, ...] = ("lpm", "fcfs", "dfs-weight")
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
+# The names of radixrt.server.tool_parsers.TOOL_PARSERS, plus "auto" (a test keeps them equal).
+TOOL_CALL_PARSERS: tuple[str, ...] = ("auto", "hermes", "llama3_json", "mistral")
 
 
 def available_cores() -> int:
@@ -83,6 +85,12 @@ class ServerArgs:
     max_queued_requests: int = _f(1024, "requests waiting beyond max_running_requests before "
                                         "HTTP 429")
     max_request_bytes: int = _f(8 * 2**20, "largest HTTP request body (HTTP 413 above)")
+    tool_call_parser: str = _f("auto", "how tool calls are read from generated text with "
+                                       "tool_choice auto: hermes (<tool_call>{json}</tool_call>, "
+                                       "also the fallback format for templates without tools) | "
+                                       "llama3_json ({\"name\", \"parameters\"}) | mistral "
+                                       "([TOOL_CALLS]) | auto (from the chat template's markers, "
+                                       "else hermes)")
 
     def __post_init__(self) -> None:
         def bad(field: str, msg: str) -> None:
@@ -106,6 +114,9 @@ class ServerArgs:
                 bad(name, f"must be positive, got {getattr(self, name)}")
         if not 0 < self.port < 65536:
             bad("port", f"must be in 1..65535, got {self.port}")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            bad("tool_call_parser", f"must be one of {TOOL_CALL_PARSERS}, got "
+                                    f"{self.tool_call_parser!r}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             bad("log_level", f"must be debug|info|warning|error, got {self.log_level!r}")
         if not 0.0 < self.mem_fraction <= 0.95:

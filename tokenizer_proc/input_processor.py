@@ -5,27 +5,31 @@ Every rejection is an `InvalidRequestError` naming the offending field.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
 from radixrt.core.errors import InvalidRequestError
 from radixrt.core.sampling_params import SamplingParams
 from radixrt.core.validation import check_context_length
+from radixrt.grammar import check_params
 
 ParamsLike = SamplingParams | dict[str, Any] | None
 
 
 def to_params(p: ParamsLike) -> SamplingParams:
-    """`None` (defaults), a `SamplingParams`, or a dict of its fields; validated."""
+    """`None` (defaults), a `SamplingParams`, or a dict of its fields; validated, its grammar
+    (if any) checked to compile (`GrammarError`, an `InvalidRequestError`, names the field)."""
     if p is None:
         sp = SamplingParams()
     elif isinstance(p, SamplingParams):
         sp = p
     elif isinstance(p, dict):
-        return SamplingParams.from_dict(p)
+        sp = SamplingParams.from_dict(p)
     else:
         raise TypeError(f"sampling_params: expected SamplingParams or dict, got {type(p).__name__}")
     sp.validate()
+    check_params(sp)
     return sp
 
 
@@ -34,6 +38,7 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_context_len = max_context_len
+        self._takes_tools: bool | None = None
 
     def tokenize(self, prompt: str) -> list[int]:
         if not isinstance(prompt, str):
@@ -42,16 +47,27 @@ class InputProcessor:
             raise InvalidRequestError("prompt", "must not be empty")
         return list(self.tokenizer.encode(prompt, add_special_tokens=True))
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The prompt's token ids; `tools` (OpenAI function tools) go to the template, which
+        must take them (`template_takes_tools`)."""
         if not isinstance(messages, list) or not messages:
             raise InvalidRequestError("messages",
                                       "must be a non-empty list of {role, content} objects")
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise InvalidRequestError(f"messages[{i}]", "must have 'role' and 'content'")
+        extra = {"tools": tools} if tools else {}
         text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=True)
+                                                  add_generation_prompt=True, **extra)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def template_takes_tools(self) -> bool:
+        """Whether the tokenizer's chat template reads a `tools` variable (computed once)."""
+        if self._takes_tools is None:
+            self._takes_tools = template_reads(getattr(self.tokenizer, "chat_template", None),
+                                               "tools")
+        return self._takes_tools
 
     def check_ids(self, ids: Sequence[int], max_new_tokens: int = 1, *,
                   ids_field: str = "input_ids", prompt_field: str = "prompt",
@@ -99,6 +115,24 @@ class InputProcessor:
         for ids, sp in zip(ids_list, params, strict=True):
             check_logprob_start(len(ids), sp)
         return ids_list, params, single
+
+
+def template_reads(template: Any, variable: str) -> bool:
+    """Whether a Jinja chat template (or any of a dict of named templates) reads `variable`
+    from its context."""
+    if isinstance(template, dict):
+        return any(template_reads(t, variable) for t in template.values())
+    if not isinstance(template, str):
+        return False
+    from jinja2 import meta
+    from jinja2.exceptions import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"])
+    try:
+        return variable in meta.find_undeclared_variables(env.parse(template))
+    except TemplateSyntaxError:  # a dialect we cannot parse: look for the name
+        return re.search(rf"\b{re.escape(variable)}\b", template) is not None
 
 
 def check_logprob_start(prompt_len: int, sp: SamplingParams,

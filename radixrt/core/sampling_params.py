@@ -8,6 +8,7 @@ only normalizes (`stop` / `stop_token_ids` become tuples); `validate()` checks e
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from radixrt.core.errors import InvalidRequestError
 # Temperatures below this are treated as greedy (dividing by them would overflow float32 logits).
 GREEDY_TEMPERATURE_EPS = 1e-5
 MAX_TOP_LOGPROBS = 20
+# The fields that constrain generation with a grammar; at most one may be set.
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
 
 
 def _normalize_seq(value: Any, elem: type) -> Any:
@@ -49,6 +52,11 @@ class SamplingParams:
     `top_logprobs` alternatives each; -1 (default) asks for none. They are served from the
     radix cache when a cached prefix already holds them. max_new_tokens == 0 (allowed only
     with prompt scores) scores the prompt without generating.
+
+    Structured output: at most one of `json_schema` (a JSON Schema as JSON text; "{}" or
+    '{"type": "object"}' for "any JSON object"), `regex` or `ebnf` (a Lark-style grammar whose
+    start rule is `start`) constrains every generated token; the request ends ("stop") when the
+    grammar accepts and can go no further, or when it reaches EOS in an accepting state.
     """
 
     max_new_tokens: int = 128
@@ -68,6 +76,9 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     logprob_start_len: int = -1
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def __post_init__(self) -> None:
         self.normalize()
@@ -81,6 +92,16 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         """True when sampling reduces to argmax (temperature ~ 0 or top_k == 1)."""
         return self.temperature < GREEDY_TEMPERATURE_EPS or self.top_k == 1
+
+    @property
+    def grammar_key(self) -> tuple[str, str] | None:
+        """(kind, source) of the request's grammar: kind is "json_schema", "regex" or "ebnf";
+        None when unconstrained. Compiled grammars are cached by this key."""
+        for kind in GRAMMAR_FIELDS:
+            src = getattr(self, kind)
+            if src is not None:
+                return kind, src
+        return None
 
     @property
     def has_penalties(self) -> bool:
@@ -156,6 +177,27 @@ class SamplingParams:
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
         ):
             bad("stop_token_ids", "must be a list of non-negative integers")
+        self._validate_grammar()
+
+    def _validate_grammar(self) -> None:
+        """At most one grammar field, each a non-empty string; a JSON schema must parse as a
+        JSON object (its meaning is checked by the grammar backend)."""
+        given = [k for k in GRAMMAR_FIELDS if getattr(self, k) is not None]
+        for k in given:
+            if not isinstance(getattr(self, k), str) or not getattr(self, k).strip():
+                raise InvalidRequestError(k, "must be a non-empty string")
+        if len(given) > 1:
+            raise InvalidRequestError(given[1], "only one of json_schema, regex, ebnf may be "
+                                                f"set, got {' and '.join(given)}")
+        if self.json_schema is not None:
+            try:
+                schema = json.loads(self.json_schema)
+            except ValueError as e:
+                raise InvalidRequestError("json_schema", f"is not valid JSON: {e}") from None
+            if not isinstance(schema, dict):
+                raise InvalidRequestError("json_schema", "must be a JSON object (a JSON "
+                                                         "Schema), got "
+                                                         f"{type(schema).__name__}")
 
     @classmethod
     def field_names(cls) -> frozenset[str]:

@@ -52,8 +52,14 @@ class Engine:
     def tokenize(self, prompt: str) -> list[int]:
         return self._inputs.tokenize(prompt)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        return self._inputs.apply_chat_template(messages)
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of a conversation; `tools` go to a template that takes them."""
+        return self._inputs.apply_chat_template(messages, tools)
+
+    def template_takes_tools(self) -> bool:
+        """Whether the chat template renders a `tools` list."""
+        return self._inputs.template_takes_tools()
 
     def check_input_ids(self, ids: Sequence[int], max_new_tokens: int = 1, *,
                         ids_field: str = "input_ids", prompt_field: str = "prompt",

@@ -79,6 +79,11 @@ class SamplingBatchInfo:
     row_seeds: list[int | None]  # per row: generator seed for this step, None when unseeded
     logprob_rows: list[int]  # rows that asked for logprobs
     top_logprobs: list[int]  # per row, number of alternatives (0 when logprobs is off)
+    # Grammar-constrained rows and their token masks (`radixrt.sampling.vocab_mask` layout):
+    # vocab_bitmask [Nc, W] int32 on CPU (None when no row is constrained); mask_rows [Nc]
+    # int64 on device, None when every row is constrained (bitmask row i = batch row i).
+    mask_rows: Tensor | None = None
+    vocab_bitmask: Tensor | None = None
 
     @property
     def is_fast_path(self) -> bool:
@@ -89,6 +94,7 @@ class SamplingBatchInfo:
             and self.output_counts is None
             and self.banned_mask is None
             and not self.logprob_rows
+            and self.vocab_bitmask is None
         )
 
     @classmethod
@@ -100,10 +106,11 @@ class SamplingBatchInfo:
         vocab_size: int,
         device: torch.device | str,
         eos_token_ids: Sequence[int] = (),
+        vocab_mask: tuple[Sequence[int], Tensor] | None = None,
     ) -> SamplingBatchInfo:
         """Gather the batch's settings. `output_ids[i]` is what request i generated so far (its
         length is the seed step and the min_new_tokens progress). Count tensors are only built
-        when some row needs them."""
+        when some row needs them. `vocab_mask`: (constrained rows, their int32 bitmask)."""
         batch = len(params)
         if len(prompt_ids) != batch or len(output_ids) != batch:
             raise ValueError(
@@ -203,4 +210,9 @@ class SamplingBatchInfo:
             row_seeds=row_seeds,
             logprob_rows=[i for i, p in enumerate(params) if p.logprobs],
             top_logprobs=[p.top_logprobs if p.logprobs else 0 for p in params],
+            mask_rows=(torch.tensor(list(vocab_mask[0]), dtype=torch.long, device=dev)
+                       if vocab_mask is not None and len(vocab_mask[0])
+                       and list(vocab_mask[0]) != list(range(batch)) else None),
+            vocab_bitmask=(vocab_mask[1] if vocab_mask is not None and len(vocab_mask[0])
+                           else None),
         )

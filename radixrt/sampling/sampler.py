@@ -2,15 +2,17 @@
 
 Pipeline per step (`Sampler.sample`):
   1. `apply_penalties`: repetition (HF, prompt + output), then frequency / presence (OpenAI,
-     output only), then min_new_tokens bans (EOS + stop_token_ids -> -inf).
+     output only), then min_new_tokens bans (EOS + stop_token_ids -> -inf), then grammar
+     masks on constrained rows (tokens the grammar forbids -> -inf; where a ban would leave a
+     constrained row nothing, the grammar wins and the ban is dropped for that row).
   2. Greedy rows: argmax of the penalized logits.
   3. Sampled rows: `filter_logits` (temperature, then top-k, top-p over the top-k renormalized
      distribution, min-p relative to the max probability; masked tokens become -inf), then the
      exponential race argmax(logits - log(E)), E ~ Exp(1) i.i.d. per token (= Gumbel-max).
 
 Invariants:
-  * A token masked by top-k / top-p / min-p / min_new_tokens is never emitted (its score is -inf
-    and the noise is clamped to stay finite).
+  * A token masked by top-k / top-p / min-p / min_new_tokens / a grammar is never emitted (its
+    score is -inf and the noise is clamped to stay finite).
   * A seeded row's noise depends only on (seed, len(output_ids)), so "same seed, same tokens"
     holds regardless of which other requests share the batch. Unseeded rows share one draw
     from the sampler's own generator.
@@ -28,6 +30,7 @@ from torch import Tensor
 from radixrt.core.logprobs import TokenLogprobs
 from radixrt.sampling.batch_info import MASK64, SamplingBatchInfo
 from radixrt.sampling.flashinfer_sampler import flashinfer_sample
+from radixrt.sampling.vocab_mask import apply_vocab_mask
 
 
 def apply_penalties(logits: Tensor, info: SamplingBatchInfo) -> Tensor:
@@ -35,7 +38,7 @@ def apply_penalties(logits: Tensor, info: SamplingBatchInfo) -> Tensor:
 
     Repetition (tokens in prompt or output): x > 0 -> x / r, else x * r. Then
     x -= frequency * count + presence * (count > 0) over output tokens. Then min_new_tokens
-    bans set EOS / stop_token_ids to -inf.
+    bans set EOS / stop_token_ids to -inf. Then grammar masks (see the module docstring).
     """
     out = logits
     if info.repetition_mask is not None:
@@ -46,8 +49,12 @@ def apply_penalties(logits: Tensor, info: SamplingBatchInfo) -> Tensor:
         assert info.frequency_penalties is not None and info.presence_penalties is not None
         c = info.output_counts
         out = out - info.frequency_penalties * c - info.presence_penalties * (c > 0).float()
+    unbanned = out
     if info.banned_mask is not None:
         out = out.masked_fill(info.banned_mask, float("-inf"))
+    if info.vocab_bitmask is not None:
+        out = apply_vocab_mask(out, info.mask_rows, info.vocab_bitmask,
+                               fallback=unbanned if info.banned_mask is not None else None)
     return out
 
 

@@ -4,7 +4,14 @@ collect what goes to the detokenizer."""
 from __future__ import annotations
 
 from radixrt.core.logprobs import TokenLogprobs
-from radixrt.core.messages import FINISH_LENGTH, FINISH_STOP, ReqTokenOut, TokenBatchOut, Usage
+from radixrt.core.messages import (
+    FINISH_ABORT,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    ReqTokenOut,
+    TokenBatchOut,
+    Usage,
+)
 from radixrt.sched.kv_owner import KVOwner
 from radixrt.sched.req import Req
 
@@ -22,8 +29,18 @@ class OutputProcessor:
                 req.pending_logprobs = TokenLogprobs()
             req.pending_logprobs.extend(logprobs)
         sp = req.sampling
+        g = req.grammar
         if (not sp.ignore_eos and token in self.eos_token_ids) or token in sp.stop_token_ids:
             req.finish_reason = FINISH_STOP
+        elif g is not None and token in self.eos_token_ids:
+            # The mask allows EOS only where the grammar may end: it ends the request even
+            # with ignore_eos (the grammar, not the model, decides when output is complete).
+            req.finish_reason = FINISH_STOP
+        elif g is not None and not g.accept_token(token):
+            req.finish_reason = FINISH_ABORT
+            req.error = f"internal error: token {token} violates the request's grammar"
+        elif g is not None and g.is_terminated():
+            req.finish_reason = FINISH_STOP  # the grammar accepted and nothing may follow
         elif len(req.output_ids) >= sp.max_new_tokens or req.seq_len() >= self.max_context_len:
             req.finish_reason = FINISH_LENGTH
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 
 from radixrt.core.logprobs import TokenLogprobs
 from radixrt.core.sampling_params import SamplingParams
+from radixrt.grammar.base import GrammarMatcher
 from radixrt.sched.prompt_scores import PromptScoring
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
@@ -53,6 +55,11 @@ class Req:
             PromptScoring(len(input_ids), sampling.logprob_start_len, sampling.top_logprobs)
             if sampling.logprob_start_len >= 0 else None)
         self.pending_prompt_logprobs: TokenLogprobs | None = None
+        # Grammar (`sampling.grammar_key`): the future compiled grammar while the request waits
+        # for it, then its matcher, which has consumed exactly `output_ids` (kept across
+        # retraction, dropped when the request finishes).
+        self.grammar_future: Future | None = None
+        self.grammar: GrammarMatcher | None = None
 
     def all_ids(self) -> list[int]:
         return self.origin_input_ids + self.output_ids

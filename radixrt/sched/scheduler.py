@@ -11,6 +11,7 @@ import logging
 import os
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -31,10 +32,12 @@ from radixrt.core.messages import (
     TokenBatchOut,
 )
 from radixrt.core.validation import check_context_length
+from radixrt.grammar import GrammarBackend, GrammarCompiler, LLGuidanceBackend
 from radixrt.mem.base_prefix_cache import BasePrefixCache
 from radixrt.mem.chunk_cache import NoPrefixCache
 from radixrt.mem.radix_cache import RadixCache
 from radixrt.model.runner import ModelRunner
+from radixrt.model.tokenizer import load_tokenizer
 from radixrt.sampling.batch_info import SamplingBatchInfo
 from radixrt.sampling.sampler import Sampler
 from radixrt.sched.batch import BatchBuilder
@@ -48,6 +51,10 @@ logger = logging.getLogger(__name__)
 
 # After a retraction, assume every running request will still decode this many more tokens.
 RETRACT_DECODE_STEPS = 20
+# Idle poll timeout while requests only wait for their grammars (the loop checks the
+# compiler's futures this often instead of sleeping the usual second).
+GRAMMAR_POLL_MS = 5
+IDLE_POLL_MS = 1000
 
 
 @dataclass
@@ -65,7 +72,12 @@ class Counters:
 
 
 class Scheduler:
-    def __init__(self, args: ServerArgs, runner: ModelRunner):
+    """`grammar_backend`: builds the grammar backend (default: llguidance over the served
+    tokenizer); called once, on the grammar compiler's thread, when the first constrained
+    request arrives."""
+
+    def __init__(self, args: ServerArgs, runner: ModelRunner,
+                 grammar_backend: Callable[[], GrammarBackend] | None = None):
         self.args = args
         self.runner = runner
         self.req_pool = runner.req_to_token_pool
@@ -84,13 +96,21 @@ class Scheduler:
         self.outputs = OutputProcessor(self.kv, self.eos_token_ids, self.max_context_len)
         self.sampler = Sampler(seed=args.random_seed)
         self.vocab_size = cfg.vocab_size
+        self.grammars = GrammarCompiler(grammar_backend or self._default_grammar_backend)
         self.waiting: list[Req] = []
+        # Constrained requests whose grammar is still compiling: not schedulable yet, hold
+        # no KV; they join `waiting` (or finish with the compile error) in `_admit_grammars`.
+        self.grammar_wait: list[Req] = []
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
         self.new_token_ratio = args.init_new_token_ratio
         self.finished_this_step: list[Req] = []
-        self.step_times = {"schedule": 0.0, "build": 0.0, "forward": 0.0, "sample": 0.0,
-                           "process": 0.0}
+        self.step_times = {"schedule": 0.0, "build": 0.0, "forward": 0.0, "grammar": 0.0,
+                           "sample": 0.0, "process": 0.0}
+
+    def _default_grammar_backend(self) -> GrammarBackend:
+        tok = load_tokenizer(self.runner.model_path, self.args.tokenizer_path)
+        return LLGuidanceBackend(tok, self.vocab_size, self.eos_token_ids)
 
     # -- inputs -------------------------------------------------------------------------------------
     def add_request(self, msg: GenerateReq) -> None:
@@ -104,10 +124,39 @@ class Scheduler:
             self.finished_this_step.append(req)
             return
         self.counters.requests += 1
-        self.waiting.append(req)
+        key = req.sampling.grammar_key
+        if key is None:
+            self.waiting.append(req)
+        else:
+            req.grammar_future = self.grammars.submit(key)
+            self.grammar_wait.append(req)
+
+    def _admit_grammars(self) -> None:
+        """Move constrained requests whose grammar is ready to `waiting` (arrival order kept
+        by the policy); a grammar that failed to compile finishes its request with the error."""
+        if not self.grammar_wait:
+            return
+        still = []
+        for req in self.grammar_wait:
+            fut = req.grammar_future
+            assert fut is not None
+            if not fut.done():
+                still.append(req)
+                continue
+            req.grammar_future = None
+            try:
+                req.grammar = self.grammars.matcher(fut.result())
+            except Exception as e:  # GrammarError, or a backend that failed to build
+                req.finish_reason = FINISH_ABORT
+                req.error = f"grammar: {e}"
+                self._retire(req)
+                continue
+            self.waiting.append(req)
+        self.grammar_wait = still
 
     def abort(self, rid: str, reason: str = FINISH_ABORT, message: str = "") -> None:
-        for req in [*self.waiting, *self.running, *([self.chunked_req] if self.chunked_req else [])]:
+        for req in [*self.grammar_wait, *self.waiting, *self.running,
+                    *([self.chunked_req] if self.chunked_req else [])]:
             if req.rid == rid:
                 self._finish(req, reason, message)
                 return
@@ -120,7 +169,12 @@ class Scheduler:
         self._retire(req)
 
     def _retire(self, req: Req) -> None:
-        """A finished request leaves every queue and gives up its KV; counted exactly once."""
+        """A finished request leaves every queue and gives up its KV and grammar state; counted
+        exactly once."""
+        if req in self.grammar_wait:
+            self.grammar_wait.remove(req)
+        req.grammar_future = None
+        req.grammar = None
         if req in self.waiting:
             self.waiting.remove(req)
         if req in self.running:
@@ -137,6 +191,7 @@ class Scheduler:
     def step(self) -> TokenBatchOut | None:
         """Run one prefill or decode batch if there is work; returns what to send downstream."""
         t0 = time.perf_counter()
+        self._admit_grammars()
         batch = self._schedule_extend()
         mode = "extend"
         if batch is None and self.running:
@@ -235,9 +290,12 @@ class Scheduler:
         else:
             logits = self.runner.forward(fb)
         t2 = time.perf_counter()
+        vocab_mask = self._grammar_masks(reqs)
+        tg = time.perf_counter()
         info = SamplingBatchInfo.build(
             [r.sampling for r in reqs], [r.origin_input_ids for r in reqs],
-            [r.output_ids for r in reqs], self.vocab_size, logits.device, self.eos_token_ids)
+            [r.output_ids for r in reqs], self.vocab_size, logits.device, self.eos_token_ids,
+            vocab_mask)
         sample = self.sampler.sample(logits, info)
         t3 = time.perf_counter()
         before = sum(len(r.output_ids) for r in reqs)
@@ -259,8 +317,21 @@ class Scheduler:
         t4 = time.perf_counter()
         self.step_times["build"] += t1 - t0
         self.step_times["forward"] += t2 - t1
-        self.step_times["sample"] += t3 - t2
+        self.step_times["grammar"] += tg - t2
+        self.step_times["sample"] += t3 - tg
         self.step_times["process"] += t4 - t3
+
+    def _grammar_masks(self, reqs: list[Req]) -> tuple[list[int], torch.Tensor] | None:
+        """(constrained rows, their token bitmask) for this step, None if no row is. Rows of
+        a chunked prefill that does not reach the prompt's end sample nothing: skipped."""
+        rows = [i for i, r in enumerate(reqs)
+                if r.grammar is not None and r.kv_len + r.extend_len >= r.seq_len()]
+        if not rows:
+            return None
+        backend = self.grammars.backend
+        bitmask = backend.new_bitmask(len(rows))
+        backend.fill_bitmasks([reqs[i].grammar for i in rows], bitmask)  # type: ignore[misc]
+        return rows, bitmask
 
     def _fail_batch(self, reqs: list[Req], message: str) -> None:
         """A step raised, at whatever point: free the step's slots no request committed, hand
@@ -275,7 +346,7 @@ class Scheduler:
 
     # -- control ------------------------------------------------------------------------------------
     def live_reqs(self) -> list[Req]:
-        reqs = [*self.running, *self.waiting]
+        reqs = [*self.running, *self.waiting, *self.grammar_wait]
         if self.chunked_req is not None:
             reqs.append(self.chunked_req)
         return reqs
@@ -303,7 +374,9 @@ class Scheduler:
             "forward_steps_total": c.forward_steps,
             "cache_hit_rate": c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
             "num_running": len(self.running) + (self.chunked_req is not None),
-            "num_waiting": len(self.waiting),
+            "num_waiting": len(self.waiting) + len(self.grammar_wait),
+            "num_grammar_compiling": len(self.grammar_wait),
+            "grammars_compiled_total": self.grammars.compiles,
             "max_total_tokens": self.kv_pool.size,
             "free_tokens": self.kv_pool.available_size(),
             "used_tokens": self.kv_pool.size - self.kv_pool.available_size(),
@@ -336,7 +409,13 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
+        """Something to step now (requests waiting only for their grammar are not)."""
         return bool(self.waiting or self.running or self.chunked_req or self.finished_this_step)
+
+    @property
+    def idle_poll_ms(self) -> int:
+        """How long the loop may block on its socket when there is no work."""
+        return GRAMMAR_POLL_MS if self.grammar_wait else IDLE_POLL_MS
 
 
 def run_scheduler(args: ServerArgs, paths: ipc.IpcPaths, parent_pid: int) -> None:
@@ -376,7 +455,7 @@ def run_scheduler(args: ServerArgs, paths: ipc.IpcPaths, parent_pid: int) -> Non
     last_log = time.monotonic()
     while True:
         if not sched.has_work:
-            poller.poll(timeout=1000)
+            poller.poll(timeout=sched.idle_poll_ms)
         for msg in ipc.recv_all(recv):
             reply = sched.handle(msg)
             if reply is not None:
@@ -385,7 +464,8 @@ def run_scheduler(args: ServerArgs, paths: ipc.IpcPaths, parent_pid: int) -> Non
         if out is not None:
             ipc.send(to_detok, out)
         now = time.monotonic()
-        if now - last_log >= args.stats_interval_s and (sched.running or sched.waiting):
+        if now - last_log >= args.stats_interval_s and (sched.running or sched.waiting
+                                                         or sched.grammar_wait):
             s = sched.stats()
             logger.info("running=%d waiting=%d token_usage=%.2f cache_hit_rate=%.3f "
                         "new_token_ratio=%.2f", s["num_running"], s["num_waiting"],

@@ -9,6 +9,7 @@ lets a dropped stream abort its request in the scheduler.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -28,7 +29,10 @@ from radixrt.core.logprobs import TokenLogprobs
 from radixrt.core.messages import ReqTextOut
 from radixrt.core.sampling_params import SamplingParams
 from radixrt.frontend.engine import Engine, ReqState
+from radixrt.grammar import check_params
+from radixrt.server import api_fields
 from radixrt.server import protocol as P
+from radixrt.server import tools as T
 from radixrt.server.metrics import ServerMetrics
 
 logger = logging.getLogger("radixrt.server")
@@ -115,6 +119,10 @@ class Server:
         self.metrics = ServerMetrics(engine.stats)
         self.text = P.TokenText(engine.tokenizer)
         self.created = P.now()
+        template = getattr(engine.tokenizer, "chat_template", None)
+        self.tool_parser = T.parser_class(args.tool_call_parser, template)
+        self.keep_specials, self.remove_specials = T.kept_specials(
+            self.tool_parser, list(getattr(engine.tokenizer, "all_special_tokens", []) or []))
 
     # -- request checks -------------------------------------------------------------------------
     def check_model(self, body: dict[str, Any]) -> None:
@@ -146,6 +154,35 @@ class Server:
         except InvalidRequestError as e:
             raise P.invalid(e) from None
 
+    def tool_sampling(self, sp: SamplingParams, treq: T.ToolRequest | None) -> SamplingParams:
+        """`required` / a named function: the grammar (`json_schema`); `auto` with a parser
+        whose markers are special tokens: keep special tokens in the text."""
+        if treq is None or treq.choice == "none":
+            return sp
+        if treq.constrained:
+            if any(getattr(sp, f, None) for f in ("json_schema", "regex", "ebnf")):
+                raise P.bad("tool_choice", f"'tool_choice': {treq.choice!r} is enforced by a "
+                                           "grammar and cannot be combined with "
+                                           "'response_format', 'regex' or 'ebnf'")
+            sp = dataclasses.replace(sp, json_schema=treq.grammar_schema())
+            try:
+                check_params(sp)
+            except InvalidRequestError as e:  # a tool's parameters the grammar cannot enforce
+                raise P.bad("tools", f"tool_choice {treq.choice!r} needs the tools' "
+                                     f"parameters as a grammar: {e}") from None
+            return sp
+        if self.keep_specials:
+            return dataclasses.replace(sp, skip_special_tokens=False)
+        return sp
+
+    def tool_stream(self, treq: T.ToolRequest | None) -> T.ToolCallStream | None:
+        """One choice's reader of tool calls (None: no tools, or `none`: the text is content)."""
+        parser = treq.parser(self.tool_parser) if treq is not None else None
+        if treq is None or parser is None:
+            return None
+        remove = self.remove_specials if treq.choice == "auto" else ()
+        return T.ToolCallStream(parser, treq.parallel, remove)
+
     @staticmethod
     def per_sample(sp: SamplingParams, n: int) -> list[SamplingParams]:
         """n samples of one prompt; with a seed, sample i uses seed + i so they differ."""
@@ -162,6 +199,7 @@ class Server:
     # -- endpoints ------------------------------------------------------------------------------
     async def completions(self, body: dict[str, Any], request: Request | None = None) -> Response:
         self.check_model(body)
+        P.check_fields(body, api_fields.COMPLETIONS)
         prompts = P.prompts_from(body)
         n = P.n_from(body)
         stream, include_usage = P.stream_opts(body)
@@ -257,6 +295,8 @@ class Server:
 
     async def chat(self, body: dict[str, Any], request: Request | None = None) -> Response:
         self.check_model(body)
+        P.check_fields(body, api_fields.CHAT)
+        treq = T.tool_request_from(body)
         messages = P.messages_from(body)
         n = P.n_from(body)
         stream, include_usage = P.stream_opts(body)
@@ -266,8 +306,10 @@ class Server:
             raise P.bad("top_logprobs", "'top_logprobs' requires 'logprobs': true")
         if not 0 <= top_lp <= 20:
             raise P.bad("top_logprobs", f"'top_logprobs' must be in 0..20, got {top_lp}")
+        messages, template_tools = T.prompt_messages(messages, treq,
+                                                     self.engine.template_takes_tools())
         try:
-            ids = self.engine.apply_chat_template(messages)
+            ids = self.engine.apply_chat_template(messages, template_tools)
         except InvalidRequestError as e:
             raise P.invalid(e) from None
         except Exception as e:  # template errors (e.g. roles the template rejects)
@@ -275,12 +317,13 @@ class Server:
         self.check_ids(ids, "messages")
         mt = P.max_tokens_from(body, ("max_completion_tokens", "max_tokens"), None, len(ids),
                                self.engine.max_context_len, "messages")
-        sp = P.sampling_from_body(body, mt, want_lp, top_lp)
+        sp = self.tool_sampling(P.sampling_from_body(body, mt, want_lp, top_lp), treq)
         params = self.per_sample(sp, n)
         self.check_alive()
         self.check_capacity(n)
         group = RequestGroup(self, [ids] * n, params)
         rid, created = P.new_id("chatcmpl"), P.now()
+        calls = [self.tool_stream(treq) for _ in range(n)]
 
         def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
             obj = {"id": rid, "object": "chat.completion.chunk", "created": created,
@@ -294,21 +337,43 @@ class Server:
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                               "logprobs": None, "finish_reason": None} for i in range(n)])
                 async for i, out in group.events():
-                    if out.text_delta or out.logprobs is not None:
-                        yield chunk([{"index": i, "delta": {"content": out.text_delta},
-                                      "logprobs": self.text.chat_logprobs(out.new_ids,
-                                                                          out.logprobs),
+                    lp = (self.text.chat_logprobs(out.new_ids, out.logprobs)
+                          if out.logprobs is not None else None)
+                    ts = calls[i]
+                    if ts is None:
+                        deltas = ([{"content": out.text_delta}]
+                                  if out.text_delta or lp is not None else [])
+                    else:
+                        deltas = ts.feed(out.text_delta)
+                        if out.finish_reason is not None:
+                            deltas += ts.finish()
+                    if lp is not None and not deltas:
+                        deltas = [{}]
+                    for k, delta in enumerate(deltas):
+                        yield chunk([{"index": i, "delta": delta,
+                                      "logprobs": lp if k == 0 else None,
                                       "finish_reason": None}])
                     if out.finish_reason is not None:
+                        reason = (out.finish_reason if ts is None
+                                  else ts.finish_reason(out.finish_reason))
                         yield chunk([{"index": i, "delta": {}, "logprobs": None,
-                                      "finish_reason": out.finish_reason}])
+                                      "finish_reason": reason}])
 
             return self.sse(group, n, gen(), chunk, include_usage)
 
         results = await self.collect(group, request)
-        choices = [{"index": i, "message": {"role": "assistant", "content": st.text},
-                    "logprobs": self.text.chat_logprobs(st.token_ids, lp),
-                    "finish_reason": st.finish_reason} for i, (st, lp) in enumerate(results)]
+        choices = []
+        for i, (st, lp) in enumerate(results):
+            message: dict[str, Any] = {"role": "assistant", "content": st.text}
+            reason = st.finish_reason
+            ts = calls[i]
+            if ts is not None:
+                ts.feed(st.text)
+                ts.finish()
+                message, reason = ts.message(), ts.finish_reason(reason)
+            choices.append({"index": i, "message": message,
+                            "logprobs": self.text.chat_logprobs(st.token_ids, lp),
+                            "finish_reason": reason})
         return JSONResponse({"id": rid, "object": "chat.completion", "created": created,
                              "model": self.model_name, "choices": choices,
                              "usage": self.usage(group, n)})
@@ -557,6 +622,9 @@ def serve(args: ServerArgs) -> int:
         app = create_app(engine, args)
         logger.info("serving %s on http://%s:%d", app.state.server.model_name, args.host,
                     args.port)
+        logger.info("tool calls: %s parser; tools %s", app.state.server.tool_parser.name,
+                    "through the chat template" if engine.template_takes_tools()
+                    else "in the fallback system block")
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                     timeout_graceful_shutdown=5, access_log=False)
     except _Stop as e:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
@@ -12,9 +13,14 @@ from radixrt.core.errors import InvalidRequestError
 from radixrt.core.logprobs import TokenLogprobs
 from radixrt.core.sampling_params import SamplingParams
 from radixrt.core.validation import check_context_length
+from radixrt.grammar import check_params
+from radixrt.server.api_fields import unsupported_field
 
 # SamplingParams field → the OpenAI parameter a user sent.
-API_NAME = {"max_new_tokens": "max_tokens", "top_logprobs": "logprobs"}
+API_NAME = {"max_new_tokens": "max_tokens", "top_logprobs": "logprobs",
+            "min_new_tokens": "min_tokens", "json_schema": "response_format"}
+# response_format {"type": "json_object"}: any JSON object.
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
 
 
 class ApiError(Exception):
@@ -72,6 +78,56 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     return tuple(stop)
 
 
+def check_fields(body: dict[str, Any], implemented: frozenset[str]) -> None:
+    """400 naming the first field the endpoint neither implements nor ignores as metadata
+    (see `api_fields`): never a quiet success that dropped part of the request."""
+    name = unsupported_field(body, implemented)
+    if name is not None:
+        raise bad(name, f"'{name}' is not supported by this server; remove it from the "
+                        "request", code="unsupported_parameter")
+
+
+def grammar_from_body(body: dict[str, Any]) -> dict[str, str]:
+    """The SamplingParams grammar field set by `response_format` (`text`, `json_object`,
+    `json_schema` with `schema` and optional `strict`), `regex` or `ebnf`; at most one."""
+    fields: dict[str, str] = {}
+    rf = _get(body, "response_format", (dict,), None, "an object")
+    if rf is not None:
+        kind = rf.get("type")
+        if kind == "json_object":
+            fields["json_schema"] = JSON_OBJECT_SCHEMA
+        elif kind == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict):
+                raise bad("response_format.json_schema",
+                          "'response_format.json_schema' must be an object with a 'schema'")
+            schema = js.get("schema")
+            if not isinstance(schema, dict):
+                raise bad("response_format.json_schema.schema",
+                          "'response_format.json_schema.schema' must be a JSON Schema object")
+            strict = js.get("strict")
+            if strict is not None and not isinstance(strict, bool):
+                raise bad("response_format.json_schema.strict",
+                          "'response_format.json_schema.strict' must be a boolean")
+            name = js.get("name")
+            if name is not None and not isinstance(name, str):
+                raise bad("response_format.json_schema.name",
+                          "'response_format.json_schema.name' must be a string")
+            fields["json_schema"] = json.dumps(schema)
+        elif kind != "text":
+            raise bad("response_format.type", "'response_format.type' must be 'text', "
+                                              f"'json_object' or 'json_schema', got {kind!r}")
+    for name in ("regex", "ebnf"):
+        v = _get(body, name, (str,), None, "a string")
+        if v is not None:
+            fields[name] = v
+    if len(fields) > 1:
+        given = ["response_format" if k == "json_schema" else k for k in fields]
+        raise bad(given[1], f"only one of response_format (json), regex, ebnf may be set, "
+                            f"got {' and '.join(given)}")
+    return fields
+
+
 def sampling_from_body(body: dict[str, Any], max_tokens: int, logprobs: bool,
                        top_logprobs: int, logprob_start_len: int = -1) -> SamplingParams:
     """Common sampling fields of both endpoints; `max_tokens` already resolved and checked.
@@ -89,9 +145,12 @@ def sampling_from_body(body: dict[str, Any], max_tokens: int, logprobs: bool,
         "stop": _stop(body),
         "ignore_eos": _get(body, "ignore_eos", (bool,), False, "a boolean"),
         "skip_special_tokens": _get(body, "skip_special_tokens", (bool,), True, "a boolean"),
+        "min_new_tokens": _get(body, "min_tokens", (int,), 0, "an integer >= 0"),
+        "stop_token_ids": _get(body, "stop_token_ids", (list,), [], "a list of token ids"),
         "logprobs": logprobs,
         "top_logprobs": top_logprobs,
         "logprob_start_len": logprob_start_len,
+        **grammar_from_body(body),
     }
     if fields["temperature"] < 0:
         raise bad("temperature", f"'temperature' must be >= 0, got {fields['temperature']}")
@@ -100,6 +159,7 @@ def sampling_from_body(body: dict[str, Any], max_tokens: int, logprobs: bool,
     try:
         sp = SamplingParams(**fields)
         sp.validate()
+        check_params(sp)  # a grammar that does not compile is a 400 before anything queues
     except InvalidRequestError as e:
         raise invalid(e) from None
     return sp
@@ -166,7 +226,57 @@ def prompts_from(body: dict[str, Any]) -> list[str | list[int]]:
     return items
 
 
+def _text(content: Any, where: str) -> str:
+    """A message's content: a string, null, or a list of text parts (joined)."""
+    if content is None:
+        return ""
+    if isinstance(content, list):  # content parts: the text ones
+        texts = [p.get("text") for p in content
+                 if isinstance(p, dict) and p.get("type") in ("text", "input_text")]
+        if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
+            raise bad(where, f"'{where}': only text content parts ({{\"type\": \"text\", "
+                             f"\"text\": ...}}) are supported")
+        return "".join(texts)
+    if not isinstance(content, str):
+        raise bad(where, f"'{where}' must be a string, a list of text parts or null")
+    return content
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's `tool_calls`, with each call's `arguments` JSON text turned into
+    an object (what chat templates expect; a string that is not a JSON object stays as is)."""
+    if not isinstance(calls, list):
+        raise bad(where, f"'{where}' must be a list")
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad(f"{where}[{j}]", f"'{where}[{j}]' must be {{\"id\", \"type\": "
+                                       f"\"function\", \"function\": {{\"name\", \"arguments\"}}}}")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                parsed = json.loads(args) if args.strip() else {}
+            except ValueError:
+                parsed = None
+            args = parsed if isinstance(parsed, dict) else args
+        elif not isinstance(args, dict):
+            raise bad(f"{where}[{j}].function.arguments",
+                      f"'{where}[{j}].function.arguments' must be a JSON string")
+        call: dict[str, Any] = {"type": "function",
+                                "function": {"name": fn["name"], "arguments": args}}
+        if c.get("id") is not None:
+            if not isinstance(c["id"], str):
+                raise bad(f"{where}[{j}].id", f"'{where}[{j}].id' must be a string")
+            call["id"] = c["id"]
+        out.append(call)
+    return out
+
+
 def messages_from(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """`messages` for the chat template: content as a string (text parts joined, null → ""),
+    the `developer` role as `system`, assistant `tool_calls` with parsed arguments, `tool`
+    messages with their `tool_call_id`."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages", "'messages' must be a non-empty list")
@@ -174,18 +284,20 @@ def messages_from(body: dict[str, Any]) -> list[dict[str, Any]]:
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise bad(f"messages[{i}]", f"'messages[{i}]' must be an object with a 'role'")
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: keep the text ones
-            texts = [p.get("text", "") for p in content
-                     if isinstance(p, dict) and p.get("type") == "text"]
-            if len(texts) != len(content):
-                raise bad(f"messages[{i}].content", "only text content parts are supported")
-            content = "".join(texts)
-        if content is None:
-            content = ""
-        if not isinstance(content, str):
-            raise bad(f"messages[{i}].content", f"'messages[{i}].content' must be a string")
-        out.append({**m, "content": content})
+        msg = {**m, "content": _text(m.get("content"), f"messages[{i}].content")}
+        if msg["role"] == "developer":
+            msg["role"] = "system"
+        if m.get("tool_calls") is not None:
+            if msg["role"] != "assistant":
+                raise bad(f"messages[{i}].tool_calls", "only assistant messages have 'tool_calls'")
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], f"messages[{i}].tool_calls")
+        elif "tool_calls" in msg:
+            del msg["tool_calls"]
+        if msg["role"] == "tool" and m.get("tool_call_id") is not None and not isinstance(
+                m["tool_call_id"], str):
+            raise bad(f"messages[{i}].tool_call_id",
+                      f"'messages[{i}].tool_call_id' must be a string")
+        out.append(msg)
     return out
 
 
