@@ -58,7 +58,7 @@ def test_groups_stick_to_one_replica_and_spread(engine):
     # The replicas really hit: every non-first request of a group reuses the shared prefix.
     for g in (0, 1):
         ids = [engine.tokenize(p) for gg, p in pairs if gg == g]
-        shared = min(next((i for i, (x, y) in enumerate(zip(ids[0], o)) if x != y),
+        shared = min(next((i for i, (x, y) in enumerate(zip(ids[0], o, strict=False)) if x != y),
                           len(o)) for o in ids[1:])
         group_outs = [o for (gg, _), o in zip(pairs, outs, strict=True) if gg == g]
         assert all(o.cached_tokens >= shared for o in group_outs[1:]), \

@@ -121,7 +121,7 @@ def interleaved_groups(groups: int, per_group: int, prefix_len: int = 64, seed: 
     out = []
     for g in range(groups):
         system = [1000 * (g + 1) + rng.randrange(1000) for _ in range(prefix_len)]
-        for i in range(per_group):
+        for _ in range(per_group):
             out.append((g, system + [rng.randrange(100_000) for _ in range(8)]))
     rng.shuffle(out)
     return out
