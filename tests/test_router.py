@@ -210,46 +210,62 @@ def test_metrics_per_worker(cluster):
         assert {s.labels["worker"] for s in fams[name].samples} == set(routed), name
 
 
-def test_killed_worker_traffic_moves_without_loss_or_duplicates(cluster):
-    """Last: kills worker 1. Its group's requests are retried on worker 0: every request gets
-    exactly one answer and worker 0 receives each exactly once."""
+def test_killed_worker_traffic_moves_without_loss_or_duplicates(cluster, tiny_llama_dir):
+    """Last: kills worker 1. A second router with no health checks in the way (interval 1 h)
+    still sends the victim's group there: each request fails to connect, is retried on the
+    live worker, and every request gets exactly one answer (the live worker receives each
+    exactly once); the main router's health check takes the victim out."""
     live, victim = cluster.workers
-    # New groups are misses, spread by load then tree size: one soon lands on the victim.
-    for k in range(6):
-        system = f"Caches keep what was computed {k} times; the quick brown fox. " * 3
-        before = cluster.routed()[victim.url]
-        complete(cluster, system + " first")
-        if cluster.routed()[victim.url] == before + 1:
-            break
-    else:
-        pytest.fail("no new group was routed to the victim")
-    victim.proc.kill()
-    victim.proc.wait(10)
-    before = live.get("/debug/stats").json()["num_requests_total"]
-    n = 6
+    proc, url = start_router(str(tiny_llama_dir), [w.url for w in cluster.workers],
+                             "--health-check-interval-s", "3600")
+    try:
+        side = Cluster(cluster.workers, proc, url)
+        # New groups are misses, spread by load then tree size: one soon lands on the victim.
+        for k in range(6):
+            system = f"Caches keep what was computed {k} times; the quick brown fox. " * 3
+            before = side.routed()[victim.url]
+            complete(side, system + " first")
+            if side.routed()[victim.url] == before + 1:
+                break
+        else:
+            pytest.fail("no new group was routed to the victim")
+        victim.proc.kill()
+        victim.proc.wait(10)
+        before = live.get("/debug/stats").json()["num_requests_total"]
+        n = 6
 
-    async def burst() -> list[dict]:
-        async with httpx.AsyncClient(timeout=60) as client:
-            body = [{"model": "default", "prompt": system + f" after {i}",
-                     "max_tokens": 3, "temperature": 0, "ignore_eos": True} for i in range(n)]
-            rs = await asyncio.gather(*(client.post(f"{cluster.url}/v1/completions", json=b)
-                                        for b in body))
-            return [r.json() | {"status": r.status_code} for r in rs]
+        async def burst() -> list[dict]:
+            async with httpx.AsyncClient(timeout=60) as client:
+                body = [{"model": "default", "prompt": system + f" after {i}", "max_tokens": 3,
+                         "temperature": 0, "ignore_eos": True} for i in range(n)]
+                rs = await asyncio.gather(*(client.post(f"{side.url}/v1/completions", json=b)
+                                            for b in body))
+                return [r.json() | {"status": r.status_code} for r in rs]
 
-    results = asyncio.run(burst())
-    assert [r["status"] for r in results] == [200] * n, results
-    assert all(len(r["choices"]) == 1 and r["usage"]["completion_tokens"] == 3 for r in results)
-    assert len({r["id"] for r in results}) == n
-    live.wait_idle()
-    assert live.get("/debug/stats").json()["num_requests_total"] - before == n  # once each
-    state = cluster.workers_state()[victim.url]
-    assert state["healthy"] is False and state["last_error"]
-    text = httpx.get(f"{cluster.url}/metrics", timeout=10).text
-    assert any(s.value >= 1 for f in text_string_to_metric_families(text)
-               if f.name == "radixrt_router:retries" for s in f.samples)
-    # A stream to the victim's group now goes straight to the live worker.
-    ev = list(cluster.client().completions.create(
-        model="default", prompt=system + " streamed", max_tokens=3,
-        temperature=0, stream=True, extra_body={"ignore_eos": True}))
-    assert "".join(e.choices[0].text for e in ev if e.choices)
-
+        results = asyncio.run(burst())
+        assert [r["status"] for r in results] == [200] * n, results
+        assert all(len(r["choices"]) == 1 and r["usage"]["completion_tokens"] == 3
+                   for r in results)
+        assert len({r["id"] for r in results}) == n
+        live.wait_idle()
+        assert live.get("/debug/stats").json()["num_requests_total"] - before == n  # once each
+        state = side.workers_state()[victim.url]
+        assert state["healthy"] is False and "ConnectError" in state["last_error"]
+        text = httpx.get(f"{side.url}/metrics", timeout=10).text
+        retries = [s.value for f in text_string_to_metric_families(text)
+                   if f.name == "radixrt_router:retries" for s in f.samples]
+        assert retries and retries[0] >= 1
+        # A stream to the victim's group now goes straight to the live worker.
+        ev = list(side.client().completions.create(
+            model="default", prompt=system + " streamed", max_tokens=3, temperature=0,
+            stream=True, extra_body={"ignore_eos": True}))
+        assert "".join(e.choices[0].text for e in ev if e.choices)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    # The main router's health loop (0.5 s) took the victim out too.
+    deadline = time.monotonic() + 10
+    while cluster.workers_state()[victim.url]["healthy"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert complete(cluster, SYSTEMS[1] + " after the kill").usage.completion_tokens == 4

@@ -116,6 +116,7 @@ class WorkerSet:
             s = self.policy.stats.get(url)
             out.append({"url": url, "healthy": w.healthy, "last_error": w.last_error,
                         "load": s.load if s else 0, "routed": s.routed if s else 0,
+                        "routed_tokens": s.routed_tokens if s else 0,
                         "cache_routed": s.cache_routed if s else 0,
                         "errors": s.errors if s else 0,
                         "tree_tokens": self.policy.tree_tokens(url)})
