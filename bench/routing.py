@@ -229,12 +229,12 @@ def main() -> None:
                   f"TTFT p50 {m.get('ttft_s', {}).get('p50')}  imbalance {r['imbalance']:.2f} "
                   f"routed {r['routed_tokens']}", flush=True)
             results.append(r)
-    md = report(results, a, w.description)
-    print(md)
-    if a.md:
-        Path(a.md).write_text(md)
-    if a.json:
-        Path(a.json).write_text(json.dumps(results, indent=1))
+            # Written after every system, so a long run interrupted keeps what it measured.
+            if a.md:
+                Path(a.md).write_text(report(results, a, w.description))
+            if a.json:
+                Path(a.json).write_text(json.dumps(results, indent=1))
+    print(report(results, a, w.description))
 
 
 if __name__ == "__main__":
