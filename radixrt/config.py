@@ -5,11 +5,13 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 SCHEDULE_POLICIES: tuple[str, ...] = ("lpm", "fcfs", "dfs-weight")
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 # The names of radixrt.server.tool_parsers.TOOL_PARSERS, plus "auto" (a test keeps them equal).
 TOOL_CALL_PARSERS: tuple[str, ...] = ("auto", "hermes", "llama3_json", "mistral")
+ROUTING_POLICIES: tuple[str, ...] = ("cache_aware", "round_robin", "least_load")
 
 
 def available_cores() -> int:
@@ -18,6 +20,22 @@ def available_cores() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # pragma: no cover - non-Linux
         return max(1, os.cpu_count() or 1)
+
+
+def worker_url_error(url: object) -> str | None:
+    """Why `url` cannot be a worker's base URL (http[s]://host[:port][/path]), or None."""
+    if not isinstance(url, str) or not url:
+        return f"a worker URL must be a non-empty string, got {url!r}"
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError as e:
+        return f"bad worker URL {url!r}: {e}"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return f"bad worker URL {url!r}: expected http://host:port or https://host:port"
+    if parts.query or parts.fragment:
+        return f"bad worker URL {url!r}: no query or fragment allowed"
+    return None
 
 
 def _f(default: object, help: str):  # noqa: A002 - argparse's name
@@ -91,6 +109,27 @@ class ServerArgs:
                                        "llama3_json ({\"name\", \"parameters\"}) | mistral "
                                        "([TOOL_CALLS]) | auto (from the chat template's markers, "
                                        "else hermes)")
+    # Scaling out: --dp replicas and `radixrt router` (README "Scaling out")
+    dp: int = _f(1, "data-parallel replicas: N schedulers, each with its own model copy, KV "
+                    "pool, radix cache and 1/N of the threads (pinned to their own cores when "
+                    "there are enough), behind one front end that routes each request")
+    routing_policy: str = _f("cache_aware", "how requests pick a replica / worker: cache_aware "
+                                            "| round_robin | least_load")
+    routing_cache_threshold: float = _f(0.5, "cache_aware: a worker's predicted prefix match "
+                                             "must cover this share of the prompt to attract it")
+    routing_balance_abs: int = _f(4, "cache_aware: skip the best match when its requests in "
+                                     "flight exceed the least loaded worker's by more than "
+                                     "this ...")
+    routing_balance_rel: float = _f(1.5, "... and by more than this factor")
+    routing_max_tree_tokens: int | None = _f(None, "tokens the router remembers per worker, LRU "
+                                                   "(default: the replica's KV pool for --dp, "
+                                                   "1048576 for radixrt router)")
+    worker_urls: tuple[str, ...] = _f((), "radixrt router: base URLs of the radixrt servers to "
+                                          "route to (repeat or list several)")
+    worker_api_key: str | None = _f(None, "radixrt router: API key sent to the workers "
+                                          "(default: the client's Authorization header)")
+    health_check_interval_s: float = _f(2.0, "radixrt router: seconds between health checks "
+                                             "(and cache-eviction polls) of each worker")
 
     def __post_init__(self) -> None:
         def bad(field: str, msg: str) -> None:
@@ -121,6 +160,26 @@ class ServerArgs:
             bad("log_level", f"must be debug|info|warning|error, got {self.log_level!r}")
         if not 0.0 < self.mem_fraction <= 0.95:
             bad("mem_fraction", f"must be in (0, 0.95], got {self.mem_fraction}")
+        if self.dp < 1:
+            bad("dp", f"must be >= 1, got {self.dp}")
+        if self.routing_policy not in ROUTING_POLICIES:
+            bad("routing_policy", f"must be one of {ROUTING_POLICIES}, got "
+                                  f"{self.routing_policy!r}")
+        if not 0.0 <= self.routing_cache_threshold <= 1.0:
+            bad("routing_cache_threshold", f"must be in [0, 1], got "
+                                           f"{self.routing_cache_threshold}")
+        if self.routing_balance_abs < 0 or self.routing_balance_rel < 1.0:
+            bad("routing_balance_abs", "routing_balance_abs must be >= 0 and "
+                                       "routing_balance_rel >= 1")
+        if self.routing_max_tree_tokens is not None and self.routing_max_tree_tokens <= 0:
+            bad("routing_max_tree_tokens", f"must be positive, got {self.routing_max_tree_tokens}")
+        if self.health_check_interval_s <= 0:
+            bad("health_check_interval_s", f"must be positive, got {self.health_check_interval_s}")
+        object.__setattr__(self, "worker_urls", tuple(self.worker_urls))
+        for url in self.worker_urls:
+            err = worker_url_error(url)
+            if err:
+                bad("worker_urls", err)
 
     def replace(self, **changes: object) -> ServerArgs:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

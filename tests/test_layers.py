@@ -22,6 +22,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("config", ("radixrt.config",)),
     ("core", ("radixrt.core",)),
     ("mem", ("radixrt.mem",)),
+    ("routing", ("radixrt.routing",)),
     ("compute", ("radixrt.model", "radixrt.attention", "radixrt.sampling", "radixrt.grammar")),
     ("processes", ("radixrt.sched", "tokenizer_proc", "detok_proc")),
     ("frontend", ("radixrt.frontend",)),

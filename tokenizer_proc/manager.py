@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import zmq
@@ -22,6 +22,7 @@ from radixrt.core import ipc
 from radixrt.core.errors import EngineDeadError
 from radixrt.core.messages import (
     AbortReq,
+    CacheEvicted,
     ControlReply,
     GenerateReq,
     ReadyMsg,
@@ -29,6 +30,8 @@ from radixrt.core.messages import (
     Usage,
 )
 from radixrt.core.sampling_params import SamplingParams
+from radixrt.routing.eviction_log import EvictionLog
+from radixrt.routing.policy import RoutingPolicy
 from tokenizer_proc.request_state import ReqState
 
 logger = logging.getLogger(__name__)
@@ -38,12 +41,19 @@ class TokenizerManager:
     """Binds the tokenizer's PULL socket and connects to the scheduler's; call `wait_ready`
     once the children are started, then `start` the receive thread."""
 
-    def __init__(self, paths: ipc.IpcPaths, dead_child: Callable[[], str | None]):
+    def __init__(self, paths: ipc.IpcPaths, dead_child: Callable[[], str | None],
+                 replica_paths: list[ipc.IpcPaths] | None = None):
         self.paths = paths
         self.dead_child = dead_child
         self.ctx = zmq.Context()
         self.recv_sock = ipc.pull_socket(self.ctx, paths.tokenizer)
-        self.send_sock = ipc.push_socket(self.ctx, paths.scheduler)
+        self.send_socks = [ipc.push_socket(self.ctx, p.scheduler)
+                           for p in (replica_paths or [paths])]
+        self.send_sock = self.send_socks[0]
+        # Set by the owner when there are several replicas (`set_policy`); None: replica 0.
+        self.policy: RoutingPolicy | None = None
+        self._replica_of: dict[str, int] = {}
+        self.eviction_log = EvictionLog()
         self._send_lock = threading.Lock()
         self.states: dict[str, ReqState] = {}
         self._control: dict[int, tuple[threading.Event, list[ControlReply]]] = {}
@@ -55,10 +65,14 @@ class TokenizerManager:
         self._thread: threading.Thread | None = None
 
     # -- start-up -----------------------------------------------------------------------------------
-    def wait_ready(self, processes: Iterable[str], timeout_s: float = 900.0) -> dict[str, Any]:
-        """Wait for every child's `ReadyMsg`; returns the scheduler's info (model, sizes)."""
+    def wait_ready(self, processes: Iterable[str] | Mapping[str, int],
+                   timeout_s: float = 900.0) -> dict[str, Any]:
+        """Wait for every child's `ReadyMsg` (`processes`: names, or name → how many send one);
+        returns the (first) scheduler's info (model, sizes)."""
         deadline = time.monotonic() + timeout_s
-        waiting, info = set(processes), {}
+        waiting = dict(processes) if isinstance(processes, Mapping) else dict.fromkeys(processes, 1)
+        waiting = {k: v for k, v in waiting.items() if v > 0}
+        info: dict[str, Any] = {}
         while waiting:
             if time.monotonic() > deadline:
                 raise TimeoutError("radixrt: runtime processes did not start in time")
@@ -70,10 +84,17 @@ class TokenizerManager:
                     if isinstance(m, ReadyMsg):
                         if not m.ok:
                             raise RuntimeError(f"{m.process} failed to start: {m.error}")
-                        if m.process == "scheduler":
+                        if m.process == "scheduler" and not info:
                             info = m.info
-                        waiting.discard(m.process)
+                        if m.process in waiting:
+                            waiting[m.process] -= 1
+                            if waiting[m.process] == 0:
+                                del waiting[m.process]
         return info
+
+    def set_policy(self, policy: RoutingPolicy) -> None:
+        """Route requests over the replicas with `policy` (its workers are replica indices)."""
+        self.policy = policy
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._recv_loop, name="radixrt-recv", daemon=True)
@@ -106,12 +127,26 @@ class TokenizerManager:
                 state.apply(out)
                 if state.finish_reason is not None:
                     self.states.pop(out.rid, None)
+                    self._release(out.rid, error=bool(out.error))
                 state.notify(out)
         elif isinstance(msg, ControlReply):
             waiter = self._control.get(msg.req_id)
             if waiter is not None:
                 waiter[1].append(msg)
                 waiter[0].set()
+        elif isinstance(msg, CacheEvicted):
+            if self.policy is not None:
+                self.policy.evicted(msg.replica, msg.prefixes)
+            self.eviction_log.append(msg.prefixes)
+
+    def _release(self, rid: str, error: bool = False) -> int:
+        """The request left its replica (finished or aborted): lower that replica's load."""
+        replica = self._replica_of.pop(rid, None)
+        if replica is None:  # one replica, or already released
+            return 0
+        if self.policy is not None:
+            self.policy.finish(replica, error=error)
+        return replica
 
     def _die(self, err: str) -> None:
         self.dead_error = err
@@ -120,6 +155,8 @@ class TokenizerManager:
         for state in list(self.states.values()):
             state.fail(err, exc)
         self.states.clear()
+        for rid in list(self._replica_of):
+            self._release(rid, error=True)
         for event, _ in list(self._control.values()):
             event.set()
 
@@ -133,9 +170,9 @@ class TokenizerManager:
             raise EngineDeadError(self.dead_error)
 
     # -- requests -----------------------------------------------------------------------------------
-    def _send(self, msg: object) -> None:
+    def _send(self, msg: object, replica: int = 0) -> None:
         with self._send_lock:
-            ipc.send(self.send_sock, msg)
+            ipc.send(self.send_socks[replica], msg)
 
     def new_rid(self) -> str:
         return f"{self._rid_prefix}-{next(self._rid_counter)}"
@@ -154,22 +191,28 @@ class TokenizerManager:
         if loop is not None:
             state.loop = loop
             state.queue = queue if queue is not None else asyncio.Queue()
+        replica = 0
+        if self.policy is not None:
+            replica = int(self.policy.route(input_ids).worker)  # type: ignore[call-overload]
+            self._replica_of[rid] = replica
         self.states[rid] = state
-        self._send(GenerateReq(rid=rid, input_ids=input_ids, sampling=sampling))
+        self._send(GenerateReq(rid=rid, input_ids=input_ids, sampling=sampling), replica)
         return state
 
     def abort(self, rid: str) -> None:
         """The caller gave up on `rid`: forget it here and tell the scheduler to free it."""
         self.states.pop(rid, None)
+        replica = self._release(rid)
         if self.dead_error is None and not self._closed:
-            self._send(AbortReq(rid=rid))
+            self._send(AbortReq(rid=rid), replica)
 
     def num_outstanding(self) -> int:
         """Requests submitted and neither finished nor aborted."""
         return len(self.states)
 
-    def control(self, msg: Any, timeout_s: float = 60.0) -> ControlReply:
-        """Send a control request (it has a `req_id` field) and wait for the scheduler's reply."""
+    def control(self, msg: Any, timeout_s: float = 60.0, replica: int = 0) -> ControlReply:
+        """Send a control request (it has a `req_id` field) to one scheduler and wait for its
+        reply."""
         self.check_alive()
         req_id = next(self._control_ids)
         msg.req_id = req_id
@@ -177,7 +220,7 @@ class TokenizerManager:
         box: list[ControlReply] = []
         self._control[req_id] = (event, box)
         try:
-            self._send(msg)
+            self._send(msg, replica)
             if not event.wait(timeout_s):
                 raise TimeoutError(f"scheduler did not answer {type(msg).__name__}")
             self.check_alive()
@@ -195,5 +238,6 @@ class TokenizerManager:
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=2)
         self.recv_sock.close(0)
-        self.send_sock.close(0)
+        for sock in self.send_socks:
+            sock.close(0)
         self.ctx.term()

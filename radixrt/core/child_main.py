@@ -8,6 +8,7 @@ names the entry point as "module:function" (`ipc.spawn_child` derives it from th
 from __future__ import annotations
 
 import importlib
+import os
 import pickle
 import sys
 
@@ -15,6 +16,8 @@ import sys
 def main() -> None:
     with open(sys.argv[1], "rb") as f:
         payload = pickle.load(f)
+    if payload.get("cpus"):  # pin first, so thread pools size and place themselves inside
+        os.sched_setaffinity(0, payload["cpus"])
     module, func = payload["target"].split(":")
     getattr(importlib.import_module(module), func)(**payload["kwargs"])
 

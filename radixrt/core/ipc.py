@@ -31,6 +31,12 @@ class IpcPaths:
         """The private temp dir holding the sockets."""
         return os.path.dirname(self.scheduler.removeprefix("ipc://"))
 
+    def for_replica(self, replica: int) -> IpcPaths:
+        """Replica `replica` of `--dp`: its own scheduler and detokenizer sockets, the shared
+        tokenizer socket (every replica replies to the one front end)."""
+        return IpcPaths(scheduler=f"{self.scheduler}-{replica}",
+                        detokenizer=f"{self.detokenizer}-{replica}", tokenizer=self.tokenizer)
+
     @classmethod
     def in_new_tempdir(cls) -> tuple[IpcPaths, str]:
         d = tempfile.mkdtemp(prefix="radixrt-")
@@ -115,11 +121,13 @@ def entry_point_name(target: Callable[..., object]) -> str:
 
 
 def spawn_child(name: str, target: Callable[..., object], kwargs: dict, workdir: str,
-                env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start `target(**kwargs)` in a fresh interpreter (`python -m radixrt.core.child_main`)."""
+                env: dict[str, str] | None = None,
+                cpus: list[int] | None = None) -> subprocess.Popen:
+    """Start `target(**kwargs)` in a fresh interpreter (`python -m radixrt.core.child_main`),
+    pinned to `cpus` (before it imports anything) when given."""
     path = os.path.join(workdir, f"{name}.pkl")
     with open(path, "wb") as f:
-        pickle.dump({"target": entry_point_name(target), "kwargs": kwargs}, f)
+        pickle.dump({"target": entry_point_name(target), "kwargs": kwargs, "cpus": cpus}, f)
     child_env = dict(os.environ)
     child_env.update(env or {})
     return subprocess.Popen([sys.executable, "-m", "radixrt.core.child_main", path],

@@ -6,6 +6,8 @@ Flow (ZMQ PUSH/PULL over ipc:// in a private temp dir):
     detokenizer ──TextBatchOut (one per step)─────▶ tokenizer
     detokenizer ──AbortReq (stop string hit)──────▶ scheduler
     scheduler ──control replies / ReadyMsg───────▶ tokenizer
+    scheduler ──CacheEvicted (steps that evicted)─▶ tokenizer
+With `--dp N` there are N schedulers (and N detokenizers) pushing to the one tokenizer.
 """
 
 from __future__ import annotations
@@ -69,6 +71,16 @@ class ControlReply:
     ok: bool
     data: dict[str, Any] = field(default_factory=dict)
     error: str = ""
+
+
+@dataclass
+class CacheEvicted:
+    """Scheduler `replica`'s radix cache no longer holds anything extending each prefix (the
+    path to an evicted leaf plus its first token; `[]`: the whole cache was flushed). Lets the
+    router's per-replica prefix trees forget what the replica evicted."""
+
+    replica: int
+    prefixes: list[list[int]]
 
 
 @dataclass

@@ -4,6 +4,7 @@ uses (`submit` / `abort` / `num_outstanding` / `check_alive`, the input helpers,
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -15,6 +16,8 @@ from radixrt.core.sampling_params import SamplingParams
 from radixrt.frontend.launcher import Launcher
 from radixrt.model.loader import default_model_path
 from radixrt.model.tokenizer import load_tokenizer
+from radixrt.routing.eviction_log import EvictionSlice
+from radixrt.routing.policy import policy_from_args
 from tokenizer_proc.input_processor import InputProcessor, ParamsLike
 from tokenizer_proc.manager import TokenizerManager
 from tokenizer_proc.request_state import GenerateOutput, ReqState, StreamChunk
@@ -35,18 +38,39 @@ class Engine:
         self.args = args.replace(model_path=model_path)
         self.tokenizer = load_tokenizer(model_path, self.args.tokenizer_path)
         self.launcher = Launcher(self.args)
-        self._tm = TokenizerManager(self.launcher.paths, self.launcher.dead_child)
+        self._tm = TokenizerManager(self.launcher.paths, self.launcher.dead_child,
+                                    self.launcher.replica_paths)
         self._closed = False
+        self.dp = self.args.dp
         try:
-            self.launcher.start()
-            self.info: dict[str, Any] = self._tm.wait_ready(Launcher.PROCESSES)
+            self.info: dict[str, Any] = self._start_replicas()
         except BaseException:
             self.shutdown()
             raise
+        self.info["dp"] = self.dp
+        if self.dp > 1:
+            # Each replica's tree is bounded by its own KV pool unless configured otherwise.
+            self._tm.set_policy(policy_from_args(self.args, range(self.dp),
+                                                 tree_tokens=self.info["max_total_tokens"]))
+            self.info["routing_policy"] = self.args.routing_policy
+            self.info["replicas"] = [{"threads": t, "cpus": c} for t, c in self.launcher.plan]
         self._tm.start()
         self.max_context_len: int = self.info["max_context_len"]
         self.vocab_size: int = self.info["vocab_size"]
         self._inputs = InputProcessor(self.tokenizer, self.vocab_size, self.max_context_len)
+
+    def _start_replicas(self) -> dict[str, Any]:
+        """Start the children; returns replica 0's info. With `dtype="auto"` and several
+        replicas, replica 0 starts alone and the others take the dtype its probe chose (every
+        replica must compute in the same dtype, whatever the probe's timing noise)."""
+        if self.dp == 1 or self.args.dtype != "auto":
+            self.launcher.start()
+            return self._tm.wait_ready(Launcher.expected_ready(self.dp))
+        self.launcher.start([0])
+        info = self._tm.wait_ready(Launcher.expected_ready(1))
+        self.launcher.start(range(1, self.dp), dtype=str(info["dtype"]).removeprefix("torch."))
+        self._tm.wait_ready(Launcher.expected_ready(self.dp - 1))
+        return info
 
     # -- input preparation (shared with the HTTP server) ---------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
@@ -168,20 +192,46 @@ class Engine:
                 self.abort(state.rid)
 
     # -- control -----------------------------------------------------------------------------------
+    def _control_all(self, make: Any) -> list[Any]:
+        """One control request per replica (`make()` builds each), their replies in order."""
+        return [self._tm.control(make(), replica=i) for i in range(self.dp)]
+
     def flush_cache(self) -> bool:
-        """Drop every cached prefix. Only possible when no request is running or waiting."""
-        return self._tm.control(FlushCacheReq(req_id=0)).ok
+        """Drop every cached prefix (of every replica). Only possible when no request is running
+        or waiting (a replica that is busy keeps its cache and the answer is False)."""
+        return all(r.ok for r in self._control_all(lambda: FlushCacheReq(req_id=0)))
 
     def stats(self) -> dict[str, Any]:
         """Monotonic counters (requests, prompt/cached/generated tokens, retractions, evictions),
-        current gauges (running, waiting, pool usage, evictable vs locked cache) and hit rate."""
-        return self._tm.control(StatsReq(req_id=0)).data
+        current gauges (running, waiting, pool usage, evictable vs locked cache) and hit rate.
+        With `dp` > 1: summed over the replicas, plus `replicas` (each one's stats) and
+        `routing` (each replica's routing counters)."""
+        per = [r.data for r in self._control_all(lambda: StatsReq(req_id=0))]
+        if self.dp == 1:
+            return per[0]
+        out = merge_stats(per)
+        out["routing"] = self.routing_stats()
+        return out
+
+    def routing_stats(self) -> list[dict[str, Any]]:
+        """Per replica: requests routed, routed because its cache matched, prompt tokens routed
+        and predicted cached, load (in flight), tokens in its routing tree. Empty with dp 1."""
+        policy = self._tm.policy
+        if policy is None:
+            return []
+        return [{**dataclasses.asdict(policy.stats[i]), "tree_tokens": policy.tree_tokens(i)}
+                for i in range(self.dp)]
+
+    def evictions_since(self, seq: int) -> EvictionSlice:
+        """Prefixes the runtime's caches evicted from sequence number `seq` on (for routers)."""
+        return self._tm.eviction_log.since(seq)
 
     def check_invariants(self) -> None:
         """Raise `InvariantError` if any pool or the radix tree is inconsistent (slot leaks...)."""
-        reply = self._tm.control(CheckInvariantsReq(req_id=0))
-        if not reply.ok:
-            raise InvariantError(reply.error)
+        for i, reply in enumerate(self._control_all(lambda: CheckInvariantsReq(req_id=0))):
+            if not reply.ok:
+                raise InvariantError(reply.error if self.dp == 1 else
+                                     f"replica {i}: {reply.error}")
 
     def wait_idle(self, timeout_s: float = 30.0) -> None:
         """Wait until the scheduler has no running or waiting request (after aborts)."""
@@ -213,3 +263,28 @@ class Engine:
             self.shutdown()
         except Exception:
             pass
+
+
+# Stats that are not sums over replicas.
+_RATIOS = ("cache_hit_rate", "token_usage", "new_token_ratio")
+
+
+def merge_stats(per: list[dict[str, Any]]) -> dict[str, Any]:
+    """One stats dict for several replicas: counters and sizes summed, step times summed per
+    phase, ratios recomputed from the sums (`new_token_ratio`: the mean); `replicas` keeps each
+    replica's own."""
+    out: dict[str, Any] = {}
+    for key, value in per[0].items():
+        if key in _RATIOS:
+            continue
+        if isinstance(value, dict):
+            out[key] = {k: sum(p[key][k] for p in per) for k in value}
+        elif isinstance(value, int | float):
+            out[key] = sum(p[key] for p in per)
+    prompt = out.get("prompt_tokens_total", 0)
+    out["cache_hit_rate"] = out.get("cached_tokens_total", 0) / prompt if prompt else 0.0
+    size = out.get("max_total_tokens", 0)
+    out["token_usage"] = out.get("used_tokens", 0) / size if size else 0.0
+    out["new_token_ratio"] = sum(p.get("new_token_ratio", 0.0) for p in per) / len(per)
+    out["replicas"] = per
+    return out

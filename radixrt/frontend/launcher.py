@@ -1,15 +1,35 @@
-"""Process launch and supervision: start the scheduler and detokenizer, tell when one died,
-stop them."""
+"""Process launch and supervision: start the scheduler and detokenizer (one pair per `--dp`
+replica), tell when one died, stop them."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import subprocess
+from collections.abc import Iterable
 
 from detok_proc.detokenizer import run_detokenizer
-from radixrt.config import ServerArgs
+from radixrt.config import ServerArgs, available_cores
 from radixrt.core import ipc
+
+
+def replica_plan(dp: int, threads: int, cores: list[int]) -> list[tuple[int, list[int] | None]]:
+    """(torch threads, CPUs to pin to or None) per replica. One replica keeps today's setup
+    (`threads`, unpinned). Several split `threads` evenly (at least 1 each) and, when there are
+    at least as many cores as replicas, each gets its own contiguous share of `cores` (the
+    first `len(cores) % dp` one more), so replicas never compete for a core."""
+    if dp == 1:
+        return [(threads, None)]
+    per = max(1, threads // dp)
+    if len(cores) < dp:
+        return [(per, None)] * dp
+    base, extra = divmod(len(cores), dp)
+    plan, start = [], 0
+    for i in range(dp):
+        n = base + (i < extra)
+        plan.append((per, sorted(cores)[start:start + n]))
+        start += n
+    return plan
 
 
 class ChildProcess:
@@ -38,35 +58,58 @@ class ChildProcess:
 
 
 class Launcher:
-    """Owns the private socket dir (`paths`) and the two children. `start` spawns them; each
-    reports readiness to the tokenizer socket, which its owner waits on."""
-
-    PROCESSES = ("scheduler", "detokenizer")
+    """Owns the private socket dir (`paths`) and the children: per replica (`args.dp`) a
+    scheduler and its detokenizer (so a stop string's abort goes straight back to the scheduler
+    that runs the request, and the per-replica paths stay the single-replica ones).
+    `start` spawns them; each reports readiness to the tokenizer socket, which its owner waits
+    on (`expected_ready`)."""
 
     def __init__(self, args: ServerArgs):
         self.args = args
         self.paths, self.workdir = ipc.IpcPaths.in_new_tempdir()
+        self.replica_paths = ([self.paths] if args.dp == 1 else
+                              [self.paths.for_replica(i) for i in range(args.dp)])
+        self.plan = replica_plan(args.dp, args.resolved_threads(),
+                                 sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                 else list(range(available_cores())))
         self.children: list[ChildProcess] = []
+        self.schedulers: list[ChildProcess] = []
 
-    def start(self) -> None:
+    @staticmethod
+    def expected_ready(replicas: int) -> dict[str, int]:
+        """How many `ReadyMsg`s the children of `replicas` replicas send, by kind."""
+        return {"scheduler": replicas, "detokenizer": replicas}
+
+    def start(self, replicas: Iterable[int] | None = None, dtype: str | None = None) -> None:
+        """Spawn the children of `replicas` (default: all), with `dtype` instead of the
+        configured one when given (so later replicas reuse the first one's `auto` choice)."""
         # Imported here: the scheduler module pulls in torch and the model code, which only a
         # process that launches a runtime needs.
         from radixrt.sched.scheduler import run_scheduler
 
         pid = os.getpid()
-        threads = str(self.args.resolved_threads())
-        self.scheduler = ChildProcess("scheduler", ipc.spawn_child(
-            "scheduler", run_scheduler,
-            {"args": self.args, "paths": self.paths, "parent_pid": pid}, self.workdir,
-            env={"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}))
-        self.children.append(self.scheduler)
-        self.detokenizer = ChildProcess("detokenizer", ipc.spawn_child(
-            "detokenizer", run_detokenizer,
-            {"model_path": self.args.model_path, "tokenizer_path": self.args.tokenizer_path,
-             "ipc": self.paths, "parent_pid": pid}, self.workdir,
-            env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-                 "TOKENIZERS_PARALLELISM": "false"}))
-        self.children.append(self.detokenizer)
+        for i in range(self.args.dp) if replicas is None else replicas:
+            paths, (threads, cpus) = self.replica_paths[i], self.plan[i]
+            suffix = "" if self.args.dp == 1 else f"-{i}"
+            args = self.args if self.args.dp == 1 else self.args.replace(num_threads=threads)
+            if dtype is not None:
+                args = args.replace(dtype=dtype)
+            sched = ChildProcess(f"scheduler{suffix}", ipc.spawn_child(
+                f"scheduler{suffix}", run_scheduler,
+                {"args": args, "paths": paths, "parent_pid": pid, "replica": i}, self.workdir,
+                env={"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)},
+                cpus=cpus))
+            self.children.append(sched)
+            self.schedulers.append(sched)
+            detok = ChildProcess(f"detokenizer{suffix}", ipc.spawn_child(
+                f"detokenizer{suffix}", run_detokenizer,
+                {"model_path": self.args.model_path, "tokenizer_path": self.args.tokenizer_path,
+                 "ipc": paths, "parent_pid": pid}, self.workdir,
+                env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+                     "TOKENIZERS_PARALLELISM": "false"}))
+            self.children.append(detok)
+            if i == 0:
+                self.scheduler, self.detokenizer = sched, detok
 
     def dead_child(self) -> str | None:
         """A message naming the first child that exited, or None while all run."""
@@ -76,6 +119,9 @@ class Launcher:
         return None
 
     def stop(self) -> None:
+        for proc in self.children:  # signal all first: replicas shut down in parallel
+            if proc.is_alive():
+                proc.popen.terminate()
         for proc in self.children:
             proc.stop()
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Callable
 
 import torch
 
@@ -75,6 +76,9 @@ class RadixCache(BasePrefixCache):
     def __init__(self) -> None:
         self._ids = itertools.count()
         self._clock = itertools.count(1)
+        # Called once per evicted leaf with the path to it plus the leaf's first token: the tree
+        # no longer holds anything extending that prefix (how routers learn of evictions).
+        self.on_evict: Callable[[list[int]], None] | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -219,12 +223,22 @@ class RadixCache(BasePrefixCache):
             if parent is None:
                 raise InvariantError(f"node {leaf.id} below the root has no parent")
             dropped.append(leaf.value)
+            if self.on_evict is not None:
+                self.on_evict(self._path_key(parent) + leaf.key[:1])
             freed += len(leaf.key)
             self._evictable -= len(leaf.key)
             del parent.children[leaf.key[0]]
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, parent)
         return torch.cat(dropped) if dropped else _EMPTY
+
+    def _path_key(self, node: TreeNode) -> list[int]:
+        """The token ids from the root down to `node` (inclusive)."""
+        parts: list[list[int]] = []
+        while node is not self.root:
+            parts.append(node.key)
+            node = node.parent  # type: ignore[assignment]
+        return [t for key in reversed(parts) for t in key]
 
     # -- sizes and checks ------------------------------------------------------------------------
     def evictable_size(self) -> int:

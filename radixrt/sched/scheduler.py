@@ -23,6 +23,7 @@ from radixrt.core.errors import InvalidRequestError, InvariantError
 from radixrt.core.messages import (
     FINISH_ABORT,
     AbortReq,
+    CacheEvicted,
     CheckInvariantsReq,
     ControlReply,
     FlushCacheReq,
@@ -107,10 +108,19 @@ class Scheduler:
         self.finished_this_step: list[Req] = []
         self.step_times = {"schedule": 0.0, "build": 0.0, "forward": 0.0, "grammar": 0.0,
                            "sample": 0.0, "process": 0.0}
+        # Prefixes evicted since the last `take_evicted` (for the router's view of this cache).
+        self.evicted_prefixes: list[list[int]] = []
+        if isinstance(self.cache, RadixCache):
+            self.cache.on_evict = self.evicted_prefixes.append
 
     def _default_grammar_backend(self) -> GrammarBackend:
         tok = load_tokenizer(self.runner.model_path, self.args.tokenizer_path)
         return LLGuidanceBackend(tok, self.vocab_size, self.eos_token_ids)
+
+    def take_evicted(self) -> list[list[int]]:
+        out = list(self.evicted_prefixes)
+        self.evicted_prefixes.clear()
+        return out
 
     # -- inputs -------------------------------------------------------------------------------------
     def add_request(self, msg: GenerateReq) -> None:
@@ -359,6 +369,7 @@ class Scheduler:
         if self.live_reqs():
             return False, "cannot flush the cache while requests are running or waiting"
         self.kv.reset()
+        self.evicted_prefixes.append([])  # everything is gone
         return True, ""
 
     def stats(self) -> dict[str, object]:
@@ -418,8 +429,10 @@ class Scheduler:
         return GRAMMAR_POLL_MS if self.grammar_wait else IDLE_POLL_MS
 
 
-def run_scheduler(args: ServerArgs, paths: ipc.IpcPaths, parent_pid: int) -> None:
-    """Process entry point. Sends a `ReadyMsg` to the tokenizer once the model is loaded."""
+def run_scheduler(args: ServerArgs, paths: ipc.IpcPaths, parent_pid: int,
+                  replica: int = 0) -> None:
+    """Process entry point. Sends a `ReadyMsg` to the tokenizer once the model is loaded;
+    `replica` (of `--dp`) tags its `CacheEvicted` reports."""
     ipc.exit_with_parent(parent_pid, cleanup_dir=paths.directory)
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"[%(asctime)s scheduler pid={os.getpid()}] %(message)s")
@@ -463,6 +476,8 @@ def run_scheduler(args: ServerArgs, paths: ipc.IpcPaths, parent_pid: int) -> Non
         out = sched.step()
         if out is not None:
             ipc.send(to_detok, out)
+        if sched.evicted_prefixes:
+            ipc.send(to_tok, CacheEvicted(replica, sched.take_evicted()))
         now = time.monotonic()
         if now - last_log >= args.stats_interval_s and (sched.running or sched.waiting
                                                          or sched.grammar_wait):

@@ -134,7 +134,7 @@ class Server:
 
     def check_capacity(self, n: int) -> None:
         outstanding = self.engine.num_outstanding()
-        limit = self.args.max_running_requests + self.args.max_queued_requests
+        limit = self.args.max_running_requests * self.args.dp + self.args.max_queued_requests
         if outstanding + n > limit:
             raise P.ApiError(429, f"server overloaded: {outstanding} requests in flight, the "
                                   f"queue holds {limit}; retry later", type="rate_limit_error",
@@ -596,6 +596,14 @@ def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
         except InvariantError as e:
             return JSONResponse({"ok": False, "error": str(e)}, status_code=500)
         return JSONResponse({"ok": True})
+
+    @app.get("/cache/evictions")
+    async def cache_evictions(since: int = 0) -> Response:
+        """Prefixes the radix cache(s) evicted from sequence number `since` on, for
+        `radixrt router` (README "Scaling out"): `{"epoch", "next_seq", "prefixes", "lost"}`."""
+        ev = engine.evictions_since(since)
+        return JSONResponse({"epoch": ev.epoch, "next_seq": ev.next_seq,
+                             "prefixes": ev.prefixes, "lost": ev.lost})
 
     @app.get("/debug/stats")
     async def stats() -> Response:

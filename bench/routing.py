@@ -1,0 +1,241 @@
+"""Routing across replicas: one replica given every core vs `radixrt serve --dp 2` and two
+servers behind `radixrt router`, each with every routing policy, on interleaved shared-prefix
+groups (more groups than workers).
+
+    python bench/routing.py                                   # default systems, small gsp
+    python bench/routing.py --groups 8 --per-group 8 --system-len 512 --max-concurrency 16
+    python bench/routing.py --systems single dp-cache_aware dp-round_robin --md out.md
+
+Per system: a fresh server (or servers + router) with `--threads` cores in all (split between
+the replicas, each pinned to its own cores when there are enough), a warm-up request, then the
+`gsp` workload from `bench/datasets.py` through `bench/serving.py`'s streaming client. Reported:
+total token throughput, TTFT p50 / p99, achieved hit rate (usage.cached_tokens), hit rate
+relative to the single replica's (`single` must be in the run) and to the workload's optimum,
+and load imbalance = max / mean prompt tokens routed per worker (from the front end's routing
+counters: `/debug/stats` `routing` for --dp, `/workers` for the router).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench import _path
+
+    _path.fix()
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+from typing import Any  # noqa: E402
+
+import httpx  # noqa: E402
+
+from bench.common import warmup_prompt  # noqa: E402
+from bench.datasets import default_tokenizer, make_workload  # noqa: E402
+from bench.metrics import compute_metrics, run_optimal_hit_rate  # noqa: E402
+from bench.serving import Client, drive_server, stop_server, wait_healthy  # noqa: E402
+
+SYSTEMS = ("single", "dp-cache_aware", "dp-round_robin", "dp-least_load",
+           "router-cache_aware", "router-round_robin", "router-least_load")
+DEFAULT_SYSTEMS = ("single", "dp-cache_aware", "dp-round_robin", "dp-least_load",
+                   "router-cache_aware", "router-round_robin")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def popen(cmd: list[str], cpus: list[int] | None, log: Any) -> subprocess.Popen:
+    def pin() -> None:
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+
+    return subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True,
+                            preexec_fn=pin)
+
+
+def serve_cmd(port: int, threads: int, extra: list[str]) -> list[str]:
+    return [sys.executable, "-m", "radixrt", "serve", "--host", "127.0.0.1", "--port", str(port),
+            "--num-threads", str(threads), "--log-level", "warning", *extra]
+
+
+class Deployment:
+    """The processes of one system; `url` is where clients go, `routed_tokens()` per worker."""
+
+    def __init__(self, system: str, threads: int, server_args: list[str], log: Any):
+        self.procs: list[subprocess.Popen] = []
+        kind, _, policy = system.partition("-")
+        cores = sorted(os.sched_getaffinity(0))
+        self.kind = kind
+        try:
+            if kind == "single":
+                port = free_port()
+                self.procs.append(popen(serve_cmd(port, threads, server_args), None, log))
+                self.url = f"http://127.0.0.1:{port}"
+            elif kind == "dp":
+                port = free_port()
+                self.procs.append(popen(serve_cmd(port, threads, [
+                    *server_args, "--dp", "2", "--routing-policy", policy]), None, log))
+                self.url = f"http://127.0.0.1:{port}"
+            elif kind == "router":
+                half = max(1, threads // 2)
+                shares = ([cores[: len(cores) // 2], cores[len(cores) // 2:]]
+                          if len(cores) >= 2 else [None, None])
+                workers = []
+                for share in shares:
+                    port = free_port()
+                    self.procs.append(popen(serve_cmd(port, half, server_args), share, log))
+                    workers.append(f"http://127.0.0.1:{port}")
+                for w, p in zip(workers, self.procs, strict=True):
+                    wait_healthy(w, proc=p)
+                port = free_port()
+                self.procs.append(popen([
+                    sys.executable, "-m", "radixrt", "router", "--port", str(port),
+                    "--log-level", "warning", "--routing-policy", policy,
+                    "--worker-url", *workers], None, log))
+                self.url = f"http://127.0.0.1:{port}"
+            else:
+                raise ValueError(f"unknown system {system!r}; choose from {SYSTEMS}")
+            wait_healthy(self.url, proc=self.procs[-1])
+        except BaseException:
+            self.stop()
+            raise
+
+    def routed_tokens(self) -> list[int]:
+        if self.kind == "single":
+            return [0]
+        if self.kind == "dp":
+            stats = httpx.get(self.url + "/debug/stats", timeout=30).json()
+            return [r["routed_tokens"] for r in stats["routing"]]
+        workers = httpx.get(self.url + "/workers", timeout=30).json()["workers"]
+        return [w["routed_tokens"] for w in workers]
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            stop_server(p)
+
+
+def run_system(system: str, workload: Any, tok: Any, args: argparse.Namespace,
+               log: Any) -> dict[str, Any]:
+    dep = Deployment(system, args.threads, args.server_args.split(), log)
+    try:
+        warm = warmup_prompt()
+        httpx.post(dep.url + "/v1/completions", json={"model": "default", "prompt": warm,
+                                                      "max_tokens": 2}, timeout=300)
+        before = dep.routed_tokens()
+
+        async def drive() -> list[Any]:
+            client = Client(dep.url, tokenizer=tok)
+            try:
+                return await drive_server(client, workload, args.max_concurrency)
+            finally:
+                await client.close()
+
+        records = asyncio.run(drive())
+        after = dep.routed_tokens()
+    finally:
+        dep.stop()
+    m = compute_metrics(records)
+    routed = [a - b for a, b in zip(after, before, strict=True)]
+    imbalance = (max(routed) / (sum(routed) / len(routed))) if sum(routed) else 1.0
+    return {"system": system, "metrics": m, "routed_tokens": routed,
+            "imbalance": imbalance if dep.kind != "single" else 1.0,
+            "optimal_hit_rate": run_optimal_hit_rate(workload, records)}
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "?"
+
+
+def report(results: list[dict[str, Any]], args: argparse.Namespace, desc: str) -> str:
+    single = next((r for r in results if r["system"] == "single"), None)
+    rr = {r["system"].split("-")[0]: r for r in results if r["system"].endswith("round_robin")}
+    lines = [
+        f"# Routing across replicas ({datetime.date.today()})", "",
+        f"- CPU: {cpu_name()}, {len(os.sched_getaffinity(0))} cores visible, `--threads "
+        f"{args.threads}` in all per system (split between replicas)",
+        f"- workload: gsp {desc}, max concurrency {args.max_concurrency}",
+        f"- command: `python bench/routing.py {' '.join(sys.argv[1:])}`",
+        "- **the machine was shared with other jobs during this run: absolute figures are "
+        "contended; compare ratios within the run**", "",
+        "| system | total tok/s | vs single | TTFT p50 s | TTFT p99 s | hit rate | vs single's "
+        "hit | vs round-robin's hit | / optimal | imbalance (max/mean routed tokens) |",
+        "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        m = r["metrics"]
+        if not m.get("completed"):
+            lines.append(f"| {r['system']} | failed | | | | | | | | |")
+            continue
+        hit = m["hit_rate"] or 0.0
+        base = rr.get(r["system"].split("-")[0])
+
+        def ratio(a: float | None, b: float | None) -> str:
+            return f"{a / b:.2f}x" if a is not None and b else "-"
+
+        lines.append(
+            f"| {r['system']} | {m['total_tok_per_s']:.0f} | "
+            f"{ratio(m['total_tok_per_s'], single and single['metrics'].get('total_tok_per_s'))}"
+            f" | {m['ttft_s']['p50']:.3f} | {m['ttft_s']['p99']:.3f} | {hit:.3f} | "
+            f"{ratio(hit, single and single['metrics'].get('hit_rate'))} | "
+            f"{ratio(hit, base and base['metrics'].get('hit_rate'))} | "
+            f"{ratio(hit, r['optimal_hit_rate'])} | {r['imbalance']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--systems", nargs="+", default=list(DEFAULT_SYSTEMS), choices=SYSTEMS)
+    ap.add_argument("--groups", type=int, default=6)
+    ap.add_argument("--per-group", type=int, default=4)
+    ap.add_argument("--system-len", type=int, default=256)
+    ap.add_argument("--question-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=16)
+    ap.add_argument("--max-concurrency", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--server-args", default="--dtype float32",
+                    help="extra `radixrt serve` flags for every worker")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--md", default=None, help="write the report here (default: stdout only)")
+    ap.add_argument("--json", default=None, help="write the metrics here")
+    ap.add_argument("--log", default=os.devnull, help="servers' output")
+    a = ap.parse_args()
+    tok = default_tokenizer()
+    w = make_workload("gsp", a.seed, tok, groups=a.groups, prompts_per_group=a.per_group,
+                      system_len=a.system_len, question_len=a.question_len,
+                      output_len=a.output_len)
+    results = []
+    with open(a.log, "a") as log:
+        for system in a.systems:
+            print(f"-- {system}", flush=True)
+            r = run_system(system, w, tok, a, log)
+            m = r["metrics"]
+            print(f"   {m.get('total_tok_per_s', 0):.0f} tok/s  hit {m.get('hit_rate')}  "
+                  f"TTFT p50 {m.get('ttft_s', {}).get('p50')}  imbalance {r['imbalance']:.2f} "
+                  f"routed {r['routed_tokens']}", flush=True)
+            results.append(r)
+            # Written after every system, so a long run interrupted keeps what it measured.
+            if a.md:
+                Path(a.md).write_text(report(results, a, w.description))
+            if a.json:
+                Path(a.json).write_text(json.dumps(results, indent=1))
+    print(report(results, a, w.description))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""`radixrt router`: cache-aware routing in front of radixrt servers (see `app`)."""

@@ -1,0 +1,44 @@
+"""`PromptIds`: the token ids a request body's prompt will have on a worker, for routing.
+
+The router routes on tokens, not text, and on the whole prompt the worker will compute: a chat
+request goes through the model's chat template exactly as the worker's tokenizer side does
+(`tokenizer_proc.input_processor`), so a conversation is routed on its full rendered history,
+not its first message. Bodies the worker would reject route as an empty prompt (a miss: the
+least loaded worker answers with the error).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenizer_proc.input_processor import InputProcessor
+
+
+class PromptIds:
+    def __init__(self, tokenizer: Any):
+        # Only `tokenize` / `apply_chat_template` are used: no vocabulary or context checks
+        # (the worker does those and answers with the error).
+        self._inputs = InputProcessor(tokenizer, vocab_size=len(tokenizer),
+                                      max_context_len=1 << 62)
+
+    def of(self, path: str, body: dict[str, Any]) -> list[int]:
+        """Token ids of the first prompt of `body` sent to `path` ([] if there is none)."""
+        try:
+            if path.endswith("/chat/completions"):
+                return self._inputs.apply_chat_template(body.get("messages"))  # type: ignore[arg-type]
+            return self._completion(body.get("prompt"))
+        except Exception:  # the worker reports bad input with the proper error
+            return []
+
+    def _completion(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, str):
+            return self._inputs.tokenize(prompt)
+        if isinstance(prompt, list) and prompt:
+            first = prompt[0]
+            if isinstance(first, int):
+                return [t for t in prompt if isinstance(t, int)]
+            if isinstance(first, str):
+                return self._inputs.tokenize(first)
+            if isinstance(first, list):
+                return [t for t in first if isinstance(t, int)]
+        return []

@@ -1,0 +1,109 @@
+"""`Engine(dp=2)` on a tiny random model: two scheduler replicas behind one front end, routed
+cache-aware. Prompt groups stick to a replica and spread over both, both replicas give HF's
+greedy tokens, stats merge, cache flushes reach the routing trees, a dead replica is reported."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from radixrt import Engine, SamplingParams
+from radixrt.core.errors import EngineDeadError
+
+SYSTEMS = ["Radix trees share prefixes; caches keep what was computed once. " * 3,
+           "The quick brown fox jumps over the lazy dog. " * 4]
+QUESTIONS = ["A system prompt", "a few-shot preamble", "and a long tool", "emoji 🚲"]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_dir):
+    with Engine(model_path=str(tiny_llama_dir), max_total_tokens=4096, num_threads=2, dp=2,
+                dtype="float32") as eng:
+        yield eng
+
+
+def prompts() -> list[tuple[int, str]]:
+    """Two groups interleaved: (group, prompt)."""
+    return [(g, SYSTEMS[g] + q) for q in QUESTIONS for g in (0, 1)]
+
+
+def test_replicas_split_threads_and_cores(engine):
+    assert engine.info["dp"] == 2 and len(engine.info["replicas"]) == 2
+    assert all(r["threads"] == 1 for r in engine.info["replicas"])
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) >= 2:  # pinned to disjoint cores
+        a, b = (set(r["cpus"]) for r in engine.info["replicas"])
+        assert a and b and not a & b
+        for proc, r in zip(engine.launcher.schedulers, engine.info["replicas"], strict=True):
+            assert os.sched_getaffinity(proc.pid) == set(r["cpus"])
+
+
+def test_groups_stick_to_one_replica_and_spread(engine):
+    engine.flush_cache()
+    before = engine.routing_stats()
+    sp = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
+    pairs = prompts()
+    outs = engine.generate([p for _, p in pairs], sp, use_tqdm=False)
+    after = engine.routing_stats()
+    routed = [a["routed"] - b["routed"] for a, b in zip(after, before, strict=True)]
+    cache_routed = [a["cache_routed"] - b["cache_routed"] for a, b in zip(after, before,
+                                                                          strict=True)]
+    assert routed == [4, 4]  # one group per replica
+    assert cache_routed == [3, 3]  # each group's first is a miss, the rest follow their prefix
+    assert all(a["load"] == 0 for a in after)
+    # The replicas really hit: every non-first request of a group reuses the shared prefix.
+    for g in (0, 1):
+        ids = [engine.tokenize(p) for gg, p in pairs if gg == g]
+        shared = min(next((i for i, (x, y) in enumerate(zip(ids[0], o, strict=False)) if x != y),
+                          len(o)) for o in ids[1:])
+        group_outs = [o for (gg, _), o in zip(pairs, outs, strict=True) if gg == g]
+        assert all(o.cached_tokens >= shared for o in group_outs[1:]), \
+            ([o.cached_tokens for o in group_outs], shared)
+    s = engine.stats()
+    assert len(s["replicas"]) == 2
+    assert s["num_requests_total"] == sum(r["num_requests_total"] for r in s["replicas"])
+    assert s["cache_hit_rate"] == pytest.approx(
+        s["cached_tokens_total"] / s["prompt_tokens_total"])
+    engine.wait_idle()
+    engine.check_invariants()
+
+
+def test_both_replicas_match_hf_greedy(engine, tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
+    sp = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+    engine.flush_cache()
+    before = [r["routed"] for r in engine.routing_stats()]
+    for g in (0, 1):  # one prompt per group: a miss each, so one per replica
+        ids = engine.tokenize(SYSTEMS[g] + "x")
+        out = engine.generate(input_ids=ids, sampling_params=sp, use_tqdm=False)
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
+        assert out.token_ids == ref[0, len(ids):].tolist()
+    assert [r["routed"] - b for r, b in zip(engine.routing_stats(), before, strict=True)] == [1, 1]
+
+
+def test_flush_reaches_the_routing_trees(engine):
+    engine.generate(SYSTEMS[0] + "y", SamplingParams(max_new_tokens=2), use_tqdm=False)
+    assert sum(r["tree_tokens"] for r in engine.routing_stats()) > 0
+    assert engine.flush_cache()
+    deadline = time.monotonic() + 10
+    while sum(r["tree_tokens"] for r in engine.routing_stats()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [r["tree_tokens"] for r in engine.routing_stats()] == [0, 0]
+    assert engine.evictions_since(0).prefixes[-2:] == [[], []]
+
+
+def test_dead_replica_is_reported(engine):
+    """Last: kills replica 1's scheduler."""
+    os.kill(engine.launcher.schedulers[1].pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    with pytest.raises(EngineDeadError, match="scheduler-1"):
+        while time.monotonic() < deadline:
+            engine.check_alive()
+            time.sleep(0.05)
