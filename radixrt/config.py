@@ -68,6 +68,9 @@ class ServerArgs:
     disable_cuda_graph: bool = _f(False, "do not capture CUDA graphs for decode")
     num_threads: int | None = _f(None, "torch threads of the scheduler (default: cores "
                                        "available)")
+    compile_decode: bool = _f(False, "torch.compile (inductor, CPU: needs a C++ compiler) each "
+                                     "layer's dense part (everything but attention) for decode "
+                                     "steps; costs compile time at start-up")
     random_seed: int = _f(0, "seed of the torch sampler's shared generator (unseeded requests); "
                              "batches sampled by FlashInfer on CUDA use torch's default CUDA "
                              "generator and ignore it")
