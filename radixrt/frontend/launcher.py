@@ -9,7 +9,7 @@ import subprocess
 
 from detok_proc.detokenizer import run_detokenizer
 from radixrt.config import ServerArgs
-from radixrt.core import ipc
+from radixrt.core import cpu_policy, ipc
 
 
 class ChildProcess:
@@ -54,18 +54,17 @@ class Launcher:
         from radixrt.sched.scheduler import run_scheduler
 
         pid = os.getpid()
-        threads = str(self.args.resolved_threads())
+        # OpenMP reads its settings once, when a process loads it: they go in the environment.
         self.scheduler = ChildProcess("scheduler", ipc.spawn_child(
             "scheduler", run_scheduler,
             {"args": self.args, "paths": self.paths, "parent_pid": pid}, self.workdir,
-            env={"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}))
+            env=cpu_policy.omp_env(self.args.resolved_threads(), self.args.thread_wait)))
         self.children.append(self.scheduler)
         self.detokenizer = ChildProcess("detokenizer", ipc.spawn_child(
             "detokenizer", run_detokenizer,
             {"model_path": self.args.model_path, "tokenizer_path": self.args.tokenizer_path,
-             "ipc": self.paths, "parent_pid": pid}, self.workdir,
-            env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-                 "TOKENIZERS_PARALLELISM": "false"}))
+             "ipc": self.paths, "parent_pid": pid, "nice": self.args.helper_nice},
+            self.workdir, env=cpu_policy.helper_env()))
         self.children.append(self.detokenizer)
 
     def dead_child(self) -> str | None:

@@ -369,6 +369,7 @@ def run_scheduler(args: ServerArgs, paths: ipc.IpcPaths, parent_pid: int) -> Non
         # How `dtype="auto"` chose on CPU (choice, fp32/bf16 probe times); None otherwise.
         "dtype_probe": runner.dtype_probe.as_info() if runner.dtype_probe else None,
         "num_threads": torch.get_num_threads(),
+        "thread_wait": args.thread_wait,
     }
     ipc.send(to_tok, ReadyMsg(True, info=info))
     poller = zmq.Poller()
