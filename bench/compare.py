@@ -204,8 +204,8 @@ def make_record(w: Workload, system: str, threads: int, res: dict[str, Any] | No
         hit_rate=m["hit_rate"], optimal_hit_rate=run_optimal_hit_rate(w, records),
         note="; ".join(notes),
     )
-    for k in ("step_time_s", "forward_steps", "engine_hit_rate", "retractions", "load_s",
-              "config", "torch_threads", "engine_threads", "llama_server", "parallel",
+    for k in ("step_time_s", "decode_totals", "forward_steps", "engine_hit_rate", "retractions",
+              "load_s", "config", "torch_threads", "engine_threads", "llama_server", "parallel",
               "ctx_per_slot", "server_cmd"):
         if k in res:
             rec[k] = res[k]
@@ -379,14 +379,17 @@ def write_markdown(path: Path, records: list[dict[str, Any]], meta: dict[str, An
         L.append("")
         parts = ("schedule", "build", "forward", "sample", "process")
         L.append("| workload | system | steps | " + " | ".join(f"{p} s" for p in parts)
-                 + " | forward share |")
-        L.append("|---|---|---|" + "---|" * len(parts) + "---|")
+                 + " | forward share | decode ms/step (mean batch) |")
+        L.append("|---|---|---|" + "---|" * len(parts) + "---|---|")
         for r in rr:
             st = r["step_time_s"]
             tot = sum(st.get(p, 0.0) for p in parts) or 1.0
+            dt = r.get("decode_totals") or {}
+            dec = (f"{dt['time_s'] / dt['steps'] * 1e3:.1f} ({dt['rows'] / dt['steps']:.1f})"
+                   if dt.get("steps") else "—")
             L.append(f"| {r['workload']} | {r['system']} | {r.get('forward_steps', '—')} | "
                      + " | ".join(f"{st.get(p, 0.0):.2f}" for p in parts)
-                     + f" | {st.get('forward', 0.0) / tot:.0%} |")
+                     + f" | {st.get('forward', 0.0) / tot:.0%} | {dec} |")
         L.append("")
     if charts:
         L.append("## Charts")

@@ -126,8 +126,9 @@ def engine_args(system: str, threads: int, model_path: str | None = None,
             **RADIXRT_SYSTEMS[system], **overrides}
 
 
-def step_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
-    b, a = before.get("step_time_s", {}), after.get("step_time_s", {})
+def step_delta(before: dict[str, Any], after: dict[str, Any],
+               key: str = "step_time_s") -> dict[str, float]:
+    b, a = before.get(key, {}), after.get(key, {})
     return {k: a.get(k, 0.0) - b.get(k, 0.0) for k in a}
 
 
@@ -158,6 +159,7 @@ def run_engine_workloads(system: str, workloads: Sequence[Workload], threads: in
                 "engine_threads": engine.info.get("num_threads"),
                 "load_s": load_s,
                 "step_time_s": step_delta(before, after),
+                "decode_totals": step_delta(before, after, "decode_totals"),
                 "forward_steps": after["forward_steps_total"] - before["forward_steps_total"],
                 "engine_hit_rate": ((after["cached_tokens_total"] - before["cached_tokens_total"])
                                     / max(1, after["prompt_tokens_total"]

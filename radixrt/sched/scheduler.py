@@ -91,6 +91,9 @@ class Scheduler:
         self.finished_this_step: list[Req] = []
         self.step_times = {"schedule": 0.0, "build": 0.0, "forward": 0.0, "sample": 0.0,
                            "process": 0.0}
+        # Decode steps alone (build to processed results): their count, rows and time, so a
+        # mean Engine decode step can be set beside a bare ModelRunner step.
+        self.decode_totals = {"steps": 0, "rows": 0, "time_s": 0.0}
 
     # -- inputs -------------------------------------------------------------------------------------
     def add_request(self, msg: GenerateReq) -> None:
@@ -261,6 +264,10 @@ class Scheduler:
         self.step_times["forward"] += t2 - t1
         self.step_times["sample"] += t3 - t2
         self.step_times["process"] += t4 - t3
+        if mode == "decode":
+            self.decode_totals["steps"] += 1
+            self.decode_totals["rows"] += len(reqs)
+            self.decode_totals["time_s"] += t4 - t0
 
     def _fail_batch(self, reqs: list[Req], message: str) -> None:
         """A step raised, at whatever point: free the step's slots no request committed, hand
@@ -312,6 +319,7 @@ class Scheduler:
             "cached_locked_tokens": self.cache.protected_size(),
             "new_token_ratio": self.new_token_ratio,
             "step_time_s": dict(self.step_times),
+            "decode_totals": dict(self.decode_totals),
         }
 
     def handle(self, msg: object) -> ControlReply | None:
