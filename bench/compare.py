@@ -204,8 +204,8 @@ def make_record(w: Workload, system: str, threads: int, res: dict[str, Any] | No
         hit_rate=m["hit_rate"], optimal_hit_rate=run_optimal_hit_rate(w, records),
         note="; ".join(notes),
     )
-    for k in ("step_time_s", "forward_steps", "engine_hit_rate", "retractions", "load_s",
-              "config", "torch_threads", "engine_threads", "llama_server", "parallel",
+    for k in ("step_time_s", "decode_totals", "forward_steps", "engine_hit_rate", "retractions",
+              "load_s", "config", "torch_threads", "engine_threads", "llama_server", "parallel",
               "ctx_per_slot", "server_cmd"):
         if k in res:
             rec[k] = res[k]
@@ -250,6 +250,43 @@ def ratios(records: list[dict[str, Any]], workloads: list[str]) -> list[dict[str
     return out
 
 
+def one_batch_section(ob: dict[str, Any]) -> list[str]:
+    """The machine's ceilings and radixrt's one-batch timings with their roofline."""
+    L = ["## Machine ceilings, one-batch timings and roofline (radixrt ModelRunner)", ""]
+    c = ob.get("ceilings")
+    if c:
+        L.append(f"- measured at {c['threads']} threads: read bandwidth **{c['mem_gbps']:.1f} GB/s** "
+                 f"(sum over 512 MiB), {c['dtype']} matmul {c['matmul_n']}³ **"
+                 f"{c['matmul_gflops']:.1f} GFLOP/s**; the model's weights as stored "
+                 f"{ob['weight_bytes'] / 2**20:.0f} MiB, K/V {ob['kv_bytes_per_token'] / 1024:.1f} "
+                 f"KiB per token")
+        L.append("- decode bound = max(bytes / bandwidth, FLOPs / matmul peak), bytes = weights + "
+                 "K/V read at the median step's context; prefill bound = FLOPs / matmul peak; "
+                 "*fraction* = bound / measured (target ≥ 60% for decode at batch 8 and 64 and "
+                 "for prefill)")
+        if ob.get("prefill_fraction_of_ideal") is not None:
+            L.append(f"- ideal prefill {ob['ideal_prefill_tok_per_s']:.0f} tok/s; the best "
+                     f"measured prefill is **{ob['prefill_fraction_of_ideal']:.0%}** of the "
+                     "matmul ceiling")
+    elif ob.get("matmul_gflops"):  # a report from before the roofline columns
+        L.append(f"- fp32 matmul at {ob['threads']} threads: {ob['matmul_gflops']:.1f} GFLOP/s; "
+                 f"ideal prefill {ob['ideal_prefill_tok_per_s']:.0f} tok/s, best measured "
+                 f"{ob['prefill_fraction_of_ideal']:.0%} of it")
+    L.append("")
+    L.append("| batch | input len | prefill tok/s | prefill % of ceiling | decode ms/step | "
+             "decode tok/s | step MiB | step GFLOP | bound ms | bound by | decode % of roofline |")
+    L.append("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in ob.get("rows", []):
+        pr, dr = r.get("prefill_roofline") or {}, r.get("decode_roofline") or {}
+        L.append(f"| {r['batch_size']} | {r['input_len']} | {_fmt(_f(r['prefill_tok_per_s']), '.0f')} | "
+                 f"{_fmt(pr.get('fraction'), '.0%')} | {r['decode_ms_per_step']:.1f} | "
+                 f"{r['decode_tok_per_s']:.1f} | {_fmt(dr.get('bytes'), '.0f', 2**-20)} | "
+                 f"{_fmt(dr.get('flops'), '.2f', 1e-9)} | {_fmt(dr.get('bound_ms'), '.1f')} | "
+                 f"{dr.get('bound_by', '—')} | {_fmt(dr.get('fraction'), '.0%')} |")
+    L.append("")
+    return L
+
+
 def write_markdown(path: Path, records: list[dict[str, Any]], meta: dict[str, Any],
                    workloads: list[str], charts: list[str]) -> None:
     L: list[str] = []
@@ -289,25 +326,7 @@ def write_markdown(path: Path, records: list[dict[str, Any]], meta: dict[str, An
     L.append("")
     ob = meta.get("one_batch") or {}
     if ob:
-        L.append("## Machine ceiling and one-batch timings (radixrt ModelRunner)")
-        L.append("")
-        if ob.get("matmul_gflops"):
-            L.append(f"- fp32 matmul {ob.get('matmul_n', 2048)}³ at {ob['threads']} threads: "
-                     f"**{ob['matmul_gflops']:.1f} GFLOP/s**; model forward "
-                     f"{ob['flops_per_token_prefill'] / 1e6:.1f} MFLOP/token (prefill, "
-                     f"{ob['params_no_embedding'] / 1e6:.1f}M non-embedding params + attention) → "
-                     f"ideal prefill **{ob['ideal_prefill_tok_per_s']:.0f} tok/s**; radixrt's best "
-                     f"measured prefill is **{ob['prefill_fraction_of_ideal']:.0%}** of it "
-                     "(target ≥ 60%)")
-        L.append("")
-        L.append("| batch | input len | prefill ms | prefill tok/s | decode ms/step | "
-                 "decode tok/s |")
-        L.append("|---|---|---|---|---|---|")
-        for r in ob.get("rows", []):
-            L.append(f"| {r['batch_size']} | {r['input_len']} | {r['prefill_ms']:.1f} | "
-                     f"{r['prefill_tok_per_s']:.0f} | {r['decode_ms_per_step']:.1f} | "
-                     f"{r['decode_tok_per_s']:.1f} |")
-        L.append("")
+        L.extend(one_batch_section(ob))
     elif meta.get("one_batch_note"):
         L.append(f"One-batch / ceiling: {meta['one_batch_note']}")
         L.append("")
@@ -360,14 +379,17 @@ def write_markdown(path: Path, records: list[dict[str, Any]], meta: dict[str, An
         L.append("")
         parts = ("schedule", "build", "forward", "sample", "process")
         L.append("| workload | system | steps | " + " | ".join(f"{p} s" for p in parts)
-                 + " | forward share |")
-        L.append("|---|---|---|" + "---|" * len(parts) + "---|")
+                 + " | forward share | decode ms/step (mean batch) |")
+        L.append("|---|---|---|" + "---|" * len(parts) + "---|---|")
         for r in rr:
             st = r["step_time_s"]
             tot = sum(st.get(p, 0.0) for p in parts) or 1.0
+            dt = r.get("decode_totals") or {}
+            dec = (f"{dt['time_s'] / dt['steps'] * 1e3:.1f} ({dt['rows'] / dt['steps']:.1f})"
+                   if dt.get("steps") else "—")
             L.append(f"| {r['workload']} | {r['system']} | {r.get('forward_steps', '—')} | "
                      + " | ".join(f"{st.get(p, 0.0):.2f}" for p in parts)
-                     + f" | {st.get('forward', 0.0) / tot:.0%} |")
+                     + f" | {st.get('forward', 0.0) / tot:.0%} | {dec} |")
         L.append("")
     if charts:
         L.append("## Charts")
@@ -567,8 +589,8 @@ def main(argv: list[str] | None = None) -> Path:
             ob_args = ["--batch-size", "1", "--input-len", "64", "--output-len", "4",
                        "--runs", "1"]
         else:
-            ob_args = ["--batch-size", "1", "4", "--input-len", "512", "--output-len", "16",
-                       "--runs", "3"]
+            ob_args = ["--batch-size", "1", "8", "64", "--input-len", "512", "--output-len",
+                       "16", "--runs", "3", "--prefill-max-tokens", "4096"]
         cmd = [sys.executable, str(ROOT / "bench" / "offline.py"), "one-batch", *ob_args,
                "--threads", str(a.threads), "--model", str(model), "--with-ceiling",
                "--out", str(ob_out)]

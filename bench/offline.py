@@ -31,6 +31,7 @@ if __package__ in (None, ""):
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import json  # noqa: E402
+import os  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
@@ -125,8 +126,9 @@ def engine_args(system: str, threads: int, model_path: str | None = None,
             **RADIXRT_SYSTEMS[system], **overrides}
 
 
-def step_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
-    b, a = before.get("step_time_s", {}), after.get("step_time_s", {})
+def step_delta(before: dict[str, Any], after: dict[str, Any],
+               key: str = "step_time_s") -> dict[str, float]:
+    b, a = before.get(key, {}), after.get(key, {})
     return {k: a.get(k, 0.0) - b.get(k, 0.0) for k in a}
 
 
@@ -157,6 +159,7 @@ def run_engine_workloads(system: str, workloads: Sequence[Workload], threads: in
                 "engine_threads": engine.info.get("num_threads"),
                 "load_s": load_s,
                 "step_time_s": step_delta(before, after),
+                "decode_totals": step_delta(before, after, "decode_totals"),
                 "forward_steps": after["forward_steps_total"] - before["forward_steps_total"],
                 "engine_hit_rate": ((after["cached_tokens_total"] - before["cached_tokens_total"])
                                     / max(1, after["prompt_tokens_total"]
@@ -175,18 +178,24 @@ def model_flops_per_token(cfg: Any, context: float) -> float:
     """Forward FLOPs per token (2 per multiply-add): every linear layer except the LM head (a
     prefill computes logits for one row per request), plus attention over `context` keys
     (QK^T and PV)."""
-    h, i = cfg.hidden_size, cfg.intermediate_size
-    q = cfg.num_heads * cfg.head_dim
-    kv = cfg.num_kv_heads * cfg.head_dim
-    per_layer = h * q + 2 * h * kv + q * h + 3 * h * i
-    attn = 2 * 2 * q * context
-    return cfg.num_layers * (2 * per_layer + attn)
+    from bench.roofline import attention_flops, matmul_flops_per_token
+
+    return matmul_flops_per_token(cfg, with_lm_head=False) + attention_flops(cfg, 1) * context
 
 
 def one_batch(batch_sizes: Sequence[int], input_len: int, output_len: int, threads: int,
-              runs: int = 3, model_path: str | None = None) -> dict[str, Any]:
+              runs: int = 3, model_path: str | None = None, dtype: str = "auto",
+              with_ceiling: bool = False, prefill_max_tokens: int = 8192,
+              compile_decode: bool = False) -> dict[str, Any]:
+    """Per batch size: one prefill of `batch x input_len` tokens (timed when it is at most
+    `prefill_max_tokens` tokens; larger batches get random K/V written straight into the pool,
+    which costs a decode step the same), then `output_len` decode steps, each timed from
+    building its `ForwardBatch` to the sampled ids on the host. With `with_ceiling`, the
+    machine's ceilings (read bandwidth, matmul peak in the model's dtype) and each row's
+    roofline (bench/roofline.py)."""
     import torch
 
+    from bench import roofline
     from radixrt.config import ServerArgs
     from radixrt.core.forward_batch import ForwardBatch, ForwardMode
     from radixrt.model.runner import ModelRunner
@@ -196,13 +205,18 @@ def one_batch(batch_sizes: Sequence[int], input_len: int, output_len: int, threa
     ctx = input_len + output_len + 8
     args = ServerArgs(model_path=model_path, num_threads=threads, max_running_requests=max_bs,
                       max_total_tokens=max_bs * ctx + 64, max_context_len=ctx,
-                      attention_backend="torch", log_level="warning")
+                      attention_backend="torch", log_level="warning", dtype=dtype,
+                      compile_decode=compile_decode)
     runner = ModelRunner(args)
     cfg = runner.model_config
     rp, kp = runner.req_to_token_pool, runner.token_to_kv_pool
+    kv_elem = kp.k_buffer[0].element_size()
+    w_bytes = roofline.weight_bytes(runner.model)
+    ceil = roofline.measure_ceilings(threads, runner.dtype) if with_ceiling else None
     g = torch.Generator().manual_seed(0)
     rows_out = []
     for bs in batch_sizes:
+        timed_prefill = bs * input_len <= prefill_max_tokens
         prefill_s: list[float] = []
         decode_s: list[float] = []
         for run in range(runs + 1):  # run 0 warms up
@@ -211,11 +225,18 @@ def one_batch(batch_sizes: Sequence[int], input_len: int, output_len: int, threa
             rows = [rp.alloc() for _ in range(bs)]
             ids = torch.randint(100, cfg.vocab_size, (bs * input_len,), generator=g).tolist()
             t = time.perf_counter()
-            rp.write(rows, [0] * bs, [input_len] * bs, kp.alloc(bs * input_len))
-            fb = ForwardBatch.build(ForwardMode.EXTEND, ids, rows, [0] * bs, [input_len] * bs,
-                                    rp.req_to_token, runner.device)
-            nxt = runner.forward(fb).argmax(-1).tolist()
-            dt = time.perf_counter() - t
+            slots = kp.alloc(bs * input_len)
+            rp.write(rows, [0] * bs, [input_len] * bs, slots)
+            if timed_prefill:
+                fb = ForwardBatch.build(ForwardMode.EXTEND, ids, rows, [0] * bs,
+                                        [input_len] * bs, rp.req_to_token, runner.device)
+                nxt = runner.forward(fb).argmax(-1).tolist()
+                prefill_s.append(time.perf_counter() - t)
+            else:
+                for buf in (*kp.k_buffer, *kp.v_buffer):
+                    buf[slots] = torch.randn(slots.numel(), *buf.shape[1:],
+                                             generator=g).to(buf.dtype)
+                nxt = ids[:bs]
             steps = []
             seq = input_len
             for _ in range(output_len):
@@ -227,38 +248,69 @@ def one_batch(batch_sizes: Sequence[int], input_len: int, output_len: int, threa
                 steps.append(time.perf_counter() - t)
                 seq += 1
             if run:
-                prefill_s.append(dt)
                 decode_s.extend(steps)
-        p = statistics.median(prefill_s)
+            elif prefill_s:
+                prefill_s.pop()  # the warm-up run's prefill
+        p = statistics.median(prefill_s) if prefill_s else float("nan")
         d = statistics.median(decode_s) if decode_s else float("nan")
-        rows_out.append({
+        row: dict[str, Any] = {
             "batch_size": bs, "input_len": input_len, "output_len": output_len,
             "prefill_ms": p * 1e3, "prefill_tok_per_s": bs * input_len / p,
             "decode_ms_per_step": d * 1e3, "decode_tok_per_s": bs / d,
-        })
-    return {
+        }
+        if ceil is not None:
+            # the median step attends over about input_len + output_len / 2 keys
+            mid = input_len + (output_len + 1) // 2
+            dec = roofline.decode_cost(cfg, [mid] * bs, w_bytes, kv_elem)
+            row["decode_roofline"] = roofline.roofline_fields(dec, ceil, d)
+            if prefill_s:
+                pre = roofline.prefill_cost(cfg, bs, input_len, w_bytes, kv_elem)
+                row["prefill_roofline"] = roofline.roofline_fields(pre, ceil, p, memory=False)
+        rows_out.append(row)
+    res: dict[str, Any] = {
         "threads": torch.get_num_threads(),
+        "dtype": str(runner.dtype).removeprefix("torch."),
+        "compile_decode": compile_decode,
+        "weight_bytes": w_bytes,
+        "kv_bytes_per_token": roofline.kv_bytes(cfg, 1, kv_elem),
         "flops_per_token_prefill": model_flops_per_token(cfg, input_len / 2),
         "params_no_embedding": sum(p.numel() for n, p in runner.model.named_parameters()
                                    if "embed" not in n and "lm_head" not in n),
         "rows": rows_out,
     }
+    if ceil is not None:
+        res["ceilings"] = ceil.as_dict()
+        res["mem_gbps"] = ceil.mem_gbps
+        res["matmul_gflops"] = ceil.matmul_gflops
+        res["matmul_n"] = ceil.matmul_n
+        res["ideal_prefill_tok_per_s"] = ceil.matmul_gflops * 1e9 / res["flops_per_token_prefill"]
+        fr = [r["prefill_roofline"]["fraction"] for r in rows_out if "prefill_roofline" in r]
+        if fr:
+            res["prefill_fraction_of_ideal"] = max(fr)
+    return res
 
 
-def matmul_gflops(threads: int, n: int = 2048, reps: int = 5) -> float:
-    """fp32 GFLOP/s of an n x n x n torch.matmul at `threads` threads (best of `reps`)."""
-    import torch
-
-    torch.set_num_threads(threads)
-    a = torch.randn(n, n)
-    b = torch.randn(n, n)
-    torch.matmul(a, b)
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        torch.matmul(a, b)
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best / 1e9
+def print_one_batch(res: dict[str, Any]) -> None:
+    """One line per batch size: prefill and decode timings, and the roofline when measured."""
+    c = res.get("ceilings")
+    if c:
+        print(f"ceilings at {c['threads']} threads: read {c['mem_gbps']:.1f} GB/s, "
+              f"{c['dtype']} matmul {c['matmul_n']}^3 {c['matmul_gflops']:.1f} GFLOP/s; weights "
+              f"{res['weight_bytes'] / 2**20:.1f} MiB, K/V {res['kv_bytes_per_token'] / 1024:.1f}"
+              f" KiB/token")
+    for r in res["rows"]:
+        line = (f"batch {r['batch_size']:3d} input {r['input_len']}: prefill "
+                f"{r['prefill_tok_per_s']:7.0f} tok/s")
+        pr = r.get("prefill_roofline")
+        if pr:
+            line += f" ({pr['fraction']:.0%} of the matmul ceiling)"
+        line += f"  decode {r['decode_ms_per_step']:7.1f} ms/step"
+        dr = r.get("decode_roofline")
+        if dr:
+            line += (f" (bound {dr['bound_ms']:.1f} ms, {dr['bound_by']}: "
+                     f"{dr['bytes'] / 2**20:.0f} MiB, {dr['flops'] / 1e9:.2f} GFLOP; "
+                     f"{dr['fraction']:.0%} of the roofline)")
+        print(line, file=sys.stderr)
 
 
 # -- CLI ----------------------------------------------------------------------------------------------
@@ -304,19 +356,29 @@ def main() -> None:
     ob.add_argument("--runs", type=int, default=3)
     ob.add_argument("--threads", type=int, default=2)
     ob.add_argument("--model", default=None)
+    ob.add_argument("--dtype", default="auto", help="the runner's dtype (ServerArgs.dtype)")
+    ob.add_argument("--thread-wait", default="passive", choices=("passive", "spin"),
+                    help="ServerArgs.thread_wait: how this process's OpenMP threads wait (an "
+                         "OMP_WAIT_POLICY / GOMP_SPINCOUNT already in the environment wins)")
+    ob.add_argument("--compile-decode", action="store_true",
+                    help="ServerArgs.compile_decode (torch.compile the decode step)")
+    ob.add_argument("--prefill-max-tokens", type=int, default=8192,
+                    help="time the prefill of batches up to this many tokens; larger ones get "
+                         "random K/V for their decode steps")
     ob.add_argument("--with-ceiling", action="store_true",
-                    help="also measure the fp32 matmul ceiling and the ideal prefill tok/s")
+                    help="also measure the machine's ceilings (read bandwidth, matmul peak in "
+                         "the model's dtype) and each step's roofline")
     ob.add_argument("--out", default=None, help="write the JSON here")
     a = ap.parse_args()
 
     if a.cmd == "one-batch":
-        res = one_batch(a.batch_size, a.input_len, a.output_len, a.threads, a.runs, a.model)
-        if a.with_ceiling:
-            g = matmul_gflops(a.threads)
-            res["matmul_gflops"] = g
-            res["ideal_prefill_tok_per_s"] = g * 1e9 / res["flops_per_token_prefill"]
-            best = max(r["prefill_tok_per_s"] for r in res["rows"])
-            res["prefill_fraction_of_ideal"] = best / res["ideal_prefill_tok_per_s"]
+        from radixrt.core.cpu_policy import omp_env
+
+        for k, v in omp_env(a.threads, a.thread_wait).items():  # before torch loads OpenMP
+            os.environ.setdefault(k, v)
+        res = one_batch(a.batch_size, a.input_len, a.output_len, a.threads, a.runs, a.model,
+                        a.dtype, a.with_ceiling, a.prefill_max_tokens, a.compile_decode)
+        print_one_batch(res)
         text = json.dumps(res, indent=1)
         print(text)
         if a.out:

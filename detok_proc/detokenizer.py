@@ -18,12 +18,12 @@ from typing import Any
 import zmq
 
 from radixrt.core import messages
+from radixrt.core.cpu_policy import become_helper
 from radixrt.core.ipc import (
     IpcPaths,
     exit_with_parent,
     pull_socket,
     push_socket,
-    quiet_torch_threads,
     send,
 )
 from radixrt.core.messages import (
@@ -383,11 +383,13 @@ def run_detokenizer(
     tokenizer_path: str | None,
     ipc: IpcPaths,
     parent_pid: int,
+    nice: int = 0,
 ) -> None:
     """Process entry point: PULL `TokenBatchOut`s, PUSH `TextBatchOut`s to the tokenizer and
     stop-string `AbortReq`s to the scheduler. Reports readiness (or a start-up failure) as a
-    `ReadyMsg` to the tokenizer. Runs until the parent process dies."""
-    quiet_torch_threads()  # this process's own threads: it does no tensor work
+    `ReadyMsg` to the tokenizer. Runs until the parent process dies. It does no tensor work:
+    one thread, `nice` added to its priority (`cpu_policy.become_helper`)."""
+    become_helper(nice)
     exit_with_parent(parent_pid, cleanup_dir=ipc.directory)
     ctx = zmq.Context()
     to_tokenizer = push_socket(ctx, ipc.tokenizer)

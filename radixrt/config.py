@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 SCHEDULE_POLICIES: tuple[str, ...] = ("lpm", "fcfs", "dfs-weight")
+THREAD_WAITS: tuple[str, ...] = ("passive", "spin")
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 # The names of radixrt.server.tool_parsers.TOOL_PARSERS, plus "auto" (a test keeps them equal).
 TOOL_CALL_PARSERS: tuple[str, ...] = ("auto", "hermes", "llama3_json", "mistral")
@@ -88,6 +89,16 @@ class ServerArgs:
     disable_cuda_graph: bool = _f(False, "do not capture CUDA graphs for decode")
     num_threads: int | None = _f(None, "torch threads of the scheduler (default: cores "
                                        "available)")
+    thread_wait: str = _f("passive", "how the scheduler's OpenMP threads wait between parallel "
+                                     "regions: passive (sleep at once: robust when other "
+                                     "processes share the cores) | spin (the OpenMP runtime's "
+                                     "default: spin a while first)")
+    helper_nice: int = _f(10, "niceness added to the processes that do no tensor work (the "
+                              "detokenizer; the HTTP server's process under `radixrt serve`), "
+                              "so they yield to the scheduler; 0 = leave them alone")
+    compile_decode: bool = _f(False, "torch.compile (inductor, CPU: needs a C++ compiler) each "
+                                     "layer's dense part (everything but attention) for decode "
+                                     "steps; costs compile time at start-up")
     random_seed: int = _f(0, "seed of the torch sampler's shared generator (unseeded requests); "
                              "batches sampled by FlashInfer on CUDA use torch's default CUDA "
                              "generator and ignore it")
@@ -141,6 +152,10 @@ class ServerArgs:
             bad("device", f"must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.schedule_policy not in SCHEDULE_POLICIES:
             bad("schedule_policy", f"must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
+        if self.thread_wait not in THREAD_WAITS:
+            bad("thread_wait", f"must be one of {THREAD_WAITS}, got {self.thread_wait!r}")
+        if not 0 <= self.helper_nice <= 19:
+            bad("helper_nice", f"must be in 0..19, got {self.helper_nice}")
         if self.attention_backend not in ("auto", "torch", "flashinfer"):
             bad("attention_backend", f"must be auto|torch|flashinfer, got {self.attention_backend!r}")
         for name in ("max_total_tokens", "max_context_len", "num_threads"):

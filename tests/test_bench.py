@@ -227,6 +227,72 @@ def test_results_roundtrip(tmp_path):
     assert back[0]["records"][0] == r
 
 
+# -- roofline -------------------------------------------------------------------------------------------
+def _tiny_shape(**kw):
+    """hidden 8, intermediate 16, 2 heads of 4 (q 8), 1 KV head (kv 4), 2 layers, vocab 32."""
+    from types import SimpleNamespace
+
+    base = dict(hidden_size=8, intermediate_size=16, num_heads=2, num_kv_heads=1, head_dim=4,
+                q_size=8, kv_size=4, num_layers=2, vocab_size=32, qkv_bias=False,
+                o_proj_bias=False, mlp_bias=False)
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_roofline_counts_match_a_hand_count():
+    from bench import roofline as R
+
+    cfg = _tiny_shape()
+    # per layer: qkv 8x16 + o 8x8 + gate_up 8x32 + down 16x8 = 128 + 64 + 256 + 128
+    assert R.layer_linear_params(cfg) == 576
+    # 2 layers + 2 norms per layer + final norm + LM head 32x8
+    assert R.dense_params_read(cfg) == 2 * 576 + 2 * 2 * 8 + 8 + 256 == 1448
+    assert R.matmul_flops_per_token(cfg, with_lm_head=True) == 2 * (2 * 576 + 256)
+    assert R.matmul_flops_per_token(cfg, with_lm_head=False) == 2 * 2 * 576
+    assert R.attention_flops(cfg, 10) == 2 * (2 * 8 * 10) * 2  # QK^T + PV, 2 layers
+    assert R.kv_bytes(cfg, 3, 2) == 2 * 2 * 4 * 3 * 2  # K and V, 2 layers, 4 wide, bf16
+    w = 1448 * 4
+    dec = R.decode_cost(cfg, [3, 5], w, 4)
+    assert dec.bytes == w + 2 * 2 * 4 * (3 + 5) * 4
+    assert dec.flops == 2 * 2816 + 64 * (3 + 5)
+    pre = R.prefill_cost(cfg, 2, 3, w, 4)
+    # 6 tokens through the layers, 2 LM-head rows, causal keys 1 + 2 + 3 per prompt
+    assert pre.flops == 6 * 2304 + 2 * 2 * 256 + 64 * 12
+    assert pre.bytes == w + 16 * 6 * 4
+    biased = _tiny_shape(qkv_bias=True, o_proj_bias=True, mlp_bias=True)
+    assert R.layer_linear_params(biased) == 576 + 16 + 8 + 32 + 8
+
+
+def test_roofline_bound_and_fraction():
+    from bench import roofline as R
+
+    c = R.Ceilings(mem_gbps=1.0, matmul_gflops=2.0, dtype="float32", threads=1, matmul_n=8)
+    mem_bound = R.StepCost(bytes=4000, flops=4000)  # 4 us reading, 2 us computing
+    f = R.roofline_fields(mem_bound, c, measured_s=8e-6)
+    assert f["bound_ms"] == pytest.approx(4e-3) and f["fraction"] == pytest.approx(0.5)
+    assert f["bound_by"] == "memory"
+    flop_bound = R.StepCost(bytes=1000, flops=10_000)
+    assert R.roofline_fields(flop_bound, c, 5e-6)["bound_by"] == "compute"
+    assert R.roofline_fields(flop_bound, c, 5e-6)["fraction"] == pytest.approx(1.0)
+    # the prefill ceiling ignores bandwidth
+    assert R.bound_s(mem_bound, c, memory=False) == pytest.approx(2e-6)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_weight_bytes_of_a_built_model_match_the_formula(tiny_llama_dir, dtype):
+    import torch
+
+    from bench import roofline as R
+    from radixrt.model.loader import load_model
+
+    model, cfg = load_model(str(tiny_llama_dir), None, getattr(torch, dtype), "cpu")
+    elem = 4 if dtype == "float32" else 2
+    # untied: the embedding table is only gathered by row, the LM head is read in full
+    assert not cfg.tie_word_embeddings
+    assert R.weight_bytes(model) == R.dense_params_read(cfg) * elem
+    model.lm_head = model.embed_tokens  # tied: one table, counted once
+    assert R.weight_bytes(model) == R.dense_params_read(cfg) * elem
+
+
 # -- compare.py smoke run -------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_compare_smoke_tiny_radixrt_only(tmp_path):

@@ -533,7 +533,7 @@ def test_run_detokenizer_reports_load_failure(monkeypatch: pytest.MonkeyPatch) -
         raise OSError("no such tokenizer")
 
     monkeypatch.setitem(sys.modules, "radixrt.model.tokenizer", _fake_tokenizer_module(broken))
-    monkeypatch.setattr(detok_mod, "quiet_torch_threads", lambda: None)
+    monkeypatch.setattr(detok_mod, "become_helper", lambda nice: None)
     monkeypatch.setattr(detok_mod, "exit_with_parent", lambda pid, **kw: None)
     ipc, ipc_dir = IpcPaths.in_new_tempdir()
     ctx = zmq.Context()

@@ -192,3 +192,23 @@ def _socket_dir(pid: int) -> str | None:
         args = f.read().split(b"\0")
     payload = next((a.decode() for a in args if a.endswith(b".pkl")), None)
     return os.path.dirname(payload) if payload else None
+
+
+def _environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        items = f.read().decode(errors="replace").split("\0")
+    return dict(kv.split("=", 1) for kv in items if "=" in kv)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/environ"), reason="needs Linux /proc")
+def test_scheduler_waits_passively_and_the_detokenizer_yields(engine):
+    """ServerArgs.thread_wait reaches the scheduler through its environment (OpenMP reads it
+    once, at load); the detokenizer runs `helper_nice` below us, the scheduler at our priority."""
+    sched, detok = engine.launcher.scheduler.pid, engine.launcher.detokenizer.pid
+    env = _environ(sched)
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and env["OMP_NUM_THREADS"] == "1"
+    assert _environ(detok)["OMP_NUM_THREADS"] == "1"
+    me = os.getpriority(os.PRIO_PROCESS, 0)
+    assert os.getpriority(os.PRIO_PROCESS, sched) == me
+    assert os.getpriority(os.PRIO_PROCESS, detok) == min(19, me + engine.args.helper_nice)
+    assert engine.info["thread_wait"] == "passive" and engine.info["num_threads"] == 1

@@ -421,3 +421,29 @@ def test_gguf_tokenizer_cache_round_trip(
     )
     assert (cached.eos_token_id, cached.bos_token_id) == (fresh.eos_token_id, fresh.bos_token_id)
     assert len(list((tmp_path / "tokenizers").iterdir())) == 1
+
+
+@pytest.mark.slow
+def test_compiled_dense_decode_matches_eager(tiny_llama_dir):
+    """`compile_decode`: the torch.compile'd dense parts give the eager logits (fp32, 1e-4) and
+    greedy tokens over decode steps of changing batch size; the layers get their eager methods
+    back afterwards. Slow: it pays inductor's compile time."""
+    from radixrt.model.compiled_layers import CompiledDense
+
+    eager = PagedRunner.create(tiny_llama_dir)
+    comp = PagedRunner.create(tiny_llama_dir)
+    compiled = CompiledDense(comp.model.layers)
+    prompts = [[5, 9, 13, 17, 21], [3, 4], [40, 41, 42, 43, 44, 45, 46]]
+    rows_e = [eager.new_request() for _ in prompts]
+    rows_c = [comp.new_request() for _ in prompts]
+    nxt = eager.extend(rows_e, prompts).argmax(-1).tolist()
+    assert comp.extend(rows_c, prompts).argmax(-1).tolist() == nxt
+    for step in range(4):
+        n = 3 if step < 2 else 2  # the batch shrinks: a dynamic dimension, no new graph needed
+        le = eager.decode(rows_e[:n], nxt[:n])
+        with compiled.active():
+            lc = comp.decode(rows_c[:n], nxt[:n])
+        torch.testing.assert_close(lc, le, atol=1e-4, rtol=1e-4)
+        assert lc.argmax(-1).tolist() == le.argmax(-1).tolist()
+        nxt = le.argmax(-1).tolist()
+    assert all("pre_attention" not in vars(layer) for layer in comp.model.layers)

@@ -1222,3 +1222,23 @@ def test_bf16_shared_prefix_decode_agrees_with_fp32(make_sched: Callable[..., Sc
         assert_clean(sched)
     for rid in jobs:
         assert runs["bfloat16"].tokens[rid][:3] == runs["float32"].tokens[rid][:3], rid
+
+
+def test_decode_totals_count_decode_steps_only(make_sched: Callable[..., Scheduler]) -> None:
+    """`stats()["decode_totals"]`: one step and its rows per decode batch, none for prefill."""
+    sched = make_sched()
+    submit(sched, {"a": (seq(10, 12), 5), "b": (seq(40, 7), 3)})
+    modes: list[tuple[str, int]] = []
+    real_run = sched._run
+
+    def spy(reqs: list[Req], mode: str) -> None:
+        modes.append((mode, len(reqs)))
+        real_run(reqs, mode)
+
+    sched._run = spy  # type: ignore[method-assign]
+    Run().drive(sched)
+    dec = [n for m, n in modes if m == "decode"]
+    assert dec and any(m == "extend" for m, _ in modes)
+    totals = sched.stats()["decode_totals"]
+    assert totals["steps"] == len(dec) and totals["rows"] == sum(dec)
+    assert 0 < totals["time_s"] <= sum(sched.stats()["step_time_s"].values())

@@ -104,6 +104,22 @@ def engine(tiny_llama_dir) -> Iterator[Engine]:
 LONG = " ".join(["Radix trees share prefixes so caches keep what was computed once."] * 6)
 
 
+def test_http_process_yields_to_the_scheduler(server):
+    """Under `radixrt serve` the HTTP process lowers its own priority once its children run:
+    the scheduler keeps ours, the HTTP process and the detokenizer are `helper_nice` (10) below."""
+    import psutil
+
+    me = os.getpriority(os.PRIO_PROCESS, 0)
+    http = psutil.Process(server.proc.pid)
+    kids = {("scheduler" if any("scheduler.pkl" in a for a in c.cmdline()) else "detokenizer"): c
+            for c in http.children()}
+    assert set(kids) == {"scheduler", "detokenizer"}
+    assert http.nice() == min(19, me + 10)
+    assert kids["detokenizer"].nice() == min(19, me + 10)
+    assert kids["scheduler"].nice() == me
+    assert server.get("/health").json() == {"status": "ok"}
+
+
 def test_models_and_health(server):
     r = server.get("/v1/models").json()
     assert r["object"] == "list" and r["data"][0]["object"] == "model"

@@ -95,22 +95,6 @@ def exit_with_parent(parent_pid: int, interval_s: float = 0.5,
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
-def quiet_torch_threads() -> None:
-    """For child processes that do no tensor work (the detokenizer): never spin up a
-    BLAS/OpenMP pool that would fight the scheduler for cores (measured: 7-10x slower decode
-    on 2 cores). Only a child calls this, on itself: the caller's process is left alone."""
-    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-        os.environ[var] = "1"
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    try:
-        import torch
-
-        torch.set_num_threads(1)
-        torch.set_num_interop_threads(1)
-    except (ImportError, RuntimeError):
-        pass
-
-
 def entry_point_name(target: Callable[..., object]) -> str:
     """"module:qualname" of a module-level function, which a fresh interpreter can import."""
     module, qualname = target.__module__, target.__qualname__

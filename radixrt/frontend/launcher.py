@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 from detok_proc.detokenizer import run_detokenizer
 from radixrt.config import ServerArgs, available_cores
-from radixrt.core import ipc
+from radixrt.core import cpu_policy, ipc
 
 
 def replica_plan(dp: int, threads: int, cores: list[int]) -> list[tuple[int, list[int] | None]]:
@@ -97,16 +97,16 @@ class Launcher:
             sched = ChildProcess(f"scheduler{suffix}", ipc.spawn_child(
                 f"scheduler{suffix}", run_scheduler,
                 {"args": args, "paths": paths, "parent_pid": pid, "replica": i}, self.workdir,
-                env={"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)},
+                # OpenMP reads its settings once, at load: they go in the environment.
+                env=cpu_policy.omp_env(threads, self.args.thread_wait),
                 cpus=cpus))
             self.children.append(sched)
             self.schedulers.append(sched)
             detok = ChildProcess(f"detokenizer{suffix}", ipc.spawn_child(
                 f"detokenizer{suffix}", run_detokenizer,
                 {"model_path": self.args.model_path, "tokenizer_path": self.args.tokenizer_path,
-                 "ipc": paths, "parent_pid": pid}, self.workdir,
-                env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-                     "TOKENIZERS_PARALLELISM": "false"}))
+                 "ipc": paths, "parent_pid": pid, "nice": self.args.helper_nice}, self.workdir,
+                env=cpu_policy.helper_env()))
             self.children.append(detok)
             if i == 0:
                 self.scheduler, self.detokenizer = sched, detok

@@ -87,21 +87,38 @@ class LlamaDecoderLayer(nn.Module):
         attn: AttentionBackend,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, residual stream before it); their sum is the output."""
+        inv = invariant_step(attn, fb)
+        q, k, v, residual = self.pre_attention(h, residual, cos, sin, inv)
+        o = attn.forward(q, k, v, self.layer_id, self.scaling, fb)
+        return self.post_attention(o, residual, inv)
+
+    def pre_attention(
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        inv: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Residual add, input norm, qkv projection, RoPE: (q, k, v, residual stream). Dense
+        work only (no KV pool, no batch metadata), so it can be compiled."""
         residual = h if residual is None else h + residual
         x = rms_norm(residual, self.input_layernorm, self.eps)
         n = x.shape[0]
-        inv = invariant_step(attn, fb)
         qkv = linear(x, self.qkv_proj, self.qkv_bias, inv)
         qk_heads = self.num_heads + self.num_kv_heads
         qk = RotaryEmbedding.apply(
             qkv[:, : self.q_size + self.kv_size].view(n, qk_heads, self.head_dim), cos, sin
         )
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
-        o = attn.forward(
-            qk[:, : self.num_heads], qk[:, self.num_heads :], v, self.layer_id, self.scaling, fb
-        )
-        h = linear(o.reshape(n, self.q_size), self.o_proj, self.o_bias, inv)
+        return qk[:, : self.num_heads], qk[:, self.num_heads :], v, residual
 
+    def post_attention(
+        self, o: torch.Tensor, residual: torch.Tensor, inv: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """o_proj, residual add, post-attention norm and the MLP: (MLP output, residual)."""
+        n = o.shape[0]
+        h = linear(o.reshape(n, self.q_size), self.o_proj, self.o_bias, inv)
         residual = h + residual
         x = rms_norm(residual, self.post_attention_layernorm, self.eps)
         gate_up = linear(x, self.gate_up_proj, self.gate_up_bias, inv)

@@ -69,6 +69,11 @@ class ModelRunner:
             num_q_heads=cfg.num_heads)
         self.model, _ = load_model(self.model_path, self.attn_backend, self.dtype, self.device,
                                    model_config=cfg)
+        self.compiled = None
+        if args.compile_decode:
+            from radixrt.model.compiled_layers import CompiledDense
+
+            self.compiled = CompiledDense(self.model.layers)
         self.cuda_graphs = None
         if (self.device.type == "cuda" and not args.disable_cuda_graph
                 and isinstance(self.attn_backend, FlashInferBackend)):
@@ -101,4 +106,7 @@ class ModelRunner:
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(fb):
             return self.cuda_graphs.replay(fb)  # plans the batch itself
         self.attn_backend.init_forward_metadata(fb)
+        if self.compiled is not None and fb.is_decode:
+            with self.compiled.active():
+                return self.model(fb)
         return self.model(fb)

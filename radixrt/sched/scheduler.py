@@ -108,6 +108,9 @@ class Scheduler:
         self.finished_this_step: list[Req] = []
         self.step_times = {"schedule": 0.0, "build": 0.0, "forward": 0.0, "grammar": 0.0,
                            "sample": 0.0, "process": 0.0}
+        # Decode steps alone (build to processed results): their count, rows and time, so a
+        # mean Engine decode step can be set beside a bare ModelRunner step.
+        self.decode_totals = {"steps": 0, "rows": 0, "time_s": 0.0}
         # Prefixes evicted since the last `take_evicted` (for the router's view of this cache).
         self.evicted_prefixes: list[list[int]] = []
         if isinstance(self.cache, RadixCache):
@@ -330,6 +333,10 @@ class Scheduler:
         self.step_times["grammar"] += tg - t2
         self.step_times["sample"] += t3 - tg
         self.step_times["process"] += t4 - t3
+        if mode == "decode":
+            self.decode_totals["steps"] += 1
+            self.decode_totals["rows"] += len(reqs)
+            self.decode_totals["time_s"] += t4 - t0
 
     def _grammar_masks(self, reqs: list[Req]) -> tuple[list[int], torch.Tensor] | None:
         """(constrained rows, their token bitmask) for this step, None if no row is. Rows of
@@ -396,6 +403,7 @@ class Scheduler:
             "cached_locked_tokens": self.cache.protected_size(),
             "new_token_ratio": self.new_token_ratio,
             "step_time_s": dict(self.step_times),
+            "decode_totals": dict(self.decode_totals),
         }
 
     def handle(self, msg: object) -> ControlReply | None:
@@ -461,6 +469,7 @@ def run_scheduler(args: ServerArgs, paths: ipc.IpcPaths, parent_pid: int,
         # How `dtype="auto"` chose on CPU (choice, fp32/bf16 probe times); None otherwise.
         "dtype_probe": runner.dtype_probe.as_info() if runner.dtype_probe else None,
         "num_threads": torch.get_num_threads(),
+        "thread_wait": args.thread_wait,
     }
     ipc.send(to_tok, ReadyMsg(True, info=info))
     poller = zmq.Poller()

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from radixrt.config import ServerArgs
+from radixrt.core import cpu_policy
 from radixrt.core.errors import EngineDeadError, InvalidRequestError, InvariantError
 from radixrt.core.logprobs import TokenLogprobs
 from radixrt.core.messages import ReqTextOut
@@ -618,6 +619,9 @@ def serve(args: ServerArgs) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"[%(asctime)s http pid={os.getpid()}] %(message)s")
     engine = Engine(args)
+    # This process only parses, tokenizes and streams; its children already run at their own
+    # priority (a child inherits its parent's niceness at spawn, so this comes after them).
+    cpu_policy.become_helper(args.helper_nice)
 
     def stop(sig: int, frame: object) -> None:
         raise _Stop(sig)

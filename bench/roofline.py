@@ -1,0 +1,188 @@
+"""The roofline of one forward step: what it must move and compute, and the machine's ceilings.
+
+A decode step reads every weight once (plus each request's K/V) and does 2 FLOPs per weight
+per token; on a CPU it is bound by memory bandwidth, so its lower bound is
+`max(bytes / bandwidth, flops / matmul peak)`. A prefill is bound by the matmul peak. Both
+ceilings are measured here, at the thread count and in the dtype the step runs with, and the
+`fraction` of a step is `lower bound / measured time` (1.0 = at the roofline).
+
+Cost formulas are pure functions of the model's shape (`ModelConfig` fields), so a test can
+check them against a hand count; `weight_bytes` sums what a built model actually stores (so
+quantized weights count at their stored size).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+# -- what a step moves and computes ------------------------------------------------------------------
+
+
+def layer_linear_params(cfg: Any) -> int:
+    """Weights (and biases) of one decoder layer's four matmuls: qkv, o, gate_up, down."""
+    h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
+    n = h * (q + 2 * kv) + q * h + h * 2 * i + i * h
+    if cfg.qkv_bias:
+        n += q + 2 * kv
+    if cfg.o_proj_bias:
+        n += h
+    if cfg.mlp_bias:
+        n += 2 * i + h
+    return n
+
+
+def lm_head_params(cfg: Any) -> int:
+    return cfg.vocab_size * cfg.hidden_size
+
+
+def dense_params_read(cfg: Any) -> int:
+    """Elements read by one step whatever its batch: every layer's matmuls and norms, the final
+    norm and the LM head (the embedding table is only gathered, one row per token; when tied it
+    *is* the LM head)."""
+    norms = 2 * cfg.hidden_size * cfg.num_layers + cfg.hidden_size
+    return cfg.num_layers * layer_linear_params(cfg) + norms + lm_head_params(cfg)
+
+
+def matmul_flops_per_token(cfg: Any, with_lm_head: bool) -> int:
+    """2 FLOPs per multiply-add over every layer's matmuls (biases ignored), plus the LM head."""
+    h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
+    per_layer = h * (q + 2 * kv) + q * h + h * 2 * i + i * h
+    return 2 * (cfg.num_layers * per_layer + (lm_head_params(cfg) if with_lm_head else 0))
+
+
+def attention_flops(cfg: Any, keys: int) -> int:
+    """One query token over `keys` keys, every layer: QK^T and PV, 2 FLOPs per multiply-add."""
+    return cfg.num_layers * 2 * 2 * cfg.q_size * keys
+
+
+def kv_bytes(cfg: Any, tokens: int, kv_elem_bytes: int) -> int:
+    """K and V of `tokens` tokens over every layer."""
+    return 2 * cfg.num_layers * cfg.kv_size * tokens * kv_elem_bytes
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Bytes a step must read and FLOPs it must do (lower bounds: no re-reads, no overheads)."""
+
+    bytes: int
+    flops: int
+
+
+def decode_cost(cfg: Any, seq_lens: list[int], weight_bytes_read: int,
+                kv_elem_bytes: int) -> StepCost:
+    """A decode step: one new token per request; request r attends over `seq_lens[r]` keys
+    (its own new one included). Reads the weights once and each request's K/V once (the
+    embedding rows gathered and the activations are a few KiB: not counted)."""
+    b = len(seq_lens)
+    keys = sum(seq_lens)
+    bytes_ = weight_bytes_read + kv_bytes(cfg, keys, kv_elem_bytes)
+    flops = b * matmul_flops_per_token(cfg, with_lm_head=True) + attention_flops(cfg, keys)
+    return StepCost(bytes_, flops)
+
+
+def prefill_cost(cfg: Any, batch: int, input_len: int, weight_bytes_read: int,
+                 kv_elem_bytes: int) -> StepCost:
+    """A prefill of `batch` prompts of `input_len` tokens, no cached prefix, causal: token t
+    attends over t + 1 keys; logits for the last token of each prompt only. Bytes: weights once,
+    K/V written once."""
+    tokens = batch * input_len
+    causal_keys = batch * input_len * (input_len + 1) // 2
+    flops = (tokens * matmul_flops_per_token(cfg, with_lm_head=False)
+             + batch * 2 * lm_head_params(cfg) + attention_flops(cfg, causal_keys))
+    return StepCost(weight_bytes_read + kv_bytes(cfg, tokens, kv_elem_bytes), flops)
+
+
+def weight_bytes(model: Any) -> int:
+    """Bytes a step reads in full from a built model: every parameter and buffer (each storage
+    counted once, so a tied LM head counts once), except rotary tables and an untied embedding
+    table (both only gathered by row)."""
+    seen: set[int] = set()
+    lm_head = getattr(model, "lm_head", None)
+    embed = getattr(model, "embed_tokens", None)
+    untied_embed = embed is not None and lm_head is not None and embed is not lm_head
+    total = 0
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if "rotary" in name or (untied_embed and t is embed):
+            continue
+        key = t.untyped_storage().data_ptr()
+        if key in seen:
+            continue
+        seen.add(key)
+        total += t.untyped_storage().nbytes()
+    return total
+
+
+# -- the machine's ceilings --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Ceilings:
+    """Measured at `threads` threads: read bandwidth (GB/s) and matmul peak (GFLOP/s, `dtype`)."""
+
+    mem_gbps: float
+    matmul_gflops: float
+    dtype: str
+    threads: int
+    matmul_n: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def measure_bandwidth(threads: int, mib: int = 512, reps: int = 5) -> float:
+    """Read bandwidth in GB/s: the best of `reps` sums over a `mib` MiB fp32 tensor (far larger
+    than any last-level cache), as a decode step streams its weights."""
+    import torch
+
+    torch.set_num_threads(threads)
+    x = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
+    x.sum()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best / 1e9
+
+
+def measure_matmul(threads: int, dtype: Any, n: int = 2048, reps: int = 5) -> float:
+    """GFLOP/s of an n x n x n `F.linear` (the model's matmul) in `dtype`, best of `reps`."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(threads)
+    a = torch.randn(n, n).to(dtype)
+    w = torch.randn(n, n).to(dtype)
+    F.linear(a, w)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        F.linear(a, w)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best / 1e9
+
+
+def measure_ceilings(threads: int, dtype: Any, n: int = 2048) -> Ceilings:
+    import torch
+
+    name = str(dtype).removeprefix("torch.")
+    with torch.inference_mode():
+        return Ceilings(measure_bandwidth(threads), measure_matmul(threads, dtype, n), name,
+                        threads, n)
+
+
+def bound_s(cost: StepCost, c: Ceilings, memory: bool = True) -> float:
+    """The step's lower bound in seconds: max(bytes / bandwidth, flops / peak); with
+    `memory=False` only the compute term (the prefill ceiling)."""
+    compute = cost.flops / (c.matmul_gflops * 1e9)
+    return max(cost.bytes / (c.mem_gbps * 1e9), compute) if memory else compute
+
+
+def roofline_fields(cost: StepCost, c: Ceilings, measured_s: float, memory: bool = True,
+                    ) -> dict[str, float]:
+    """Bytes, FLOPs, the bound and the fraction reached (bound / measured) of one step."""
+    lb = bound_s(cost, c, memory)
+    return {"bytes": cost.bytes, "flops": cost.flops, "bound_ms": lb * 1e3,
+            "fraction": lb / measured_s if measured_s > 0 else float("nan"),
+            "bound_by": ("memory" if memory and cost.bytes / (c.mem_gbps * 1e9)
+                         >= cost.flops / (c.matmul_gflops * 1e9) else "compute")}

@@ -1,0 +1,43 @@
+"""`radixrt.core.cpu_policy`: the environment each process gets, and the knobs' validation."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from radixrt.config import ServerArgs
+from radixrt.core import cpu_policy
+
+
+def test_passive_and_spin_environments():
+    p = cpu_policy.omp_env(2, "passive")
+    assert p["OMP_NUM_THREADS"] == p["MKL_NUM_THREADS"] == "2"
+    assert p["OMP_WAIT_POLICY"] == "PASSIVE" and p["KMP_BLOCKTIME"] == "0"
+    s = cpu_policy.omp_env(3, "spin")
+    assert s == {"OMP_NUM_THREADS": "3", "MKL_NUM_THREADS": "3"}  # the runtime's own default
+    with pytest.raises(ValueError, match="thread_wait"):
+        cpu_policy.omp_env(2, "busy")
+    h = cpu_policy.helper_env()
+    assert h["OMP_NUM_THREADS"] == "1" and h["OMP_WAIT_POLICY"] == "PASSIVE"
+
+
+@pytest.mark.parametrize(("field", "value"), [("thread_wait", "busy"), ("helper_nice", -1),
+                                              ("helper_nice", 20)])
+def test_bad_knobs_name_the_field(field, value):
+    with pytest.raises(ValueError, match=f"ServerArgs.{field}"):
+        ServerArgs(**{field: value})
+
+
+def test_become_helper_lowers_priority_and_threads():
+    code = ("import os, torch; from radixrt.core.cpu_policy import become_helper; "
+            "before = os.getpriority(os.PRIO_PROCESS, 0); torch.set_num_threads(2); "
+            "become_helper(3); print(os.getpriority(os.PRIO_PROCESS, 0) - before, "
+            "torch.get_num_threads())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}, check=True)
+    delta, threads = out.stdout.split()
+    assert int(threads) == 1
+    assert int(delta) == min(3, 19 - os.getpriority(os.PRIO_PROCESS, 0))
