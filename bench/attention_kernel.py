@@ -90,15 +90,21 @@ def decode_batch(rp: ReqToTokenPool, kv: TokenToKVPool, bs: int, ctx: int,
 
 
 def interleaved(fns: dict[str, Any], reps: int) -> dict[str, float]:
-    """Median seconds of each callable, run alternately `reps` times after one warm-up each."""
+    """Median wall seconds (`name`) and process CPU seconds (`name_cpu`) of each callable, run
+    alternately `reps` times after one warm-up each. On a shared machine CPU time is the steadier
+    figure (with 1 thread it is the work done; wall time also counts waiting for a core)."""
     times: dict[str, list[float]] = {k: [] for k in fns}
+    cpu: dict[str, list[float]] = {k: [] for k in fns}
     for rep in range(reps + 1):
         for name, fn in fns.items():
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             fn()
             if rep:
                 times[name].append(time.perf_counter() - t)
-    return {k: statistics.median(v) for k, v in times.items()}
+                cpu[name].append(time.process_time() - c)
+    out = {k: statistics.median(v) for k, v in times.items()}
+    out.update({f"{k}_cpu": statistics.median(v) for k, v in cpu.items()})
+    return out
 
 
 def _cases(batches: list[int], ctxs: list[int], prefixes: list[int]):
@@ -135,6 +141,7 @@ def _attention_case(dname: str, bs: int, ctx: int, prefix: int, reps: int) -> di
     return {"dtype": dname, "batch": bs, "ctx": ctx, "prefix": prefix, "layers_timed": layers,
             "torch_ms": med["torch"] * scale, "kernel_ms": med["kernel"] * scale,
             "speedup": med["torch"] / med["kernel"],
+            "torch_cpu_ms": med["torch_cpu"] * scale, "kernel_cpu_ms": med["kernel_cpu"] * scale,
             "kv_mb_per_step": per_layer * LAYERS / 2**20}
 
 
@@ -163,7 +170,8 @@ def _step_case(runner: Any, dname: str, bs: int, ctx: int, prefix: int,
     backend.decode_kernel = True
     return {"dtype": dname, "batch": bs, "ctx": ctx, "prefix": prefix,
             "torch_ms": med["torch"] * 1e3, "kernel_ms": med["kernel"] * 1e3,
-            "speedup": med["torch"] / med["kernel"]}
+            "speedup": med["torch"] / med["kernel"],
+            "torch_cpu_ms": med["torch_cpu"] * 1e3, "kernel_cpu_ms": med["kernel_cpu"] * 1e3}
 
 
 def bench_step(batches: list[int], ctxs: list[int], prefixes: list[int], dtypes: list[str],
@@ -193,11 +201,13 @@ def bench_step(batches: list[int], ctxs: list[int], prefixes: list[int], dtypes:
 
 
 def markdown(rows: list[dict[str, Any]], what: str) -> str:
-    head = ("| dtype | batch | ctx | shared prefix | torch path ms | kernel ms | speedup |\n"
-            "|---|---|---|---|---|---|---|\n")
+    head = ("| dtype | batch | ctx | shared prefix | torch path ms | kernel ms | speedup "
+            "| torch path CPU ms | kernel CPU ms | CPU ratio |\n|---|---|---|---|---|---|---|---|---|---|\n")
     body = "".join(
         f"| {r['dtype']} | {r['batch']} | {r['ctx']} | {r['prefix'] or '-'} | "
-        f"{r['torch_ms']:.1f} | {r['kernel_ms']:.1f} | {r['speedup']:.2f}x |\n" for r in rows)
+        f"{r['torch_ms']:.1f} | {r['kernel_ms']:.1f} | {r['speedup']:.2f}x | "
+        f"{r['torch_cpu_ms']:.1f} | {r['kernel_cpu_ms']:.1f} | "
+        f"{r['torch_cpu_ms'] / r['kernel_cpu_ms']:.2f}x |\n" for r in rows)
     return f"{what}\n\n{head}{body}"
 
 

@@ -112,6 +112,8 @@ class TorchNativeBackend(AttentionBackend):
                 raise RuntimeError(f"paged decode kernel unavailable: {reason}")
             if reason is not None and self.device.type == "cpu":
                 logger.info("decode attention: torch gather path (%s)", reason)
+            elif reason is None:
+                logger.debug("decode attention: C++ paged-decode kernel")
             self.decode_kernel = reason is None
         self._kernel: PagedDecodePlan | None = None
         self._padded: _PaddedPlan | None = None
