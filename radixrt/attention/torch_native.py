@@ -1,6 +1,9 @@
 """`TorchNativeBackend`: attention with `scaled_dot_product_attention` over the paged KV pool.
 
-Two execution plans, chosen once per step in `init_forward_metadata`:
+Execution plans, chosen once per step in `init_forward_metadata`:
+- kernel (decode on CPU, when the C++ op is available): `torch.ops.radixrt.paged_decode` reads
+  each request's K/V in place from the pool (no gather), cascade groups included; see
+  `paged_decode.py`. Every other case below is the torch path (CUDA, no compiler, or disabled).
 - padded: the batch becomes `[B, Qmax]` queries against `[B, Kmax]` keys gathered from the pool
   with one `index_select` per layer (slot 0 pads), masked by a float mask built once per step.
   Decode always uses it (Qmax = 1; the query heads of one KV group ride the query-length axis, so
@@ -15,21 +18,28 @@ dtype (the masks are built in it).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from radixrt.attention.base import MIN_INVARIANT_ROWS, AttentionBackend
+from radixrt.attention.cascade import (
+    CASCADE_MIN_SHARED,
+    SharedPrefixGroup,
+    shared_prefix_groups,
+)
+from radixrt.attention.paged_decode import PagedDecodePlan, paged_decode_unavailable_reason
 from radixrt.core.forward_batch import ForwardBatch
 from radixrt.mem.memory_pool import TokenToKVPool
 
+__all__ = ["CASCADE_MIN_SHARED", "TorchNativeBackend"]
+
+logger = logging.getLogger(__name__)
+
 # Extend runs padded when B * Qmax * Kmax <= this factor times the useful sum(q_b * k_b).
 PADDED_WASTE_FACTOR = 2.0
-# Decode requests whose rows start with at least this many identical slots (a shared cached
-# prefix: the radix cache points every row at the same canonical slots) attend to that prefix
-# together: it is gathered once per group instead of once per request.
-CASCADE_MIN_SHARED = 32
 # Batch-invariant extend: keys are processed in blocks of this size, aligned to position 0.
 INVARIANT_KEY_BLOCK = 64
 
@@ -83,13 +93,29 @@ class TorchNativeBackend(AttentionBackend):
     `batch_invariant=True` runs extend steps through `_extend_invariant` instead (decode is
     unchanged): each token's output is then bitwise the same whatever the batch, the split
     between cached prefix and computed tokens, and the chunking.
+
+    `decode_kernel`: None (default) decodes with the C++ paged-decode op on CPU when it builds
+    and supports the pool (else the torch path, with one warning); False always takes the
+    torch path; True requires the op (RuntimeError saying why when it cannot run).
     """
 
     def __init__(self, kv_pool: TokenToKVPool, device: torch.device | str | None = None,
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, decode_kernel: bool | None = None):
         super().__init__(kv_pool)
         self.device = torch.device(device) if device is not None else kv_pool.device
         self.batch_invariant = batch_invariant
+        self.decode_kernel = False
+        if decode_kernel is not False:
+            reason = ("device is not the CPU" if self.device.type != "cpu" else
+                      paged_decode_unavailable_reason(kv_pool.dtype, kv_pool.head_dim))
+            if reason is not None and decode_kernel:
+                raise RuntimeError(f"paged decode kernel unavailable: {reason}")
+            if reason is not None and self.device.type == "cpu":
+                logger.info("decode attention: torch gather path (%s)", reason)
+            elif reason is None:
+                logger.debug("decode attention: C++ paged-decode kernel")
+            self.decode_kernel = reason is None
+        self._kernel: PagedDecodePlan | None = None
         self._padded: _PaddedPlan | None = None
         self._cascade: _CascadePlan | None = None
         self._ragged: list[_RaggedReq] | None = None
@@ -99,10 +125,15 @@ class TorchNativeBackend(AttentionBackend):
     # -- per step ----------------------------------------------------------------------------
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         self._padded, self._cascade, self._ragged, self._invariant = None, None, None, None
+        self._kernel = None
         self._planned_for = fb
         if fb.is_decode:
+            groups = self._decode_groups(fb)
+            if self.decode_kernel:
+                self._kernel = PagedDecodePlan.build(fb, groups)
+                return
             self._padded = self._plan_decode(fb)
-            self._cascade = self._plan_cascade(fb, self._padded)
+            self._cascade = self._plan_cascade(fb, self._padded, groups)
             return
         if self.batch_invariant or fb.batch_invariant:
             self._invariant = self._plan_invariant(fb)
@@ -132,40 +163,26 @@ class TorchNativeBackend(AttentionBackend):
         mask.masked_fill_(~valid.view(bs, 1, 1, kmax), float("-inf"))
         return _PaddedPlan(index.view(-1), kmax, 1, mask, None)
 
-    def _plan_cascade(self, fb: ForwardBatch, plan: _PaddedPlan) -> _CascadePlan | None:
-        """Groups of >= 2 requests whose rows share >= CASCADE_MIN_SHARED leading slots."""
+    @staticmethod
+    def _decode_groups(fb: ForwardBatch) -> list[SharedPrefixGroup]:
+        starts = [0] * fb.batch_size
+        for b in range(1, fb.batch_size):
+            starts[b] = starts[b - 1] + fb.seq_lens_cpu[b - 1]
+        return shared_prefix_groups(fb.kv_indices, starts, fb.seq_lens_cpu, CASCADE_MIN_SHARED)
+
+    def _plan_cascade(self, fb: ForwardBatch, plan: _PaddedPlan,
+                      shared: list[SharedPrefixGroup]) -> _CascadePlan | None:
+        """Torch path of the cascade groups (>= 2 requests sharing >= CASCADE_MIN_SHARED
+        leading slots): prefixes and suffixes gathered into padded batches."""
         bs, kmax = fb.batch_size, plan.kmax
-        if bs < 2:
-            return None
         index = plan.kv_index.view(bs, kmax)
         seq = fb.seq_lens_cpu
-        if kmax < CASCADE_MIN_SHARED:
-            return None
-        # A slot names one token path in the radix tree, so rows holding the same slot at column
-        # CASCADE_MIN_SHARED - 1 share at least their first CASCADE_MIN_SHARED slots (grouping by
-        # column 0 would lump every chat request together on a short shared template header).
-        by_first: dict[int, list[int]] = {}
-        key_col = index[:, CASCADE_MIN_SHARED - 1].tolist()
-        for b, key in enumerate(key_col):
-            if seq[b] > CASCADE_MIN_SHARED and key != 0:
-                by_first.setdefault(key, []).append(b)
-        groups: list[tuple[list[int], torch.Tensor]] = []
         start = [0] * bs
-        for rows in by_first.values():
-            if len(rows) < 2:
-                continue
-            limit = min(seq[b] for b in rows) - 1  # every request keeps >= 1 key of its own
-            if limit < CASCADE_MIN_SHARED:
-                continue
-            rows_t = torch.tensor(rows, dtype=torch.int64, device=index.device)
-            sub = index[rows_t, :limit]
-            same = (sub == sub[0]).all(dim=0)
-            shared = limit if bool(same.all()) else int((~same).nonzero()[0])
-            if shared < CASCADE_MIN_SHARED:
-                continue
-            groups.append((rows, sub[0, :shared]))
-            for b in rows:
-                start[b] = shared
+        groups: list[tuple[list[int], torch.Tensor]] = []
+        for grp in shared:
+            groups.append((grp.rows, index[grp.rows[0], : grp.shared]))
+            for b in grp.rows:
+                start[b] = grp.shared
         if not groups:
             return None
         dev = self.device
@@ -277,6 +294,11 @@ class TorchNativeBackend(AttentionBackend):
             raise RuntimeError("init_forward_metadata(fb) was not called for this batch")
         # Contiguous sources: index_put from a strided view is ~100x slower on CPU.
         self.kv_pool.set_kv(layer_id, fb.out_cache_loc, k.contiguous(), v.contiguous())
+        if self._kernel is not None:
+            pool = self.kv_pool
+            out, _ = self._kernel.run(q, pool.k_buffer[layer_id], pool.v_buffer[layer_id],
+                                      scaling)
+            return out
         if self._invariant is not None:
             return self._extend_invariant(q, layer_id, scaling)
         if self._cascade is not None:

@@ -66,7 +66,8 @@ class ModelRunner:
             self.dtype, self.device)
         self.attn_backend = create_attention_backend(
             args.attention_backend, self.token_to_kv_pool, self.device,
-            num_q_heads=cfg.num_heads)
+            num_q_heads=cfg.num_heads,
+            decode_kernel=False if args.disable_cpu_decode_kernel else None)
         self.model, _ = load_model(self.model_path, self.attn_backend, self.dtype, self.device,
                                    model_config=cfg)
         self.compiled = None

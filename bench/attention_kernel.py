@@ -1,0 +1,244 @@
+"""Decode attention: the C++ paged-decode kernel against the torch gather + SDPA path.
+
+    python bench/attention_kernel.py attention --batch 1 8 64 --ctx 512 2048 --prefix 0 400
+    python bench/attention_kernel.py step --batch 1 8 64 --ctx 512 2048 --dtype bfloat16
+
+`attention`: the attention backend alone on SmolLM2's shape (9 query heads, 3 KV heads, head dim
+64): one step's plan (`init_forward_metadata`) plus `forward` on every layer of a pool filled with
+random K/V, reported per 30-layer step. Enough layers are allocated that the KV does not stay in
+the CPU caches from one layer to the next (as in a real step, where the weights flush them).
+`step`: a whole decode step of the model (`ModelRunner.forward`, default SmolLM2) over a pool
+filled with random K/V (no prefill: attention's cost does not depend on the values).
+
+Both put every request at `ctx` tokens; with `--prefix P` > 0 the batch's rows start with the
+same P slots (one cached prefix shared by all requests: cascade decode). Slots are allocated as
+the runtime does (contiguous runs from the free list). Old and new paths alternate in one process,
+`--reps` times each; medians are reported.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench import _path
+
+    _path.fix()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+
+from radixrt.attention import cpu_kernels  # noqa: E402
+from radixrt.attention.torch_native import TorchNativeBackend  # noqa: E402
+from radixrt.core.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from radixrt.mem.memory_pool import ReqToTokenPool, TokenToKVPool  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM, LAYERS = 9, 3, 64, 30
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def machine() -> dict[str, Any]:
+    name = platform.processor() or "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    spec = cpu_kernels.loaded_spec()
+    return {"cpu": name, "isa": spec.isa if spec else None, "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "loadavg_1m": os.getloadavg()[0]}
+
+
+def fill_random(kv: TokenToKVPool, used: int, seed: int = 0) -> None:
+    """Random K/V in slots 1..used of every layer (written in chunks, in the pool's dtype)."""
+    g = torch.Generator().manual_seed(seed)
+    chunk = 16384
+    for buf in (*kv.k_buffer, *kv.v_buffer):
+        for s in range(1, used + 1, chunk):
+            e = min(used + 1, s + chunk)
+            buf[s:e] = torch.randn(e - s, *buf.shape[1:], generator=g).to(buf.dtype)
+
+
+def decode_batch(rp: ReqToTokenPool, kv: TokenToKVPool, bs: int, ctx: int,
+                 prefix: int) -> ForwardBatch:
+    """`bs` requests of `ctx` tokens (this step's included); the first `prefix` slots shared by
+    all rows when `prefix` > 0. Allocation as the runtime does it: one run per request."""
+    rp.clear()
+    kv.clear()
+    rows = [rp.alloc() for _ in range(bs)]
+    assert all(r is not None for r in rows)
+    shared = kv.alloc(prefix) if prefix else torch.zeros(0, dtype=torch.int64)
+    assert shared is not None
+    for r in rows:
+        own = kv.alloc(ctx - prefix)
+        assert own is not None
+        rp.req_to_token[r, :ctx] = torch.cat([shared, own]).to(torch.int32)
+    return ForwardBatch.build(ForwardMode.DECODE, [100] * bs, rows, [ctx - 1] * bs, [1] * bs,
+                              rp.req_to_token)
+
+
+def interleaved(fns: dict[str, Any], reps: int) -> dict[str, float]:
+    """Median wall seconds (`name`) and process CPU seconds (`name_cpu`) of each callable, run
+    alternately `reps` times after one warm-up each. On a shared machine CPU time is the steadier
+    figure (with 1 thread it is the work done; wall time also counts waiting for a core)."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    cpu: dict[str, list[float]] = {k: [] for k in fns}
+    for rep in range(reps + 1):
+        for name, fn in fns.items():
+            t, c = time.perf_counter(), time.process_time()
+            fn()
+            if rep:
+                times[name].append(time.perf_counter() - t)
+                cpu[name].append(time.process_time() - c)
+    out = {k: statistics.median(v) for k, v in times.items()}
+    out.update({f"{k}_cpu": statistics.median(v) for k, v in cpu.items()})
+    return out
+
+
+def _cases(batches: list[int], ctxs: list[int], prefixes: list[int]):
+    for ctx in ctxs:
+        for bs in batches:
+            for prefix in prefixes:
+                if prefix < ctx and not (prefix and bs < 2):  # cascade needs >= 2 rows
+                    yield bs, ctx, prefix
+
+
+def _attention_case(dname: str, bs: int, ctx: int, prefix: int, reps: int) -> dict[str, Any]:
+    dtype = DTYPES[dname]
+    elem = torch.empty((), dtype=dtype).element_size()
+    tokens = prefix + bs * (ctx - prefix)
+    per_layer = tokens * KV_HEADS * HEAD_DIM * 2 * elem
+    layers = min(LAYERS, max(2, math.ceil(256 * 2**20 / per_layer)))
+    kv = TokenToKVPool(tokens + 8, layers, KV_HEADS, HEAD_DIM, dtype)
+    fill_random(kv, tokens + 8)
+    fb = decode_batch(ReqToTokenPool(bs, ctx + 1), kv, bs, ctx, prefix)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(bs, HEADS, HEAD_DIM, generator=g).to(dtype)
+    k = torch.randn(bs, KV_HEADS, HEAD_DIM, generator=g).to(dtype)
+    v = torch.randn(bs, KV_HEADS, HEAD_DIM, generator=g).to(dtype)
+
+    def step(be: TorchNativeBackend) -> None:
+        be.init_forward_metadata(fb)
+        for layer in range(layers):
+            be.forward(q, k, v, layer, HEAD_DIM**-0.5, fb)
+
+    torch_path = TorchNativeBackend(kv, decode_kernel=False)
+    kernel = TorchNativeBackend(kv, decode_kernel=True)
+    med = interleaved({"torch": lambda: step(torch_path), "kernel": lambda: step(kernel)}, reps)
+    scale = LAYERS / layers * 1e3
+    return {"dtype": dname, "batch": bs, "ctx": ctx, "prefix": prefix, "layers_timed": layers,
+            "torch_ms": med["torch"] * scale, "kernel_ms": med["kernel"] * scale,
+            "speedup": med["torch"] / med["kernel"],
+            "torch_cpu_ms": med["torch_cpu"] * scale, "kernel_cpu_ms": med["kernel_cpu"] * scale,
+            "kv_mb_per_step": per_layer * LAYERS / 2**20}
+
+
+def bench_attention(batches: list[int], ctxs: list[int], prefixes: list[int],
+                    dtypes: list[str], reps: int) -> list[dict[str, Any]]:
+    out = []
+    for dname in dtypes:
+        for bs, ctx, prefix in _cases(batches, ctxs, prefixes):
+            row = _attention_case(dname, bs, ctx, prefix, reps)
+            print(json.dumps(row), flush=True)
+            out.append(row)
+    return out
+
+
+def _step_case(runner: Any, dname: str, bs: int, ctx: int, prefix: int,
+               reps: int) -> dict[str, Any]:
+    backend = runner.attn_backend
+    fb = decode_batch(runner.req_to_token_pool, runner.token_to_kv_pool, bs, ctx, prefix)
+
+    def run(kernel: bool) -> None:
+        backend.decode_kernel = kernel
+        runner.forward(fb)
+
+    with torch.inference_mode():
+        med = interleaved({"torch": lambda: run(False), "kernel": lambda: run(True)}, reps)
+    backend.decode_kernel = True
+    return {"dtype": dname, "batch": bs, "ctx": ctx, "prefix": prefix,
+            "torch_ms": med["torch"] * 1e3, "kernel_ms": med["kernel"] * 1e3,
+            "speedup": med["torch"] / med["kernel"],
+            "torch_cpu_ms": med["torch_cpu"] * 1e3, "kernel_cpu_ms": med["kernel_cpu"] * 1e3}
+
+
+def bench_step(batches: list[int], ctxs: list[int], prefixes: list[int], dtypes: list[str],
+               reps: int, model_path: str | None, threads: int) -> list[dict[str, Any]]:
+    from radixrt.config import ServerArgs
+    from radixrt.model.runner import ModelRunner
+
+    out = []
+    cases = list(_cases(batches, ctxs, prefixes))
+    need = max(p + b * (c - p) for b, c, p in cases)
+    for dname in dtypes:
+        args = ServerArgs(model_path=model_path, dtype=dname, num_threads=threads,
+                          max_running_requests=max(batches), max_total_tokens=need + 64,
+                          max_context_len=max(ctxs) + 8, attention_backend="torch",
+                          log_level="warning")
+        runner = ModelRunner(args)
+        backend = runner.attn_backend
+        if not (isinstance(backend, TorchNativeBackend) and backend.decode_kernel):
+            raise SystemExit(f"kernel not in use: {cpu_kernels.unavailable_reason()}")
+        fill_random(runner.token_to_kv_pool, need + 8)
+        for bs, ctx, prefix in cases:
+            row = _step_case(runner, dname, bs, ctx, prefix, reps)
+            print(json.dumps(row), flush=True)
+            out.append(row)
+        del runner, backend
+    return out
+
+
+def markdown(rows: list[dict[str, Any]], what: str) -> str:
+    head = ("| dtype | batch | ctx | shared prefix | torch path ms | kernel ms | speedup "
+            "| torch path CPU ms | kernel CPU ms | CPU ratio |\n|---|---|---|---|---|---|---|---|---|---|\n")
+    body = "".join(
+        f"| {r['dtype']} | {r['batch']} | {r['ctx']} | {r['prefix'] or '-'} | "
+        f"{r['torch_ms']:.1f} | {r['kernel_ms']:.1f} | {r['speedup']:.2f}x | "
+        f"{r['torch_cpu_ms']:.1f} | {r['kernel_cpu_ms']:.1f} | "
+        f"{r['torch_cpu_ms'] / r['kernel_cpu_ms']:.2f}x |\n" for r in rows)
+    return f"{what}\n\n{head}{body}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("what", choices=("attention", "step"))
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--ctx", type=int, nargs="+", default=[512, 2048])
+    ap.add_argument("--prefix", type=int, nargs="+", default=[0, 400])
+    ap.add_argument("--dtype", nargs="+", choices=tuple(DTYPES), default=list(DTYPES))
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--out", default=None, help="write rows + machine info as JSON here")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    if not cpu_kernels.load_cpu_kernels():
+        raise SystemExit(f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
+    info = machine()
+    print(json.dumps(info), flush=True)
+    if a.what == "attention":
+        with torch.inference_mode():
+            rows = bench_attention(a.batch, a.ctx, a.prefix, a.dtype, a.reps)
+        title = "Attention only, ms per 30-layer decode step"
+    else:
+        rows = bench_step(a.batch, a.ctx, a.prefix, a.dtype, a.reps, a.model, a.threads)
+        title = "Whole decode step (ModelRunner.forward), ms"
+    print(markdown(rows, title))
+    if a.out:
+        Path(a.out).write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,277 @@
+"""radixrt's C++ CPU kernels (`csrc/*.cpp`): built for this machine, cached, loaded once.
+
+The sources are compiled with `torch.utils.cpp_extension` into one shared library that registers
+`torch.ops.radixrt.*` (today `paged_decode`, see `csrc/paged_decode.cpp`). The instruction set
+is chosen from this CPU's flags at build time (AVX-512 F/BW/VL/DQ, else AVX2 + FMA + F16C, else
+the compiler's baseline; never `-march=native`), and the library is cached under
+`<cache root>/<key>/` where `key` hashes the sources, the torch version, the chosen ISA and the
+CPU's whole flag set: another CPU or another torch rebuilds, the same machine builds once.
+
+- `make setup` builds it (`python -m radixrt.attention.cpu_kernels build`); otherwise the first
+  `load_cpu_kernels()` builds it, under a file lock (several processes may start at once).
+- A failed build (no compiler, no ninja, compile error) logs one warning, leaves `failed.log`
+  in the cache directory so later processes do not retry, and `load_cpu_kernels()` returns
+  False: callers fall back to their torch path. `build` retries and prints the error.
+
+Cache root: `$RADIXRT_KERNEL_CACHE`, else `<venv>/radixrt-kernels` inside a virtual environment,
+else `~/.cache/radixrt/kernels`. `RADIXRT_CPU_ISA=avx2|default` builds a lower instruction set
+than the CPU offers (to test those paths); `RADIXRT_DISABLE_CPU_KERNELS=1` never loads them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
+SOURCES: tuple[str, ...] = ("paged_decode.cpp",)
+LIB_NAME = "radixrt_cpu_kernels"
+ISAS: tuple[str, ...] = ("avx512", "avx2", "default")  # best first
+
+# Compiler flags per instruction set; CPU_CAPABILITY selects at::vec's implementation (the same
+# names torch's own kernels are compiled under).
+_ISA_FLAGS: dict[str, tuple[str, ...]] = {
+    "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma",
+               "-mf16c", "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"),
+    "avx2": ("-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"),
+    "default": ("-DCPU_CAPABILITY=DEFAULT",),
+}
+_ISA_NEEDS: dict[str, frozenset[str]] = {
+    "avx512": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"}),
+    "avx2": frozenset({"avx2", "fma", "f16c"}),
+    "default": frozenset(),
+}
+_COMMON_FLAGS: tuple[str, ...] = ("-O3", "-fopenmp")
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def choose_isa(flags: frozenset[str] | None = None, requested: str | None = None) -> str:
+    """Best instruction set this CPU has (x86 only; other machines build `default`).
+    `requested` (or `$RADIXRT_CPU_ISA`) may lower it, never raise it."""
+    flags = cpu_flags() if flags is None else flags
+    requested = requested or os.environ.get("RADIXRT_CPU_ISA") or None
+    if requested is not None and requested not in ISAS:
+        raise ValueError(f"RADIXRT_CPU_ISA must be one of {ISAS}, got {requested!r}")
+    x86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+    start = ISAS.index(requested) if requested else 0
+    for isa in ISAS[start:]:
+        if isa == "default" or (x86 and _ISA_NEEDS[isa] <= flags):
+            return isa
+    return "default"
+
+
+@dataclass(frozen=True)
+class BuildSpec:
+    isa: str
+    cflags: tuple[str, ...]
+    key: str
+    directory: Path
+
+    @property
+    def name(self) -> str:
+        return f"{LIB_NAME}_{self.key}"
+
+    @property
+    def library(self) -> Path:
+        return self.directory / f"{self.name}.so"
+
+    @property
+    def ok_marker(self) -> Path:
+        return self.directory / "built.ok"
+
+    @property
+    def failed_log(self) -> Path:
+        return self.directory / "failed.log"
+
+
+def cache_root() -> Path:
+    env = os.environ.get("RADIXRT_KERNEL_CACHE")
+    if env:
+        return Path(env)
+    if sys.prefix != sys.base_prefix and os.access(sys.prefix, os.W_OK):
+        return Path(sys.prefix) / "radixrt-kernels"
+    return Path.home() / ".cache" / "radixrt" / "kernels"
+
+
+def build_spec(isa: str | None = None) -> BuildSpec:
+    """What would be built here, and where: the key covers sources, torch, flags and the CPU."""
+    flags = cpu_flags()
+    isa = choose_isa(flags, isa)
+    cflags = (*_COMMON_FLAGS, *_ISA_FLAGS[isa])
+    h = hashlib.sha256()
+    for src in SOURCES:
+        h.update(src.encode())
+        h.update((SOURCE_DIR / src).read_bytes())
+    for part in (torch.__version__, platform.machine(), isa, " ".join(cflags),
+                 " ".join(sorted(flags))):
+        h.update(b"\0" + part.encode())
+    key = h.hexdigest()[:16]
+    return BuildSpec(isa, cflags, key, cache_root() / f"{isa}-{key}")
+
+
+_lock = threading.Lock()
+_loaded: BuildSpec | None = None
+_failed: str | None = None  # why the kernels are unavailable in this process
+
+
+def _register_fakes() -> None:
+    """Shape-only implementations, so tracing (torch.compile, meta tensors) sees the ops."""
+
+    @torch.library.register_fake("radixrt::paged_decode")
+    def _(q, k_buffer, v_buffer, kv_indices, row_start, row_len, group_start, group_len,
+          group_row_ptr, group_rows, scale):
+        return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+def _compile(spec: BuildSpec, verbose: bool) -> None:
+    from torch.utils import cpp_extension
+
+    spec.directory.mkdir(parents=True, exist_ok=True)
+    env_path = os.environ.get("PATH", "")
+    extra = [str(Path(sys.executable).parent)]  # ninja / c++ from the venv, if any
+    try:
+        import ninja  # type: ignore[import-not-found]
+
+        extra.insert(0, ninja.BIN_DIR)
+    except ImportError:
+        pass
+    os.environ["PATH"] = os.pathsep.join([*extra, env_path])
+    try:
+        cpp_extension.load(
+            name=spec.name,
+            sources=[str(SOURCE_DIR / s) for s in SOURCES],
+            extra_cflags=list(spec.cflags),
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(spec.directory),
+            is_python_module=False,
+            verbose=verbose,
+        )
+    finally:
+        os.environ["PATH"] = env_path
+
+
+def _build_and_load(spec: BuildSpec, force: bool, verbose: bool) -> None:
+    """Builds (under the directory's file lock) unless built, then loads. Raises on failure."""
+    spec.directory.mkdir(parents=True, exist_ok=True)
+    if spec.ok_marker.exists() and spec.library.exists() and not force:
+        torch.ops.load_library(str(spec.library))
+        return
+    with open(spec.directory / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same key
+        if spec.ok_marker.exists() and spec.library.exists() and not force:
+            torch.ops.load_library(str(spec.library))
+            return
+        if spec.failed_log.exists() and not force:
+            raise RuntimeError(f"an earlier build failed (see {spec.failed_log})")
+        t0 = time.perf_counter()
+        try:
+            _compile(spec, verbose)
+        except Exception as e:  # noqa: BLE001 - any build error means "fall back"
+            spec.failed_log.write_text(f"{type(e).__name__}: {e}\n")
+            raise
+        spec.failed_log.unlink(missing_ok=True)
+        spec.ok_marker.write_text(f"{spec.isa} {torch.__version__}\n")
+        logger.info("built CPU kernels (%s) in %.1f s: %s", spec.isa,
+                    time.perf_counter() - t0, spec.library)
+
+
+def load_cpu_kernels(build: bool = True) -> bool:
+    """True once `torch.ops.radixrt.*` are usable in this process. Builds if needed (and
+    `build`); on failure warns once and returns False from then on."""
+    global _loaded, _failed
+    if _loaded is not None:
+        return True
+    if _failed is not None:
+        return False
+    with _lock:
+        if _loaded is not None:
+            return True
+        if _failed is not None:
+            return False
+        if os.environ.get("RADIXRT_DISABLE_CPU_KERNELS", "") not in ("", "0"):
+            _failed = "RADIXRT_DISABLE_CPU_KERNELS is set"
+            return False
+        try:
+            spec = build_spec()
+            if not build and not spec.ok_marker.exists():
+                _failed = "not built"
+                return False
+            _build_and_load(spec, force=False, verbose=False)
+            _register_fakes()
+        except Exception as e:  # noqa: BLE001 - never crash: the torch path still works
+            _failed = f"{type(e).__name__}: {e}"
+            logger.warning("radixrt CPU kernels unavailable, using the torch fallback (%s); "
+                           "`python -m radixrt.attention.cpu_kernels build` retries and shows "
+                           "the error", _failed.splitlines()[0][:300])
+            return False
+        _loaded = spec
+        return True
+
+
+def unavailable_reason() -> str | None:
+    """Why `load_cpu_kernels()` returned False (None when loaded or not tried)."""
+    return _failed
+
+
+def loaded_spec() -> BuildSpec | None:
+    return _loaded
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m radixrt.attention.cpu_kernels",
+                                 description="Build / inspect radixrt's C++ CPU kernels.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build", help="build for this machine (retries a failed build)")
+    b.add_argument("--isa", choices=ISAS, default=None, help="lower the instruction set")
+    b.add_argument("--verbose", action="store_true")
+    sub.add_parser("info", help="print the cache key, directory and state")
+    sub.add_parser("clean", help="remove every cached build")
+    args = ap.parse_args(argv)
+    if args.cmd == "clean":
+        shutil.rmtree(cache_root(), ignore_errors=True)
+        print(f"removed {cache_root()}")
+        return 0
+    spec = build_spec(getattr(args, "isa", None))
+    if args.cmd == "info":
+        state = ("built" if spec.ok_marker.exists() else
+                 "failed" if spec.failed_log.exists() else "not built")
+        print(f"isa={spec.isa} key={spec.key} state={state}\ndirectory={spec.directory}")
+        return 0
+    try:
+        _build_and_load(spec, force=True, verbose=args.verbose)
+    except Exception as e:  # noqa: BLE001
+        print(f"radixrt CPU kernels: build failed ({type(e).__name__}: {e}); the runtime will "
+              "use its torch fallback", file=sys.stderr)
+        return 1
+    print(f"radixrt CPU kernels ({spec.isa}, "
+          f"{torch.ops.radixrt.paged_decode_isa()}): {spec.library}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

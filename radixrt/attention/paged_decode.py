@@ -1,0 +1,95 @@
+"""Copy-free decode attention on CPU: one step's plan for `torch.ops.radixrt.paged_decode`.
+
+The C++ op (`csrc/paged_decode.cpp`, built by `cpu_kernels`) reads every key and value straight
+from the pool's per-layer buffers at the slots the plan lists, so no layer gathers K/V. The plan
+is built once per step and is index arithmetic only: row b's keys are
+`kv_indices[row_start[b]:][:row_len[b]]`, and a request in a cascade group starts after the
+group's shared prefix, `kv_indices[group_start[g]:][:group_len[g]]`, which the op reads once per
+group (chunk) and KV head for all of the group's rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from radixrt.attention.cascade import SharedPrefixGroup
+from radixrt.core.forward_batch import ForwardBatch
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def paged_decode_unavailable_reason(dtype: torch.dtype, head_dim: int,
+                                    build: bool = True) -> str | None:
+    """None when the op can run on a CPU pool of this dtype and head_dim (building it if needed
+    and `build`), else why not."""
+    from radixrt.attention import cpu_kernels  # lazily: `python -m ...cpu_kernels` runs it
+
+    if dtype not in KERNEL_DTYPES:
+        return f"dtype {dtype} not supported"
+    if not cpu_kernels.load_cpu_kernels(build=build):
+        return f"CPU kernels unavailable ({cpu_kernels.unavailable_reason()})"
+    dims = torch.ops.radixrt.paged_decode_head_dims()
+    if head_dim not in dims:
+        return f"head_dim {head_dim} not in {list(dims)}"
+    return None
+
+
+@dataclass
+class PagedDecodePlan:
+    kv_indices: torch.Tensor  # int32 [N]: the step's slots, request by request
+    row_start: torch.Tensor  # int64 [B]: first own key of each row in kv_indices
+    row_len: torch.Tensor  # int64 [B]: own keys (all of them when the row is in no group)
+    group_start: torch.Tensor  # int64 [G]
+    group_len: torch.Tensor  # int64 [G]: shared prefix length
+    group_row_ptr: torch.Tensor  # int64 [G + 1]: group g's rows are group_rows[ptr[g]:ptr[g+1]]
+    group_rows: torch.Tensor  # int64 [R]: batch rows, each in at most one group
+
+    @property
+    def num_groups(self) -> int:
+        return int(self.group_start.numel())
+
+    @classmethod
+    def build(cls, fb: ForwardBatch, groups: Sequence[SharedPrefixGroup] = ()) -> PagedDecodePlan:
+        """Decode layout: row b's slots are `fb.kv_indices[kv_indptr[b]:kv_indptr[b+1]]`,
+        including the one this step writes."""
+        if not fb.is_decode:
+            raise ValueError("PagedDecodePlan is for decode batches")
+        indptr = fb.kv_indptr.to("cpu", torch.int64)
+        start = indptr[:-1].clone()
+        length = indptr[1:] - indptr[:-1]
+        g_start, g_len, g_ptr, g_rows = [], [], [0], []
+        for g in groups:
+            g_start.append(int(start[g.rows[0]]))
+            g_len.append(g.shared)
+            g_rows.extend(g.rows)
+            g_ptr.append(len(g_rows))
+        if groups:
+            rows = torch.tensor(g_rows, dtype=torch.int64)
+            shared = torch.repeat_interleave(
+                torch.tensor(g_len, dtype=torch.int64),
+                torch.tensor([len(g.rows) for g in groups], dtype=torch.int64))
+            start[rows] += shared
+            length[rows] -= shared
+        return cls(
+            kv_indices=fb.kv_indices.to("cpu", torch.int32).contiguous(),
+            row_start=start,
+            row_len=length,
+            group_start=torch.tensor(g_start, dtype=torch.int64),
+            group_len=torch.tensor(g_len, dtype=torch.int64),
+            group_row_ptr=torch.tensor(g_ptr, dtype=torch.int64),
+            group_rows=torch.tensor(g_rows, dtype=torch.int64),
+        )
+
+    def run(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(`[B, H, D]` attention output in q's dtype, `[B, H]` natural-log LSE in fp32) of the
+        queries `q` `[B, H, D]` over the pool buffers `[slots, kv_heads, D]`."""
+        pool_dtype = k_buffer.dtype
+        out, lse = torch.ops.radixrt.paged_decode(
+            q.to(pool_dtype).contiguous(), k_buffer, v_buffer, self.kv_indices, self.row_start,
+            self.row_len, self.group_start, self.group_len, self.group_row_ptr,
+            self.group_rows, float(scale))
+        return out.to(q.dtype), lse

@@ -1,0 +1,390 @@
+"""The C++ paged-decode op (`torch.ops.radixrt.paged_decode`) and its builder.
+
+The op against a float64 reference over random pools (scattered and repeated slots, shared
+prefixes, lengths around the 32-key block), LSE included; cascade equal to non-cascade; thread
+count invariance; bad input; the builder's ISA choice, cache key and failure fallback; other
+instruction sets built in a subprocess; a tiny model decoding through it vs the torch path and HF.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from model_fixtures import PagedRunner, hf_logits, make_tiny_checkpoint
+
+from radixrt.attention import cpu_kernels
+from radixrt.attention.paged_decode import PagedDecodePlan, paged_decode_unavailable_reason
+from radixrt.attention.torch_native import TorchNativeBackend
+from radixrt.mem.memory_pool import TokenToKVPool
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernels() -> None:
+    if not cpu_kernels.load_cpu_kernels():
+        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
+
+
+def _i64(xs: list[int]) -> torch.Tensor:
+    return torch.tensor(xs, dtype=torch.int64)
+
+
+def _case(seed: int, dtype: torch.dtype, heads: int, kv_heads: int, dim: int,
+          own_lens: list[int], groups: list[tuple[int, list[int]]]) -> dict[str, Any]:
+    """A random pool and plan: rows with `own_lens` own keys; `groups` = (shared prefix length,
+    member rows). Slots are random (repeats allowed) and never contiguous by construction."""
+    g = torch.Generator().manual_seed(seed)
+    slots = 3000
+    kb = torch.randn(slots, kv_heads, dim, generator=g).to(dtype)
+    vb = torch.randn(slots, kv_heads, dim, generator=g).to(dtype)
+    bs = len(own_lens)
+    q = torch.randn(bs, heads, dim, generator=g).to(dtype)
+    pieces, row_start, g_start, g_len, g_ptr, g_rows = [], [], [], [], [0], []
+    offset = 0
+    for n in own_lens:
+        pieces.append(torch.randint(0, slots, (n,), generator=g))
+        row_start.append(offset)
+        offset += n
+    for shared, rows in groups:
+        pieces.append(torch.randint(0, slots, (shared,), generator=g))
+        g_start.append(offset)
+        g_len.append(shared)
+        offset += shared
+        g_rows.extend(rows)
+        g_ptr.append(len(g_rows))
+    idx = torch.cat(pieces).to(torch.int32) if pieces else torch.zeros(0, dtype=torch.int32)
+    return dict(q=q, kb=kb, vb=vb, idx=idx, row_start=_i64(row_start), row_len=_i64(own_lens),
+                g_start=_i64(g_start), g_len=_i64(g_len), g_ptr=_i64(g_ptr), g_rows=_i64(g_rows))
+
+
+def _run(c: dict[str, Any], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.ops.radixrt.paged_decode(c["q"], c["kb"], c["vb"], c["idx"], c["row_start"],
+                                          c["row_len"], c["g_start"], c["g_len"], c["g_ptr"],
+                                          c["g_rows"], scale)
+
+
+def _reference(c: dict[str, Any], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64: each row's keys = its group's shared prefix, then its own."""
+    q, kb, vb, idx = c["q"], c["kb"], c["vb"], c["idx"].long()
+    bs, heads, dim = q.shape
+    rep = heads // kb.shape[1]
+    keys: list[list[int]] = [[] for _ in range(bs)]
+    ptr = c["g_ptr"].tolist()
+    for gi, (s, n) in enumerate(zip(c["g_start"].tolist(), c["g_len"].tolist(), strict=True)):
+        for r in c["g_rows"][ptr[gi]: ptr[gi + 1]].tolist():
+            keys[r] += idx[s: s + n].tolist()
+    out = torch.zeros(bs, heads, dim, dtype=torch.float64)
+    lse = torch.full((bs, heads), -math.inf, dtype=torch.float64)
+    for b, (s, n) in enumerate(zip(c["row_start"].tolist(), c["row_len"].tolist(), strict=True)):
+        sl = torch.tensor(keys[b] + idx[s: s + n].tolist(), dtype=torch.int64)
+        if sl.numel() == 0:
+            continue
+        k = kb[sl].double().repeat_interleave(rep, 1)
+        v = vb[sl].double().repeat_interleave(rep, 1)
+        sc = torch.einsum("hd,khd->hk", q[b].double(), k) * scale
+        out[b] = torch.einsum("hk,khd->hd", sc.softmax(-1), v)
+        lse[b] = sc.logsumexp(-1)
+    return out, lse
+
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+LENS = [1, 2, 31, 32, 33, 64, 65, 300]  # around the op's 32-key block
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128), (4, 4, 16), (8, 1, 32),
+                                                (6, 3, 80)])
+def test_op_matches_float64_reference(dtype: torch.dtype, heads: int, kv_heads: int,
+                                      dim: int) -> None:
+    c = _case(dim + heads, dtype, heads, kv_heads, dim, LENS, [])
+    scale = dim**-0.5
+    out, lse = _run(c, scale)
+    ref_out, ref_lse = _reference(c, scale)
+    assert out.dtype == dtype and out.shape == c["q"].shape
+    assert lse.dtype == torch.float32 and lse.shape == c["q"].shape[:2]
+    tol = TOL[dtype]
+    torch.testing.assert_close(out.double(), ref_out, atol=tol, rtol=tol)
+    # The LSE is computed in fp32 from the inputs as given, whatever their dtype.
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=2e-5)
+
+
+# (own lengths per row, groups as (shared length, rows)); rows in no group attend their own keys.
+CASCADE_CASES = [
+    ([3, 9, 1, 40], [(40, [0, 1, 2])]),
+    ([1, 5, 2, 7, 3, 1, 12, 33], [(64, [0, 1, 2]), (33, [3, 4, 5, 6])]),
+    ([0, 4, 2], [(70, [0, 1])]),  # a row whose keys are all in the shared prefix
+    ([1 + i % 5 for i in range(40)], [(100, list(range(40)))]),  # one group, several chunks
+    ([2] * 12, [(35, [11, 0, 5]), (300, [1, 2, 3, 4, 6, 7, 8, 9, 10])]),  # unsorted rows
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", CASCADE_CASES, ids=lambda c: f"b{len(c[0])}g{len(c[1])}")
+def test_cascade_matches_reference_and_flat(case: tuple[list[int], list[tuple[int, list[int]]]],
+                                            dtype: torch.dtype) -> None:
+    own, groups = case
+    heads, kv_heads, dim = 9, 3, 64
+    c = _case(len(own), dtype, heads, kv_heads, dim, own, groups)
+    scale = 0.125
+    out, lse = _run(c, scale)
+    ref_out, ref_lse = _reference(c, scale)
+    tol = TOL[dtype]
+    torch.testing.assert_close(out.double(), ref_out, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=2e-5)
+    # The same keys as flat rows (prefix copied in front of each row's own keys): no groups.
+    idx, pieces, starts, lens = c["idx"], [], [], []
+    member = {r: gi for gi, (_, rows) in enumerate(groups) for r in rows}
+    offset = 0
+    for b, n in enumerate(own):
+        s = int(c["row_start"][b])
+        row = idx[s: s + n]
+        if b in member:
+            gs, gl = int(c["g_start"][member[b]]), int(c["g_len"][member[b]])
+            row = torch.cat([idx[gs: gs + gl], row])
+        pieces.append(row)
+        starts.append(offset)
+        lens.append(int(row.numel()))
+        offset += int(row.numel())
+    empty = _i64([])
+    flat = dict(c, idx=torch.cat(pieces), row_start=_i64(starts), row_len=_i64(lens),
+                g_start=empty, g_len=empty, g_ptr=_i64([0]), g_rows=empty)
+    flat_out, flat_lse = _run(flat, scale)
+    torch.testing.assert_close(out.float(), flat_out.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(lse, flat_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_row_without_keys_gives_zero_and_minus_inf() -> None:
+    c = _case(5, torch.float32, 4, 2, 16, [0, 3], [])
+    out, lse = _run(c, 0.25)
+    assert (out[0] == 0).all() and (lse[0] == -math.inf).all()
+    assert torch.isfinite(lse[1]).all()
+
+
+def test_result_does_not_depend_on_thread_count() -> None:
+    """Each (row or group chunk, KV head) is computed by one thread in key order: bitwise the
+    same output whatever the number of threads."""
+    c = _case(9, torch.bfloat16, 9, 3, 64, [1 + (7 * i) % 90 for i in range(24)],
+              [(50, [0, 3, 5, 7, 9, 11, 13])])
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _run(c, 0.125)
+        torch.set_num_threads(max(2, before))
+        many = _run(c, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one[0], many[0]) and torch.equal(one[1], many[1])
+
+
+def test_bad_input_raises_naming_the_argument() -> None:
+    c = _case(1, torch.float32, 4, 2, 16, [3, 4], [])
+    bad_slot = dict(c, idx=c["idx"].clone())
+    bad_slot["idx"][2] = 10**6
+    with pytest.raises(RuntimeError, match="kv slot 1000000 out of range"):
+        _run(bad_slot, 0.25)
+    with pytest.raises(RuntimeError, match="kv_indices must be a contiguous 1-D int32"):
+        _run(dict(c, idx=c["idx"].long()), 0.25)
+    with pytest.raises(RuntimeError, match="row 1 keys out of kv_indices"):
+        _run(dict(c, row_len=_i64([3, 5])), 0.25)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        _run(dict(c, q=c["q"].half()), 0.25)
+    with pytest.raises(RuntimeError, match="multiple of kv_heads"):
+        _run(dict(c, q=torch.zeros(2, 3, 16)), 0.25)
+    with pytest.raises(RuntimeError, match="unsupported head_dim 24"):
+        _run(dict(c, q=torch.zeros(2, 4, 24), kb=torch.zeros(9, 2, 24), vb=torch.zeros(9, 2, 24)),
+             0.25)
+    dup = dict(c, g_start=_i64([0]), g_len=_i64([2]), g_ptr=_i64([0, 2]), g_rows=_i64([1, 1]))
+    with pytest.raises(RuntimeError, match="distinct batch rows"):
+        _run(dup, 0.25)
+
+
+def test_plan_splits_rows_after_the_shared_prefix() -> None:
+    """PagedDecodePlan.build: grouped rows start after their group's prefix, in kv_indices."""
+    from radixrt.attention.cascade import SharedPrefixGroup
+    from radixrt.core.forward_batch import ForwardBatch, ForwardMode
+    from radixrt.mem.memory_pool import ReqToTokenPool
+
+    reqs = ReqToTokenPool(4, 64)
+    common = list(range(1, 41))
+    rows = [reqs.alloc() for _ in range(3)]
+    seqs = [common + [100, 101], common + [102], list(range(200, 205))]
+    for r, s in zip(rows, seqs, strict=True):
+        reqs.req_to_token[r, : len(s)] = torch.tensor(s, dtype=torch.int32)
+    fb = ForwardBatch.build(ForwardMode.DECODE, [0, 0, 0], rows, [len(s) - 1 for s in seqs],
+                            [1, 1, 1], reqs.req_to_token)
+    plan = PagedDecodePlan.build(fb, [SharedPrefixGroup([0, 1], 40)])
+    assert plan.group_start.tolist() == [0] and plan.group_len.tolist() == [40]
+    assert plan.group_rows.tolist() == [0, 1] and plan.group_row_ptr.tolist() == [0, 2]
+    assert plan.row_start.tolist() == [40, 42 + 40, 42 + 41]
+    assert plan.row_len.tolist() == [2, 1, 5]
+    own = [plan.kv_indices[s: s + n].tolist()
+           for s, n in zip(plan.row_start.tolist(), plan.row_len.tolist(), strict=True)]
+    assert own == [[100, 101], [102], list(range(200, 205))]
+
+
+# -- builder ------------------------------------------------------------------------------------
+AVX512 = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c", "sse2"})
+
+
+def test_isa_choice_follows_cpu_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RADIXRT_CPU_ISA", raising=False)
+    monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: "x86_64")
+    assert cpu_kernels.choose_isa(AVX512) == "avx512"
+    assert cpu_kernels.choose_isa(AVX512 - {"avx512bw"}) == "avx2"  # Zen 3 / older Xeons
+    assert cpu_kernels.choose_isa(frozenset({"avx2", "fma"})) == "default"  # no F16C
+    assert cpu_kernels.choose_isa(AVX512, requested="avx2") == "avx2"
+    assert cpu_kernels.choose_isa(frozenset({"avx2", "fma", "f16c"}), "avx512") == "avx2"
+    monkeypatch.setenv("RADIXRT_CPU_ISA", "default")
+    assert cpu_kernels.choose_isa(AVX512) == "default"
+    monkeypatch.setenv("RADIXRT_CPU_ISA", "sse9")
+    with pytest.raises(ValueError, match="RADIXRT_CPU_ISA"):
+        cpu_kernels.choose_isa(AVX512)
+    monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: "aarch64")
+    assert cpu_kernels.choose_isa(AVX512, requested="avx512") == "default"
+
+
+def test_cache_key_covers_cpu_flags_torch_and_isa(monkeypatch: pytest.MonkeyPatch,
+                                                  tmp_path: Path) -> None:
+    monkeypatch.setenv("RADIXRT_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.delenv("RADIXRT_CPU_ISA", raising=False)
+    monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: AVX512)
+    base = cpu_kernels.build_spec()
+    assert base.directory.parent == tmp_path and base.isa == "avx512"
+    assert "-mavx512f" in base.cflags and "-DCPU_CAPABILITY_AVX512" in base.cflags
+    assert not any(f.startswith("-march") for f in base.cflags)
+    assert cpu_kernels.build_spec().key == base.key  # stable
+    lower = cpu_kernels.build_spec("avx2")
+    assert lower.key != base.key and "-mavx512f" not in lower.cflags
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: AVX512 | {"amx_tile"})
+    assert cpu_kernels.build_spec().key != base.key  # another CPU
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: AVX512)
+    monkeypatch.setattr(cpu_kernels.torch, "__version__", "9.9.9")
+    assert cpu_kernels.build_spec().key != base.key  # another torch
+
+
+def test_failed_build_warns_once_and_falls_back(monkeypatch: pytest.MonkeyPatch,
+                                                tmp_path: Path,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    """No compiler: one warning, a failed.log so later processes skip the build, and a backend
+    that decodes through the torch path (or refuses, when the kernel is required)."""
+    monkeypatch.setenv("RADIXRT_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_kernels, "_loaded", None)
+    monkeypatch.setattr(cpu_kernels, "_failed", None)
+    calls = []
+
+    def no_compiler(spec: cpu_kernels.BuildSpec, verbose: bool) -> None:
+        calls.append(spec)
+        raise FileNotFoundError("c++: not found")
+
+    monkeypatch.setattr(cpu_kernels, "_compile", no_compiler)
+    with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
+        assert not cpu_kernels.load_cpu_kernels()
+        assert not cpu_kernels.load_cpu_kernels()
+        kv = TokenToKVPool(8, 1, 2, 64)
+        backend = TorchNativeBackend(kv)
+    assert len(calls) == 1 and len(caplog.records) == 1
+    assert "torch fallback" in caplog.records[0].getMessage()
+    assert backend.decode_kernel is False
+    assert "c++: not found" in calls[0].failed_log.read_text()
+    with pytest.raises(RuntimeError, match="paged decode kernel unavailable"):
+        TorchNativeBackend(kv, decode_kernel=True)
+    # A new process (fresh module state) sees failed.log and does not try again.
+    monkeypatch.setattr(cpu_kernels, "_failed", None)
+    assert not cpu_kernels.load_cpu_kernels() and len(calls) == 1
+    assert "earlier build failed" in (cpu_kernels.unavailable_reason() or "")
+
+
+def test_unsupported_pool_is_reported() -> None:
+    assert paged_decode_unavailable_reason(torch.float64, 64) is not None
+    assert "head_dim 24" in (paged_decode_unavailable_reason(torch.float32, 24) or "")
+    assert paged_decode_unavailable_reason(torch.bfloat16, 64) is None
+
+
+_SUBPROCESS_CHECK = textwrap.dedent("""
+    import torch
+    from radixrt.attention import cpu_kernels
+    assert cpu_kernels.load_cpu_kernels(), cpu_kernels.unavailable_reason()
+    print(torch.ops.radixrt.paged_decode_isa())
+    g = torch.Generator().manual_seed(0)
+    kb = torch.randn(500, 2, 64, generator=g).bfloat16()
+    vb = torch.randn(500, 2, 64, generator=g).bfloat16()
+    q = torch.randn(3, 6, 64, generator=g).bfloat16()
+    idx = torch.randint(0, 500, (200,), generator=g, dtype=torch.int32)
+    i64 = lambda x: torch.tensor(x, dtype=torch.int64)
+    out, lse = torch.ops.radixrt.paged_decode(q, kb, vb, idx, i64([40, 80, 120]),
+        i64([40, 1, 80]), i64([0]), i64([40]), i64([0, 2]), i64([0, 2]), 0.125)
+    for b, (s, n) in enumerate([(40, 40), (80, 1), (120, 80)]):
+        sl = idx[s:s + n].long()
+        if b != 1:
+            sl = torch.cat([idx[:40].long(), sl])
+        k = kb[sl].double().repeat_interleave(3, 1)
+        v = vb[sl].double().repeat_interleave(3, 1)
+        sc = torch.einsum("hd,khd->hk", q[b].double(), k) * 0.125
+        ref = torch.einsum("hk,khd->hd", sc.softmax(-1), v)
+        assert (out[b].double() - ref).abs().max() < 2e-2
+        assert (lse[b].double() - sc.logsumexp(-1)).abs().max() < 2e-5
+    print("ok")
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", ["avx2", "default"])
+def test_other_instruction_sets_build_and_agree(isa: str) -> None:
+    """The lower instruction sets (AVX2 machines, non-x86) built here and checked against the
+    reference in a fresh process (one kernel library per process). Cached after the first run."""
+    if isa != "default" and cpu_kernels.choose_isa(requested=isa) != isa:
+        pytest.skip(f"this CPU cannot run {isa}")
+    env = dict(os.environ, RADIXRT_CPU_ISA=isa)
+    res = subprocess.run([sys.executable, "-c", _SUBPROCESS_CHECK], env=env, capture_output=True,
+                         text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split() == [isa.upper(), "ok"]
+
+
+# -- through a model ----------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_tiny_model_decode_kernel_matches_torch_path(tmp_path: Path, dtype: torch.dtype) -> None:
+    """Three requests sharing a 40-token cached prefix (cascade) and one alone, 6 greedy decode
+    steps: the kernel and the torch path give the same tokens; fp32 logits match HF to 1e-4."""
+    hf = make_tiny_checkpoint(tmp_path, "llama", seed=4)
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, 256, (40,), generator=g).tolist()
+    tails = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 7, 1)]
+    alone = torch.randint(0, 256, (12,), generator=g).tolist()
+    runs = {}
+    for kernel in (True, False):
+        runner = PagedRunner.create(tmp_path, dtype=dtype)
+        runner.model.attn_backend = TorchNativeBackend(runner.kv_pool, decode_kernel=kernel)
+        first = runner.new_request()
+        runner.extend([first], [prefix])
+        rows = [runner.share_prefix(first, len(prefix)) for _ in tails] + [runner.new_request()]
+        seqs = [prefix + t for t in tails] + [list(alone)]
+        logits = runner.extend(rows, [t for t in tails] + [alone])
+        steps = []
+        for _ in range(6):
+            for s, tok in zip(seqs, logits.argmax(-1).tolist(), strict=True):
+                s.append(tok)
+            logits = runner.decode(rows, [s[-1] for s in seqs])
+            backend = runner.model.attn_backend
+            assert isinstance(backend, TorchNativeBackend)
+            grouped = backend._kernel if kernel else backend._cascade
+            assert grouped is not None and grouped.num_groups == 1
+            steps.append(logits)
+        runs[kernel] = (seqs, steps)
+    assert runs[True][0] == runs[False][0]  # same greedy tokens
+    for a, b in zip(runs[True][1], runs[False][1], strict=True):
+        tol = 1e-4 if dtype == torch.float32 else 5e-2
+        torch.testing.assert_close(a, b, atol=tol * max(1.0, float(b.abs().max())), rtol=0)
+    if dtype == torch.float32:
+        seqs, steps = runs[True]
+        for row, seq in zip(steps[-1], seqs, strict=True):
+            torch.testing.assert_close(row, hf_logits(hf, seq)[-1], atol=1e-4, rtol=0)
