@@ -183,8 +183,15 @@ def model_flops_per_token(cfg: Any, context: float) -> float:
     return cfg.num_layers * (2 * per_layer + attn)
 
 
+def weight_bytes_per_step(model: Any, rows: int) -> int:
+    """Matmul weight bytes one forward step with `rows` rows per matmul reads (the
+    representation each `LinearWeight` runs at that row count)."""
+    return sum(w.bytes_read(rows) for w in model.linear_weights())
+
+
 def one_batch(batch_sizes: Sequence[int], input_len: int, output_len: int, threads: int,
-              runs: int = 3, model_path: str | None = None) -> dict[str, Any]:
+              runs: int = 3, model_path: str | None = None, dtype: str = "auto",
+              quantization: str = "auto", quant_max_rows: int | None = None) -> dict[str, Any]:
     import torch
 
     from radixrt.config import ServerArgs
@@ -196,7 +203,8 @@ def one_batch(batch_sizes: Sequence[int], input_len: int, output_len: int, threa
     ctx = input_len + output_len + 8
     args = ServerArgs(model_path=model_path, num_threads=threads, max_running_requests=max_bs,
                       max_total_tokens=max_bs * ctx + 64, max_context_len=ctx,
-                      attention_backend="torch", log_level="warning")
+                      attention_backend="torch", log_level="warning", dtype=dtype,
+                      quantization=quantization, quant_max_rows=quant_max_rows)
     runner = ModelRunner(args)
     cfg = runner.model_config
     rp, kp = runner.req_to_token_pool, runner.token_to_kv_pool
@@ -235,9 +243,13 @@ def one_batch(batch_sizes: Sequence[int], input_len: int, output_len: int, threa
             "batch_size": bs, "input_len": input_len, "output_len": output_len,
             "prefill_ms": p * 1e3, "prefill_tok_per_s": bs * input_len / p,
             "decode_ms_per_step": d * 1e3, "decode_tok_per_s": bs / d,
+            "decode_weight_mb_per_step": weight_bytes_per_step(runner.model, bs) / 1e6,
         })
     return {
         "threads": torch.get_num_threads(),
+        "dtype": str(runner.dtype).removeprefix("torch."),
+        "quantization": runner.quant.describe(),
+        "quant_probe": runner.quant_probe.as_info() if runner.quant_probe else None,
         "flops_per_token_prefill": model_flops_per_token(cfg, input_len / 2),
         "params_no_embedding": sum(p.numel() for n, p in runner.model.named_parameters()
                                    if "embed" not in n and "lm_head" not in n),
@@ -304,13 +316,17 @@ def main() -> None:
     ob.add_argument("--runs", type=int, default=3)
     ob.add_argument("--threads", type=int, default=2)
     ob.add_argument("--model", default=None)
+    ob.add_argument("--dtype", default="auto")
+    ob.add_argument("--quantization", default="auto")
+    ob.add_argument("--quant-max-rows", type=int, default=None)
     ob.add_argument("--with-ceiling", action="store_true",
                     help="also measure the fp32 matmul ceiling and the ideal prefill tok/s")
     ob.add_argument("--out", default=None, help="write the JSON here")
     a = ap.parse_args()
 
     if a.cmd == "one-batch":
-        res = one_batch(a.batch_size, a.input_len, a.output_len, a.threads, a.runs, a.model)
+        res = one_batch(a.batch_size, a.input_len, a.output_len, a.threads, a.runs, a.model,
+                        a.dtype, a.quantization, a.quant_max_rows)
         if a.with_ceiling:
             g = matmul_gflops(a.threads)
             res["matmul_gflops"] = g

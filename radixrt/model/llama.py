@@ -168,6 +168,13 @@ class LlamaForCausalLM(nn.Module):
         logits = self.lm_head(last[:b], None, invariant_step(attn, fb)).float()
         return logits, (last[b:] if fb.score_rows is not None else None)
 
+    def linear_weights(self) -> list[LinearWeight]:
+        """Every matmul weight of one forward step, in order (each layer's four, the LM head)."""
+        out: list[LinearWeight] = []
+        for layer in self.layers:
+            out += [layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj]
+        return [*out, self.lm_head]
+
     # -- weights -----------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | GGUFQuantTensor]],
                      quant: QuantPlan | None = None) -> None:
