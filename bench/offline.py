@@ -183,16 +183,24 @@ def model_flops_per_token(cfg: Any, context: float) -> float:
     return matmul_flops_per_token(cfg, with_lm_head=False) + attention_flops(cfg, 1) * context
 
 
+def weight_bytes_per_step(model: Any, rows: int) -> int:
+    """Matmul weight bytes one forward step with `rows` rows per matmul reads (the
+    representation each `LinearWeight` runs at that row count)."""
+    return sum(w.bytes_read(rows) for w in model.linear_weights())
+
+
 def one_batch(batch_sizes: Sequence[int], input_len: int, output_len: int, threads: int,
               runs: int = 3, model_path: str | None = None, dtype: str = "auto",
               with_ceiling: bool = False, prefill_max_tokens: int = 8192,
-              compile_decode: bool = False) -> dict[str, Any]:
+              compile_decode: bool = False, quantization: str = "auto",
+              quant_max_rows: int | None = None) -> dict[str, Any]:
     """Per batch size: one prefill of `batch x input_len` tokens (timed when it is at most
     `prefill_max_tokens` tokens; larger batches get random K/V written straight into the pool,
     which costs a decode step the same), then `output_len` decode steps, each timed from
     building its `ForwardBatch` to the sampled ids on the host. With `with_ceiling`, the
     machine's ceilings (read bandwidth, matmul peak in the model's dtype) and each row's
-    roofline (bench/roofline.py)."""
+    roofline (bench/roofline.py); a quantized model's decode weight bytes are what its
+    `LinearWeight`s read at that row count."""
     import torch
 
     from bench import roofline
@@ -206,12 +214,16 @@ def one_batch(batch_sizes: Sequence[int], input_len: int, output_len: int, threa
     args = ServerArgs(model_path=model_path, num_threads=threads, max_running_requests=max_bs,
                       max_total_tokens=max_bs * ctx + 64, max_context_len=ctx,
                       attention_backend="torch", log_level="warning", dtype=dtype,
-                      compile_decode=compile_decode)
+                      compile_decode=compile_decode, quantization=quantization,
+                      quant_max_rows=quant_max_rows)
     runner = ModelRunner(args)
     cfg = runner.model_config
     rp, kp = runner.req_to_token_pool, runner.token_to_kv_pool
     kv_elem = kp.k_buffer[0].element_size()
     w_bytes = roofline.weight_bytes(runner.model)
+    # The matmul weights' share of w_bytes as `weight_bytes` counts them (every storage), to be
+    # replaced per step by what the (possibly quantized) weights read at that row count.
+    dense_linear = sum(w.nbytes() for w in runner.model.linear_weights())
     ceil = roofline.measure_ceilings(threads, runner.dtype) if with_ceiling else None
     g = torch.Generator().manual_seed(0)
     rows_out = []
@@ -257,19 +269,25 @@ def one_batch(batch_sizes: Sequence[int], input_len: int, output_len: int, threa
             "batch_size": bs, "input_len": input_len, "output_len": output_len,
             "prefill_ms": p * 1e3, "prefill_tok_per_s": bs * input_len / p,
             "decode_ms_per_step": d * 1e3, "decode_tok_per_s": bs / d,
+            "decode_weight_mb_per_step": weight_bytes_per_step(runner.model, bs) / 1e6,
         }
         if ceil is not None:
             # the median step attends over about input_len + output_len / 2 keys
             mid = input_len + (output_len + 1) // 2
-            dec = roofline.decode_cost(cfg, [mid] * bs, w_bytes, kv_elem)
+            step_w = w_bytes - dense_linear + weight_bytes_per_step(runner.model, bs)
+            dec = roofline.decode_cost(cfg, [mid] * bs, step_w, kv_elem)
             row["decode_roofline"] = roofline.roofline_fields(dec, ceil, d)
             if prefill_s:
-                pre = roofline.prefill_cost(cfg, bs, input_len, w_bytes, kv_elem)
+                pre_w = w_bytes - dense_linear + weight_bytes_per_step(runner.model,
+                                                                        bs * input_len)
+                pre = roofline.prefill_cost(cfg, bs, input_len, pre_w, kv_elem)
                 row["prefill_roofline"] = roofline.roofline_fields(pre, ceil, p, memory=False)
         rows_out.append(row)
     res: dict[str, Any] = {
         "threads": torch.get_num_threads(),
         "dtype": str(runner.dtype).removeprefix("torch."),
+        "quantization": runner.quant.describe(),
+        "quant_probe": runner.quant_probe.as_info() if runner.quant_probe else None,
         "compile_decode": compile_decode,
         "weight_bytes": w_bytes,
         "kv_bytes_per_token": roofline.kv_bytes(cfg, 1, kv_elem),
@@ -357,6 +375,9 @@ def main() -> None:
     ob.add_argument("--threads", type=int, default=2)
     ob.add_argument("--model", default=None)
     ob.add_argument("--dtype", default="auto", help="the runner's dtype (ServerArgs.dtype)")
+    ob.add_argument("--quantization", default="auto", help="ServerArgs.quantization")
+    ob.add_argument("--quant-max-rows", type=int, default=None,
+                    help="ServerArgs.quant_max_rows")
     ob.add_argument("--thread-wait", default="passive", choices=("passive", "spin"),
                     help="ServerArgs.thread_wait: how this process's OpenMP threads wait (an "
                          "OMP_WAIT_POLICY / GOMP_SPINCOUNT already in the environment wins)")
@@ -377,7 +398,8 @@ def main() -> None:
         for k, v in omp_env(a.threads, a.thread_wait).items():  # before torch loads OpenMP
             os.environ.setdefault(k, v)
         res = one_batch(a.batch_size, a.input_len, a.output_len, a.threads, a.runs, a.model,
-                        a.dtype, a.with_ceiling, a.prefill_max_tokens, a.compile_decode)
+                        a.dtype, a.with_ceiling, a.prefill_max_tokens, a.compile_decode,
+                        a.quantization, a.quant_max_rows)
         print_one_batch(res)
         text = json.dumps(res, indent=1)
         print(text)

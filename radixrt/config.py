@@ -13,6 +13,7 @@ DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 # The names of radixrt.server.tool_parsers.TOOL_PARSERS, plus "auto" (a test keeps them equal).
 TOOL_CALL_PARSERS: tuple[str, ...] = ("auto", "hermes", "llama3_json", "mistral")
 ROUTING_POLICIES: tuple[str, ...] = ("cache_aware", "round_robin", "least_load")
+QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "gguf", "int8", "int4")
 
 
 def available_cores() -> int:
@@ -60,6 +61,19 @@ class ServerArgs:
                             "faster than fp32, else fp32; CUDA: the config's dtype) | float32 | "
                             "bfloat16 | float16")
     device: str = _f("auto", "auto | cpu | cuda")
+    quantization: str = _f(
+        "auto", "matmul weights: auto (CPU: quantized when dtype resolves to bfloat16 and a "
+                "start-up probe finds the weight-only kernel >= 1.2x faster than dense at one "
+                "row: gguf for .gguf files, int8 otherwise; else none) | none (dense, dtype; "
+                "GGUF dequantized) | gguf (keep a GGUF file's Q4_0/Q4_1 as 4-bit, Q8_0 as 8-bit, "
+                "exactly) | int8 | int4 (groups of 32, quantized at load; int4 keeps the LM head "
+                "8-bit). Quantized modes run on CPU only")
+    quant_max_rows: int | None = _f(
+        None, "quantized weights: largest matmul (rows) run on the weight-only kernel; larger "
+              "ones (prefill) use a dense copy. Default: the crossover measured at start-up")
+    disable_quant_dense_copy: bool = _f(
+        False, "quantized weights: no dense copy (dtype) for matmuls above quant_max_rows: "
+               "saves its memory (2 bytes/param in bf16) but runs prefill on the slower kernel")
     # Memory
     max_total_tokens: int | None = _f(None, "KV pool size in tokens (default: mem_fraction of "
                                             "free memory)")
@@ -152,6 +166,10 @@ class ServerArgs:
 
         if self.dtype not in DTYPES:
             bad("dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            bad("quantization", f"must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.quant_max_rows is not None and self.quant_max_rows < 0:
+            bad("quant_max_rows", f"must be >= 0, got {self.quant_max_rows}")
         if self.device not in ("auto", "cpu", "cuda"):
             bad("device", f"must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.schedule_policy not in SCHEDULE_POLICIES:

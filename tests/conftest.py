@@ -12,6 +12,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # fp32 references pin dtype="float32", and this keeps any other default-dtype test off that
 # machine-dependent choice (tests of the probe itself unset it).
 os.environ.setdefault("RADIXRT_AUTO_DTYPE", "float32")
+# Likewise `quantization="auto"` stays off (dense weights) unless a test asks for it: fp32
+# unquantized is the parity reference.
+os.environ.setdefault("RADIXRT_AUTO_QUANTIZATION", "none")
 
 
 @pytest.fixture(scope="session")

@@ -69,8 +69,11 @@ _GGUF_BLOCK_NAMES = {
 }
 
 
-def write_tiny_gguf(hf_model: Any, path: Path, arch: str) -> Path:
-    """Write `hf_model` as an fp32 GGUF file the way llama.cpp's converter lays it out.
+def write_tiny_gguf(hf_model: Any, path: Path, arch: str, matrix_qtype: str | None = None,
+                    embd_qtype: str | None = None) -> Path:
+    """Write `hf_model` as a GGUF file the way llama.cpp's converter lays it out: fp32, or with
+    every 2-D block weight in `matrix_qtype` and `token_embd` / `output` in `embd_qtype`
+    (GGML type names such as "Q4_1", "Q8_0"; quantized with `gguf.quants.quantize`).
 
     For `arch == "llama"` the q/k rows get llama.cpp's RoPE permutation (which loaders undo).
     """
@@ -117,7 +120,14 @@ def write_tiny_gguf(hf_model: Any, path: Path, arch: str) -> Path:
             arr = permute(arr, c.num_attention_heads)
         elif arch == "llama" and ".attn_k." in gname:
             arr = permute(arr, c.num_key_value_heads)
-        w.add_tensor(gname, np.ascontiguousarray(arr, dtype=np.float32))
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        qtype = (embd_qtype if gname in ("token_embd.weight", "output.weight") else
+                 matrix_qtype if arr.ndim == 2 else None)
+        if qtype is None:
+            w.add_tensor(gname, arr)
+        else:
+            t = gguf.GGMLQuantizationType[qtype]
+            w.add_tensor(gname, gguf.quants.quantize(arr, t), raw_dtype=t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

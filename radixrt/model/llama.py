@@ -1,7 +1,8 @@
 """`LlamaForCausalLM`: the Llama / Mistral / Qwen2 decoder, run one `ForwardBatch` step at a time.
 
 Weights are stored fused: `qkv_proj` = [q; k; v] rows (plus bias when the config has one) and
-`gate_up_proj` = [gate; up] rows, so each layer runs four matmuls. `load_weights` takes HF names
+`gate_up_proj` = [gate; up] rows, so each layer runs four matmuls, each a `LinearWeight` (dense,
+or quantized under a `QuantPlan`; see `model.linear`). `load_weights` takes HF names
 (`model.layers.N.self_attn.q_proj.weight`, ...) and writes each tensor into its slice.
 Parameters are allocated uninitialised; `load_weights` must fill every one (it checks).
 """
@@ -15,9 +16,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixrt.attention.base import MIN_INVARIANT_ROWS, AttentionBackend
+from radixrt.attention.base import AttentionBackend
 from radixrt.core.forward_batch import ForwardBatch
+from radixrt.model.linear import DenseWeight, LinearWeight, QuantizedWeight
 from radixrt.model.model_config import ModelConfig
+from radixrt.model.quant import (
+    GGUFQuantTensor,
+    Int4Groups,
+    QuantPlan,
+    kernel_supports,
+    to_groups,
+)
 from radixrt.model.rope import RotaryEmbedding
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -32,19 +41,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype) * weight
-
-
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
-           invariant: bool = False) -> torch.Tensor:
-    """`F.linear`; with `invariant`, inputs of fewer than MIN_INVARIANT_ROWS rows are zero-padded
-    to it (and the result cut back), so each output row is bitwise the same whatever the row
-    count: the small-M GEMM kernels round differently."""
-    n = x.shape[0]
-    if not invariant or n >= MIN_INVARIANT_ROWS:
-        return F.linear(x, w, b)
-    xp = x.new_zeros(MIN_INVARIANT_ROWS, *x.shape[1:])
-    xp[:n] = x
-    return F.linear(xp, w, b)[:n]
 
 
 def invariant_step(attn: AttentionBackend, fb: ForwardBatch) -> bool:
@@ -68,13 +64,13 @@ class LlamaDecoderLayer(nn.Module):
         p = {"dtype": dtype, "device": device}
         self.input_layernorm = _param(hid, **p)
         self.post_attention_layernorm = _param(hid, **p)
-        self.qkv_proj = _param(self.q_size + 2 * self.kv_size, hid, **p)
+        self.qkv_proj: LinearWeight = DenseWeight(_param(self.q_size + 2 * self.kv_size, hid, **p))
         self.qkv_bias = _param(self.q_size + 2 * self.kv_size, **p) if cfg.qkv_bias else None
-        self.o_proj = _param(hid, self.q_size, **p)
+        self.o_proj: LinearWeight = DenseWeight(_param(hid, self.q_size, **p))
         self.o_bias = _param(hid, **p) if cfg.o_proj_bias else None
-        self.gate_up_proj = _param(2 * inter, hid, **p)
+        self.gate_up_proj: LinearWeight = DenseWeight(_param(2 * inter, hid, **p))
         self.gate_up_bias = _param(2 * inter, **p) if cfg.mlp_bias else None
-        self.down_proj = _param(hid, inter, **p)
+        self.down_proj: LinearWeight = DenseWeight(_param(hid, inter, **p))
         self.down_bias = _param(hid, **p) if cfg.mlp_bias else None
 
     def forward(
@@ -105,7 +101,7 @@ class LlamaDecoderLayer(nn.Module):
         residual = h if residual is None else h + residual
         x = rms_norm(residual, self.input_layernorm, self.eps)
         n = x.shape[0]
-        qkv = linear(x, self.qkv_proj, self.qkv_bias, inv)
+        qkv = self.qkv_proj(x, self.qkv_bias, inv)
         qk_heads = self.num_heads + self.num_kv_heads
         qk = RotaryEmbedding.apply(
             qkv[:, : self.q_size + self.kv_size].view(n, qk_heads, self.head_dim), cos, sin
@@ -118,12 +114,12 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """o_proj, residual add, post-attention norm and the MLP: (MLP output, residual)."""
         n = o.shape[0]
-        h = linear(o.reshape(n, self.q_size), self.o_proj, self.o_bias, inv)
+        h = self.o_proj(o.reshape(n, self.q_size), self.o_bias, inv)
         residual = h + residual
         x = rms_norm(residual, self.post_attention_layernorm, self.eps)
-        gate_up = linear(x, self.gate_up_proj, self.gate_up_bias, inv)
+        gate_up = self.gate_up_proj(x, self.gate_up_bias, inv)
         gate, up = gate_up.chunk(2, dim=-1)
-        h = linear(F.silu(gate) * up, self.down_proj, self.down_bias, inv)
+        h = self.down_proj(F.silu(gate) * up, self.down_bias, inv)
         return h, residual
 
 
@@ -149,7 +145,7 @@ class LlamaForCausalLM(nn.Module):
             LlamaDecoderLayer(config, i, dtype, dev) for i in range(config.num_layers)
         )
         self.norm = _param(config.hidden_size, **p)
-        self.lm_head = (
+        self.lm_head: LinearWeight = DenseWeight(
             self.embed_tokens
             if config.tie_word_embeddings
             else _param(config.vocab_size, config.hidden_size, **p)
@@ -186,21 +182,102 @@ class LlamaForCausalLM(nn.Module):
             idx = torch.cat([idx, fb.score_rows])
         last = torch.index_select(h, 0, idx) + torch.index_select(residual, 0, idx)
         last = rms_norm(last, self.norm, self.config.rms_norm_eps)
-        logits = linear(last[:b], self.lm_head, None, invariant_step(attn, fb)).float()
+        logits = self.lm_head(last[:b], None, invariant_step(attn, fb)).float()
         return logits, (last[b:] if fb.score_rows is not None else None)
 
+    def linear_weights(self) -> list[LinearWeight]:
+        """Every matmul weight of one forward step, in order (each layer's four, the LM head)."""
+        out: list[LinearWeight] = []
+        for layer in self.layers:
+            out += [layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj]
+        return [*out, self.lm_head]
+
     # -- weights -----------------------------------------------------------------------------
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into the (fused) parameters; raises if any slice stays empty."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | GGUFQuantTensor]],
+                     quant: QuantPlan | None = None) -> None:
+        """Copy HF-named tensors into the (fused) parameters; raises if any slice stays empty.
+
+        A loader may yield a `GGUFQuantTensor` instead of a tensor. With a quantizing `quant`
+        plan every matmul weight (fused from its pieces) becomes a `QuantizedWeight` where
+        `quant.bits_for` says so: GGUF blocks of the matching width are kept exactly, other
+        pieces quantized; its dense copy (and a tied embedding table) then holds the dequantized
+        quantized values, so prefill and decode compute the same weights.
+        """
+        cfg = self.config
+        plan = quant or QuantPlan()
+        expected = self._expected_weight_names()
+        seen: set[str] = set()
+        pending: dict[tuple[nn.Module, str], list[tuple[int, torch.Tensor | GGUFQuantTensor]]] = {}
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                continue  # tied: HF ignores a stored copy too
+            loc = self._locate(name)
+            if loc is None:
+                raise KeyError(f"unexpected weight {name!r} for {cfg.architecture}")
+            owner, attr, rows = loc
+            if attr == "embed_tokens" and cfg.tie_word_embeddings and plan.quantized:
+                attr = "lm_head"  # the tied table is quantized as the LM head's weight
+            full = getattr(owner, attr)
+            is_matmul = isinstance(full, LinearWeight)
+            target = full.weight if is_matmul else full
+            dst = target if rows is None else target[rows[0] : rows[0] + rows[1]]
+            shape = tensor.shape if isinstance(tensor, GGUFQuantTensor) else tuple(tensor.shape)
+            if tuple(dst.shape) != tuple(shape):
+                raise ValueError(f"{name}: expected shape {tuple(dst.shape)}, got {tuple(shape)}")
+            if plan.quantized and is_matmul:
+                pending.setdefault((owner, attr), []).append((0 if rows is None else rows[0],
+                                                               tensor))
+            else:
+                with torch.no_grad():
+                    dst.copy_(tensor.dequantize() if isinstance(tensor, GGUFQuantTensor)
+                              else tensor)
+            seen.add(name)
+        missing = expected - seen
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {sorted(missing)[:5]}")
+        for (owner, attr), parts in pending.items():
+            setattr(owner, attr, self._build_linear(getattr(owner, attr), parts, plan,
+                                                    lm_head=attr == "lm_head"))
+
+    def _build_linear(self, dense: LinearWeight,
+                      parts: list[tuple[int, torch.Tensor | GGUFQuantTensor]],
+                      plan: QuantPlan, lm_head: bool = False) -> LinearWeight:
+        """The weight of one matmul from its row pieces under `plan`; `dense` holds its
+        (allocated, unfilled) parameter, which becomes the dense copy."""
+        assert isinstance(dense, DenseWeight)
+        parts = sorted(parts, key=lambda p: p[0])
+        pieces = [t for _, t in parts]
+        bits = plan.bits_for(pieces, lm_head)
+        w = dense.weight
+        if bits is None or not kernel_supports(*w.shape) or w.device.type != "cpu":
+            with torch.no_grad():
+                for start, t in parts:
+                    src = t.dequantize() if isinstance(t, GGUFQuantTensor) else t
+                    w[start : start + src.shape[0]].copy_(src)
+            return dense
+        groups = Int4Groups.cat([to_groups(t, bits) for t in pieces])
+        tied = self.config.tie_word_embeddings and w is self.embed_tokens
+        if plan.dense_copy or tied:  # a tied lm_head's table stays for the embedding lookup
+            with torch.no_grad():
+                w.copy_(groups.dequantize())
+        return QuantizedWeight.from_groups(groups, w if plan.dense_copy else None,
+                                          plan.max_rows(bits))
+
+    def _locate(self, name: str) -> tuple[nn.Module, str, tuple[int, int] | None] | None:
+        """(module, attribute, rows slice or None) that HF weight `name` fills."""
         cfg = self.config
         q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
-        fused = {
-            "self_attn.q_proj": ("qkv", 0, q),
-            "self_attn.k_proj": ("qkv", q, kv),
-            "self_attn.v_proj": ("qkv", q + kv, kv),
-            "mlp.gate_proj": ("gate_up", 0, inter),
-            "mlp.up_proj": ("gate_up", inter, inter),
-        }
+        top = {"model.embed_tokens.weight": "embed_tokens", "model.norm.weight": "norm",
+               "lm_head.weight": "lm_head"}
+        if name in top:
+            return self, top[name], None
+        m = _LAYER_RE.match(name)
+        if m is None or int(m.group(1)) >= len(self.layers):
+            return None
+        layer: LlamaDecoderLayer = self.layers[int(m.group(1))]  # type: ignore[assignment]
+        rest = m.group(2)
         plain = {
             "input_layernorm.weight": "input_layernorm",
             "post_attention_layernorm.weight": "post_attention_layernorm",
@@ -209,57 +286,23 @@ class LlamaForCausalLM(nn.Module):
             "mlp.down_proj.weight": "down_proj",
             "mlp.down_proj.bias": "down_bias",
         }
-        expected = self._expected_weight_names()
-        seen: set[str] = set()
-        for name, tensor in weights:
-            if name.endswith("rotary_emb.inv_freq"):
-                continue
-            if name == "lm_head.weight" and cfg.tie_word_embeddings:
-                continue  # tied: HF ignores a stored copy too
-            target, rows = self._locate(name, fused, plain)
-            if target is None:
-                raise KeyError(f"unexpected weight {name!r} for {cfg.architecture}")
-            dst = target if rows is None else target[rows[0] : rows[0] + rows[1]]
-            if tuple(dst.shape) != tuple(tensor.shape):
-                raise ValueError(
-                    f"{name}: expected shape {tuple(dst.shape)}, got {tuple(tensor.shape)}"
-                )
-            with torch.no_grad():
-                dst.copy_(tensor)
-            seen.add(name)
-        missing = expected - seen
-        if missing:
-            raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {sorted(missing)[:5]}")
-
-    def _locate(
-        self,
-        name: str,
-        fused: dict[str, tuple[str, int, int]],
-        plain: dict[str, str],
-    ) -> tuple[torch.Tensor | None, tuple[int, int] | None]:
-        top = {"model.embed_tokens.weight": self.embed_tokens, "model.norm.weight": self.norm}
-        if name == "lm_head.weight":
-            return self.lm_head, None
-        if name in top:
-            return top[name], None
-        m = _LAYER_RE.match(name)
-        if m is None or int(m.group(1)) >= len(self.layers):
-            return None, None
-        layer: LlamaDecoderLayer = self.layers[int(m.group(1))]  # type: ignore[assignment]
-        rest = m.group(2)
         if rest in plain:
-            return getattr(layer, plain[rest]), None
+            return (layer, plain[rest], None) if getattr(layer, plain[rest]) is not None else None
+        fused = {
+            "self_attn.q_proj": ("qkv", 0, q),
+            "self_attn.k_proj": ("qkv", q, kv),
+            "self_attn.v_proj": ("qkv", q + kv, kv),
+            "mlp.gate_proj": ("gate_up", 0, inter),
+            "mlp.up_proj": ("gate_up", inter, inter),
+        }
         module, _, kind = rest.rpartition(".")
         if module in fused and kind in ("weight", "bias"):
             group, start, size = fused[module]
-            attr = {
-                ("qkv", "weight"): "qkv_proj",
-                ("qkv", "bias"): "qkv_bias",
-                ("gate_up", "weight"): "gate_up_proj",
-                ("gate_up", "bias"): "gate_up_bias",
-            }[(group, kind)]
-            return getattr(layer, attr), (start, size)
-        return None, None
+            attr = f"{group}_proj" if kind == "weight" else f"{group}_bias"
+            if getattr(layer, attr) is None:
+                return None
+            return layer, attr, (start, size)
+        return None
 
     def _expected_weight_names(self) -> set[str]:
         cfg = self.config

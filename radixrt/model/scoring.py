@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+
+from radixrt.model.linear import LinearWeight
 
 # Rows per lm_head call: 64 × 49152 float32 logits is 12 MiB.
 SCORE_CHUNK_ROWS = 64
@@ -22,7 +23,7 @@ class RowScores:
     top_logprobs: torch.Tensor  # float32 [S, K]
 
 
-def score_hidden(hidden: torch.Tensor, lm_head: torch.Tensor, targets: torch.Tensor,
+def score_hidden(hidden: torch.Tensor, lm_head: LinearWeight, targets: torch.Tensor,
                  top_k: int, chunk_rows: int = SCORE_CHUNK_ROWS) -> RowScores:
     """Scores of `targets[i]` under the logits of `hidden[i]` (log-softmax in float32), with
     the top `max(top_k, 1)` alternatives; the target's value and the alternatives come from
@@ -38,7 +39,7 @@ def score_hidden(hidden: torch.Tensor, lm_head: torch.Tensor, targets: torch.Ten
         pad = (-m) % _ROW_ALIGN
         if pad:
             h = torch.cat([h, h.new_zeros(pad, h.shape[1])])
-        logsm = torch.log_softmax(F.linear(h, lm_head).float(), dim=-1)[:m]
+        logsm = torch.log_softmax(lm_head(h).float(), dim=-1)[:m]
         tgt = targets[s : s + m].to(logsm.device)
         lp[s : s + m] = logsm.gather(1, tgt[:, None]).squeeze(1).cpu()
         v, i = logsm.topk(k, dim=-1)

@@ -468,6 +468,9 @@ def run_scheduler(args: ServerArgs, paths: ipc.IpcPaths, parent_pid: int,
         "dtype": str(runner.dtype),
         # How `dtype="auto"` chose on CPU (choice, fp32/bf16 probe times); None otherwise.
         "dtype_probe": runner.dtype_probe.as_info() if runner.dtype_probe else None,
+        # The resolved `quantization` mode and the kernel timings behind it (None untimed).
+        "quantization": runner.quant.describe(),
+        "quant_probe": runner.quant_probe.as_info() if runner.quant_probe else None,
         "num_threads": torch.get_num_threads(),
         "thread_wait": args.thread_wait,
     }

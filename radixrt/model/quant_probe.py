@@ -1,0 +1,218 @@
+"""`quantization="auto"` on CPU, and the row count up to which quantized kernels win: measured
+once at start-up, like `dtype_probe`.
+
+torch's weight-only int4 CPU kernel reads 4-8x fewer weight bytes than a dense GEMM, so it wins
+when a matmul is bound by reading weights (decode: a few rows), and loses when it is bound by
+arithmetic (prefill: it dequantizes on the fly). It is only fast with bf16 activations (20-60x
+slower with fp32 ones), and bf16 itself is fast only on some CPUs. So:
+
+- `auto` quantizes only when the model dtype is bfloat16 (itself measured by `dtype_probe`) and
+  the quantized kernel is at least MIN_SPEEDUP x faster than the dense matmul at one row;
+- the crossover (`max_rows`: the largest call run on the kernel; larger ones use the dense copy)
+  is the largest of ROWS up to which the kernel stays faster, per width (4-bit, 8-bit).
+
+The timing runs over a model-shaped weight set of at least PROBE_PARAMS parameters, more than a
+CPU cache holds, so it sees memory bandwidth as a real forward pass does (timing one small
+matrix in a loop measures a cache-resident weight and misjudges decode). Widths and the dense
+path alternate call by call and each keeps its best time, so load from other processes hits all
+alike. `RADIXRT_AUTO_QUANTIZATION=none|gguf|int8|int4` forces the `auto` outcome (the test suite
+sets `none`); an explicit `--quantization` bypasses `auto`, `--quant-max-rows` the crossover.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from radixrt.model.linear import DenseWeight, LinearWeight, QuantizedWeight
+from radixrt.model.quant import GROUP, QUANTIZATION_MODES, QuantPlan
+
+logger = logging.getLogger(__name__)
+
+ENV_FORCE = "RADIXRT_AUTO_QUANTIZATION"
+MIN_SPEEDUP = 1.2
+ROWS = (1, 2, 4, 8, 16, 32, 64)
+PROBE_PARAMS = 24_000_000  # 48 MB of bf16 weights: beyond the caches of the CPUs we run on
+MIN_REPS, MAX_REPS = 2, 6
+ROW_BUDGET_S = 0.15  # timed reps of one row count stop after this long (once MIN_REPS are in)
+BUDGET_S = 1.5  # no further row count is started after this long (a loaded machine)
+KINDS = ("dense", "int4", "int8")
+
+# (rows, dense dtype) -> best seconds per kind for a pass over the probe weights at each of rows.
+Measure = Callable[[tuple[int, ...], torch.dtype], dict[str, dict[int, float]]]
+
+
+@dataclass(frozen=True)
+class QuantProbe:
+    """Best ms of one pass over the probe weights per kind ("dense", "int4", "int8") and rows."""
+
+    ms: dict[str, dict[int, float]] = field(default_factory=dict)
+    threads: int = 1
+
+    def crossover(self, kind: str) -> int:
+        """Largest row count up to which `kind` beat dense at every measured count (0: never)."""
+        best = 0
+        for rows in sorted(self.ms.get("dense", {})):
+            t = self.ms.get(kind, {}).get(rows)
+            if t is None or t >= self.ms["dense"][rows]:
+                break
+            best = rows
+        return best
+
+    def speedup(self, kind: str, rows: int = 1) -> float | None:
+        """dense time / `kind` time at `rows` (> 1: quantized faster)."""
+        d, q = self.ms.get("dense", {}).get(rows), self.ms.get(kind, {}).get(rows)
+        return None if d is None or not q else d / q
+
+    def describe(self) -> str:
+        parts = []
+        for rows in sorted(self.ms.get("dense", {})):
+            cells = "/".join(f"{self.ms[k][rows]:.2f}" if rows in self.ms.get(k, {}) else "-"
+                             for k in KINDS)
+            parts.append(f"{rows}: {cells}")
+        return (f"ms dense/int4/int8 per rows ({self.threads} threads) " + ", ".join(parts)
+                + f"; kernels win up to {self.crossover('int4')} rows (4-bit), "
+                  f"{self.crossover('int8')} rows (8-bit)")
+
+    def as_info(self) -> dict[str, object]:
+        return {"ms": {k: {str(r): v for r, v in d.items()} for k, d in self.ms.items()},
+                "threads": self.threads, "max_rows_int4": self.crossover("int4"),
+                "max_rows_int8": self.crossover("int8")}
+
+
+def _probe_weights(hidden: int, intermediate: int,
+                   dense_dtype: torch.dtype) -> dict[str, list[LinearWeight]]:
+    """Model-shaped weights (gate_up `[2i, h]` and down `[h, i]` alternating) of at least
+    PROBE_PARAMS parameters in each kind. Values are arbitrary: only timing matters."""
+    shapes = [(2 * intermediate, hidden), (hidden, intermediate)]
+    shapes = [(n, k) for n, k in shapes if k % GROUP == 0] or [(1536, 576)]
+    out: dict[str, list[LinearWeight]] = {k: [] for k in KINDS}
+    g = torch.Generator().manual_seed(0)
+    total = 0
+    i = 0
+    while total < PROBE_PARAMS or i < len(shapes):
+        n, k = shapes[i % len(shapes)]
+        i += 1
+        total += n * k
+        out["dense"].append(DenseWeight(torch.full((n, k), 0.01, dtype=dense_dtype)))
+        for kind, planes in (("int4", 1), ("int8", 2)):
+            packed = torch.randint(0, 256, (n, planes * k // 2), dtype=torch.uint8, generator=g)
+            sz = torch.full((planes * k // GROUP, n, 2), 0.01, dtype=torch.bfloat16)
+            out[kind].append(QuantizedWeight(packed, sz, planes))
+    return out
+
+
+def measure_kernels(hidden: int, intermediate: int) -> Measure:
+    """The real measurement for a model of this shape (see the module docstring)."""
+
+    def measure(rows_list: tuple[int, ...], dense_dtype: torch.dtype) -> dict[str, dict[int, float]]:
+        weights = _probe_weights(hidden, intermediate, dense_dtype)
+        inputs = {(kind, r, w.in_features): torch.randn(r, w.in_features).to(
+            dense_dtype if kind == "dense" else torch.bfloat16)
+            for kind, ws in weights.items() for w in ws for r in rows_list}
+        best: dict[str, dict[int, float]] = {k: {} for k in KINDS}
+        losses = dict.fromkeys(KINDS, 0)
+        start = time.perf_counter()
+        for rows in rows_list:
+            kinds = [k for k in KINDS if k == "dense" or losses[k] < 2]
+            if kinds == ["dense"]:
+                break
+
+            def run(kind: str, rows: int = rows) -> float:
+                t0 = time.perf_counter()
+                for w in weights[kind]:
+                    w(inputs[(kind, rows, w.in_features)])
+                return time.perf_counter() - t0
+
+            if time.perf_counter() - start > BUDGET_S:
+                break
+            for kind in kinds:  # warm-up (first calls set up kernels)
+                run(kind)
+            row_start = time.perf_counter()
+            for rep in range(MAX_REPS):
+                for kind in kinds:
+                    t = run(kind)
+                    best[kind][rows] = min(best[kind].get(rows, float("inf")), t)
+                if rep + 1 >= MIN_REPS and time.perf_counter() - row_start > ROW_BUDGET_S:
+                    break
+            for kind in kinds[1:]:
+                if best[kind][rows] >= best["dense"][rows]:
+                    losses[kind] += 1
+        return {k: {r: s * 1e3 for r, s in v.items()} for k, v in best.items()}
+
+    return measure
+
+
+_cached: dict[tuple[int, int, torch.dtype], QuantProbe] = {}
+
+
+def probe_quant_kernels(hidden: int, intermediate: int, dense_dtype: torch.dtype = torch.bfloat16,
+                        measure: Measure | None = None) -> QuantProbe:
+    """Time dense vs quantized matmuls for this model shape (once per process and shape unless
+    `measure` is injected)."""
+    key = (hidden, intermediate, dense_dtype)
+    if measure is None and key in _cached:
+        return _cached[key]
+    with torch.inference_mode():
+        ms = (measure or measure_kernels(hidden, intermediate))(ROWS, dense_dtype)
+    result = QuantProbe(ms, torch.get_num_threads())
+    if measure is None:
+        _cached[key] = result
+    return result
+
+
+ProbeFn = Callable[[torch.dtype], QuantProbe]
+
+
+def resolve_quantization(requested: str, dtype: torch.dtype, device: torch.device,
+                         is_gguf: bool, probe: ProbeFn, max_rows: int | None = None,
+                         dense_copy: bool = True) -> tuple[QuantPlan, str]:
+    """The `QuantPlan` for `ServerArgs.quantization` = `requested` and why (a log line).
+
+    `probe(dense_dtype)` is called only when a crossover or the `auto` decision needs timing.
+    Raises ValueError naming the field for a mode this model / device cannot use."""
+    if requested not in ("auto", *QUANTIZATION_MODES):
+        raise ValueError(f"ServerArgs.quantization: must be one of "
+                         f"{('auto', *QUANTIZATION_MODES)}, got {requested!r}")
+    if requested == "none":
+        return QuantPlan(), "none (requested)"
+    if device.type != "cpu":
+        if requested == "auto":
+            return QuantPlan(), f"none (quantized kernels are CPU-only; device {device})"
+        raise ValueError(f"ServerArgs.quantization: {requested!r} runs on CPU only, device is "
+                         f"{device}")
+    mode = requested
+    forced = ""
+    if requested == "auto":
+        forced = os.environ.get(ENV_FORCE, "").strip()
+        if forced and forced not in QUANTIZATION_MODES:
+            raise ValueError(f"{ENV_FORCE} must be one of {QUANTIZATION_MODES}, got {forced!r}")
+        mode = forced or ("gguf" if is_gguf else "int8")
+        if mode == "none":
+            return QuantPlan(), f"none (forced by {ENV_FORCE})"
+    if mode == "gguf" and not is_gguf:
+        raise ValueError("ServerArgs.quantization: 'gguf' keeps a GGUF file's blocks; the model is "
+                         "not a .gguf file (use int8 or int4)")
+    if requested == "auto" and not forced and dtype != torch.bfloat16:
+        return QuantPlan(), (f"none (dtype {str(dtype).removeprefix('torch.')}: the weight-only "
+                             "kernels are fast only with bf16 activations)")
+    if not dense_copy:
+        return QuantPlan(mode, dense_copy=False), f"{mode} (kernels for every call, no dense copy)"
+    if max_rows is not None and requested != "auto":
+        return QuantPlan(mode, max_rows, max_rows), f"{mode} (max_rows {max_rows} given)"
+    p = probe(dtype)
+    if requested == "auto" and not forced:
+        kind = "int4" if mode == "gguf" else mode
+        s = p.speedup(kind)
+        if s is None or s < MIN_SPEEDUP:
+            return QuantPlan(), (f"none ({kind} kernel at 1 row only {s or 0:.2f}x dense, needs "
+                                 f">= {MIN_SPEEDUP}x; {p.describe()})")
+    r4 = max_rows if max_rows is not None else p.crossover("int4")
+    r8 = max_rows if max_rows is not None else p.crossover("int8")
+    why = f"forced by {ENV_FORCE}" if forced else "requested" if requested != "auto" else "probe"
+    return QuantPlan(mode, r4, r8), f"{mode} ({why}; {p.describe()})"
