@@ -77,7 +77,7 @@ SERVER_FLAGS = {"radixrt": [], "radixrt-no-radix": ["--disable-radix-cache"],
 TARGET_WORKLOADS = ("gsp", "few-shot", "multi-turn")
 # Per-workload time budgets (s) by preset: HF one-by-one takes minutes per workload on the full
 # preset; it serves requests in arrival order until its budget, then stops (noted).
-DEFAULT_BUDGETS = {"full": {"hf-generate": 75.0}, "tiny": {}}
+DEFAULT_BUDGETS = {"full": {"hf-generate": 75.0}, "wide": {"hf-generate": 75.0}, "tiny": {}}
 FIELDS = ("workload", "system", "total_tok_per_s", "output_tok_per_s", "ttft_p50_s", "ttft_p99_s",
           "itl_p50_s", "hit_rate", "optimal_hit_rate", "threads", "note")
 
@@ -514,7 +514,7 @@ def parse_budgets(items: list[str] | None, preset: str) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> Path:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", default="full", choices=("full", "tiny"))
+    ap.add_argument("--preset", default="full", choices=("full", "wide", "tiny"))
     ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     ap.add_argument("--workloads", nargs="+", default=None)
     ap.add_argument("--threads", type=int, default=2)
