@@ -87,6 +87,9 @@ class ServerArgs:
     disable_radix_cache: bool = _f(False, "turn prefix sharing off")
     chunked_prefill_size: int = _f(2048, "longest prefill chunk per step")
     max_prefill_tokens: int = _f(8192, "tokens computed per prefill step")
+    disable_mixed_chunk: bool = _f(False, "run prefill steps alone: by default a step that "
+                                          "prefills also advances every decoding request by "
+                                          "one token (mixed extend + decode batch)")
     lpm_fallback_queue_len: int = _f(128, "above this many waiting requests lpm falls back to "
                                           "fcfs")
     starvation_timeout_s: float = _f(10.0, "a request waiting this long goes first")

@@ -652,9 +652,10 @@ def test_chunked_prefill_matches_unchunked(make_sched: Callable[..., Scheduler],
     orig = sched.builder.build_extend
 
     def spy(reqs: list[Req]) -> ForwardBatch:
-        assert sum(r.extend_len for r in reqs) <= budget
-        assert sum(r.kv_len + r.extend_len < r.seq_len() for r in reqs) <= 1  # ≤ 1 chunked
-        for r in reqs:
+        ext = [r for r in reqs if r not in sched.running]  # a mixed step's decode rows aside
+        assert sum(r.extend_len for r in ext) <= budget
+        assert sum(r.kv_len + r.extend_len < r.seq_len() for r in ext) <= 1  # ≤ 1 chunked
+        for r in ext:
             steps_per_req[r.rid] = steps_per_req.get(r.rid, 0) + 1
         return orig(reqs)
 
@@ -1011,6 +1012,7 @@ def test_random_workload_matches_reference(make_sched: Callable[..., Scheduler],
         "max_running_requests": rng.choice([2, 3, 64]),
         "init_new_token_ratio": rng.choice([0.05, 0.3, 0.7]),
         "min_new_token_ratio": 0.05,
+        "disable_mixed_chunk": rng.random() < 0.3,
     }
     ctx = min(int(cfg["max_total_tokens"]), 1024)  # type: ignore[call-overload]
     bases = [prompt(rng, rng.randrange(10, 40)) for _ in range(3)]
@@ -1051,6 +1053,48 @@ def test_random_workload_matches_reference(make_sched: Callable[..., Scheduler],
             assert fin.finish_reason == FINISH_LENGTH, (rid, fin, cfg)
             assert run.tokens[rid] == ref[rid], (rid, cfg)
     assert_clean(sched)
+
+
+# -- mixed steps: a prefill also advances the decoding requests ---------------------------------
+@pytest.mark.parametrize("disable_cache", [False, True])
+def test_mixed_steps_match_separate_steps(make_sched: Callable[..., Scheduler],
+                                          disable_cache: bool) -> None:
+    """Requests arriving while others decode: their prefill steps carry the running requests'
+    decode tokens (one step fewer each), and every output equals the reference's."""
+    rng = random.Random(7)
+    base = prompt(rng, 20)
+    jobs = {f"m{i}": ([*base[: 10 + i], *prompt(rng, 4)], 10) for i in range(5)}
+    ref = reference(make_sched, jobs)
+
+    def staggered(disable_mixed: bool) -> tuple[Run, Scheduler, dict[str, int]]:
+        sched = make_sched(disable_radix_cache=disable_cache, disable_mixed_chunk=disable_mixed)
+        run = Run()
+        done_at: dict[str, int] = {}
+        arrivals = list(jobs.items())
+        while arrivals or sched.has_work:
+            if arrivals and run.steps % 2 == 0:  # one arrival every other step
+                rid, (ids, n) = arrivals.pop(0)
+                sched.handle(GenerateReq(rid, ids, greedy(n)))
+            for o in run.record(sched):
+                if o.finish_reason is not None:
+                    done_at[o.rid] = run.steps
+        return run, sched, done_at
+
+    mixed, sched, mixed_done = staggered(False)
+    plain, plain_sched, plain_done = staggered(True)
+    st, pst = sched.stats(), plain_sched.stats()
+    assert st["mixed_totals"]["steps"] >= len(jobs) - 1  # type: ignore[index]
+    assert st["mixed_totals"]["decode_rows"] >= len(jobs) - 1  # type: ignore[index]
+    assert pst["mixed_totals"] == {"steps": 0, "decode_rows": 0}
+    # decode tokens that ride along with later prefills: earlier requests finish sooner
+    assert all(mixed_done[r] <= plain_done[r] for r in jobs)
+    assert mixed_done["m0"] < plain_done["m0"]
+    for rid in jobs:
+        assert mixed.finals[rid].finish_reason == FINISH_LENGTH
+        assert mixed.tokens[rid] == ref[rid] == plain.tokens[rid], rid
+    assert st["generated_tokens_total"] == pst["generated_tokens_total"]
+    assert_clean(sched)
+    assert_clean(plain_sched)
 
 
 def test_in_batch_share_threshold_is_used_by_the_scheduler(

@@ -54,6 +54,15 @@ class BatchBuilder:
             fb.score_targets = torch.tensor(targets, dtype=torch.int64)
         return fb
 
+    def build_mixed(self, extend: list[Req], decode: list[Req]) -> ForwardBatch:
+        """An extend step that also advances each of `decode` (running requests, whose KV holds
+        all but their last sampled token) by that one token: rows `extend ++ decode`. The
+        decode rows are one-token extends on top of their KV, so one forward pass serves both
+        and the weight reads of the prefill carry the decode tokens."""
+        for req in decode:
+            req.extend_len = 1
+        return self.build_extend([*extend, *decode])
+
     def build_decode(self, reqs: list[Req]) -> ForwardBatch:
         """One new token per request: the last sampled one, at position `kv_len`."""
         self.scored = []

@@ -111,6 +111,8 @@ class Scheduler:
         # Decode steps alone (build to processed results): their count, rows and time, so a
         # mean Engine decode step can be set beside a bare ModelRunner step.
         self.decode_totals = {"steps": 0, "rows": 0, "time_s": 0.0}
+        # Extend steps that also carried the running requests' decode tokens (`_can_mix`).
+        self.mixed_totals = {"steps": 0, "decode_rows": 0}
         # Prefixes evicted since the last `take_evicted` (for the router's view of this cache).
         self.evicted_prefixes: list[list[int]] = []
         if isinstance(self.cache, RadixCache):
@@ -207,11 +209,15 @@ class Scheduler:
         self._admit_grammars()
         batch = self._schedule_extend()
         mode = "extend"
-        if batch is None and self.running:
+        if batch is not None and self._can_mix(batch):
+            mode = "mixed"
+        elif batch is None and self.running:
             batch = self._schedule_decode()
             mode = "decode"
         self.step_times["schedule"] += time.perf_counter() - t0
         if batch:
+            if mode == "mixed":
+                batch = [*batch, *self.running]
             try:
                 self._run(batch, mode)
             except Exception as e:  # keep serving: fail this batch's requests, free their KV
@@ -254,6 +260,18 @@ class Scheduler:
                 self.counters.cached_tokens += req.cached_tokens or 0
         return adder.admitted
 
+    def _can_mix(self, extend: list[Req]) -> bool:
+        """Whether this extend step also carries the running requests' decode tokens: not when
+        disabled, when a row scores its prompt (that step runs batch-invariant), or when the
+        pool cannot hold the extend tokens plus one slot per running request without
+        retracting (the plain decode step that follows handles that)."""
+        if self.args.disable_mixed_chunk or not self.running:
+            return False
+        if any(r.scoring is not None for r in (*extend, *self.running)):
+            return False
+        need = sum(r.extend_len for r in extend) + len(self.running)
+        return self.kv.room() >= need
+
     def _schedule_decode(self) -> list[Req]:
         need = len(self.running)
         if self.kv.room() < need:
@@ -291,8 +309,11 @@ class Scheduler:
 
     def _run(self, reqs: list[Req], mode: str) -> None:
         t0 = time.perf_counter()
+        n_ext = len(reqs) - len(self.running) if mode == "mixed" else len(reqs)
         if mode == "extend":
             fb = self.builder.build_extend(reqs)
+        elif mode == "mixed":
+            fb = self.builder.build_mixed(reqs[:n_ext], reqs[n_ext:])
         else:
             fb = self.builder.build_decode(reqs)
         t1 = time.perf_counter()
@@ -312,15 +333,21 @@ class Scheduler:
         sample = self.sampler.sample(logits, info)
         t3 = time.perf_counter()
         before = sum(len(r.output_ids) for r in reqs)
-        if mode == "extend":
-            chunked = self.outputs.process_extend(reqs, sample.next_token_ids, sample.logprobs)
-            for req in reqs:
+        ids, lps = sample.next_token_ids, sample.logprobs
+        if mode == "decode":
+            self.outputs.process_decode(reqs, ids, lps)
+        else:
+            ext = reqs[:n_ext]
+            chunked = self.outputs.process_extend(ext, ids[:n_ext], lps[:n_ext])
+            if mode == "mixed":  # the rest are the running requests, in place
+                self.outputs.process_decode(reqs[n_ext:], ids[n_ext:], lps[n_ext:])
+                self.mixed_totals["steps"] += 1
+                self.mixed_totals["decode_rows"] += len(reqs) - n_ext
+            for req in ext:
                 if req in chunked:
                     self.chunked_req = req
                 elif not req.finished:
                     self.running.append(req)
-        else:
-            self.outputs.process_decode(reqs, sample.next_token_ids, sample.logprobs)
         self.counters.generated_tokens += sum(len(r.output_ids) for r in reqs) - before
         self.kv.end_step()
         for req in reqs:
@@ -404,6 +431,7 @@ class Scheduler:
             "new_token_ratio": self.new_token_ratio,
             "step_time_s": dict(self.step_times),
             "decode_totals": dict(self.decode_totals),
+            "mixed_totals": dict(self.mixed_totals),
         }
 
     def handle(self, msg: object) -> ControlReply | None:
