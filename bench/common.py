@@ -14,6 +14,8 @@ has finished, with the tokens actually generated. A session's first turn arrives
 
 Every driver produces one `RequestRecord` per request, with times in seconds since the start of
 the run (`time.perf_counter()` based), and the generated token ids.
+
+The bench scripts' reports share `markdown_table`, `cpu_name` and `common_prefix` from here.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import heapq
 import json
 import os
+import platform
 import random
 import sys
 import time
@@ -292,3 +295,40 @@ def iter_workloads(path: str, names: Iterable[str] | None = None) -> list[Worklo
         keep = set(names)
         ws = [w for w in ws if w.name in keep]
     return ws
+
+
+def common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """How many leading items `a` and `b` share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+# -- reports ------------------------------------------------------------------------------------------
+def cpu_name() -> str:
+    """The CPU's model name from /proc/cpuinfo; else what `platform` says, else "?"."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "?"
+
+
+def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    """A markdown table: the header line, the `|---|` rule, one line per row; cells are `str()`
+    of the values, with `|` escaped so a cell never splits. Lines end with a newline."""
+
+    def line(cells: Iterable[object]) -> str:
+        return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |\n"
+
+    out = [line(headers), "|" + "---|" * len(headers) + "\n"]
+    for row in rows:
+        if len(row) != len(headers):
+            raise ValueError(f"row {list(row)!r} has {len(row)} cells, headers {len(headers)}")
+        out.append(line(row))
+    return "".join(out)

@@ -54,7 +54,9 @@ from typing import Any  # noqa: E402
 from bench.common import (  # noqa: E402
     SYSTEMS,
     Workload,
+    cpu_name,
     load_workloads,
+    markdown_table,
     read_results,
     save_workloads,
 )
@@ -273,16 +275,18 @@ def one_batch_section(ob: dict[str, Any]) -> list[str]:
                  f"ideal prefill {ob['ideal_prefill_tok_per_s']:.0f} tok/s, best measured "
                  f"{ob['prefill_fraction_of_ideal']:.0%} of it")
     L.append("")
-    L.append("| batch | input len | prefill tok/s | prefill % of ceiling | decode ms/step | "
-             "decode tok/s | step MiB | step GFLOP | bound ms | bound by | decode % of roofline |")
-    L.append("|---|---|---|---|---|---|---|---|---|---|---|")
+    rows = []
     for r in ob.get("rows", []):
         pr, dr = r.get("prefill_roofline") or {}, r.get("decode_roofline") or {}
-        L.append(f"| {r['batch_size']} | {r['input_len']} | {_fmt(_f(r['prefill_tok_per_s']), '.0f')} | "
-                 f"{_fmt(pr.get('fraction'), '.0%')} | {r['decode_ms_per_step']:.1f} | "
-                 f"{r['decode_tok_per_s']:.1f} | {_fmt(dr.get('bytes'), '.0f', 2**-20)} | "
-                 f"{_fmt(dr.get('flops'), '.2f', 1e-9)} | {_fmt(dr.get('bound_ms'), '.1f')} | "
-                 f"{dr.get('bound_by', '—')} | {_fmt(dr.get('fraction'), '.0%')} |")
+        rows.append([r["batch_size"], r["input_len"], _fmt(_f(r["prefill_tok_per_s"]), ".0f"),
+                     _fmt(pr.get("fraction"), ".0%"), f"{r['decode_ms_per_step']:.1f}",
+                     f"{r['decode_tok_per_s']:.1f}", _fmt(dr.get("bytes"), ".0f", 2**-20),
+                     _fmt(dr.get("flops"), ".2f", 1e-9), _fmt(dr.get("bound_ms"), ".1f"),
+                     dr.get("bound_by", "—"), _fmt(dr.get("fraction"), ".0%")])
+    L.extend(markdown_table(
+        ["batch", "input len", "prefill tok/s", "prefill % of ceiling", "decode ms/step",
+         "decode tok/s", "step MiB", "step GFLOP", "bound ms", "bound by",
+         "decode % of roofline"], rows).splitlines())
     L.append("")
     return L
 
@@ -332,18 +336,14 @@ def write_markdown(path: Path, records: list[dict[str, Any]], meta: dict[str, An
         L.append("")
     L.append("## Results")
     L.append("")
-    L.append("| workload | system | total tok/s | output tok/s | TTFT p50 s | TTFT p99 s | "
-             "ITL p50 ms | hit rate | optimal | note |")
-    L.append("|---|---|---|---|---|---|---|---|---|---|")
-    for wname in workloads:
-        for r in records:
-            if r["workload"] != wname:
-                continue
-            L.append(f"| {wname} | {r['system']} | {_fmt(r['total_tok_per_s'])} | "
-                     f"{_fmt(r['output_tok_per_s'])} | {_fmt(r['ttft_p50_s'], '.2f')} | "
-                     f"{_fmt(r['ttft_p99_s'], '.2f')} | {_fmt(r['itl_p50_s'], '.1f', 1e3)} | "
-                     f"{_fmt(r['hit_rate'], '.3f')} | {_fmt(r['optimal_hit_rate'], '.3f')} | "
-                     f"{(r['note'] or '').replace('|', '/')} |")
+    L.extend(markdown_table(
+        ["workload", "system", "total tok/s", "output tok/s", "TTFT p50 s", "TTFT p99 s",
+         "ITL p50 ms", "hit rate", "optimal", "note"],
+        ([wname, r["system"], _fmt(r["total_tok_per_s"]), _fmt(r["output_tok_per_s"]),
+          _fmt(r["ttft_p50_s"], ".2f"), _fmt(r["ttft_p99_s"], ".2f"),
+          _fmt(r["itl_p50_s"], ".1f", 1e3), _fmt(r["hit_rate"], ".3f"),
+          _fmt(r["optimal_hit_rate"], ".3f"), (r["note"] or "").replace("|", "/")]
+         for wname in workloads for r in records if r["workload"] == wname)).splitlines())
     L.append("")
     L.append("## radixrt vs the best peer")
     L.append("")
@@ -352,9 +352,7 @@ def write_markdown(path: Path, records: list[dict[str, Any]], meta: dict[str, An
              "within 2% of radixrt-no-radix. Best peer = the peer with the highest total "
              "throughput (for the throughput ratio) / the lowest TTFT p50 (for the TTFT ratio).")
     L.append("")
-    L.append("| workload | throughput ratio (best peer) | TTFT p50 ratio (best peer) | "
-             "hit / optimal | vs no-radix |")
-    L.append("|---|---|---|---|---|")
+    table = []
     for row in ratios(records, workloads):
         tr = (f"{row['throughput_ratio']:.2f}× ({row['best_peer_throughput']})"
               if "throughput_ratio" in row else "—")
@@ -371,25 +369,29 @@ def write_markdown(path: Path, records: list[dict[str, Any]], meta: dict[str, An
         nr = _fmt(row.get("vs_no_radix"), ".3f")
         if row["workload"] == "random" and "vs_no_radix" in row:
             nr += " ✅" if row["vs_no_radix"] >= 0.98 else " ❌"
-        L.append(f"| {row['workload']} | {tr}{mark} | {lr} | {hv} | {nr} |")
+        table.append([row["workload"], tr + mark, lr, hv, nr])
+    L.extend(markdown_table(
+        ["workload", "throughput ratio (best peer)", "TTFT p50 ratio (best peer)",
+         "hit / optimal", "vs no-radix"], table).splitlines())
     L.append("")
     rr = [r for r in records if r["system"] in RADIXRT and r.get("step_time_s")]
     if rr:
         L.append("## radixrt scheduler step time (engine.stats()['step_time_s'], per workload)")
         L.append("")
         parts = ("schedule", "build", "forward", "sample", "process")
-        L.append("| workload | system | steps | " + " | ".join(f"{p} s" for p in parts)
-                 + " | forward share | decode ms/step (mean batch) |")
-        L.append("|---|---|---|" + "---|" * len(parts) + "---|---|")
+        table = []
         for r in rr:
             st = r["step_time_s"]
             tot = sum(st.get(p, 0.0) for p in parts) or 1.0
             dt = r.get("decode_totals") or {}
             dec = (f"{dt['time_s'] / dt['steps'] * 1e3:.1f} ({dt['rows'] / dt['steps']:.1f})"
                    if dt.get("steps") else "—")
-            L.append(f"| {r['workload']} | {r['system']} | {r.get('forward_steps', '—')} | "
-                     + " | ".join(f"{st.get(p, 0.0):.2f}" for p in parts)
-                     + f" | {st.get('forward', 0.0) / tot:.0%} | {dec} |")
+            table.append([r["workload"], r["system"], r.get("forward_steps", "—"),
+                          *(f"{st.get(p, 0.0):.2f}" for p in parts),
+                          f"{st.get('forward', 0.0) / tot:.0%}", dec])
+        L.extend(markdown_table(
+            ["workload", "system", "steps", *(f"{p} s" for p in parts), "forward share",
+             "decode ms/step (mean batch)"], table).splitlines())
         L.append("")
     if charts:
         L.append("## Charts")
@@ -576,7 +578,7 @@ def main(argv: list[str] | None = None) -> Path:
 
     meta: dict[str, Any] = {
         "date": date, "host": host, "preset": a.preset, "seed": a.seed, "threads": a.threads,
-        "cores": os.cpu_count(), "cpu": _cpu_name(), "torch": torch.__version__,
+        "cores": os.cpu_count(), "cpu": cpu_name(), "torch": torch.__version__,
         "radixrt_mode": a.radixrt_mode, "request_rate": a.request_rate, "model": str(model),
         "budgets_s": budgets, "python": platform.python_version(), "repeat": a.repeat,
         "max_concurrency": a.max_concurrency,
@@ -697,16 +699,6 @@ def _json_default(x: Any) -> Any:
     if isinstance(x, float) and math.isnan(x):
         return None
     return str(x)
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "?"
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ import statistics  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
+from bench.common import markdown_table  # noqa: E402
 from bench.serving import launch_radixrt, stop_server  # noqa: E402
 
 PREAMBLE = (
@@ -156,9 +157,7 @@ def main() -> None:
         rows = asyncio.run(main_async(f"http://127.0.0.1:{port}", a))
     finally:
         stop_server(proc)
-    print("| mode | out tok/s | req/s | hit rate | prompt tokens | valid calls |")
-    print("|---|---|---|---|---|---|")
-    summary = {}
+    summary, table = {}, []
     for mode in MODES:
         rs = [r for r in rows if r["mode"] == mode]
         med = {k: statistics.median(r[k] for r in rs)
@@ -166,9 +165,11 @@ def main() -> None:
         summary[mode] = med
         calls = sum(r["calls"] for r in rs)
         valid = sum(r["valid_calls"] for r in rs)
-        print(f"| {mode} | {med['out_tok_per_s']:.1f} | {med['req_per_s']:.2f} | "
-              f"{med['hit_rate']:.2f} | {med['prompt_tokens_mean']:.0f} | "
-              f"{valid}/{calls if mode == 'required' else '-'} |")
+        table.append([mode, f"{med['out_tok_per_s']:.1f}", f"{med['req_per_s']:.2f}",
+                      f"{med['hit_rate']:.2f}", f"{med['prompt_tokens_mean']:.0f}",
+                      f"{valid}/{calls if mode == 'required' else '-'}"])
+    print(markdown_table(["mode", "out tok/s", "req/s", "hit rate", "prompt tokens",
+                          "valid calls"], table), end="")
     if a.out:
         Path(a.out).write_text(json.dumps({"rows": rows, "median": summary}, indent=1))
 

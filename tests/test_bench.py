@@ -227,6 +227,28 @@ def test_results_roundtrip(tmp_path):
     assert back[0]["records"][0] == r
 
 
+# -- report helpers -------------------------------------------------------------------------------------
+def test_markdown_table_lines_and_escaping():
+    table = common.markdown_table(["a", "b|c"], [[1, "x"], ("y|z", 2.5)])
+    assert table.splitlines() == ["| a | b\\|c |", "|---|---|", "| 1 | x |", "| y\\|z | 2.5 |"]
+    assert table.endswith("\n")
+    # a generator of rows, and no rows at all
+    assert common.markdown_table(["n"], ([i] for i in range(2))).splitlines()[2:] == ["| 0 |",
+                                                                                      "| 1 |"]
+    assert common.markdown_table(["n", "m"], []) == "| n | m |\n|---|---|\n"
+
+
+def test_markdown_table_rejects_a_row_of_the_wrong_width():
+    with pytest.raises(ValueError, match="has 1 cells, headers 2"):
+        common.markdown_table(["a", "b"], [["only"]])
+
+
+@pytest.mark.parametrize("a,b,n", [([1, 2, 3], [1, 2, 4], 2), ([], [1], 0), ([5], [5, 6], 1),
+                                   ([1, 2], [1, 2], 2), ([0, 1], [1, 1], 0)])
+def test_common_prefix(a, b, n):
+    assert common.common_prefix(a, b) == n == common.common_prefix(b, a)
+
+
 # -- roofline -------------------------------------------------------------------------------------------
 def _tiny_shape(**kw):
     """hidden 8, intermediate 16, 2 heads of 4 (q 8), 1 KV head (kv 4), 2 layers, vocab 32."""

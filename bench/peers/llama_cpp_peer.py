@@ -21,6 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.common import (  # noqa: E402
+    common_prefix,
     iter_workloads,
     peer_argparser,
     progress_bar,
@@ -28,15 +29,6 @@ from bench.common import (  # noqa: E402
     warmup_prompt,
     write_result,
 )
-
-
-def common_prefix(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def main() -> None:
