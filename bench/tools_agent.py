@@ -37,6 +37,7 @@ import time  # noqa: E402
 from typing import Any  # noqa: E402
 
 from bench.common import markdown_table  # noqa: E402
+from bench.function_tools import CONVERT_CURRENCY, UNIT, function_tool, schemas  # noqa: E402
 from bench.serving import launch_radixrt, stop_server  # noqa: E402
 
 PREAMBLE = (
@@ -46,27 +47,14 @@ PREAMBLE = (
     + " ".join(f"Rule {i}: confirm dates, budgets and traveller names before booking item {i}."
                for i in range(1, 25))
 )
+NAME = {"type": "string", "maxLength": 24}
 TOOLS = [
-    {"type": "function", "function": {
-        "name": "get_weather", "description": "Current weather in a city",
-        "parameters": {"type": "object", "properties": {
-            "city": {"type": "string", "maxLength": 24},
-            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-            "required": ["city", "unit"], "additionalProperties": False}}},
-    {"type": "function", "function": {
-        "name": "convert_currency", "description": "Convert an amount between currencies",
-        "parameters": {"type": "object", "properties": {
-            "amount": {"type": "number"}, "source": {"type": "string", "maxLength": 3},
-            "target": {"type": "string", "maxLength": 3}},
-            "required": ["amount", "source", "target"], "additionalProperties": False}}},
-    {"type": "function", "function": {
-        "name": "book_hotel", "description": "Book a hotel room",
-        "parameters": {"type": "object", "properties": {
-            "city": {"type": "string", "maxLength": 24}, "nights": {"type": "integer"},
-            "guest": {"type": "string", "maxLength": 24}},
-            "required": ["city", "nights", "guest"], "additionalProperties": False}}},
+    function_tool("get_weather", "Current weather in a city", {"city": NAME, "unit": UNIT}),
+    CONVERT_CURRENCY,
+    function_tool("book_hotel", "Book a hotel room",
+                  {"city": NAME, "nights": {"type": "integer"}, "guest": NAME}),
 ]
-SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+SCHEMAS = schemas(TOOLS)
 CITIES = ["Paris", "Tokyo", "Lima", "Oslo", "Cairo", "Quito", "Perth", "Seoul"]
 MODES = ("required", "none", "off")
 
