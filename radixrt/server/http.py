@@ -528,33 +528,27 @@ def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
             raise P.bad(None, "the JSON body must be an object", code="invalid_json")
         return body
 
-    async def handle(request: Request, fn: Any) -> Response:
-        try:
-            return await fn(await json_body(request), request)
-        except P.ApiError as e:
-            return error_response(e)
+    def json_route(fn: Any) -> Any:
+        """The endpoint of a POST route whose JSON object body goes to `fn(body, request)`;
+        an ApiError from either becomes its OpenAI-style error response."""
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await handle(request, server.completions)
+        async def endpoint(request: Request) -> Response:
+            try:
+                return await fn(await json_body(request), request)
+            except P.ApiError as e:
+                return error_response(e)
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await handle(request, server.chat)
+        return endpoint
 
     # Tokenizer endpoints at the root (lm-eval's `tokenizer_backend=remote` strips
     # /v1/completions from base_url); behind the API key like everything but /health, /metrics.
+    for path, fn in (("/v1/completions", server.completions), ("/v1/chat/completions", server.chat),
+                     ("/tokenize", server.tokenize), ("/detokenize", server.detokenize)):
+        app.post(path, name=fn.__name__)(json_route(fn))
+
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> Response:
         return JSONResponse(server.tokenizer_info())
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
-        return await handle(request, server.tokenize)
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> Response:
-        return await handle(request, server.detokenize)
 
     @app.get("/v1/models")
     async def models() -> Response:
