@@ -249,6 +249,21 @@ def run_sequential(workload: Workload, generate: GenerateFn, budget_s: float | N
     return records, note
 
 
+def run_peer(a: Any, system: str, generate: GenerateFn,
+             before_workload: Callable[[], None] | None = None, **extra: Any) -> None:
+    """A one-request-at-a-time peer's whole run, `a` being its `peer_argparser` arguments: one
+    warm-up request, then every workload of `a.workload_file` through `run_sequential` (after
+    `before_workload()`), each appended to `a.out` with `threads` and `extra`."""
+    generate(warmup_prompt(), 4, lambda n: None)
+    for w in iter_workloads(a.workload_file):
+        if before_workload is not None:
+            before_workload()
+        bar = progress_bar(w.num_requests, f"{system} {w.name}", a.progress)
+        records, note = run_sequential(w, generate, a.budget_s, bar.update)
+        bar.close()
+        write_result(a.out, w.name, system, records, note=note, threads=a.threads, **extra)
+
+
 def warmup_prompt(n: int = 64, seed: int = 12345) -> list[int]:
     """Token ids unrelated to any workload (the first forward passes allocate and tune)."""
     rng = random.Random(seed)
