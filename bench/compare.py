@@ -413,9 +413,25 @@ def write_charts(prefix: Path, records: list[dict[str, Any]], workloads: list[st
         return []
     names = []
 
+    def new_chart() -> tuple[Any, Any]:
+        return plt.subplots(figsize=(max(8, 1.6 * len(workloads)), 4.5))
+
+    def save_chart(fig: Any, ax: Any, title: str, ylabel: str, fname: str) -> None:
+        """Workload names on x, the labels and legend, written as <prefix>-<fname>.png."""
+        ax.set_xticks(range(len(workloads)))
+        ax.set_xticklabels(workloads)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+        ax.grid(axis="y", alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(prefix.parent / f"{prefix.name}-{fname}.png", dpi=110)
+        plt.close(fig)
+        names.append(f"{prefix.name}-{fname}.png")
+
     def bars(key: str, title: str, ylabel: str, fname: str, log: bool = False,
              err_key: str | None = None) -> None:
-        fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(workloads)), 4.5))
+        fig, ax = new_chart()
         width = 0.8 / max(1, len(systems))
         for j, s in enumerate(systems):
             xs, ys, errs = [], [], []
@@ -429,25 +445,16 @@ def write_charts(prefix: Path, records: list[dict[str, Any]], workloads: list[st
             if xs:
                 ax.bar(xs, ys, width, label=s,
                        yerr=[[0] * len(errs), errs] if err_key else None, capsize=2)
-        ax.set_xticks(range(len(workloads)))
-        ax.set_xticklabels(workloads)
-        ax.set_ylabel(ylabel)
-        ax.set_title(title)
         if log:
             ax.set_yscale("log")
-        ax.legend(fontsize=8)
-        ax.grid(axis="y", alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(prefix.parent / f"{prefix.name}-{fname}.png", dpi=110)
-        plt.close(fig)
-        names.append(f"{prefix.name}-{fname}.png")
+        save_chart(fig, ax, title, ylabel, fname)
 
     bars("total_tok_per_s", "Total throughput (prompt + output tokens / s)", "tok/s",
          "throughput")
     bars("ttft_p50_s", "TTFT p50 (bar) to p99 (whisker)", "seconds (log)", "ttft", log=True,
          err_key="ttft_p99_s")
     # hit rate achieved vs optimal
-    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(workloads)), 4.5))
+    fig, ax = new_chart()
     hs = [s for s in systems if s in RADIXRT or s in ("llama.cpp", "llama-server")]
     width = 0.8 / (len(hs) + 1)
     for i, wname in enumerate(workloads):
@@ -466,17 +473,9 @@ def write_charts(prefix: Path, records: list[dict[str, Any]], workloads: list[st
                 xs.append(i - 0.4 + width * (j + 1.5))
                 ys.append(r["hit_rate"])
         ax.bar(xs, ys, width, label=s, color=f"C{systems.index(s)}")
-    ax.set_xticks(range(len(workloads)))
-    ax.set_xticklabels(workloads)
     ax.set_ylim(0, 1.05)
-    ax.set_ylabel("prompt tokens served from cache")
-    ax.set_title("Hit rate achieved vs optimal")
-    ax.legend(fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(prefix.parent / f"{prefix.name}-hit-rate.png", dpi=110)
-    plt.close(fig)
-    names.append(f"{prefix.name}-hit-rate.png")
+    save_chart(fig, ax, "Hit rate achieved vs optimal", "prompt tokens served from cache",
+               "hit-rate")
     return names
 
 
