@@ -14,7 +14,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import orjson
@@ -240,12 +240,7 @@ class Server:
                 return None
             return self.text.prompt_logprobs(all_ids[i], lp, prompt_texts[i // n])
 
-        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
-            obj = {"id": rid, "object": "text_completion", "created": created,
-                   "model": self.model_name, "choices": choices}
-            if include_usage:
-                obj["usage"] = usage
-            return b"data: " + orjson.dumps(obj) + b"\n\n"
+        chunk = self.sse_chunk(rid, "text_completion", created, include_usage)
 
         if stream:
             async def gen() -> AsyncIterator[bytes]:
@@ -326,12 +321,7 @@ class Server:
         rid, created = P.new_id("chatcmpl"), P.now()
         calls = [self.tool_stream(treq) for _ in range(n)]
 
-        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
-            obj = {"id": rid, "object": "chat.completion.chunk", "created": created,
-                   "model": self.model_name, "choices": choices}
-            if include_usage:
-                obj["usage"] = usage
-            return b"data: " + orjson.dumps(obj) + b"\n\n"
+        chunk = self.sse_chunk(rid, "chat.completion.chunk", created, include_usage)
 
         if stream:
             async def gen() -> AsyncIterator[bytes]:
@@ -484,6 +474,19 @@ class Server:
             yield b"data: [DONE]\n\n"
 
         return StreamingResponse(framed(), media_type="text/event-stream")
+
+    def sse_chunk(self, rid: str, kind: str, created: int,
+                  include_usage: bool) -> Callable[..., bytes]:
+        """`chunk(choices, usage=None)`: one SSE event of a stream's `kind` object (the
+        `usage` key present exactly when the request asked for usage)."""
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
+            obj = {"id": rid, "object": kind, "created": created,
+                   "model": self.model_name, "choices": choices}
+            if include_usage:
+                obj["usage"] = usage
+            return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+        return chunk
 
     @staticmethod
     def sse_error(err: P.ApiError) -> bytes:
