@@ -116,6 +116,23 @@ class _Wrapper:
             "kv_dtype": kw.get("kv_data_type") or q_dtype,
         }
 
+    def _plan_prefill(
+        self,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        kw: dict[str, Any],
+        qo_indptr: torch.Tensor,
+        kv_indptr: tuple[str, torch.Tensor],
+    ) -> dict[str, Any]:
+        """A prefill plan's common part: the query and key/value row offsets of each request
+        (`kv_indptr` checked under the caller's argument name)."""
+        p = self._plan_common(num_qo_heads, num_kv_heads, head_dim, kw)
+        p["qo_indptr"] = _check_indptr("qo_indptr", qo_indptr)
+        p["kv_indptr"] = _check_indptr(kv_indptr[0], kv_indptr[1])
+        assert len(p["qo_indptr"]) == len(p["kv_indptr"])
+        return p
+
     def _check_q(self, q: torch.Tensor, rows: int) -> dict[str, Any]:
         p = self.planned
         assert p is not None, "run() before plan()"
@@ -192,11 +209,8 @@ class RaggedPrefill(_Wrapper):
         head_dim_qk: int,
         **kw: Any,
     ) -> None:
-        p = self._plan_common(num_qo_heads, num_kv_heads, head_dim_qk, kw)
-        p["qo_indptr"] = _check_indptr("qo_indptr", qo_indptr)
-        p["kv_indptr"] = _check_indptr("kv_indptr", kv_indptr)
-        assert len(p["qo_indptr"]) == len(p["kv_indptr"])
-        self.planned = p
+        self.planned = self._plan_prefill(num_qo_heads, num_kv_heads, head_dim_qk, kw, qo_indptr,
+                                          ("kv_indptr", kv_indptr))
 
     def run(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_lse: bool = False
@@ -212,7 +226,28 @@ class RaggedPrefill(_Wrapper):
                               p["causal"], return_lse)
 
 
-class PagedPrefill(_Wrapper):
+class _PagedWrapper(_Wrapper):
+    """`run` over a paged KV cache; a subclass says which query rows each request has."""
+
+    def _rows(self) -> tuple[list[int], bool]:
+        """(query row offsets per request, causal)."""
+        raise NotImplementedError
+
+    def run(
+        self,
+        q: torch.Tensor,
+        paged_kv_cache: tuple[torch.Tensor, torch.Tensor],
+        *,
+        return_lse: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        assert self.planned is not None, "run() before plan()"
+        qo, causal = self._rows()
+        self._check_q(q, qo[-1])
+        return self._run_rows(q, qo, lambda b: self._paged_kv(paged_kv_cache, b), causal,
+                              return_lse)
+
+
+class PagedPrefill(_PagedWrapper):
     def plan(
         self,
         qo_indptr: torch.Tensor,
@@ -225,27 +260,17 @@ class PagedPrefill(_Wrapper):
         page_size: int,
         **kw: Any,
     ) -> None:
-        p = self._plan_common(num_qo_heads, num_kv_heads, head_dim_qk, kw)
-        p["qo_indptr"] = _check_indptr("qo_indptr", qo_indptr)
-        p["kv_indptr"] = _check_indptr("paged_kv_indptr", paged_kv_indptr)
-        assert len(p["kv_indptr"]) == len(p["qo_indptr"])
+        p = self._plan_prefill(num_qo_heads, num_kv_heads, head_dim_qk, kw, qo_indptr,
+                               ("paged_kv_indptr", paged_kv_indptr))
         self._plan_pages(p, ("paged_kv_indices", paged_kv_indices),
                          ("paged_kv_last_page_len", paged_kv_last_page_len), page_size)
 
-    def run(
-        self,
-        q: torch.Tensor,
-        paged_kv_cache: tuple[torch.Tensor, torch.Tensor],
-        *,
-        return_lse: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        assert self.planned is not None, "run() before plan()"
-        p = self._check_q(q, self.planned["qo_indptr"][-1])
-        return self._run_rows(q, p["qo_indptr"], lambda b: self._paged_kv(paged_kv_cache, b),
-                              p["causal"], return_lse)
+    def _rows(self) -> tuple[list[int], bool]:
+        assert self.planned is not None
+        return self.planned["qo_indptr"], self.planned["causal"]
 
 
-class PagedDecode(_Wrapper):
+class PagedDecode(_PagedWrapper):
     def plan(
         self,
         indptr: torch.Tensor,
@@ -261,18 +286,9 @@ class PagedDecode(_Wrapper):
         p["kv_indptr"] = _check_indptr("indptr", indptr)
         self._plan_pages(p, ("indices", indices), ("last_page_len", last_page_len), page_size)
 
-    def run(
-        self,
-        q: torch.Tensor,
-        paged_kv_cache: tuple[torch.Tensor, torch.Tensor],
-        *,
-        return_lse: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        assert self.planned is not None, "run() before plan()"
-        bs = len(self.planned["kv_indptr"]) - 1
-        self._check_q(q, bs)
-        return self._run_rows(q, list(range(bs + 1)),
-                              lambda b: self._paged_kv(paged_kv_cache, b), False, return_lse)
+    def _rows(self) -> tuple[list[int], bool]:
+        assert self.planned is not None
+        return list(range(len(self.planned["kv_indptr"]))), False  # one query per request
 
 
 def torch_flashinfer() -> SimpleNamespace:
