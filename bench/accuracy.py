@@ -30,12 +30,13 @@ if __package__ in (None, ""):
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import platform  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
+
+from bench.common import common_prefix, cpu_name, markdown_table  # noqa: E402
 
 # (name, dtype, quantization)
 MODES: tuple[tuple[str, str, str], ...] = (
@@ -66,16 +67,6 @@ QUESTIONS = (
     "Write a short thank-you note to a colleague.",
     "What is photosynthesis?",
 )
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def cpu_flags() -> list[str]:
@@ -169,15 +160,6 @@ def compare_logits(ref: torch.Tensor, got: torch.Tensor) -> dict[str, float]:
             "positions": int(ref.shape[0])}
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None)
@@ -247,18 +229,19 @@ def markdown(meta: dict[str, Any], rows: Sequence[dict[str, Any]]) -> str:
     lines = [f"# Accuracy per mode: {meta['model']}", "",
              f"CPU {meta['cpu']} ({', '.join(meta['cpu_flags'])}), torch {meta['torch']}, "
              f"{meta['threads']} threads. {meta['prompts']} chat prompts + HF fp32's "
-             f"{meta['new_tokens']} greedy tokens each = {meta['positions']} positions.", "",
-             "| mode | max \\|Δlogit\\| | KL mean | KL max | top-1 agree | greedy = HF fp32 "
-             "| mean common prefix |", "|---|---|---|---|---|---|---|"]
+             f"{meta['new_tokens']} greedy tokens each = {meta['positions']} positions.", ""]
+    table = []
     for r in rows:
         if "kl_mean" in r:
-            cells = (f"{r['logit_max_abs']:.3f} | {r['kl_mean']:.2e} | {r['kl_max']:.2e} | "
-                     f"{r['top1_agreement']:.1%}")
+            cells = [f"{r['logit_max_abs']:.3f}", f"{r['kl_mean']:.2e}", f"{r['kl_max']:.2e}",
+                     f"{r['top1_agreement']:.1%}"]
         else:
-            cells = "reference | — | — | —"
-        lines.append(f"| {r['mode']} | {cells} | {r['greedy_identical']}/{r['greedy_prompts']} "
-                     f"| {r['greedy_mean_common_prefix']:.1f} |")
-    return "\n".join(lines) + "\n"
+            cells = ["reference", "—", "—", "—"]
+        table.append([r["mode"], *cells, f"{r['greedy_identical']}/{r['greedy_prompts']}",
+                      f"{r['greedy_mean_common_prefix']:.1f}"])
+    return "\n".join(lines) + "\n" + markdown_table(
+        ["mode", "max |Δlogit|", "KL mean", "KL max", "top-1 agree", "greedy = HF fp32",
+         "mean common prefix"], table)
 
 
 if __name__ == "__main__":

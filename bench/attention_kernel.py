@@ -31,13 +31,13 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
-import platform  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 
+from bench.common import cpu_name, markdown_table  # noqa: E402
 from radixrt.attention import cpu_kernels  # noqa: E402
 from radixrt.attention.torch_native import TorchNativeBackend  # noqa: E402
 from radixrt.core.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
@@ -48,16 +48,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def machine() -> dict[str, Any]:
-    name = platform.processor() or "?"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     spec = cpu_kernels.loaded_spec()
-    return {"cpu": name, "isa": spec.isa if spec else None, "torch": torch.__version__,
+    return {"cpu": cpu_name(), "isa": spec.isa if spec else None, "torch": torch.__version__,
             "threads": torch.get_num_threads(), "loadavg_1m": os.getloadavg()[0]}
 
 
@@ -201,14 +193,14 @@ def bench_step(batches: list[int], ctxs: list[int], prefixes: list[int], dtypes:
 
 
 def markdown(rows: list[dict[str, Any]], what: str) -> str:
-    head = ("| dtype | batch | ctx | shared prefix | torch path ms | kernel ms | speedup "
-            "| torch path CPU ms | kernel CPU ms | CPU ratio |\n|---|---|---|---|---|---|---|---|---|---|\n")
-    body = "".join(
-        f"| {r['dtype']} | {r['batch']} | {r['ctx']} | {r['prefix'] or '-'} | "
-        f"{r['torch_ms']:.1f} | {r['kernel_ms']:.1f} | {r['speedup']:.2f}x | "
-        f"{r['torch_cpu_ms']:.1f} | {r['kernel_cpu_ms']:.1f} | "
-        f"{r['torch_cpu_ms'] / r['kernel_cpu_ms']:.2f}x |\n" for r in rows)
-    return f"{what}\n\n{head}{body}"
+    table = markdown_table(
+        ["dtype", "batch", "ctx", "shared prefix", "torch path ms", "kernel ms", "speedup",
+         "torch path CPU ms", "kernel CPU ms", "CPU ratio"],
+        ([r["dtype"], r["batch"], r["ctx"], r["prefix"] or "-", f"{r['torch_ms']:.1f}",
+          f"{r['kernel_ms']:.1f}", f"{r['speedup']:.2f}x", f"{r['torch_cpu_ms']:.1f}",
+          f"{r['kernel_cpu_ms']:.1f}", f"{r['torch_cpu_ms'] / r['kernel_cpu_ms']:.2f}x"]
+         for r in rows))
+    return f"{what}\n\n{table}"
 
 
 def main() -> None:

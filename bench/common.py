@@ -14,6 +14,8 @@ has finished, with the tokens actually generated. A session's first turn arrives
 
 Every driver produces one `RequestRecord` per request, with times in seconds since the start of
 the run (`time.perf_counter()` based), and the generated token ids.
+
+The bench scripts' reports share `markdown_table`, `cpu_name` and `common_prefix` from here.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import heapq
 import json
 import os
+import platform
 import random
 import sys
 import time
@@ -246,6 +249,21 @@ def run_sequential(workload: Workload, generate: GenerateFn, budget_s: float | N
     return records, note
 
 
+def run_peer(a: Any, system: str, generate: GenerateFn,
+             before_workload: Callable[[], None] | None = None, **extra: Any) -> None:
+    """A one-request-at-a-time peer's whole run, `a` being its `peer_argparser` arguments: one
+    warm-up request, then every workload of `a.workload_file` through `run_sequential` (after
+    `before_workload()`), each appended to `a.out` with `threads` and `extra`."""
+    generate(warmup_prompt(), 4, lambda n: None)
+    for w in iter_workloads(a.workload_file):
+        if before_workload is not None:
+            before_workload()
+        bar = progress_bar(w.num_requests, f"{system} {w.name}", a.progress)
+        records, note = run_sequential(w, generate, a.budget_s, bar.update)
+        bar.close()
+        write_result(a.out, w.name, system, records, note=note, threads=a.threads, **extra)
+
+
 def warmup_prompt(n: int = 64, seed: int = 12345) -> list[int]:
     """Token ids unrelated to any workload (the first forward passes allocate and tune)."""
     rng = random.Random(seed)
@@ -292,3 +310,40 @@ def iter_workloads(path: str, names: Iterable[str] | None = None) -> list[Worklo
         keep = set(names)
         ws = [w for w in ws if w.name in keep]
     return ws
+
+
+def common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """How many leading items `a` and `b` share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+# -- reports ------------------------------------------------------------------------------------------
+def cpu_name() -> str:
+    """The CPU's model name from /proc/cpuinfo; else what `platform` says, else "?"."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "?"
+
+
+def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    """A markdown table: the header line, the `|---|` rule, one line per row; cells are `str()`
+    of the values, with `|` escaped so a cell never splits. Lines end with a newline."""
+
+    def line(cells: Iterable[object]) -> str:
+        return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |\n"
+
+    out = [line(headers), "|" + "---|" * len(headers) + "\n"]
+    for row in rows:
+        if len(row) != len(headers):
+            raise ValueError(f"row {list(row)!r} has {len(row)} cells, headers {len(headers)}")
+        out.append(line(row))
+    return "".join(out)

@@ -54,7 +54,9 @@ from typing import Any  # noqa: E402
 from bench.common import (  # noqa: E402
     SYSTEMS,
     Workload,
+    cpu_name,
     load_workloads,
+    markdown_table,
     read_results,
     save_workloads,
 )
@@ -273,16 +275,18 @@ def one_batch_section(ob: dict[str, Any]) -> list[str]:
                  f"ideal prefill {ob['ideal_prefill_tok_per_s']:.0f} tok/s, best measured "
                  f"{ob['prefill_fraction_of_ideal']:.0%} of it")
     L.append("")
-    L.append("| batch | input len | prefill tok/s | prefill % of ceiling | decode ms/step | "
-             "decode tok/s | step MiB | step GFLOP | bound ms | bound by | decode % of roofline |")
-    L.append("|---|---|---|---|---|---|---|---|---|---|---|")
+    rows = []
     for r in ob.get("rows", []):
         pr, dr = r.get("prefill_roofline") or {}, r.get("decode_roofline") or {}
-        L.append(f"| {r['batch_size']} | {r['input_len']} | {_fmt(_f(r['prefill_tok_per_s']), '.0f')} | "
-                 f"{_fmt(pr.get('fraction'), '.0%')} | {r['decode_ms_per_step']:.1f} | "
-                 f"{r['decode_tok_per_s']:.1f} | {_fmt(dr.get('bytes'), '.0f', 2**-20)} | "
-                 f"{_fmt(dr.get('flops'), '.2f', 1e-9)} | {_fmt(dr.get('bound_ms'), '.1f')} | "
-                 f"{dr.get('bound_by', '—')} | {_fmt(dr.get('fraction'), '.0%')} |")
+        rows.append([r["batch_size"], r["input_len"], _fmt(_f(r["prefill_tok_per_s"]), ".0f"),
+                     _fmt(pr.get("fraction"), ".0%"), f"{r['decode_ms_per_step']:.1f}",
+                     f"{r['decode_tok_per_s']:.1f}", _fmt(dr.get("bytes"), ".0f", 2**-20),
+                     _fmt(dr.get("flops"), ".2f", 1e-9), _fmt(dr.get("bound_ms"), ".1f"),
+                     dr.get("bound_by", "—"), _fmt(dr.get("fraction"), ".0%")])
+    L.extend(markdown_table(
+        ["batch", "input len", "prefill tok/s", "prefill % of ceiling", "decode ms/step",
+         "decode tok/s", "step MiB", "step GFLOP", "bound ms", "bound by",
+         "decode % of roofline"], rows).splitlines())
     L.append("")
     return L
 
@@ -332,18 +336,14 @@ def write_markdown(path: Path, records: list[dict[str, Any]], meta: dict[str, An
         L.append("")
     L.append("## Results")
     L.append("")
-    L.append("| workload | system | total tok/s | output tok/s | TTFT p50 s | TTFT p99 s | "
-             "ITL p50 ms | hit rate | optimal | note |")
-    L.append("|---|---|---|---|---|---|---|---|---|---|")
-    for wname in workloads:
-        for r in records:
-            if r["workload"] != wname:
-                continue
-            L.append(f"| {wname} | {r['system']} | {_fmt(r['total_tok_per_s'])} | "
-                     f"{_fmt(r['output_tok_per_s'])} | {_fmt(r['ttft_p50_s'], '.2f')} | "
-                     f"{_fmt(r['ttft_p99_s'], '.2f')} | {_fmt(r['itl_p50_s'], '.1f', 1e3)} | "
-                     f"{_fmt(r['hit_rate'], '.3f')} | {_fmt(r['optimal_hit_rate'], '.3f')} | "
-                     f"{(r['note'] or '').replace('|', '/')} |")
+    L.extend(markdown_table(
+        ["workload", "system", "total tok/s", "output tok/s", "TTFT p50 s", "TTFT p99 s",
+         "ITL p50 ms", "hit rate", "optimal", "note"],
+        ([wname, r["system"], _fmt(r["total_tok_per_s"]), _fmt(r["output_tok_per_s"]),
+          _fmt(r["ttft_p50_s"], ".2f"), _fmt(r["ttft_p99_s"], ".2f"),
+          _fmt(r["itl_p50_s"], ".1f", 1e3), _fmt(r["hit_rate"], ".3f"),
+          _fmt(r["optimal_hit_rate"], ".3f"), (r["note"] or "").replace("|", "/")]
+         for wname in workloads for r in records if r["workload"] == wname)).splitlines())
     L.append("")
     L.append("## radixrt vs the best peer")
     L.append("")
@@ -352,9 +352,7 @@ def write_markdown(path: Path, records: list[dict[str, Any]], meta: dict[str, An
              "within 2% of radixrt-no-radix. Best peer = the peer with the highest total "
              "throughput (for the throughput ratio) / the lowest TTFT p50 (for the TTFT ratio).")
     L.append("")
-    L.append("| workload | throughput ratio (best peer) | TTFT p50 ratio (best peer) | "
-             "hit / optimal | vs no-radix |")
-    L.append("|---|---|---|---|---|")
+    table = []
     for row in ratios(records, workloads):
         tr = (f"{row['throughput_ratio']:.2f}× ({row['best_peer_throughput']})"
               if "throughput_ratio" in row else "—")
@@ -371,25 +369,29 @@ def write_markdown(path: Path, records: list[dict[str, Any]], meta: dict[str, An
         nr = _fmt(row.get("vs_no_radix"), ".3f")
         if row["workload"] == "random" and "vs_no_radix" in row:
             nr += " ✅" if row["vs_no_radix"] >= 0.98 else " ❌"
-        L.append(f"| {row['workload']} | {tr}{mark} | {lr} | {hv} | {nr} |")
+        table.append([row["workload"], tr + mark, lr, hv, nr])
+    L.extend(markdown_table(
+        ["workload", "throughput ratio (best peer)", "TTFT p50 ratio (best peer)",
+         "hit / optimal", "vs no-radix"], table).splitlines())
     L.append("")
     rr = [r for r in records if r["system"] in RADIXRT and r.get("step_time_s")]
     if rr:
         L.append("## radixrt scheduler step time (engine.stats()['step_time_s'], per workload)")
         L.append("")
         parts = ("schedule", "build", "forward", "sample", "process")
-        L.append("| workload | system | steps | " + " | ".join(f"{p} s" for p in parts)
-                 + " | forward share | decode ms/step (mean batch) |")
-        L.append("|---|---|---|" + "---|" * len(parts) + "---|---|")
+        table = []
         for r in rr:
             st = r["step_time_s"]
             tot = sum(st.get(p, 0.0) for p in parts) or 1.0
             dt = r.get("decode_totals") or {}
             dec = (f"{dt['time_s'] / dt['steps'] * 1e3:.1f} ({dt['rows'] / dt['steps']:.1f})"
                    if dt.get("steps") else "—")
-            L.append(f"| {r['workload']} | {r['system']} | {r.get('forward_steps', '—')} | "
-                     + " | ".join(f"{st.get(p, 0.0):.2f}" for p in parts)
-                     + f" | {st.get('forward', 0.0) / tot:.0%} | {dec} |")
+            table.append([r["workload"], r["system"], r.get("forward_steps", "—"),
+                          *(f"{st.get(p, 0.0):.2f}" for p in parts),
+                          f"{st.get('forward', 0.0) / tot:.0%}", dec])
+        L.extend(markdown_table(
+            ["workload", "system", "steps", *(f"{p} s" for p in parts), "forward share",
+             "decode ms/step (mean batch)"], table).splitlines())
         L.append("")
     if charts:
         L.append("## Charts")
@@ -411,9 +413,25 @@ def write_charts(prefix: Path, records: list[dict[str, Any]], workloads: list[st
         return []
     names = []
 
+    def new_chart() -> tuple[Any, Any]:
+        return plt.subplots(figsize=(max(8, 1.6 * len(workloads)), 4.5))
+
+    def save_chart(fig: Any, ax: Any, title: str, ylabel: str, fname: str) -> None:
+        """Workload names on x, the labels and legend, written as <prefix>-<fname>.png."""
+        ax.set_xticks(range(len(workloads)))
+        ax.set_xticklabels(workloads)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+        ax.grid(axis="y", alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(prefix.parent / f"{prefix.name}-{fname}.png", dpi=110)
+        plt.close(fig)
+        names.append(f"{prefix.name}-{fname}.png")
+
     def bars(key: str, title: str, ylabel: str, fname: str, log: bool = False,
              err_key: str | None = None) -> None:
-        fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(workloads)), 4.5))
+        fig, ax = new_chart()
         width = 0.8 / max(1, len(systems))
         for j, s in enumerate(systems):
             xs, ys, errs = [], [], []
@@ -427,25 +445,16 @@ def write_charts(prefix: Path, records: list[dict[str, Any]], workloads: list[st
             if xs:
                 ax.bar(xs, ys, width, label=s,
                        yerr=[[0] * len(errs), errs] if err_key else None, capsize=2)
-        ax.set_xticks(range(len(workloads)))
-        ax.set_xticklabels(workloads)
-        ax.set_ylabel(ylabel)
-        ax.set_title(title)
         if log:
             ax.set_yscale("log")
-        ax.legend(fontsize=8)
-        ax.grid(axis="y", alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(prefix.parent / f"{prefix.name}-{fname}.png", dpi=110)
-        plt.close(fig)
-        names.append(f"{prefix.name}-{fname}.png")
+        save_chart(fig, ax, title, ylabel, fname)
 
     bars("total_tok_per_s", "Total throughput (prompt + output tokens / s)", "tok/s",
          "throughput")
     bars("ttft_p50_s", "TTFT p50 (bar) to p99 (whisker)", "seconds (log)", "ttft", log=True,
          err_key="ttft_p99_s")
     # hit rate achieved vs optimal
-    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(workloads)), 4.5))
+    fig, ax = new_chart()
     hs = [s for s in systems if s in RADIXRT or s in ("llama.cpp", "llama-server")]
     width = 0.8 / (len(hs) + 1)
     for i, wname in enumerate(workloads):
@@ -464,17 +473,9 @@ def write_charts(prefix: Path, records: list[dict[str, Any]], workloads: list[st
                 xs.append(i - 0.4 + width * (j + 1.5))
                 ys.append(r["hit_rate"])
         ax.bar(xs, ys, width, label=s, color=f"C{systems.index(s)}")
-    ax.set_xticks(range(len(workloads)))
-    ax.set_xticklabels(workloads)
     ax.set_ylim(0, 1.05)
-    ax.set_ylabel("prompt tokens served from cache")
-    ax.set_title("Hit rate achieved vs optimal")
-    ax.legend(fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(prefix.parent / f"{prefix.name}-hit-rate.png", dpi=110)
-    plt.close(fig)
-    names.append(f"{prefix.name}-hit-rate.png")
+    save_chart(fig, ax, "Hit rate achieved vs optimal", "prompt tokens served from cache",
+               "hit-rate")
     return names
 
 
@@ -576,7 +577,7 @@ def main(argv: list[str] | None = None) -> Path:
 
     meta: dict[str, Any] = {
         "date": date, "host": host, "preset": a.preset, "seed": a.seed, "threads": a.threads,
-        "cores": os.cpu_count(), "cpu": _cpu_name(), "torch": torch.__version__,
+        "cores": os.cpu_count(), "cpu": cpu_name(), "torch": torch.__version__,
         "radixrt_mode": a.radixrt_mode, "request_rate": a.request_rate, "model": str(model),
         "budgets_s": budgets, "python": platform.python_version(), "repeat": a.repeat,
         "max_concurrency": a.max_concurrency,
@@ -697,16 +698,6 @@ def _json_default(x: Any) -> Any:
     if isinstance(x, float) and math.isnan(x):
         return None
     return str(x)
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "?"
 
 
 if __name__ == "__main__":

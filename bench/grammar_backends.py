@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from bench.common import markdown_table
+
 SCHEMAS: dict[str, dict[str, Any]] = {
     "person": {
         "type": "object",
@@ -220,15 +222,12 @@ def main() -> None:
             results[cls.name] = bench_backend(cls, hf_tok, vocab, args.batches, args.steps)
         except ImportError as e:
             print(f"{cls.name}: not installed ({e})")
-    print("\n| library | tokenizer set-up s | " + " | ".join(
-        f"compile {n} ms" for n in SCHEMAS) + " | " + " | ".join(
-        f"mask B={b} {h} ms" for b in args.batches for h in ("parallel", "serial")) + " |")
-    print("|---" * (2 + len(SCHEMAS) + 2 * len(args.batches)) + "|")
-    for name, r in results.items():
-        print(f"| {name} | {r['setup_s']:.2f} | " + " | ".join(
-            f"{r['compile_s'][n] * 1e3:.1f}" for n in SCHEMAS) + " | " + " | ".join(
-            f"{r['fill_ms'][(b, h)]:.3f}" for b in args.batches for h in ("parallel", "serial"))
-            + " |")
+    masks = [(b, h) for b in args.batches for h in ("parallel", "serial")]
+    print("\n" + markdown_table(
+        ["library", "tokenizer set-up s", *(f"compile {n} ms" for n in SCHEMAS),
+         *(f"mask B={b} {h} ms" for b, h in masks)],
+        ([name, f"{r['setup_s']:.2f}", *(f"{r['compile_s'][n] * 1e3:.1f}" for n in SCHEMAS),
+          *(f"{r['fill_ms'][m]:.3f}" for m in masks)] for name, r in results.items())), end="")
 
 
 if __name__ == "__main__":

@@ -16,24 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 
 import torch
 
+from bench.common import cpu_name
 from bench.grammar_backends import INSTANCES, SCHEMAS
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main() -> None:

@@ -11,13 +11,22 @@ only aggregates the `MODE.rN.json` files an earlier run left in DIR.
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
-import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench import _path
+
+    _path.fix()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+from typing import Any  # noqa: E402
+
+from bench.common import markdown_table  # noqa: E402
 
 # tag -> extra one-batch arguments
 MODES: dict[str, list[str]] = {
@@ -68,14 +77,12 @@ def collect(work: Path) -> dict[str, Any]:
 
 
 def markdown(res: dict[str, Any]) -> str:
-    lines = ["| mode | batch | decode ms/step median | best | weight MB/step | prefill tok/s "
-             "median |", "|---|---|---|---|---|---|"]
-    for tag, m in res.items():
-        for r in m["rows"]:
-            lines.append(f"| {tag} | {r['batch_size']} | {r['decode_ms_per_step']:.1f} | "
-                         f"{r['decode_ms_best']:.1f} | {r['decode_weight_mb_per_step']:.0f} | "
-                         f"{r['prefill_tok_per_s']:.0f} |")
-    return "\n".join(lines) + "\n"
+    return markdown_table(
+        ["mode", "batch", "decode ms/step median", "best", "weight MB/step",
+         "prefill tok/s median"],
+        ([tag, r["batch_size"], f"{r['decode_ms_per_step']:.1f}", f"{r['decode_ms_best']:.1f}",
+          f"{r['decode_weight_mb_per_step']:.0f}", f"{r['prefill_tok_per_s']:.0f}"]
+         for tag, m in res.items() for r in m["rows"]))
 
 
 def main() -> None:

@@ -36,6 +36,8 @@ import statistics  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
+from bench.common import markdown_table  # noqa: E402
+from bench.function_tools import CONVERT_CURRENCY, UNIT, function_tool, schemas  # noqa: E402
 from bench.serving import launch_radixrt, stop_server  # noqa: E402
 
 PREAMBLE = (
@@ -45,27 +47,14 @@ PREAMBLE = (
     + " ".join(f"Rule {i}: confirm dates, budgets and traveller names before booking item {i}."
                for i in range(1, 25))
 )
+NAME = {"type": "string", "maxLength": 24}
 TOOLS = [
-    {"type": "function", "function": {
-        "name": "get_weather", "description": "Current weather in a city",
-        "parameters": {"type": "object", "properties": {
-            "city": {"type": "string", "maxLength": 24},
-            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-            "required": ["city", "unit"], "additionalProperties": False}}},
-    {"type": "function", "function": {
-        "name": "convert_currency", "description": "Convert an amount between currencies",
-        "parameters": {"type": "object", "properties": {
-            "amount": {"type": "number"}, "source": {"type": "string", "maxLength": 3},
-            "target": {"type": "string", "maxLength": 3}},
-            "required": ["amount", "source", "target"], "additionalProperties": False}}},
-    {"type": "function", "function": {
-        "name": "book_hotel", "description": "Book a hotel room",
-        "parameters": {"type": "object", "properties": {
-            "city": {"type": "string", "maxLength": 24}, "nights": {"type": "integer"},
-            "guest": {"type": "string", "maxLength": 24}},
-            "required": ["city", "nights", "guest"], "additionalProperties": False}}},
+    function_tool("get_weather", "Current weather in a city", {"city": NAME, "unit": UNIT}),
+    CONVERT_CURRENCY,
+    function_tool("book_hotel", "Book a hotel room",
+                  {"city": NAME, "nights": {"type": "integer"}, "guest": NAME}),
 ]
-SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+SCHEMAS = schemas(TOOLS)
 CITIES = ["Paris", "Tokyo", "Lima", "Oslo", "Cairo", "Quito", "Perth", "Seoul"]
 MODES = ("required", "none", "off")
 
@@ -156,9 +145,7 @@ def main() -> None:
         rows = asyncio.run(main_async(f"http://127.0.0.1:{port}", a))
     finally:
         stop_server(proc)
-    print("| mode | out tok/s | req/s | hit rate | prompt tokens | valid calls |")
-    print("|---|---|---|---|---|---|")
-    summary = {}
+    summary, table = {}, []
     for mode in MODES:
         rs = [r for r in rows if r["mode"] == mode]
         med = {k: statistics.median(r[k] for r in rs)
@@ -166,9 +153,11 @@ def main() -> None:
         summary[mode] = med
         calls = sum(r["calls"] for r in rs)
         valid = sum(r["valid_calls"] for r in rs)
-        print(f"| {mode} | {med['out_tok_per_s']:.1f} | {med['req_per_s']:.2f} | "
-              f"{med['hit_rate']:.2f} | {med['prompt_tokens_mean']:.0f} | "
-              f"{valid}/{calls if mode == 'required' else '-'} |")
+        table.append([mode, f"{med['out_tok_per_s']:.1f}", f"{med['req_per_s']:.2f}",
+                      f"{med['hit_rate']:.2f}", f"{med['prompt_tokens_mean']:.0f}",
+                      f"{valid}/{calls if mode == 'required' else '-'}"])
+    print(markdown_table(["mode", "out tok/s", "req/s", "hit rate", "prompt tokens",
+                          "valid calls"], table), end="")
     if a.out:
         Path(a.out).write_text(json.dumps({"rows": rows, "median": summary}, indent=1))
 

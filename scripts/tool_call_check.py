@@ -16,26 +16,21 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import jsonschema
 import openai
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for bench/
+from bench.function_tools import CONVERT_CURRENCY, UNIT, function_tool, schemas  # noqa: E402
+
 TOOLS = [
-    {"type": "function", "function": {
-        "name": "get_weather", "description": "Current weather in a city",
-        "parameters": {"type": "object", "properties": {
-            "city": {"type": "string", "description": "city name"},
-            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-            "required": ["city", "unit"], "additionalProperties": False}}},
-    {"type": "function", "function": {
-        "name": "convert_currency", "description": "Convert an amount between currencies",
-        "parameters": {"type": "object", "properties": {
-            "amount": {"type": "number"}, "source": {"type": "string", "maxLength": 3},
-            "target": {"type": "string", "maxLength": 3}},
-            "required": ["amount", "source", "target"], "additionalProperties": False}}},
+    function_tool("get_weather", "Current weather in a city",
+                  {"city": {"type": "string", "description": "city name"}, "unit": UNIT}),
+    CONVERT_CURRENCY,
 ]
-SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+SCHEMAS = schemas(TOOLS)
 QUESTIONS = [
     "What's the weather like in Paris right now, in celsius?",
     "How warm is it in Tokyo? Use fahrenheit.",

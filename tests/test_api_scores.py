@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from fake_engine import FakeEngineBase
 from fastapi.testclient import TestClient
 
 from radixrt.config import ServerArgs
@@ -25,7 +26,6 @@ from radixrt.core.logprobs import TokenLogprobs
 from radixrt.core.messages import FINISH_LENGTH, ReqTextOut, Usage
 from radixrt.core.sampling_params import SamplingParams
 from radixrt.server.http import create_app
-from tokenizer_proc.input_processor import InputProcessor
 from tokenizer_proc.request_state import ReqState
 
 CONTEXT = 256
@@ -60,45 +60,17 @@ class ToyScores:
         return out
 
 
-class FakeEngine:
-    """The narrow Engine API the server uses; greedy generation from `ToyScores`."""
+class FakeEngine(FakeEngineBase):
+    """Greedy generation from `ToyScores`."""
 
     def __init__(self, tokenizer: Any):
-        self.tokenizer = tokenizer
-        self.vocab_size = len(tokenizer)
-        self.max_context_len = CONTEXT
-        self.info = {"model_path": "/models/toy", "max_context_len": CONTEXT,
-                     "vocab_size": self.vocab_size}
+        super().__init__(tokenizer, CONTEXT, "/models/toy")
         self.scores = ToyScores(self.vocab_size)
-        self.inputs = InputProcessor(tokenizer, self.vocab_size, CONTEXT)
-        self.submitted: list[tuple[list[int], SamplingParams]] = []
-        self.live: set[str] = set()
-
-    def tokenize(self, prompt: str) -> list[int]:
-        return self.inputs.tokenize(prompt)
-
-    def check_input_ids(self, ids: Any, max_new_tokens: int = 1, **kw: Any) -> list[int]:
-        return self.inputs.check_ids(ids, max_new_tokens, **kw)
-
-    def check_alive(self) -> None:
-        pass
-
-    def num_outstanding(self) -> int:
-        return len(self.live)
-
-    def abort(self, rid: str) -> None:
-        self.live.discard(rid)
-
-    def stats(self) -> dict[str, Any]:
-        return {}
 
     def submit(self, ids: list[int], sp: SamplingParams, *, loop: asyncio.AbstractEventLoop,
                queue: asyncio.Queue) -> ReqState:
-        sp.validate()
-        rid = f"r{len(self.submitted)}"
-        self.submitted.append((list(ids), sp))
-        self.live.add(rid)
-        state = ReqState(rid=rid, usage=Usage(prompt_tokens=len(ids)), loop=loop, queue=queue)
+        state = self._new_request(ids, sp, loop, queue)
+        rid = state.rid
         prompt_lp = (self.scores.score(ids, sp.logprob_start_len, sp.top_logprobs)
                      if sp.logprob_start_len >= 0 else None)
         seq, outs = list(ids), []

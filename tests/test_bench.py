@@ -227,6 +227,53 @@ def test_results_roundtrip(tmp_path):
     assert back[0]["records"][0] == r
 
 
+
+def test_run_peer_warms_up_then_runs_and_writes_every_workload(tmp_path):
+    from types import SimpleNamespace
+
+    ws = [Workload("a", 0, {}, [Session(0, 0.0, [Turn([1, 2], 2)])]),
+          Workload("b", 0, {}, [Session(0, 0.0, [Turn([5], 1)]), Session(1, 0.0, [Turn([6], 1)])])]
+    common.save_workloads(tmp_path / "w.json", ws)
+    events = []
+
+    def gen(prompt, max_tokens, on_tokens):
+        events.append(("gen", list(prompt), max_tokens))
+        on_tokens(max_tokens)
+        return [7] * max_tokens, None
+
+    a = SimpleNamespace(workload_file=str(tmp_path / "w.json"), out=str(tmp_path / "o.jsonl"),
+                        progress=False, budget_s=None, threads=3)
+    common.run_peer(a, "peer-x", gen, lambda: events.append(("reset",)), load_s=1.5)
+    assert events[0] == ("gen", common.warmup_prompt(), 4)
+    assert events[1:] == [("reset",), ("gen", [1, 2], 2), ("reset",), ("gen", [5], 1),
+                          ("gen", [6], 1)]
+    back = common.read_results(a.out)
+    assert [(r["workload"], r["system"], r["threads"], r["load_s"], r["note"], len(r["records"]))
+            for r in back] == [("a", "peer-x", 3, 1.5, "", 1), ("b", "peer-x", 3, 1.5, "", 2)]
+    assert back[1]["records"][0].output_ids == [7]
+
+# -- report helpers -------------------------------------------------------------------------------------
+def test_markdown_table_lines_and_escaping():
+    table = common.markdown_table(["a", "b|c"], [[1, "x"], ("y|z", 2.5)])
+    assert table.splitlines() == ["| a | b\\|c |", "|---|---|", "| 1 | x |", "| y\\|z | 2.5 |"]
+    assert table.endswith("\n")
+    # a generator of rows, and no rows at all
+    assert common.markdown_table(["n"], ([i] for i in range(2))).splitlines()[2:] == ["| 0 |",
+                                                                                      "| 1 |"]
+    assert common.markdown_table(["n", "m"], []) == "| n | m |\n|---|---|\n"
+
+
+def test_markdown_table_rejects_a_row_of_the_wrong_width():
+    with pytest.raises(ValueError, match="has 1 cells, headers 2"):
+        common.markdown_table(["a", "b"], [["only"]])
+
+
+@pytest.mark.parametrize("a,b,n", [([1, 2, 3], [1, 2, 4], 2), ([], [1], 0), ([5], [5, 6], 1),
+                                   ([1, 2], [1, 2], 2), ([0, 1], [1, 1], 0)])
+def test_common_prefix(a, b, n):
+    assert common.common_prefix(a, b) == n == common.common_prefix(b, a)
+
+
 # -- roofline -------------------------------------------------------------------------------------------
 def _tiny_shape(**kw):
     """hidden 8, intermediate 16, 2 heads of 4 (q 8), 1 KV head (kv 4), 2 layers, vocab 32."""

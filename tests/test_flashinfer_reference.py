@@ -14,6 +14,7 @@ and the result must match `TorchNativeBackend` to 1e-5 (fp32).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -115,6 +116,23 @@ class _Wrapper:
             "kv_dtype": kw.get("kv_data_type") or q_dtype,
         }
 
+    def _plan_prefill(
+        self,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        kw: dict[str, Any],
+        qo_indptr: torch.Tensor,
+        kv_indptr: tuple[str, torch.Tensor],
+    ) -> dict[str, Any]:
+        """A prefill plan's common part: the query and key/value row offsets of each request
+        (`kv_indptr` checked under the caller's argument name)."""
+        p = self._plan_common(num_qo_heads, num_kv_heads, head_dim, kw)
+        p["qo_indptr"] = _check_indptr("qo_indptr", qo_indptr)
+        p["kv_indptr"] = _check_indptr(kv_indptr[0], kv_indptr[1])
+        assert len(p["qo_indptr"]) == len(p["kv_indptr"])
+        return p
+
     def _check_q(self, q: torch.Tensor, rows: int) -> dict[str, Any]:
         p = self.planned
         assert p is not None, "run() before plan()"
@@ -144,10 +162,39 @@ class _Wrapper:
         v = vc[pages].reshape(-1, p["hkv"], p["dim"])[:length]
         return k, v
 
-    @staticmethod
-    def _finish(
-        q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, return_lse: bool
+    def _plan_pages(
+        self,
+        p: dict[str, Any],
+        indices: tuple[str, torch.Tensor],
+        last_page_len: tuple[str, torch.Tensor],
+        page_size: int,
+    ) -> None:
+        """The paged-KV half of a plan (`p["kv_indptr"]` set): the page indices and each
+        request's last-page length, checked under the caller's argument names."""
+        bs = len(p["kv_indptr"]) - 1
+        _check_index(indices[0], indices[1], p["kv_indptr"][-1])
+        _check_index(last_page_len[0], last_page_len[1], bs)
+        p["kv_indices"] = indices[1].cpu()
+        p["last_page_len"] = last_page_len[1].tolist()
+        p["page_size"] = page_size
+        self.planned = p
+
+    def _run_rows(
+        self,
+        q: torch.Tensor,
+        qo: list[int],
+        kv: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+        causal: bool,
+        return_lse: bool,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Request b's queries `q[qo[b]:qo[b + 1]]` attend to its keys/values `kv(b)`; computed
+        in fp64, the output returned in q's dtype (and the LSE in fp32 when asked for)."""
+        assert self.planned is not None
+        out = torch.empty(q.shape, dtype=torch.float64)
+        lse = torch.empty(q.shape[:2], dtype=torch.float64)
+        for b in range(len(qo) - 1):
+            o, s = attend(q[qo[b] : qo[b + 1]], *kv(b), causal, self.planned["sm_scale"])
+            out[qo[b] : qo[b + 1]], lse[qo[b] : qo[b + 1]] = o, s
         o = out.to(q.dtype)
         return (o, lse.float()) if return_lse else o
 
@@ -162,11 +209,8 @@ class RaggedPrefill(_Wrapper):
         head_dim_qk: int,
         **kw: Any,
     ) -> None:
-        p = self._plan_common(num_qo_heads, num_kv_heads, head_dim_qk, kw)
-        p["qo_indptr"] = _check_indptr("qo_indptr", qo_indptr)
-        p["kv_indptr"] = _check_indptr("kv_indptr", kv_indptr)
-        assert len(p["qo_indptr"]) == len(p["kv_indptr"])
-        self.planned = p
+        self.planned = self._plan_prefill(num_qo_heads, num_kv_heads, head_dim_qk, kw, qo_indptr,
+                                          ("kv_indptr", kv_indptr))
 
     def run(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_lse: bool = False
@@ -176,22 +220,34 @@ class RaggedPrefill(_Wrapper):
         for t in (k, v):
             assert tuple(t.shape) == (p["kv_indptr"][-1], p["hkv"], p["dim"])
             assert t.dtype == p["kv_dtype"]
-        out = torch.empty(q.shape, dtype=torch.float64)
-        lse = torch.empty(q.shape[:2], dtype=torch.float64)
-        qo, kv = p["qo_indptr"], p["kv_indptr"]
-        for b in range(len(qo) - 1):
-            o, s = attend(
-                q[qo[b] : qo[b + 1]],
-                k[kv[b] : kv[b + 1]],
-                v[kv[b] : kv[b + 1]],
-                p["causal"],
-                p["sm_scale"],
-            )
-            out[qo[b] : qo[b + 1]], lse[qo[b] : qo[b + 1]] = o, s
-        return self._finish(q, out, lse, return_lse)
+        kv = p["kv_indptr"]
+        return self._run_rows(q, p["qo_indptr"], lambda b: (k[kv[b] : kv[b + 1]],
+                                                            v[kv[b] : kv[b + 1]]),
+                              p["causal"], return_lse)
 
 
-class PagedPrefill(_Wrapper):
+class _PagedWrapper(_Wrapper):
+    """`run` over a paged KV cache; a subclass says which query rows each request has."""
+
+    def _rows(self) -> tuple[list[int], bool]:
+        """(query row offsets per request, causal)."""
+        raise NotImplementedError
+
+    def run(
+        self,
+        q: torch.Tensor,
+        paged_kv_cache: tuple[torch.Tensor, torch.Tensor],
+        *,
+        return_lse: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        assert self.planned is not None, "run() before plan()"
+        qo, causal = self._rows()
+        self._check_q(q, qo[-1])
+        return self._run_rows(q, qo, lambda b: self._paged_kv(paged_kv_cache, b), causal,
+                              return_lse)
+
+
+class PagedPrefill(_PagedWrapper):
     def plan(
         self,
         qo_indptr: torch.Tensor,
@@ -204,38 +260,17 @@ class PagedPrefill(_Wrapper):
         page_size: int,
         **kw: Any,
     ) -> None:
-        p = self._plan_common(num_qo_heads, num_kv_heads, head_dim_qk, kw)
-        p["qo_indptr"] = _check_indptr("qo_indptr", qo_indptr)
-        p["kv_indptr"] = _check_indptr("paged_kv_indptr", paged_kv_indptr)
-        bs = len(p["qo_indptr"]) - 1
-        assert len(p["kv_indptr"]) == bs + 1
-        _check_index("paged_kv_indices", paged_kv_indices, p["kv_indptr"][-1])
-        _check_index("paged_kv_last_page_len", paged_kv_last_page_len, bs)
-        p["kv_indices"] = paged_kv_indices.cpu()
-        p["last_page_len"] = paged_kv_last_page_len.tolist()
-        p["page_size"] = page_size
-        self.planned = p
+        p = self._plan_prefill(num_qo_heads, num_kv_heads, head_dim_qk, kw, qo_indptr,
+                               ("paged_kv_indptr", paged_kv_indptr))
+        self._plan_pages(p, ("paged_kv_indices", paged_kv_indices),
+                         ("paged_kv_last_page_len", paged_kv_last_page_len), page_size)
 
-    def run(
-        self,
-        q: torch.Tensor,
-        paged_kv_cache: tuple[torch.Tensor, torch.Tensor],
-        *,
-        return_lse: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        assert self.planned is not None, "run() before plan()"
-        p = self._check_q(q, self.planned["qo_indptr"][-1])
-        out = torch.empty(q.shape, dtype=torch.float64)
-        lse = torch.empty(q.shape[:2], dtype=torch.float64)
-        qo = p["qo_indptr"]
-        for b in range(len(qo) - 1):
-            k, v = self._paged_kv(paged_kv_cache, b)
-            o, s = attend(q[qo[b] : qo[b + 1]], k, v, p["causal"], p["sm_scale"])
-            out[qo[b] : qo[b + 1]], lse[qo[b] : qo[b + 1]] = o, s
-        return self._finish(q, out, lse, return_lse)
+    def _rows(self) -> tuple[list[int], bool]:
+        assert self.planned is not None
+        return self.planned["qo_indptr"], self.planned["causal"]
 
 
-class PagedDecode(_Wrapper):
+class PagedDecode(_PagedWrapper):
     def plan(
         self,
         indptr: torch.Tensor,
@@ -249,31 +284,11 @@ class PagedDecode(_Wrapper):
     ) -> None:
         p = self._plan_common(num_qo_heads, num_kv_heads, head_dim, kw)
         p["kv_indptr"] = _check_indptr("indptr", indptr)
-        bs = len(p["kv_indptr"]) - 1
-        _check_index("indices", indices, p["kv_indptr"][-1])
-        _check_index("last_page_len", last_page_len, bs)
-        p["kv_indices"] = indices.cpu()
-        p["last_page_len"] = last_page_len.tolist()
-        p["page_size"] = page_size
-        self.planned = p
+        self._plan_pages(p, ("indices", indices), ("last_page_len", last_page_len), page_size)
 
-    def run(
-        self,
-        q: torch.Tensor,
-        paged_kv_cache: tuple[torch.Tensor, torch.Tensor],
-        *,
-        return_lse: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        assert self.planned is not None, "run() before plan()"
-        bs = len(self.planned["kv_indptr"]) - 1
-        p = self._check_q(q, bs)
-        out = torch.empty(q.shape, dtype=torch.float64)
-        lse = torch.empty(q.shape[:2], dtype=torch.float64)
-        for b in range(bs):
-            k, v = self._paged_kv(paged_kv_cache, b)
-            o, s = attend(q[b : b + 1], k, v, False, p["sm_scale"])
-            out[b : b + 1], lse[b : b + 1] = o, s
-        return self._finish(q, out, lse, return_lse)
+    def _rows(self) -> tuple[list[int], bool]:
+        assert self.planned is not None
+        return list(range(len(self.planned["kv_indptr"]))), False  # one query per request
 
 
 def torch_flashinfer() -> SimpleNamespace:

@@ -12,6 +12,7 @@ from typing import Any
 
 import openai
 import pytest
+from fake_engine import FakeEngineBase
 from fastapi.testclient import TestClient
 
 from radixrt.config import ServerArgs
@@ -20,7 +21,6 @@ from radixrt.core.sampling_params import SamplingParams
 from radixrt.server.http import Server, create_app
 from radixrt.server.protocol import ApiError
 from radixrt.server.tools import tool_request_from
-from tokenizer_proc.input_processor import InputProcessor
 from tokenizer_proc.request_state import ReqState
 
 TOOLS = [{"type": "function", "function": {
@@ -31,51 +31,17 @@ TOOLS = [{"type": "function", "function": {
 ASK = [{"role": "user", "content": "Weather in Oslo and the time in UTC?"}]
 
 
-class ScriptedEngine:
-    """The narrow Engine API the server uses; every request "generates" `script` in pieces of
-    `piece` characters, then stops."""
+class ScriptedEngine(FakeEngineBase):
+    """Every request "generates" `script` in pieces of `piece` characters, then stops."""
 
     def __init__(self, tokenizer: Any, script: str = "", piece: int = 3):
-        self.tokenizer = tokenizer
-        self.vocab_size = len(tokenizer)
-        self.max_context_len = 4096
-        self.info = {"model_path": "/models/scripted", "max_context_len": 4096,
-                     "vocab_size": self.vocab_size}
-        self.inputs = InputProcessor(tokenizer, self.vocab_size, 4096)
+        super().__init__(tokenizer, 4096, "/models/scripted")
         self.script, self.piece = script, piece
-        self.submitted: list[tuple[list[int], SamplingParams]] = []
-
-    def tokenize(self, prompt: str) -> list[int]:
-        return self.inputs.tokenize(prompt)
-
-    def apply_chat_template(self, messages: list[dict[str, Any]],
-                            tools: list[dict[str, Any]] | None = None) -> list[int]:
-        return self.inputs.apply_chat_template(messages, tools)
-
-    def template_takes_tools(self) -> bool:
-        return self.inputs.template_takes_tools()
-
-    def check_input_ids(self, ids: Any, max_new_tokens: int = 1, **kw: Any) -> list[int]:
-        return self.inputs.check_ids(ids, max_new_tokens, **kw)
-
-    def check_alive(self) -> None:
-        pass
-
-    def num_outstanding(self) -> int:
-        return 0
-
-    def abort(self, rid: str) -> None:
-        pass
-
-    def stats(self) -> dict[str, Any]:
-        return {}
 
     def submit(self, ids: list[int], sp: SamplingParams, *, loop: asyncio.AbstractEventLoop,
                queue: asyncio.Queue) -> ReqState:
-        sp.validate()
-        rid = f"r{len(self.submitted)}"
-        self.submitted.append((list(ids), sp))
-        state = ReqState(rid=rid, usage=Usage(prompt_tokens=len(ids)), loop=loop, queue=queue)
+        state = self._new_request(ids, sp, loop, queue)
+        rid = state.rid
         pieces = [self.script[i:i + self.piece]
                   for i in range(0, len(self.script), self.piece)] or [""]
         for k, text in enumerate(pieces):
@@ -85,6 +51,8 @@ class ScriptedEngine:
 
             def deliver(out: ReqTextOut = out) -> None:
                 state.apply(out)
+                if out.finish_reason is not None:
+                    self.live.discard(rid)
                 state.notify(out)
 
             loop.call_later(0.001 * (k + 1), deliver)

@@ -17,14 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.common import (  # noqa: E402
-    iter_workloads,
-    peer_argparser,
-    progress_bar,
-    run_sequential,
-    warmup_prompt,
-    write_result,
-)
+from bench.common import peer_argparser, run_peer  # noqa: E402
 
 
 class _TimingStreamer:
@@ -71,13 +64,7 @@ def main() -> None:
                                  streamer=_TimingStreamer(on_tokens), pad_token_id=0)
         return out[0, len(prompt):].tolist(), 0
 
-    generate(warmup_prompt(), 4, lambda n: None)
-    for w in iter_workloads(a.workload_file):
-        bar = progress_bar(w.num_requests, f"hf-generate {w.name}", a.progress)
-        records, note = run_sequential(w, generate, a.budget_s, bar.update)
-        bar.close()
-        write_result(a.out, w.name, "hf-generate", records, note=note, threads=a.threads,
-                     torch_threads=torch.get_num_threads(), load_s=load_s)
+    run_peer(a, "hf-generate", generate, torch_threads=torch.get_num_threads(), load_s=load_s)
 
 
 if __name__ == "__main__":

@@ -20,23 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.common import (  # noqa: E402
-    iter_workloads,
-    peer_argparser,
-    progress_bar,
-    run_sequential,
-    warmup_prompt,
-    write_result,
-)
-
-
-def common_prefix(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+from bench.common import common_prefix, peer_argparser, run_peer  # noqa: E402
 
 
 def main() -> None:
@@ -63,14 +47,8 @@ def main() -> None:
                 break
         return out, cached
 
-    generate(warmup_prompt(), 4, lambda n: None)
-    for w in iter_workloads(a.workload_file):
-        llm.reset()
-        bar = progress_bar(w.num_requests, f"llama.cpp {w.name}", a.progress)
-        records, note = run_sequential(w, generate, a.budget_s, bar.update)
-        bar.close()
-        write_result(a.out, w.name, "llama.cpp", records, note=note, threads=a.threads,
-                     load_s=load_s, llama_cpp_python=llama_cpp.__version__)
+    run_peer(a, "llama.cpp", generate, llm.reset, load_s=load_s,
+             llama_cpp_python=llama_cpp.__version__)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import orjson
@@ -240,12 +240,7 @@ class Server:
                 return None
             return self.text.prompt_logprobs(all_ids[i], lp, prompt_texts[i // n])
 
-        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
-            obj = {"id": rid, "object": "text_completion", "created": created,
-                   "model": self.model_name, "choices": choices}
-            if include_usage:
-                obj["usage"] = usage
-            return b"data: " + orjson.dumps(obj) + b"\n\n"
+        chunk = self.sse_chunk(rid, "text_completion", created, include_usage)
 
         if stream:
             async def gen() -> AsyncIterator[bytes]:
@@ -326,12 +321,7 @@ class Server:
         rid, created = P.new_id("chatcmpl"), P.now()
         calls = [self.tool_stream(treq) for _ in range(n)]
 
-        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
-            obj = {"id": rid, "object": "chat.completion.chunk", "created": created,
-                   "model": self.model_name, "choices": choices}
-            if include_usage:
-                obj["usage"] = usage
-            return b"data: " + orjson.dumps(obj) + b"\n\n"
+        chunk = self.sse_chunk(rid, "chat.completion.chunk", created, include_usage)
 
         if stream:
             async def gen() -> AsyncIterator[bytes]:
@@ -485,6 +475,19 @@ class Server:
 
         return StreamingResponse(framed(), media_type="text/event-stream")
 
+    def sse_chunk(self, rid: str, kind: str, created: int,
+                  include_usage: bool) -> Callable[..., bytes]:
+        """`chunk(choices, usage=None)`: one SSE event of a stream's `kind` object (the
+        `usage` key present exactly when the request asked for usage)."""
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
+            obj = {"id": rid, "object": kind, "created": created,
+                   "model": self.model_name, "choices": choices}
+            if include_usage:
+                obj["usage"] = usage
+            return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+        return chunk
+
     @staticmethod
     def sse_error(err: P.ApiError) -> bytes:
         return b"data: " + orjson.dumps(err.body()) + b"\n\n"
@@ -528,33 +531,27 @@ def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
             raise P.bad(None, "the JSON body must be an object", code="invalid_json")
         return body
 
-    async def handle(request: Request, fn: Any) -> Response:
-        try:
-            return await fn(await json_body(request), request)
-        except P.ApiError as e:
-            return error_response(e)
+    def json_route(fn: Any) -> Any:
+        """The endpoint of a POST route whose JSON object body goes to `fn(body, request)`;
+        an ApiError from either becomes its OpenAI-style error response."""
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await handle(request, server.completions)
+        async def endpoint(request: Request) -> Response:
+            try:
+                return await fn(await json_body(request), request)
+            except P.ApiError as e:
+                return error_response(e)
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await handle(request, server.chat)
+        return endpoint
 
     # Tokenizer endpoints at the root (lm-eval's `tokenizer_backend=remote` strips
     # /v1/completions from base_url); behind the API key like everything but /health, /metrics.
+    for path, fn in (("/v1/completions", server.completions), ("/v1/chat/completions", server.chat),
+                     ("/tokenize", server.tokenize), ("/detokenize", server.detokenize)):
+        app.post(path, name=fn.__name__)(json_route(fn))
+
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> Response:
         return JSONResponse(server.tokenizer_info())
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
-        return await handle(request, server.tokenize)
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> Response:
-        return await handle(request, server.detokenize)
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -328,7 +328,11 @@ class ToolCallParser(ABC):
 
     def _close_call(self) -> None:
         call = self._call
-        if call is not None and self._call_open and not call.args_seen:
+        self._end_call(empty=call is not None and self._call_open and not call.args_seen)
+
+    def _end_call(self, empty: bool) -> None:
+        """The current call is over (`empty`: no argument was read, so they are `{}`)."""
+        if empty:
             self._events.append(ArgsDelta(self._calls, "{}"))
         self._call, self._call_open = None, False
         self._calls += 1
@@ -341,25 +345,26 @@ class ToolCallParser(ABC):
         if call is None:
             return
         if self._call_open:
-            self._calls += 1
-            self._call, self._call_open = None, False
-            self._after_call = True
+            self._end_call(empty=False)
         else:
             self._call = None
             self._content("".join(self._raw))
 
+    def _skip(self, chars: str | None = None) -> str:
+        """Drop the leading `chars` (whitespace by default) of the buffer; returns them."""
+        s = self._buf.lstrip(chars)
+        skipped, self._buf = self._buf[:len(self._buf) - len(s)], s
+        return skipped
 
-class _TaggedParser(ToolCallParser):
-    """Content with calls inside start/end tags: `<start>{json}<end>`; the end tag may be
-    missing. Used by hermes (`<tool_call>...</tool_call>`)."""
 
-    start: ClassVar[str]
-    end: ClassVar[str]
-    args_keys: ClassVar[tuple[str, ...]] = ("arguments", "parameters")
+class _StateMachineParser(ToolCallParser):
+    """A format read by `_run`, a loop over `_state` that consumes the buffer as far as it
+    can (all of it when `final`). `feed` and `finish` are the same for every such format;
+    `_end_calls` is what the end of text does to a call left open."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._state = "text"  # text | call | after
+        self._state = "text"
 
     def feed(self, text: str) -> list[Event]:
         self._buf += text
@@ -368,32 +373,66 @@ class _TaggedParser(ToolCallParser):
 
     def finish(self) -> list[Event]:
         self._run(final=True)
+        self._end_calls()
+        self._run(final=True)
+        self._end_content()
+        return self._flush()
+
+    def _text_until(self, marker: str, final: bool) -> bool:
+        """Content up to `marker`. True when found: the buffer then starts right after it.
+        False when the buffer is used up, less a tail that may begin the marker (unless final)."""
+        i = self._buf.find(marker)
+        if i >= 0:
+            self._content(self._buf[:i], before_call=True)
+            self._buf = self._buf[i + len(marker):]
+            return True
+        keep = 0 if final else _partial_suffix(self._buf, (marker,))
+        self._content(self._buf[:len(self._buf) - keep])
+        self._buf = self._buf[len(self._buf) - keep:]
+        return False
+
+    def _step_call(self, after: str) -> bool:
+        """Feed the buffer to the current call; False when it needs more text, else the state
+        becomes `after` (the call ended) or "text" (it was no call)."""
+        status = self._feed_call()
+        if status == "more":
+            return False
+        self._state = after if status == "done" else "text"
+        return True
+
+    @abstractmethod
+    def _run(self, final: bool) -> None:
+        """Consume the buffer as far as the format allows (`final`: no more text comes)."""
+
+    @abstractmethod
+    def _end_calls(self) -> None:
+        """The text ended (the buffer is read): close or abandon what is open."""
+
+
+class _TaggedParser(_StateMachineParser):
+    """Content with calls inside start/end tags: `<start>{json}<end>`; the end tag may be
+    missing. Used by hermes (`<tool_call>...</tool_call>`). States: text | call | after."""
+
+    start: ClassVar[str]
+    end: ClassVar[str]
+    args_keys: ClassVar[tuple[str, ...]] = ("arguments", "parameters")
+
+    def _end_calls(self) -> None:
         if self._state == "call":
             self._abandon_call()
             self._state = "text"
-            self._run(final=True)
-        self._end_content()
-        return self._flush()
 
     def _run(self, final: bool) -> None:
         while True:
             if self._state == "text":
-                i = self._buf.find(self.start)
-                if i >= 0:
-                    self._content(self._buf[:i], before_call=True)
-                    self._buf = self._buf[i + len(self.start):]
-                    self._start_call(self.args_keys, self.start)
-                    self._state = "call"
-                    continue
-                keep = 0 if final else _partial_suffix(self._buf, (self.start,))
-                self._content(self._buf[:len(self._buf) - keep])
-                self._buf = self._buf[len(self._buf) - keep:]
-                return
-            if self._state == "call":
-                status = self._feed_call()
-                if status == "more":
+                if not self._text_until(self.start, final):
                     return
-                self._state = "after" if status == "done" else "text"
+                self._start_call(self.args_keys, self.start)
+                self._state = "call"
+                continue
+            if self._state == "call":
+                if not self._step_call("after"):
+                    return
                 continue
             s = self._buf.lstrip()
             if s.startswith(self.end):
@@ -413,7 +452,7 @@ class HermesParser(_TaggedParser):
     markers = ("<tool_call>", "</tool_call>")
 
 
-class Llama3JsonParser(ToolCallParser):
+class Llama3JsonParser(_StateMachineParser):
     """Llama 3.1+ JSON tool calling: the whole answer is `{"name": ..., "parameters": {...}}`
     (optionally after `<|python_tag|>`), several calls separated by `;`. An answer that does not
     start with `{` is content."""
@@ -428,28 +467,18 @@ class Llama3JsonParser(ToolCallParser):
         self._state = "start"  # start | calls | call | text
         self._lead = ""
 
-    def feed(self, text: str) -> list[Event]:
-        self._buf += text
-        self._run(final=False)
-        return self._flush()
-
-    def finish(self) -> list[Event]:
-        self._run(final=True)
+    def _end_calls(self) -> None:
         if self._state == "call":
             self._abandon_call()
             self._state = "text"
         if self._state == "start":  # nothing but whitespace (and the tag)
             self._buf, self._lead, self._state = self._lead + self._buf, "", "text"
-        self._run(final=True)
-        self._end_content()
-        return self._flush()
 
     def _run(self, final: bool) -> None:
         while True:
             if self._state == "start":
-                s = self._buf.lstrip()
-                self._lead += self._buf[:len(self._buf) - len(s)]
-                self._buf = s
+                self._lead += self._skip()
+                s = self._buf
                 if s.startswith(self.tag):
                     self._lead += self.tag
                     self._buf = s[len(self.tag):]
@@ -467,8 +496,8 @@ class Llama3JsonParser(ToolCallParser):
                 self._buf = ""
                 return
             if self._state == "calls":
-                s = self._buf.lstrip(" \t\r\n;")
-                self._buf = s
+                self._skip(" \t\r\n;")
+                s = self._buf
                 if not s:
                     return
                 if s[0] != "{":
@@ -477,17 +506,15 @@ class Llama3JsonParser(ToolCallParser):
                 self._start_call(self.args_keys, self._lead if self._calls == 0 else "")
                 self._state = "call"
                 continue
-            status = self._feed_call()
-            if status == "more":
+            if not self._step_call("calls"):
                 return
-            self._state = "calls" if status == "done" else "text"
 
 
 _V11_HEAD_CHARS = frozenset(string.ascii_letters + string.digits + "_.:-[]")
 _V11_HEAD = re.compile(r"^([A-Za-z0-9_.:-]+)(?:\[CALL_ID\][A-Za-z0-9_.:-]*)?$")
 
 
-class MistralParser(ToolCallParser):
+class MistralParser(_StateMachineParser):
     """Mistral: content, then `[TOOL_CALLS]` followed by a JSON array of
     `{"name": ..., "arguments": {...}}` (v3 tokenizers) or by `name[ARGS]{...}` (v11+, one
     marker per call; `name[CALL_ID]id[ARGS]{...}` too). Call ids are 9 letters/digits, which
@@ -509,41 +536,25 @@ class MistralParser(ToolCallParser):
         alphabet = string.ascii_letters + string.digits
         return "".join(secrets.choice(alphabet) for _ in range(9))
 
-    def feed(self, text: str) -> list[Event]:
-        self._buf += text
-        self._run(final=False)
-        return self._flush()
-
-    def finish(self) -> list[Event]:
-        self._run(final=True)
+    def _end_calls(self) -> None:
         if self._state == "call":
             self._abandon_call()
         elif self._state == "args":
             self._calls += 1
         self._state = "text"
-        self._run(final=True)
-        self._end_content()
-        return self._flush()
 
     def _run(self, final: bool) -> None:
         while True:
             st = self._state
             if st == "text":
-                i = self._buf.find(self.marker)
-                if i >= 0:
-                    self._content(self._buf[:i], before_call=True)
-                    self._buf = self._buf[i + len(self.marker):]
-                    self._raw, self._dropped = [self._dropped + self.marker], ""
-                    self._state = "head"
-                    continue
-                keep = 0 if final else _partial_suffix(self._buf, (self.marker,))
-                self._content(self._buf[:len(self._buf) - keep])
-                self._buf = self._buf[len(self._buf) - keep:]
-                return
+                if not self._text_until(self.marker, final):
+                    return
+                self._raw, self._dropped = [self._dropped + self.marker], ""
+                self._state = "head"
+                continue
             if st == "head":
-                s = self._buf.lstrip()
-                self._raw.append(self._buf[:len(self._buf) - len(s)])
-                self._buf = s
+                self._raw.append(self._skip())
+                s = self._buf
                 if not s:
                     if not final:
                         return
@@ -557,9 +568,8 @@ class MistralParser(ToolCallParser):
                     self._state = "name"
                 continue
             if st == "array":  # _head: text since the last call (all of it before the first)
-                s = self._buf.lstrip(" \t\r\n,")
-                self._head += self._buf[:len(self._buf) - len(s)]
-                self._buf = s
+                self._head += self._skip(" \t\r\n,")
+                s = self._buf
                 if not s and not final:
                     return
                 if s[:1] == "{":
@@ -575,10 +585,8 @@ class MistralParser(ToolCallParser):
                 self._head, self._state = "", "text"
                 continue
             if st == "call":
-                status = self._feed_call()
-                if status == "more":
+                if not self._step_call("array"):
                     return
-                self._state = "array" if status == "done" else "text"
                 continue
             if st == "name":  # name[ARGS] or name[CALL_ID]id[ARGS]
                 bad = next((k for k, c in enumerate(self._buf) if c not in _V11_HEAD_CHARS), -1)
@@ -614,10 +622,7 @@ class MistralParser(ToolCallParser):
                 self._events.append(ArgsDelta(self._calls, "".join(frag)))
             if not (args.done or ended or final):
                 return
-            if not args.chars:
-                self._events.append(ArgsDelta(self._calls, "{}"))
-            self._calls += 1
-            self._after_call = True
+            self._end_call(empty=not args.chars)
             self._args, self._state = None, "text"
 
 
@@ -677,9 +682,8 @@ class JsonArrayCallParser(ToolCallParser):
                     break
                 self._in_call = False
                 continue
-            s = self._buf.lstrip(" \t\r\n[,]")
-            self._sep += self._buf[:len(self._buf) - len(s)]
-            self._buf = s
+            self._sep += self._skip(" \t\r\n[,]")
+            s = self._buf
             if not s:
                 break
             if s[0] == "{":
