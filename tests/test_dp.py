@@ -99,11 +99,42 @@ def test_flush_reaches_the_routing_trees(engine):
     assert engine.evictions_since(0).prefixes[-2:] == [[], []]
 
 
-def test_dead_replica_is_reported(engine):
-    """Last: kills replica 1's scheduler."""
-    os.kill(engine.launcher.schedulers[1].pid, signal.SIGKILL)
+def test_dead_replica_fails_its_requests_and_the_others_serve(engine):
+    """Last: kills the scheduler of the replica running a long request. That request ends
+    with an error naming the replica (no hang), the engine stays up on the other replica,
+    which takes every later request."""
+    sp = SamplingParams(max_new_tokens=100_000, temperature=0, ignore_eos=True)
+    ids = engine.tokenize(SYSTEMS[0] + "long")
+    state = engine.submit(ids, sp)
+    victim = int(engine._tm._replica_of[state.rid].worker)
+    deadline = time.monotonic() + 30
+    while not state.token_ids and time.monotonic() < deadline:  # it runs
+        time.sleep(0.02)
+    os.kill(engine.launcher.schedulers[victim].pid, signal.SIGKILL)
+    assert state.done.wait(10), "the request on the dead replica hangs"
+    assert state.finish_reason == "abort" and f"replica {victim} died" in state.error
+    engine.check_alive()  # the other replica still serves: no EngineDeadError
+    assert set(engine.dead_replicas()) == {victim}
+    survivor = 1 - victim
+    before = [r["routed"] for r in engine.routing_stats()]
+    outs = engine.generate([p for _, p in prompts()], SamplingParams(max_new_tokens=3),
+                           use_tqdm=False)
+    assert all(not o.error and o.finish_reason == "length" for o in outs)
+    routed = [r["routed"] - b for r, b in zip(engine.routing_stats(), before, strict=True)]
+    assert routed[survivor] == len(outs) and routed[victim] == 0
+    assert [r["alive"] for r in engine.routing_stats()] == [i != victim for i in range(2)]
+    s = engine.stats()
+    assert len(s["replicas"]) == 1 and set(s["dead_replicas"]) == {str(victim)}
+    # Its leftover detokenizer is stopped too.
+    deadline = time.monotonic() + 5
+    procs = engine.launcher.replica_children[victim]
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(p.is_alive() for p in procs)
+    # Losing the last replica kills the engine.
+    os.kill(engine.launcher.schedulers[survivor].pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
-    with pytest.raises(EngineDeadError, match="scheduler-1"):
+    with pytest.raises(EngineDeadError, match="scheduler"):
         while time.monotonic() < deadline:
             engine.check_alive()
             time.sleep(0.05)
