@@ -1,6 +1,7 @@
 """`Engine(dp=2)` on a tiny random model: two scheduler replicas behind one front end, routed
 cache-aware. Prompt groups stick to a replica and spread over both, both replicas give HF's
-greedy tokens, stats merge, cache flushes reach the routing trees, a dead replica is reported."""
+greedy tokens, stats merge, cache flushes reach the routing trees, a dead replica fails only
+its own requests (Engine and a live `radixrt serve --dp 2`) and the other serves the rest."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import signal
 import time
 
+import httpx
 import pytest
 import torch
 
@@ -138,3 +140,44 @@ def test_dead_replica_fails_its_requests_and_the_others_serve(engine):
         while time.monotonic() < deadline:
             engine.check_alive()
             time.sleep(0.05)
+
+
+def test_http_server_survives_a_killed_replica(tiny_llama_dir):
+    """`radixrt serve --dp 2`: SIGKILL the scheduler running a stream. The stream ends with an
+    error event naming the replica (code replica_dead) and [DONE], /health stays 200 and lists
+    the dead replica, and later requests of every prompt group succeed on the survivor."""
+    import psutil
+    from test_server import start_server, stop_server
+
+    server = start_server(str(tiny_llama_dir), "--dp", "2")
+    try:
+        kids = psutil.Process(server.proc.pid).children()
+        scheds = {i: next(c for c in kids if any(f"scheduler-{i}.pkl" in a
+                                                  for a in c.cmdline())) for i in (0, 1)}
+        body = {"model": "default", "prompt": SYSTEMS[0] + "long", "max_tokens": 900,
+                "ignore_eos": True, "stream": True}
+        events: list[str] = []
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            assert r.status_code == 200
+            for line in lines:  # wait for the first token: the request runs somewhere
+                if line.startswith("data: {"):
+                    break
+            loads = [x["load"] for x in httpx.get(server.url + "/debug/stats",
+                                                   timeout=10).json()["routing"]]
+            victim = loads.index(1)
+            scheds[victim].kill()
+            t0 = time.monotonic()
+            events = [line for line in lines if line.startswith("data: ")]
+            assert time.monotonic() - t0 < 10
+        assert events[-1] == "data: [DONE]"
+        err = [e for e in events if '"error"' in e]
+        assert err and "replica_dead" in err[-1] and f"replica {victim} died" in err[-1]
+        health = httpx.get(server.url + "/health", timeout=10)
+        assert health.status_code == 200 and set(health.json()["dead_replicas"]) == {str(victim)}
+        for _, p in prompts():
+            r = httpx.post(server.url + "/v1/completions", timeout=60,
+                           json={"model": "default", "prompt": p, "max_tokens": 2})
+            assert r.status_code == 200, r.text
+    finally:
+        stop_server(server)
