@@ -5,6 +5,7 @@ groups (more groups than workers).
     python bench/routing.py                                   # default systems, small gsp
     python bench/routing.py --groups 8 --per-group 8 --system-len 512 --max-concurrency 16
     python bench/routing.py --systems single dp-cache_aware dp-round_robin --md out.md
+    python bench/routing.py --rounds 3 ...                    # systems interleaved, medians
 
 Per system: a fresh server (or servers + router) with `--threads` cores in all (split between
 the replicas, each pinned to its own cores when there are enough), a warm-up request, then the
@@ -163,7 +164,25 @@ def cpu_name() -> str:
     return platform.processor() or "?"
 
 
+def median_runs(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per system (first-seen order), the round with the median total throughput, with every
+    round's throughput in `rounds_tok_s` (rounds interleave the systems, so each sees the
+    machine's load drift alike)."""
+    by: dict[str, list[dict[str, Any]]] = {}
+    for r in results:
+        by.setdefault(r["system"], []).append(r)
+    out = []
+    for runs in by.values():
+        ok = sorted((r for r in runs if r["metrics"].get("completed")),
+                    key=lambda r: r["metrics"]["total_tok_per_s"])
+        pick = dict(ok[(len(ok) - 1) // 2] if ok else runs[0])
+        pick["rounds_tok_s"] = [round(r["metrics"].get("total_tok_per_s", 0)) for r in runs]
+        out.append(pick)
+    return out
+
+
 def report(results: list[dict[str, Any]], args: argparse.Namespace, desc: str) -> str:
+    results = median_runs(results)
     single = next((r for r in results if r["system"] == "single"), None)
     rr = {r["system"].split("-")[0]: r for r in results if r["system"].endswith("round_robin")}
     lines = [
@@ -173,14 +192,17 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace, desc: str) -
         f"- workload: gsp {desc}, max concurrency {args.max_concurrency}",
         f"- command: `python bench/routing.py {' '.join(sys.argv[1:])}`",
         "- **the machine was shared with other jobs during this run: absolute figures are "
-        "contended; compare ratios within the run**", "",
+        "contended; compare ratios within the run**",
+        f"- rounds: {args.rounds} (systems interleaved; each row is the system's median-"
+        "throughput round, `tok/s per round` lists all)", "",
         "| system | total tok/s | vs single | TTFT p50 s | TTFT p99 s | hit rate | vs single's "
-        "hit | vs round-robin's hit | / optimal | imbalance (max/mean routed tokens) |",
-        "|---|---|---|---|---|---|---|---|---|---|"]
+        "hit | vs round-robin's hit | / optimal | imbalance (max/mean routed tokens) | tok/s "
+        "per round |",
+        "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         m = r["metrics"]
         if not m.get("completed"):
-            lines.append(f"| {r['system']} | failed | | | | | | | | |")
+            lines.append(f"| {r['system']} | failed | | | | | | | | | |")
             continue
         hit = m["hit_rate"] or 0.0
         base = rr.get(r["system"].split("-")[0])
@@ -194,7 +216,8 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace, desc: str) -
             f" | {m['ttft_s']['p50']:.3f} | {m['ttft_s']['p99']:.3f} | {hit:.3f} | "
             f"{ratio(hit, single and single['metrics'].get('hit_rate'))} | "
             f"{ratio(hit, base and base['metrics'].get('hit_rate'))} | "
-            f"{ratio(hit, r['optimal_hit_rate'])} | {r['imbalance']:.2f} |")
+            f"{ratio(hit, r['optimal_hit_rate'])} | {r['imbalance']:.2f} | "
+            f"{' '.join(map(str, r['rounds_tok_s']))} |")
     return "\n".join(lines) + "\n"
 
 
@@ -211,6 +234,8 @@ def main() -> None:
     ap.add_argument("--server-args", default="--dtype float32",
                     help="extra `radixrt serve` flags for every worker")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the systems in turn this many times; report each one's median")
     ap.add_argument("--md", default=None, help="write the report here (default: stdout only)")
     ap.add_argument("--json", default=None, help="write the metrics here")
     ap.add_argument("--log", default=os.devnull, help="servers' output")
@@ -221,8 +246,8 @@ def main() -> None:
                       output_len=a.output_len)
     results = []
     with open(a.log, "a") as log:
-        for system in a.systems:
-            print(f"-- {system}", flush=True)
+        for rnd, system in ((i, s) for i in range(a.rounds) for s in a.systems):
+            print(f"-- {system} (round {rnd + 1}/{a.rounds})", flush=True)
             r = run_system(system, w, tok, a, log)
             m = r["metrics"]
             print(f"   {m.get('total_tok_per_s', 0):.0f} tok/s  hit {m.get('hit_rate')}  "

@@ -21,7 +21,7 @@ ALIASES = {"model_path": ["--model", "--model-path"],
 # model), the routing policy and the workers.
 ROUTER_FIELDS = ("model_path", "tokenizer_path", "host", "port", "api_key", "log_level",
                  "max_request_bytes", "routing_policy", "routing_cache_threshold",
-                 "routing_balance_abs", "routing_balance_rel", "routing_max_tree_tokens",
+                 "routing_balance_factor", "routing_max_tree_tokens",
                  "worker_urls", "worker_api_key", "health_check_interval_s")
 
 

@@ -149,10 +149,12 @@ class ServerArgs:
                                             "| round_robin | least_load")
     routing_cache_threshold: float = _f(0.5, "cache_aware: a worker's predicted prefix match "
                                              "must cover this share of the prompt to attract it")
-    routing_balance_abs: int = _f(4, "cache_aware: skip the best match when its requests in "
-                                     "flight exceed the least loaded worker's by more than "
-                                     "this ...")
-    routing_balance_rel: float = _f(1.5, "... and by more than this factor")
+    routing_balance_factor: float = _f(4.0, "cache_aware: leave the best-matching worker for "
+                                             "the least busy one when that one's pending work "
+                                             "(tokens of its requests in flight: uncached "
+                                             "prompt + output budget) is smaller by more than "
+                                             "this x the prefix tokens it would recompute; a "
+                                             "worker at max_running_requests also spills")
     routing_max_tree_tokens: int | None = _f(None, "tokens the router remembers per worker, LRU "
                                                    "(default: the replica's KV pool for --dp, "
                                                    "1048576 for radixrt router)")
@@ -208,9 +210,8 @@ class ServerArgs:
         if not 0.0 <= self.routing_cache_threshold <= 1.0:
             bad("routing_cache_threshold", f"must be in [0, 1], got "
                                            f"{self.routing_cache_threshold}")
-        if self.routing_balance_abs < 0 or self.routing_balance_rel < 1.0:
-            bad("routing_balance_abs", "routing_balance_abs must be >= 0 and "
-                                       "routing_balance_rel >= 1")
+        if self.routing_balance_factor < 0:
+            bad("routing_balance_factor", f"must be >= 0, got {self.routing_balance_factor}")
         if self.routing_max_tree_tokens is not None and self.routing_max_tree_tokens <= 0:
             bad("routing_max_tree_tokens", f"must be positive, got {self.routing_max_tree_tokens}")
         if self.health_check_interval_s <= 0:

@@ -1,6 +1,7 @@
 """`Engine(dp=2)` on a tiny random model: two scheduler replicas behind one front end, routed
 cache-aware. Prompt groups stick to a replica and spread over both, both replicas give HF's
-greedy tokens, stats merge, cache flushes reach the routing trees, a dead replica is reported."""
+greedy tokens, stats merge, cache flushes reach the routing trees, a dead replica fails only
+its own requests (Engine and a live `radixrt serve --dp 2`) and the other serves the rest."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import signal
 import time
 
+import httpx
 import pytest
 import torch
 
@@ -99,11 +101,83 @@ def test_flush_reaches_the_routing_trees(engine):
     assert engine.evictions_since(0).prefixes[-2:] == [[], []]
 
 
-def test_dead_replica_is_reported(engine):
-    """Last: kills replica 1's scheduler."""
-    os.kill(engine.launcher.schedulers[1].pid, signal.SIGKILL)
+def test_dead_replica_fails_its_requests_and_the_others_serve(engine):
+    """Last: kills the scheduler of the replica running a long request. That request ends
+    with an error naming the replica (no hang), the engine stays up on the other replica,
+    which takes every later request."""
+    sp = SamplingParams(max_new_tokens=100_000, temperature=0, ignore_eos=True)
+    ids = engine.tokenize(SYSTEMS[0] + "long")
+    state = engine.submit(ids, sp)
+    victim = int(engine._tm._replica_of[state.rid].worker)
+    deadline = time.monotonic() + 30
+    while not state.token_ids and time.monotonic() < deadline:  # it runs
+        time.sleep(0.02)
+    os.kill(engine.launcher.schedulers[victim].pid, signal.SIGKILL)
+    assert state.done.wait(10), "the request on the dead replica hangs"
+    assert state.finish_reason == "abort" and f"replica {victim} died" in state.error
+    engine.check_alive()  # the other replica still serves: no EngineDeadError
+    assert set(engine.dead_replicas()) == {victim}
+    survivor = 1 - victim
+    before = [r["routed"] for r in engine.routing_stats()]
+    outs = engine.generate([p for _, p in prompts()], SamplingParams(max_new_tokens=3),
+                           use_tqdm=False)
+    assert all(not o.error and o.finish_reason == "length" for o in outs)
+    routed = [r["routed"] - b for r, b in zip(engine.routing_stats(), before, strict=True)]
+    assert routed[survivor] == len(outs) and routed[victim] == 0
+    assert [r["alive"] for r in engine.routing_stats()] == [i != victim for i in range(2)]
+    s = engine.stats()
+    assert len(s["replicas"]) == 1 and set(s["dead_replicas"]) == {str(victim)}
+    # Its leftover detokenizer is stopped too.
+    deadline = time.monotonic() + 5
+    procs = engine.launcher.replica_children[victim]
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(p.is_alive() for p in procs)
+    # Losing the last replica kills the engine.
+    os.kill(engine.launcher.schedulers[survivor].pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
-    with pytest.raises(EngineDeadError, match="scheduler-1"):
+    with pytest.raises(EngineDeadError, match="scheduler"):
         while time.monotonic() < deadline:
             engine.check_alive()
             time.sleep(0.05)
+
+
+def test_http_server_survives_a_killed_replica(tiny_llama_dir):
+    """`radixrt serve --dp 2`: SIGKILL the scheduler running a stream. The stream ends with an
+    error event naming the replica (code replica_dead) and [DONE], /health stays 200 and lists
+    the dead replica, and later requests of every prompt group succeed on the survivor."""
+    import psutil
+    from test_server import start_server, stop_server
+
+    server = start_server(str(tiny_llama_dir), "--dp", "2")
+    try:
+        kids = psutil.Process(server.proc.pid).children()
+        scheds = {i: next(c for c in kids if any(f"scheduler-{i}.pkl" in a
+                                                  for a in c.cmdline())) for i in (0, 1)}
+        body = {"model": "default", "prompt": SYSTEMS[0] + "long", "max_tokens": 900,
+                "ignore_eos": True, "stream": True}
+        events: list[str] = []
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            assert r.status_code == 200
+            for line in lines:  # wait for the first token: the request runs somewhere
+                if line.startswith("data: {"):
+                    break
+            loads = [x["load"] for x in httpx.get(server.url + "/debug/stats",
+                                                   timeout=10).json()["routing"]]
+            victim = loads.index(1)
+            scheds[victim].kill()
+            t0 = time.monotonic()
+            events = [line for line in lines if line.startswith("data: ")]
+            assert time.monotonic() - t0 < 10
+        assert events[-1] == "data: [DONE]"
+        err = [e for e in events if '"error"' in e]
+        assert err and "replica_dead" in err[-1] and f"replica {victim} died" in err[-1]
+        health = httpx.get(server.url + "/health", timeout=10)
+        assert health.status_code == 200 and set(health.json()["dead_replicas"]) == {str(victim)}
+        for _, p in prompts():
+            r = httpx.post(server.url + "/v1/completions", timeout=60,
+                           json={"model": "default", "prompt": p, "max_tokens": 2})
+            assert r.status_code == 200, r.text
+    finally:
+        stop_server(server)

@@ -210,6 +210,44 @@ def test_metrics_per_worker(cluster):
         assert {s.labels["worker"] for s in fams[name].samples} == set(routed), name
 
 
+def router_counters(c: Cluster) -> dict[str, float]:
+    """Sum over workers of each radixrt_router counter."""
+    text = httpx.get(f"{c.url}/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name.endswith("_total"):
+                out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+def test_measured_hits_from_the_workers_usage(cluster):
+    """The router counts the cached tokens the workers report (non-streamed answers and the
+    usage chunk of a stream) beside its predicted hits."""
+    before = router_counters(cluster)
+    prompt = SYSTEMS[1] + " measured"
+    seen_prompt = seen_cached = 0
+    r = complete(cluster, prompt + " one")
+    seen_prompt += r.usage.prompt_tokens
+    seen_cached += r.usage.prompt_tokens_details.cached_tokens
+    usage = None
+    for ev in cluster.client().completions.create(
+            model="default", prompt=prompt + " two", max_tokens=3, stream=True,
+            stream_options={"include_usage": True}):
+        usage = ev.usage or usage
+    assert usage is not None
+    seen_prompt += usage.prompt_tokens
+    seen_cached += usage.prompt_tokens_details.cached_tokens
+    after = router_counters(cluster)
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert delta("radixrt_router:measured_prompt_tokens_total") == seen_prompt
+    assert delta("radixrt_router:measured_cached_tokens_total") == seen_cached > 20
+    assert delta("radixrt_router:predicted_cached_tokens_total") > 20
+
+
 def test_killed_worker_traffic_moves_without_loss_or_duplicates(cluster, tiny_llama_dir):
     """Last: kills worker 1. A second router with no health checks in the way (interval 1 h)
     still sends the victim's group there: each request fails to connect, is retried on the

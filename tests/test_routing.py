@@ -133,7 +133,7 @@ def test_cache_aware_keeps_groups_together_and_spreads_them():
     for g, ids in interleaved_groups(8, 8):
         d = policy.route(ids)
         placed.setdefault(g, set()).add(d.worker)
-        policy.finish(d.worker)  # one at a time: loads stay equal
+        policy.finish(d)  # one at a time: loads stay equal
     assert all(len(ws) == 1 for ws in placed.values()), placed  # every group on one worker
     per_worker = [sum(1 for ws in placed.values() if w in ws) for w in ("a", "b")]
     assert per_worker == [4, 4]  # new groups go where the least is cached
@@ -151,19 +151,96 @@ def test_round_robin_scatters_groups():
     assert sum(len(ws) == 2 for ws in placed.values()) >= 6
 
 
-def test_cache_aware_yields_to_load_beyond_the_threshold():
-    policy = CacheAwarePolicy(["a", "b"], balance_abs=2, balance_rel=1.5)
-    ids = list(range(100))
-    first = policy.route(ids).worker
-    other = "b" if first == "a" else "a"
-    # Same prefix keeps going to `first` while it is within the threshold...
-    assert [policy.route(ids).worker for _ in range(2)] == [first, first]
-    assert policy.stats[first].load == 3 and policy.stats[other].load == 0
-    # ... and beyond it (3 - 0 > 2 and 3 > 1.5 * 0) goes to the least loaded worker.
-    d = policy.route(ids)
-    assert d.worker == other and d.reason == "balance"
-    # Now the prefix is on both: the less loaded one with the full match wins.
-    assert policy.route(ids).worker == other
+def test_cache_aware_spills_when_the_work_gap_exceeds_the_recompute():
+    """Same prefix (100 tokens matched): it stays on its worker until that worker's pending
+    work exceeds the other's by more than balance_factor x 100 tokens."""
+    policy = CacheAwarePolicy(["a", "b"], balance_factor=2.0)
+    busy = policy.route([9] * 10, output_tokens=0)  # keeps the other worker from being idle
+    system = list(range(100))
+    first = policy.route(system + [7], output_tokens=10)
+    assert first.reason == "miss" and first.work == 101 + 10
+    assert first.worker != busy.worker  # within one request's work: the smaller tree
+    placed = []
+    for i in range(20):  # each adds 1 uncached token + 10 output tokens of work
+        d = policy.route(system + [1000 + i], output_tokens=10)
+        placed.append((d.worker, d.reason))
+        if d.worker == busy.worker:
+            break
+    # The gap (111 + k * 11) - 10 first exceeds 2 x 100 at k = 10: ten stay, the next spills.
+    assert placed[:10] == [(first.worker, "cache")] * 10
+    assert placed[10] == (busy.worker, "balance")
+    assert policy.stats[first.worker].pending == 111 + 10 * 11
+    # finish() gives the work back.
+    policy.finish(first)
+    assert policy.stats[first.worker].pending == 10 * 11
+
+
+def test_cache_aware_idle_worker_takes_a_busy_groups_request():
+    policy = CacheAwarePolicy(["a", "b"])
+    system = list(range(100))
+    ds = [policy.route(system + [i], output_tokens=4) for i in range(3)]
+    assert ds[0].worker == ds[1].worker != ds[2].worker  # 2 in flight, the other idle
+    assert ds[2].reason == "balance"
+
+
+def test_cache_aware_spills_from_a_full_worker():
+    policy = CacheAwarePolicy(["a", "b"], balance_factor=100.0)
+    policy.set_capacity("a", 2)
+    policy.set_capacity("b", 2)
+    system = list(range(50))
+    ws = [policy.route(system + [i], output_tokens=1).worker for i in range(3)]
+    assert ws[0] == ws[1] != ws[2]  # the third would wait for a row: it goes where one is free
+    assert policy.route(system + [9], output_tokens=1).worker == ws[2]
+
+
+def simulate_window(policy, pairs, window: int, seed: int = 0) -> dict[int, set]:
+    """Keep `window` requests in flight, finishing a random one before each new arrival
+    (a closed-loop client); returns the workers each group was routed to."""
+    rng = random.Random(seed)
+    inflight, placed = [], {}
+    for g, ids in pairs:
+        if len(inflight) == window:
+            policy.finish(inflight.pop(rng.randrange(window)))
+        d = policy.route(ids, output_tokens=16)
+        placed.setdefault(g, set()).add(d.worker)
+        inflight.append(d)
+    return placed
+
+
+@pytest.mark.parametrize("groups,per_group,prefix,window", [(8, 8, 512, 16), (4, 4, 192, 8)])
+def test_cache_aware_keeps_interleaved_groups_whole_under_concurrency(groups, per_group, prefix,
+                                                                      window):
+    """The benchmark's shapes (more groups than workers, interleaved, a closed-loop client):
+    the predicted hits stay within 95% of one replica's optimum and routed tokens balanced."""
+    policy = CacheAwarePolicy(["a", "b"])
+    pairs = interleaved_groups(groups, per_group, prefix_len=prefix, seed=3)
+    simulate_window(policy, pairs, window)
+    optimum = groups * (per_group - 1) * prefix
+    predicted = sum(policy.stats[w].matched_tokens for w in ("a", "b"))
+    assert predicted >= 0.95 * optimum, (predicted, optimum)
+    tokens = [policy.stats[w].routed_tokens for w in ("a", "b")]
+    assert max(tokens) / (sum(tokens) / 2) <= 1.3
+
+
+def test_cache_aware_spreads_a_group_larger_than_the_window():
+    """One group of 64 prompts, 16 in flight: the prefix is recomputed once on the second
+    worker, then the group uses both."""
+    policy = CacheAwarePolicy(["a", "b"])
+    pairs = interleaved_groups(1, 64, prefix_len=512, seed=4)
+    simulate_window(policy, pairs, 16)
+    routed = [policy.stats[w].routed for w in ("a", "b")]
+    assert min(routed) >= 16, routed
+    assert sum(policy.stats[w].matched_tokens for w in ("a", "b")) >= 62 * 512  # 2 misses
+
+
+def test_output_estimate_and_measured_usage():
+    policy = CacheAwarePolicy(["a"])
+    assert policy.route([1, 2, 3]).work == 3 + 128  # unknown output budget
+    assert policy.route([1, 2, 3, 4], output_tokens=10**6).work == 1 + 1024  # capped
+    policy.observed("a", 10, 4)
+    policy.observed("a", 6, 0)
+    s = policy.stats["a"]
+    assert (s.measured_requests, s.measured_prompt_tokens, s.measured_cached_tokens) == (2, 16, 4)
 
 
 def test_cache_aware_misses_spread_at_low_concurrency():
@@ -174,7 +251,7 @@ def test_cache_aware_misses_spread_at_low_concurrency():
         d = policy.route([50_000 + i] * 20)
         assert d.reason == "miss"
         seen.append(d.worker)
-        policy.finish(d.worker)
+        policy.finish(d)
     assert {w: seen.count(w) for w in "abc"} == {"a": 3, "b": 3, "c": 3}
 
 
@@ -183,7 +260,7 @@ def test_cache_threshold_ignores_short_shared_heads():
     policy = CacheAwarePolicy(["a", "b"], cache_threshold=0.5)
     head = [1, 2, 3]
     d1 = policy.route(head + [10] * 40)
-    policy.finish(d1.worker)
+    policy.finish(d1)
     d2 = policy.route(head + [20] * 40)
     assert d2.reason == "miss" and d2.worker != d1.worker
 
@@ -191,10 +268,12 @@ def test_cache_threshold_ignores_short_shared_heads():
 def test_evicted_prefix_is_no_longer_a_hit():
     policy = CacheAwarePolicy(["a", "b"])
     ids = list(range(50))
-    w = policy.route(ids).worker
-    policy.finish(w)
-    assert policy.route(ids).reason == "cache"
-    policy.finish(w)
+    d = policy.route(ids)
+    w = d.worker
+    policy.finish(d)
+    d = policy.route(ids)
+    assert d.reason == "cache"
+    policy.finish(d)
     policy.evicted(w, [ids[:1]])  # the worker dropped everything from token 0 on
     assert policy.tree_tokens(w) == 0
     assert policy.route(ids).reason == "miss"
@@ -202,9 +281,10 @@ def test_evicted_prefix_is_no_longer_a_hit():
 
 def test_least_load_and_exclusion():
     policy = LeastLoadPolicy(["a", "b"])
-    assert policy.route([1]).worker == "a"
+    first = policy.route([1])
+    assert first.worker == "a"
     assert policy.route([1]).worker == "b"
-    policy.finish("a")
+    policy.finish(first)
     assert policy.route([1]).worker == "a"
     assert policy.route([1], exclude={"a"}).worker == "b"
     with pytest.raises(NoWorkerError, match="excluded"):
@@ -225,6 +305,7 @@ def test_make_policy_names():
 
 @pytest.mark.parametrize("field,value", [
     ("dp", 0), ("routing_policy", "random"), ("routing_cache_threshold", 1.5),
+    ("routing_balance_factor", -1.0),
     ("worker_urls", ("ftp://host:1",)), ("worker_urls", ("http://host:notaport",)),
     ("worker_urls", ("localhost:30000",)),
 ])

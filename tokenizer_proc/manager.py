@@ -2,7 +2,13 @@
 
 `TokenizerManager` assigns request ids, sends requests to the scheduler, and routes the
 detokenizer's outputs and the scheduler's control replies back to waiting callers (threads or
-asyncio). It starts no process: it is told how to learn that one died (`dead_child`).
+asyncio). It starts no process: it is told how to learn that one died (`dead_child`; with
+several replicas, `dead_replicas` says which replicas lost a process).
+
+With several replicas a dead one is *lost*, not fatal: its requests in flight fail with
+`ReplicaDeadError`, its control waiters are woken, the routing policy stops sending it requests
+(`on_lost` is told, to stop its remaining process), and the others keep serving; the runtime is
+dead only once every replica is lost.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from typing import Any
 import zmq
 
 from radixrt.core import ipc
-from radixrt.core.errors import EngineDeadError
+from radixrt.core.errors import EngineDeadError, ReplicaDeadError
 from radixrt.core.messages import (
     AbortReq,
     CacheEvicted,
@@ -31,10 +37,12 @@ from radixrt.core.messages import (
 )
 from radixrt.core.sampling_params import SamplingParams
 from radixrt.routing.eviction_log import EvictionLog
-from radixrt.routing.policy import RoutingPolicy
+from radixrt.routing.policy import Decision, RoutingPolicy
 from tokenizer_proc.request_state import ReqState
 
 logger = logging.getLogger(__name__)
+
+CHILD_CHECK_S = 0.2  # how often the receive thread looks for dead children
 
 
 class TokenizerManager:
@@ -42,9 +50,17 @@ class TokenizerManager:
     once the children are started, then `start` the receive thread."""
 
     def __init__(self, paths: ipc.IpcPaths, dead_child: Callable[[], str | None],
-                 replica_paths: list[ipc.IpcPaths] | None = None):
+                 replica_paths: list[ipc.IpcPaths] | None = None,
+                 dead_replicas: Callable[[], dict[int, str]] | None = None,
+                 on_lost: Callable[[int], None] | None = None):
         self.paths = paths
         self.dead_child = dead_child
+        self.dead_replicas = dead_replicas
+        self.on_lost = on_lost
+        # Replica -> why it is gone (several replicas only).
+        self.lost: dict[int, str] = {}
+        self._last_check = 0.0
+        self._child_lock = threading.Lock()  # one thread handles a death
         self.ctx = zmq.Context()
         self.recv_sock = ipc.pull_socket(self.ctx, paths.tokenizer)
         self.send_socks = [ipc.push_socket(self.ctx, p.scheduler)
@@ -52,11 +68,11 @@ class TokenizerManager:
         self.send_sock = self.send_socks[0]
         # Set by the owner when there are several replicas (`set_policy`); None: replica 0.
         self.policy: RoutingPolicy | None = None
-        self._replica_of: dict[str, int] = {}
+        self._replica_of: dict[str, Decision] = {}  # rid -> where it was routed
         self.eviction_log = EvictionLog()
         self._send_lock = threading.Lock()
         self.states: dict[str, ReqState] = {}
-        self._control: dict[int, tuple[threading.Event, list[ControlReply]]] = {}
+        self._control: dict[int, tuple[threading.Event, list[ControlReply], int]] = {}
         self._control_ids = itertools.count()
         self._rid_prefix = uuid.uuid4().hex[:8]
         self._rid_counter = itertools.count()
@@ -112,11 +128,57 @@ class TokenizerManager:
             if self.recv_sock in events:
                 for msg in ipc.recv_all(self.recv_sock):
                     self._dispatch(msg)
-            elif not self._closed:
-                err = self.dead_child()
-                if err is not None:
-                    self._die(err)
+            # Also under steady traffic: one replica's outputs must not hide another's death.
+            now = time.monotonic()
+            if not self._closed and now - self._last_check >= CHILD_CHECK_S:
+                self._last_check = now
+                if self._check_children():
                     return
+
+    def _check_children(self) -> bool:
+        """Handle dead children; True once the whole runtime is dead."""
+        with self._child_lock:
+            return self._check_children_locked()
+
+    def _check_children_locked(self) -> bool:
+        if self.dead_error is not None:
+            return True
+        if self.dead_replicas is None or len(self.send_socks) == 1:
+            err = self.dead_child()
+            if err is not None:
+                self._die(err)
+            return err is not None
+        for replica, err in sorted(self.dead_replicas().items()):
+            if replica not in self.lost:
+                self._lose(replica, err)
+        if len(self.lost) == len(self.send_socks):
+            self._die("; ".join(self.lost[i] for i in sorted(self.lost)))
+            return True
+        return False
+
+    def _lose(self, replica: int, err: str) -> None:
+        """Replica `replica` lost a process: fail its requests and stop routing to it."""
+        msg = (f"radixrt replica {replica} died ({err}); its requests in flight failed, the "
+               f"other replicas keep serving")
+        self.lost[replica] = err
+        logger.error(msg)
+        exc = ReplicaDeadError(msg)
+        for rid, d in list(self._replica_of.items()):
+            if d.worker == replica:
+                state = self.states.pop(rid, None)
+                self._release(rid, error=True)
+                if state is not None:
+                    state.fail(msg, exc)
+        if self.policy is not None:
+            self.policy.forget(replica)
+        for event, _, r in list(self._control.values()):
+            if r == replica:
+                event.set()
+        if self.on_lost is not None:
+            try:
+                self.on_lost(replica)
+            except Exception:  # stopping the leftover process is best effort
+                logger.exception("stopping replica %d's processes failed", replica)
 
     def _dispatch(self, msg: object) -> None:
         if isinstance(msg, TextBatchOut):
@@ -127,7 +189,10 @@ class TokenizerManager:
                 state.apply(out)
                 if state.finish_reason is not None:
                     self.states.pop(out.rid, None)
-                    self._release(out.rid, error=bool(out.error))
+                    replica = self._release(out.rid, error=bool(out.error))
+                    if self.policy is not None and replica is not None:
+                        self.policy.observed(replica, out.usage.prompt_tokens,
+                                             out.usage.cached_tokens)
                 state.notify(out)
         elif isinstance(msg, ControlReply):
             waiter = self._control.get(msg.req_id)
@@ -139,14 +204,15 @@ class TokenizerManager:
                 self.policy.evicted(msg.replica, msg.prefixes)
             self.eviction_log.append(msg.prefixes)
 
-    def _release(self, rid: str, error: bool = False) -> int:
-        """The request left its replica (finished or aborted): lower that replica's load."""
-        replica = self._replica_of.pop(rid, None)
-        if replica is None:  # one replica, or already released
-            return 0
+    def _release(self, rid: str, error: bool = False) -> int | None:
+        """The request left its replica (finished or aborted): lower that replica's load.
+        Returns the replica (0 with one replica; None if `rid` was already released)."""
+        d = self._replica_of.pop(rid, None)
+        if d is None:
+            return 0 if self.policy is None else None
         if self.policy is not None:
-            self.policy.finish(replica, error=error)
-        return replica
+            self.policy.finish(d, error=error)
+        return int(d.worker)  # type: ignore[call-overload]
 
     def _die(self, err: str) -> None:
         self.dead_error = err
@@ -157,17 +223,20 @@ class TokenizerManager:
         self.states.clear()
         for rid in list(self._replica_of):
             self._release(rid, error=True)
-        for event, _ in list(self._control.values()):
+        for event, _, _ in list(self._control.values()):
             event.set()
 
     def check_alive(self) -> None:
-        """Raise `EngineDeadError` if a runtime child died (now or earlier)."""
-        if self.dead_error is None:
-            err = self.dead_child()
-            if err is not None:
-                self._die(err)
+        """Raise `EngineDeadError` if the runtime is dead (a child died; with several
+        replicas, a process of every replica), now or earlier."""
+        if self.dead_error is None and not self._closed:
+            self._check_children()
         if self.dead_error is not None:
             raise EngineDeadError(self.dead_error)
+
+    def live_replicas(self) -> list[int]:
+        """Indices of the replicas not lost."""
+        return [i for i in range(len(self.send_socks)) if i not in self.lost]
 
     # -- requests -----------------------------------------------------------------------------------
     def _send(self, msg: object, replica: int = 0) -> None:
@@ -193,8 +262,10 @@ class TokenizerManager:
             state.queue = queue if queue is not None else asyncio.Queue()
         replica = 0
         if self.policy is not None:
-            replica = int(self.policy.route(input_ids).worker)  # type: ignore[call-overload]
-            self._replica_of[rid] = replica
+            d = self.policy.route(input_ids, exclude=set(self.lost),
+                                  output_tokens=sampling.max_new_tokens)
+            replica = int(d.worker)  # type: ignore[call-overload]
+            self._replica_of[rid] = d
         self.states[rid] = state
         self._send(GenerateReq(rid=rid, input_ids=input_ids, sampling=sampling), replica)
         return state
@@ -203,7 +274,8 @@ class TokenizerManager:
         """The caller gave up on `rid`: forget it here and tell the scheduler to free it."""
         self.states.pop(rid, None)
         replica = self._release(rid)
-        if self.dead_error is None and not self._closed:
+        if (replica is not None and replica not in self.lost and self.dead_error is None
+                and not self._closed):
             self._send(AbortReq(rid=rid), replica)
 
     def num_outstanding(self) -> int:
@@ -218,12 +290,17 @@ class TokenizerManager:
         msg.req_id = req_id
         event = threading.Event()
         box: list[ControlReply] = []
-        self._control[req_id] = (event, box)
+        self._control[req_id] = (event, box, replica)
         try:
+            if replica in self.lost:
+                raise ReplicaDeadError(f"radixrt replica {replica} died ({self.lost[replica]})")
             self._send(msg, replica)
             if not event.wait(timeout_s):
                 raise TimeoutError(f"scheduler did not answer {type(msg).__name__}")
             self.check_alive()
+            if not box:
+                raise ReplicaDeadError(f"radixrt replica {replica} died "
+                                       f"({self.lost.get(replica, 'no reply')})")
             return box[0]
         finally:
             self._control.pop(req_id, None)

@@ -21,3 +21,8 @@ class InvariantError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """A runtime child process died; the engine cannot serve any more requests."""
+
+
+class ReplicaDeadError(EngineDeadError):
+    """One `--dp` replica died: the requests it was running end with this error, the other
+    replicas keep serving (the engine is dead only once every replica is)."""

@@ -38,8 +38,10 @@ class Engine:
         self.args = args.replace(model_path=model_path)
         self.tokenizer = load_tokenizer(model_path, self.args.tokenizer_path)
         self.launcher = Launcher(self.args)
-        self._tm = TokenizerManager(self.launcher.paths, self.launcher.dead_child,
-                                    self.launcher.replica_paths)
+        self._tm = TokenizerManager(
+            self.launcher.paths, self.launcher.dead_child, self.launcher.replica_paths,
+            dead_replicas=self.launcher.dead_replicas if args.dp > 1 else None,
+            on_lost=self.launcher.stop_replica)
         self._closed = False
         self.dp = self.args.dp
         try:
@@ -50,8 +52,11 @@ class Engine:
         self.info["dp"] = self.dp
         if self.dp > 1:
             # Each replica's tree is bounded by its own KV pool unless configured otherwise.
-            self._tm.set_policy(policy_from_args(self.args, range(self.dp),
-                                                 tree_tokens=self.info["max_total_tokens"]))
+            policy = policy_from_args(self.args, range(self.dp),
+                                      tree_tokens=self.info["max_total_tokens"])
+            for i in range(self.dp):
+                policy.set_capacity(i, self.args.max_running_requests)
+            self._tm.set_policy(policy)
             self.info["routing_policy"] = self.args.routing_policy
             self.info["replicas"] = [{"threads": t, "cpus": c} for t, c in self.launcher.plan]
         self._tm.start()
@@ -193,8 +198,14 @@ class Engine:
 
     # -- control -----------------------------------------------------------------------------------
     def _control_all(self, make: Any) -> list[Any]:
-        """One control request per replica (`make()` builds each), their replies in order."""
-        return [self._tm.control(make(), replica=i) for i in range(self.dp)]
+        """One control request per live replica (`make()` builds each), their replies in
+        replica order."""
+        return [self._tm.control(make(), replica=i) for i in self._tm.live_replicas()]
+
+    def dead_replicas(self) -> dict[int, str]:
+        """Replica -> why it died, for the `--dp` replicas that are gone (the others serve)."""
+        self._tm.check_alive()
+        return dict(self._tm.lost)
 
     def flush_cache(self) -> bool:
         """Drop every cached prefix (of every replica). Only possible when no request is running
@@ -204,13 +215,14 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         """Monotonic counters (requests, prompt/cached/generated tokens, retractions, evictions),
         current gauges (running, waiting, pool usage, evictable vs locked cache) and hit rate.
-        With `dp` > 1: summed over the replicas, plus `replicas` (each one's stats) and
-        `routing` (each replica's routing counters)."""
+        With `dp` > 1: summed over the live replicas, plus `replicas` (each live one's stats),
+        `routing` (every replica's routing counters) and `dead_replicas` (index -> why)."""
         per = [r.data for r in self._control_all(lambda: StatsReq(req_id=0))]
         if self.dp == 1:
             return per[0]
         out = merge_stats(per)
         out["routing"] = self.routing_stats()
+        out["dead_replicas"] = {str(i): e for i, e in self._tm.lost.items()}
         return out
 
     def routing_stats(self) -> list[dict[str, Any]]:
@@ -219,8 +231,8 @@ class Engine:
         policy = self._tm.policy
         if policy is None:
             return []
-        return [{**dataclasses.asdict(policy.stats[i]), "tree_tokens": policy.tree_tokens(i)}
-                for i in range(self.dp)]
+        return [{**dataclasses.asdict(policy.stats[i]), "tree_tokens": policy.tree_tokens(i),
+                 "alive": i not in self._tm.lost} for i in range(self.dp)]
 
     def evictions_since(self, seq: int) -> EvictionSlice:
         """Prefixes the runtime's caches evicted from sequence number `seq` on (for routers)."""
@@ -228,7 +240,8 @@ class Engine:
 
     def check_invariants(self) -> None:
         """Raise `InvariantError` if any pool or the radix tree is inconsistent (slot leaks...)."""
-        for i, reply in enumerate(self._control_all(lambda: CheckInvariantsReq(req_id=0))):
+        replies = self._control_all(lambda: CheckInvariantsReq(req_id=0))
+        for i, reply in zip(self._tm.live_replicas(), replies, strict=True):
             if not reply.ok:
                 raise InvariantError(reply.error if self.dp == 1 else
                                      f"replica {i}: {reply.error}")

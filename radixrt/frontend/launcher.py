@@ -74,6 +74,7 @@ class Launcher:
                                  else list(range(available_cores())))
         self.children: list[ChildProcess] = []
         self.schedulers: list[ChildProcess] = []
+        self.replica_children: dict[int, list[ChildProcess]] = {}
 
     @staticmethod
     def expected_ready(replicas: int) -> dict[str, int]:
@@ -108,6 +109,7 @@ class Launcher:
                  "ipc": paths, "parent_pid": pid, "nice": self.args.helper_nice}, self.workdir,
                 env=cpu_policy.helper_env()))
             self.children.append(detok)
+            self.replica_children[i] = [sched, detok]
             if i == 0:
                 self.scheduler, self.detokenizer = sched, detok
 
@@ -117,6 +119,25 @@ class Launcher:
             if not proc.is_alive():
                 return f"radixrt {proc.name} process died (exit code {proc.exitcode})"
         return None
+
+    def dead_replicas(self) -> dict[int, str]:
+        """Replica -> a message naming its first child that exited, for every replica that
+        lost a process."""
+        out = {}
+        for i, procs in self.replica_children.items():
+            for proc in procs:
+                if not proc.is_alive():
+                    out[i] = f"radixrt {proc.name} process died (exit code {proc.exitcode})"
+                    break
+        return out
+
+    def stop_replica(self, replica: int) -> None:
+        """Stop what is left of a replica that lost a process (it can serve nothing now)."""
+        for proc in self.replica_children.get(replica, []):
+            if proc.is_alive():
+                proc.popen.terminate()
+        for proc in self.replica_children.get(replica, []):
+            proc.stop(timeout_s=2.0)
 
     def stop(self) -> None:
         for proc in self.children:  # signal all first: replicas shut down in parallel

@@ -36,15 +36,17 @@ from starlette.concurrency import run_in_threadpool
 from radixrt.config import ServerArgs
 from radixrt.router.prompt_ids import PromptIds
 from radixrt.router.workers import WorkerError, WorkerSet
-from radixrt.routing.policy import NoWorkerError, policy_from_args
+from radixrt.routing.policy import Decision, NoWorkerError, policy_from_args
 from radixrt.server import protocol as P
+from radixrt.server.guard import OPEN_PATHS, add_guard, error_response
+from radixrt.server.guard import json_body as read_json_body
 
 logger = logging.getLogger("radixrt.router")
 
-OPEN_PATHS = ("/health", "/metrics")
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 CONNECT_TIMEOUT_S = 5.0
-RETRY_STATUS = (503,)  # the worker's runtime died: another worker can serve it
+RETRY_STATUS = (503,)
+MAX_SSE_LINE = 1 << 20  # longest SSE line the usage scan buffers  # the worker's runtime died: another worker can serve it
 
 
 class Router:
@@ -72,17 +74,18 @@ class Router:
     async def forward(self, request: Request, path: str, raw: bytes,
                       body: dict[str, Any]) -> Response:
         ids = await run_in_threadpool(self.prompt_ids.of, path, body)
+        out = output_budget(path, body)
         headers = self.upstream_headers(request)
         if body.get("stream") is True:
-            return await self._stream(request, path, raw, ids, headers)
-        return await self._once(request, path, raw, ids, headers)
+            return await self._stream(request, path, raw, ids, out, headers)
+        return await self._once(request, path, raw, ids, out, headers)
 
     async def _once(self, request: Request, path: str, raw: bytes, ids: list[int],
-                    headers: dict[str, str]) -> Response:
+                    out: int | None, headers: dict[str, str]) -> Response:
         tried: set[Any] = set()
         while True:
             try:
-                d = self.workers.route(ids, tried)
+                d = self.workers.route(ids, tried, out)
             except NoWorkerError as e:
                 raise self.no_worker(e) from None
             url = str(d.worker)
@@ -95,33 +98,46 @@ class Router:
                 gone.cancel()
             if not post.done():  # the client left: closing the upstream request aborts it
                 post.cancel()
-                self.workers.policy.finish(url)
+                self.workers.policy.finish(d)
                 return Response(status_code=499)
             try:
                 resp = post.result()
             except httpx.HTTPError as e:
-                self._failed(url, f"{type(e).__name__}: {e}", tried)
+                self._failed(d, f"{type(e).__name__}: {e}", tried)
                 continue
             if resp.status_code in RETRY_STATUS:
-                self._failed(url, f"HTTP {resp.status_code}: {resp.text[:200]}", tried)
+                self._failed(d, f"HTTP {resp.status_code}: {resp.text[:200]}", tried)
                 continue
-            self.workers.policy.finish(url, error=resp.status_code >= 500)
+            self.workers.policy.finish(d, error=resp.status_code >= 500)
+            if resp.status_code == 200:
+                self._observe(url, _usage_of(resp.content))
             return _passthrough(resp, resp.content)
 
-    def _failed(self, url: str, error: str, tried: set[Any]) -> None:
-        self.workers.policy.finish(url, error=True)
+    def _observe(self, url: str, usage: dict[str, Any] | None) -> None:
+        """Count the worker's reported usage (its real cache hits) when the answer had one."""
+        if not usage:
+            return
+        try:
+            cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+            self.workers.policy.observed(url, int(usage["prompt_tokens"]), cached)
+        except (KeyError, TypeError, ValueError, AttributeError):
+            pass
+
+    def _failed(self, d: Decision, error: str, tried: set[Any]) -> None:
+        url = str(d.worker)
+        self.workers.policy.finish(d, error=True)
         self.workers.mark_failed(url, error)
         self.workers.retries += 1
         tried.add(url)
         logger.warning("request to %s failed (%s): retrying on another worker", url, error)
 
     async def _stream(self, request: Request, path: str, raw: bytes, ids: list[int],
-                      headers: dict[str, str]) -> Response:
+                      out: int | None, headers: dict[str, str]) -> Response:
         tried: set[Any] = set()
         client = self.workers.client
         while True:
             try:
-                d = self.workers.route(ids, tried)
+                d = self.workers.route(ids, tried, out)
             except NoWorkerError as e:
                 raise self.no_worker(e) from None
             url = str(d.worker)
@@ -129,25 +145,29 @@ class Router:
                 resp = await client.send(client.build_request("POST", url + path, content=raw,
                                                               headers=headers), stream=True)
             except httpx.HTTPError as e:
-                self._failed(url, f"{type(e).__name__}: {e}", tried)
+                self._failed(d, f"{type(e).__name__}: {e}", tried)
                 continue
             if resp.status_code != 200:
                 body = await resp.aread()
                 await resp.aclose()
                 if resp.status_code in RETRY_STATUS:
-                    self._failed(url, f"HTTP {resp.status_code}", tried)
+                    self._failed(d, f"HTTP {resp.status_code}", tried)
                     continue
-                self.workers.policy.finish(url, error=resp.status_code >= 500)
+                self.workers.policy.finish(d, error=resp.status_code >= 500)
                 return _passthrough(resp, body)
-            return StreamingResponse(self._relay(url, resp), media_type="text/event-stream")
+            return StreamingResponse(self._relay(d, resp), media_type="text/event-stream")
 
-    async def _relay(self, url: str, resp: httpx.Response) -> AsyncIterator[bytes]:
+    async def _relay(self, d: Decision, resp: httpx.Response) -> AsyncIterator[bytes]:
         """The worker's SSE bytes as they come. Cancelled when the client disconnects: the
-        upstream response is closed then, which aborts the request on the worker."""
+        upstream response is closed then, which aborts the request on the worker. The usage
+        chunk (`stream_options.include_usage`) is read on the way for the measured hits."""
+        url = str(d.worker)
         error = False
+        tail = b""  # the unfinished last line of what was relayed
         try:
             async for chunk in resp.aiter_raw():
                 yield chunk
+                tail = self._scan_usage(url, tail + chunk)
         except httpx.HTTPError as e:  # the worker died mid-stream: the client must know
             error = True
             self.workers.mark_failed(url, f"{type(e).__name__}: {e}")
@@ -157,7 +177,22 @@ class Router:
         finally:
             with anyio.CancelScope(shield=True):
                 await resp.aclose()
-            self.workers.policy.finish(url, error=error)
+            self.workers.policy.finish(d, error=error)
+
+    def _scan_usage(self, url: str, data: bytes) -> bytes:
+        """Observe the usage of the complete `data:` lines in `data` that carry one; returns
+        the incomplete last line (dropped beyond `MAX_SSE_LINE` bytes)."""
+        if b"\n" not in data:
+            return data if len(data) <= MAX_SSE_LINE else b""
+        *lines, rest = data.split(b"\n")
+        for line in lines:
+            if line.startswith(b"data: {") and b'"usage"' in line:
+                try:
+                    usage = orjson.loads(line[6:]).get("usage")
+                except orjson.JSONDecodeError:
+                    continue
+                self._observe(url, usage)
+        return rest if len(rest) <= MAX_SSE_LINE else b""
 
     async def any_worker(self, request: Request, method: str, path: str,
                          raw: bytes | None = None) -> Response:
@@ -176,10 +211,31 @@ class Router:
                     method, url + path, content=raw, headers=headers,
                     params=dict(request.query_params))
             except httpx.HTTPError as e:
-                self._failed(url, f"{type(e).__name__}: {e}", tried)
+                self._failed(d, f"{type(e).__name__}: {e}", tried)
                 continue
-            self.workers.policy.finish(url)
+            self.workers.policy.finish(d)
             return _passthrough(resp, resp.content)
+
+
+def output_budget(path: str, body: dict[str, Any]) -> int | None:
+    """Tokens the request may generate in all (`max_tokens` / `max_completion_tokens` x `n`),
+    for the routing policy's pending work; completions default to 16 (as the worker), a chat
+    request without a limit is unknown (None)."""
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    if limit is None and not path.endswith("/chat/completions"):
+        limit = 16
+    n = body.get("n", 1)
+    if not isinstance(limit, int) or isinstance(limit, bool):
+        return None
+    return limit * (n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1)
+
+
+def _usage_of(content: bytes) -> dict[str, Any] | None:
+    try:
+        body = orjson.loads(content)
+    except orjson.JSONDecodeError:
+        return None
+    return body.get("usage") if isinstance(body, dict) else None
 
 
 def _passthrough(resp: httpx.Response, body: bytes) -> Response:
@@ -211,6 +267,11 @@ class RouterCollector:
             "predicted_cached_tokens": ("matched_tokens", "Prompt tokens the router predicted "
                                                           "the worker had cached."),
             "errors": ("errors", "Requests to the worker that failed (transport or 5xx)."),
+            "measured_prompt_tokens": ("measured_prompt_tokens", "Prompt tokens of the "
+                                       "worker's answers that reported usage."),
+            "measured_cached_tokens": ("measured_cached_tokens", "Cached prompt tokens the "
+                                       "worker reported (usage.prompt_tokens_details."
+                                       "cached_tokens): its real hits, beside the predicted."),
         }
         for name, (field, doc) in counters.items():
             c = CounterMetricFamily(f"radixrt_router:{name}", doc, labels=["worker"])
@@ -225,6 +286,10 @@ class RouterCollector:
                         lambda u: int(ws.workers[u].healthy)),
             "tree_tokens": ("Tokens the router believes the worker caches.",
                             ws.policy.tree_tokens),
+            "pending_tokens": ("Work in flight on the worker, in tokens (uncached prompt + "
+                               "output budget), as the routing policy counts it.",
+                               lambda u: ws.policy.stats[u].pending
+                               if u in ws.policy.stats else 0),
         }
         for name, (doc, get) in gauges.items():
             g = GaugeMetricFamily(f"radixrt_router:{name}", doc, labels=["worker"])
@@ -263,33 +328,10 @@ def create_app(args: ServerArgs, prompt_ids: PromptIds,
     app = FastAPI(title="radixrt router", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.router = router
 
-    def error_response(err: P.ApiError) -> JSONResponse:
-        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
-
-    @app.middleware("http")
-    async def guard(request: Request, call_next: Any) -> Response:
-        if args.api_key and request.url.path not in OPEN_PATHS:
-            if request.headers.get("authorization", "") != f"Bearer {args.api_key}":
-                return error_response(P.ApiError(401, "invalid or missing API key",
-                                                 type="authentication_error",
-                                                 code="invalid_api_key"))
-        try:
-            return await call_next(request)
-        except P.ApiError as e:
-            return error_response(e)
+    add_guard(app, args.api_key, args.max_request_bytes, OPEN_PATHS)
 
     async def json_body(request: Request) -> tuple[bytes, dict[str, Any]]:
-        raw = await request.body()
-        if len(raw) > args.max_request_bytes:
-            raise P.ApiError(413, f"request body larger than {args.max_request_bytes} bytes",
-                             code="request_too_large")
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError as e:
-            raise P.bad(None, f"invalid JSON body: {e}", code="invalid_json") from None
-        if not isinstance(body, dict):
-            raise P.bad(None, "the JSON body must be an object", code="invalid_json")
-        return raw, body
+        return await read_json_body(request, args.max_request_bytes)
 
     def routed(path: str) -> Any:
         async def endpoint(request: Request) -> Response:

@@ -58,6 +58,7 @@ class WorkerSet:
         self.client = client
         self.headers = headers or {}  # sent to workers on health / eviction polls
         self.workers: dict[str, Worker] = {}
+        self.capacity: dict[str, int | None] = {}  # from each worker's last /health answer
         self.retries = 0
 
     # -- membership ------------------------------------------------------------------------------
@@ -78,6 +79,7 @@ class WorkerSet:
                    checked_at=time.monotonic())
         self.workers[url] = w
         self.policy.add_worker(url)
+        self.policy.set_capacity(url, self.capacity.get(url))
         if problem:
             logger.error("worker %s is not healthy yet (%s): no requests until it is", url,
                          problem)
@@ -97,9 +99,11 @@ class WorkerSet:
     def unhealthy(self) -> set[str]:
         return {u for u, w in self.workers.items() if not w.healthy}
 
-    def route(self, ids: Sequence[int], exclude: set[Hashable]) -> Decision:
+    def route(self, ids: Sequence[int], exclude: set[Hashable],
+              output_tokens: int | None = None) -> Decision:
         """A healthy worker not in `exclude` (raises `NoWorkerError`)."""
-        return self.policy.route(ids, exclude=exclude | self.unhealthy())
+        return self.policy.route(ids, exclude=exclude | self.unhealthy(),
+                                 output_tokens=output_tokens)
 
     def mark_failed(self, url: str, error: str) -> None:
         """A request to `url` failed at the transport level or with 503: stop routing to it
@@ -118,19 +122,33 @@ class WorkerSet:
                         "load": s.load if s else 0, "routed": s.routed if s else 0,
                         "routed_tokens": s.routed_tokens if s else 0,
                         "cache_routed": s.cache_routed if s else 0,
+                        "predicted_cached_tokens": s.matched_tokens if s else 0,
+                        "measured_prompt_tokens": s.measured_prompt_tokens if s else 0,
+                        "measured_cached_tokens": s.measured_cached_tokens if s else 0,
+                        "pending_tokens": s.pending if s else 0,
+                        "capacity": s.capacity if s else None,
                         "errors": s.errors if s else 0,
                         "tree_tokens": self.policy.tree_tokens(url)})
         return out
 
     # -- health and cache refresh ------------------------------------------------------------------
     async def check(self, url: str) -> str | None:
-        """None if `GET url/health` answers 200, else what went wrong."""
+        """None if `GET url/health` answers 200, else what went wrong. A registered worker's
+        capacity (`max_running_requests` in the answer: what its live replicas run at once)
+        goes to the policy."""
         try:
             r = await self.client.get(f"{url}/health", timeout=HEALTH_TIMEOUT_S)
         except httpx.HTTPError as e:
             return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
         if r.status_code != 200:
             return f"/health answered HTTP {r.status_code}"
+        try:
+            cap = r.json().get("max_running_requests")
+        except (ValueError, AttributeError):
+            cap = None
+        self.capacity[url] = cap if isinstance(cap, int) and cap > 0 else None
+        if url in self.workers:
+            self.policy.set_capacity(url, self.capacity[url])
         return None
 
     async def refresh_evictions(self, w: Worker) -> None:

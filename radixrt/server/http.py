@@ -34,11 +34,12 @@ from radixrt.grammar import check_params
 from radixrt.server import api_fields
 from radixrt.server import protocol as P
 from radixrt.server import tools as T
+from radixrt.server.guard import add_guard, error_response
+from radixrt.server.guard import json_body as read_json_body
 from radixrt.server.metrics import ServerMetrics
 
 logger = logging.getLogger("radixrt.server")
 
-OPEN_PATHS = ("/health", "/metrics")
 DISCONNECT_POLL_S = 0.2  # pause between unexpected ASGI messages while awaiting a disconnect
 
 
@@ -145,8 +146,7 @@ class Server:
         try:
             self.engine.check_alive()
         except EngineDeadError as e:
-            raise P.ApiError(503, str(e), type="service_unavailable",
-                             code="engine_dead") from None
+            raise P.unavailable(e) from None
 
     def check_ids(self, ids: list[int], param: str) -> list[int]:
         """Vocabulary and prompt-length checks; both name `param` (the prompt's API field)."""
@@ -431,7 +431,7 @@ class Server:
             async for _ in group.events():
                 pass
         except EngineDeadError as e:
-            raise P.ApiError(503, str(e), type="service_unavailable", code="engine_dead") from None
+            raise P.unavailable(e) from None
         except ClientDisconnected:
             logger.info("client disconnected: aborting %d unfinished sample(s)",
                         len(group.states) - len(group.finished))
@@ -466,7 +466,7 @@ class Server:
                 if include_usage:
                     yield chunk([], self.usage(group, n))
             except EngineDeadError as e:
-                yield self.sse_error(P.ApiError(503, str(e), type="service_unavailable"))
+                yield self.sse_error(P.unavailable(e))
             except P.ApiError as e:
                 yield self.sse_error(e)
             finally:
@@ -498,38 +498,10 @@ def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
     app = FastAPI(title="radixrt", docs_url=None, redoc_url=None)
     app.state.server = server
 
-    def error_response(err: P.ApiError) -> JSONResponse:
-        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
-
-    @app.middleware("http")
-    async def guard(request: Request, call_next: Any) -> Response:
-        if args.api_key and request.url.path not in OPEN_PATHS:
-            if request.headers.get("authorization", "") != f"Bearer {args.api_key}":
-                return error_response(P.ApiError(401, "invalid or missing API key",
-                                                 type="authentication_error",
-                                                 code="invalid_api_key"))
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > args.max_request_bytes:
-            return error_response(P.ApiError(413, f"request body larger than "
-                                                  f"{args.max_request_bytes} bytes",
-                                             code="request_too_large"))
-        try:
-            return await call_next(request)
-        except P.ApiError as e:
-            return error_response(e)
+    add_guard(app, args.api_key, args.max_request_bytes)
 
     async def json_body(request: Request) -> dict[str, Any]:
-        raw = await request.body()
-        if len(raw) > args.max_request_bytes:
-            raise P.ApiError(413, f"request body larger than {args.max_request_bytes} bytes",
-                             code="request_too_large")
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError as e:
-            raise P.bad(None, f"invalid JSON body: {e}", code="invalid_json") from None
-        if not isinstance(body, dict):
-            raise P.bad(None, "the JSON body must be an object", code="invalid_json")
-        return body
+        return (await read_json_body(request, args.max_request_bytes))[1]
 
     def json_route(fn: Any) -> Any:
         """The endpoint of a POST route whose JSON object body goes to `fn(body, request)`;
@@ -561,11 +533,19 @@ def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
+        """200 while the runtime serves (with `--dp`, while one replica lives), with the
+        requests it runs at once (`max_running_requests`, over its live replicas: what
+        `radixrt router` takes as its capacity) and, with `--dp`, the dead replicas."""
         try:
             server.check_alive()
-        except P.ApiError as e:
-            return error_response(e)
-        return JSONResponse({"status": "ok"})
+            dead = engine.dead_replicas() if engine.dp > 1 else {}
+        except (P.ApiError, EngineDeadError) as e:
+            return error_response(e if isinstance(e, P.ApiError) else P.unavailable(e))
+        body: dict[str, Any] = {"status": "ok", "max_running_requests":
+                                args.max_running_requests * (engine.dp - len(dead))}
+        if engine.dp > 1:
+            body["dead_replicas"] = {str(i): e for i, e in dead.items()}
+        return JSONResponse(body)
 
     @app.get("/metrics")
     async def metrics() -> Response:

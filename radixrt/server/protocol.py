@@ -9,7 +9,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from radixrt.core.errors import InvalidRequestError
+from radixrt.core.errors import EngineDeadError, InvalidRequestError, ReplicaDeadError
 from radixrt.core.logprobs import TokenLogprobs
 from radixrt.core.sampling_params import SamplingParams
 from radixrt.core.validation import check_context_length
@@ -40,6 +40,13 @@ class ApiError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
+
+
+def unavailable(err: EngineDeadError) -> ApiError:
+    """503 for a dead runtime (`engine_dead`) or a dead `--dp` replica (`replica_dead`: the
+    request ran there; the server still serves new ones)."""
+    code = "replica_dead" if isinstance(err, ReplicaDeadError) else "engine_dead"
+    return ApiError(503, str(err), type="service_unavailable", code=code)
 
 
 def bad(param: str | None, message: str, code: str | None = None) -> ApiError:
