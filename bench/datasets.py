@@ -250,18 +250,6 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
                       output_len=32),
         "random": dict(num_prompts=32, prompt_len=300, output_len=32),
     },
-    # The full preset's workloads with enough sessions to keep 64 requests in flight
-    # (`--max-concurrency 64`): the same shapes, 8x the sessions where full has fewer than 64.
-    "wide": {
-        "gsp": dict(groups=8, prompts_per_group=16, system_len=512, question_len=48,
-                    output_len=32),
-        "few-shot": dict(num_questions=128, preamble_len=600, question_len=24, max_output=8),
-        "multi-turn": dict(conversations=64, turns=4, system_len=192, user_len=48,
-                           output_len=32),
-        "agent": dict(chains=64, calls=4, preamble_len=700, task_len=48, tool_len=64,
-                      output_len=32),
-        "random": dict(num_prompts=128, prompt_len=300, output_len=32),
-    },
     "tiny": {
         "gsp": dict(groups=2, prompts_per_group=2, system_len=64, question_len=16,
                     output_len=4),
@@ -272,6 +260,14 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "random": dict(num_prompts=4, prompt_len=32, output_len=4),
     },
 }
+
+
+# The full preset's workloads with enough sessions to keep 64 requests in flight
+# (`--max-concurrency 64`): the same shapes, more sessions.
+PRESETS["wide"] = {name: {**params, **more} for (name, params), more in zip(
+    PRESETS["full"].items(),
+    [dict(prompts_per_group=16), dict(num_questions=128), dict(conversations=64),
+     dict(chains=64), dict(num_prompts=128)], strict=True)}
 
 
 @functools.lru_cache(maxsize=2)

@@ -32,14 +32,13 @@ import asyncio  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
-import platform  # noqa: E402
 import socket  # noqa: E402
 import subprocess  # noqa: E402
 from typing import Any  # noqa: E402
 
 import httpx  # noqa: E402
 
-from bench.common import warmup_prompt  # noqa: E402
+from bench.common import cpu_name, markdown_table, warmup_prompt  # noqa: E402
 from bench.datasets import default_tokenizer, make_workload  # noqa: E402
 from bench.metrics import compute_metrics, run_optimal_hit_rate  # noqa: E402
 from bench.serving import Client, drive_server, stop_server, wait_healthy  # noqa: E402
@@ -154,16 +153,6 @@ def run_system(system: str, workload: Any, tok: Any, args: argparse.Namespace,
             "optimal_hit_rate": run_optimal_hit_rate(workload, records)}
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "?"
-
-
 def median_runs(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per system (first-seen order), the round with the median total throughput, with every
     round's throughput in `rounds_tok_s` (rounds interleave the systems, so each sees the
@@ -191,18 +180,20 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace, desc: str) -
         f"{args.threads}` in all per system (split between replicas)",
         f"- workload: gsp {desc}, max concurrency {args.max_concurrency}",
         f"- command: `python bench/routing.py {' '.join(sys.argv[1:])}`",
-        "- **the machine was shared with other jobs during this run: absolute figures are "
-        "contended; compare ratios within the run**",
+        f"- load average when the report was written: {os.getloadavg()[0]:.1f} on "
+        f"{os.cpu_count()} CPUs (other jobs on the machine inflate absolute figures; compare "
+        "ratios within the run)",
         f"- rounds: {args.rounds} (systems interleaved; each row is the system's median-"
         "throughput round, `tok/s per round` lists all)", "",
-        "| system | total tok/s | vs single | TTFT p50 s | TTFT p99 s | hit rate | vs single's "
-        "hit | vs round-robin's hit | / optimal | imbalance (max/mean routed tokens) | tok/s "
-        "per round |",
-        "|---|---|---|---|---|---|---|---|---|---|---|"]
+    ]
+    headers = ["system", "total tok/s", "vs single", "TTFT p50 s", "TTFT p99 s", "hit rate",
+               "vs single's hit", "vs round-robin's hit", "/ optimal",
+               "imbalance (max/mean routed tokens)", "tok/s per round"]
+    rows: list[list[object]] = []
     for r in results:
         m = r["metrics"]
         if not m.get("completed"):
-            lines.append(f"| {r['system']} | failed | | | | | | | | | |")
+            rows.append([r["system"], "failed", *[""] * (len(headers) - 2)])
             continue
         hit = m["hit_rate"] or 0.0
         base = rr.get(r["system"].split("-")[0])
@@ -210,15 +201,15 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace, desc: str) -
         def ratio(a: float | None, b: float | None) -> str:
             return f"{a / b:.2f}x" if a is not None and b else "-"
 
-        lines.append(
-            f"| {r['system']} | {m['total_tok_per_s']:.0f} | "
-            f"{ratio(m['total_tok_per_s'], single and single['metrics'].get('total_tok_per_s'))}"
-            f" | {m['ttft_s']['p50']:.3f} | {m['ttft_s']['p99']:.3f} | {hit:.3f} | "
-            f"{ratio(hit, single and single['metrics'].get('hit_rate'))} | "
-            f"{ratio(hit, base and base['metrics'].get('hit_rate'))} | "
-            f"{ratio(hit, r['optimal_hit_rate'])} | {r['imbalance']:.2f} | "
-            f"{' '.join(map(str, r['rounds_tok_s']))} |")
-    return "\n".join(lines) + "\n"
+        rows.append([
+            r["system"], f"{m['total_tok_per_s']:.0f}",
+            ratio(m["total_tok_per_s"], single and single["metrics"].get("total_tok_per_s")),
+            f"{m['ttft_s']['p50']:.3f}", f"{m['ttft_s']['p99']:.3f}", f"{hit:.3f}",
+            ratio(hit, single and single["metrics"].get("hit_rate")),
+            ratio(hit, base and base["metrics"].get("hit_rate")),
+            ratio(hit, r["optimal_hit_rate"]), f"{r['imbalance']:.2f}",
+            " ".join(map(str, r["rounds_tok_s"]))])
+    return "\n".join(lines) + "\n" + markdown_table(headers, rows)
 
 
 def main() -> None:
