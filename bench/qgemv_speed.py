@@ -121,8 +121,11 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     ap.add_argument("--reps", type=int, default=5, help="timed passes per kernel and rows")
     ap.add_argument("--layers", type=int, default=LAYERS)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--out", type=Path, default=None, help="directory for qgemv_speed.json")
     a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
     if not load_cpu_kernels():
         raise SystemExit("radixrt's CPU kernels are unavailable (python -m "
                          "radixrt.attention.cpu_kernels build shows why)")

@@ -262,9 +262,9 @@ inline __m512i decode_pair_bf16(const uint8_t* c, int64_t j, int64_t bits, __m51
   if (bits == 4) {
     const __m512i b = _mm512_cvtepu8_epi32(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + j * kTile)));
-    const __m512i idx =
-        _mm512_or_si512(_mm512_and_si512(b, _mm512_set1_epi32(0xF)),
-                        _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0xF0)), 12));
+    // (b << 12 | b) & 0x000F000F: low word = low nibble, high word = high nibble (b < 256).
+    const __m512i idx = _mm512_ternarylogic_epi32(_mm512_slli_epi32(b, 12), b,
+                                                  _mm512_set1_epi32(0x000F000F), 0xA8);
     return _mm512_permutexvar_epi16(idx, lut);
   }
   const __m512 lo = _mm512_cvtepi32_ps(
