@@ -193,7 +193,7 @@ def one_batch(batch_sizes: Sequence[int], input_len: int, output_len: int, threa
               runs: int = 3, model_path: str | None = None, dtype: str = "auto",
               with_ceiling: bool = False, prefill_max_tokens: int = 8192,
               compile_decode: bool = False, quantization: str = "auto",
-              quant_max_rows: int | None = None) -> dict[str, Any]:
+              quant_max_rows: int | None = None, quant_kernel: str = "auto") -> dict[str, Any]:
     """Per batch size: one prefill of `batch x input_len` tokens (timed when it is at most
     `prefill_max_tokens` tokens; larger batches get random K/V written straight into the pool,
     which costs a decode step the same), then `output_len` decode steps, each timed from
@@ -215,7 +215,7 @@ def one_batch(batch_sizes: Sequence[int], input_len: int, output_len: int, threa
                       max_total_tokens=max_bs * ctx + 64, max_context_len=ctx,
                       attention_backend="torch", log_level="warning", dtype=dtype,
                       compile_decode=compile_decode, quantization=quantization,
-                      quant_max_rows=quant_max_rows)
+                      quant_max_rows=quant_max_rows, quant_kernel=quant_kernel)
     runner = ModelRunner(args)
     cfg = runner.model_config
     rp, kp = runner.req_to_token_pool, runner.token_to_kv_pool
@@ -378,6 +378,7 @@ def main() -> None:
     ob.add_argument("--quantization", default="auto", help="ServerArgs.quantization")
     ob.add_argument("--quant-max-rows", type=int, default=None,
                     help="ServerArgs.quant_max_rows")
+    ob.add_argument("--quant-kernel", default="auto", help="ServerArgs.quant_kernel")
     ob.add_argument("--thread-wait", default="passive", choices=("passive", "spin"),
                     help="ServerArgs.thread_wait: how this process's OpenMP threads wait (an "
                          "OMP_WAIT_POLICY / GOMP_SPINCOUNT already in the environment wins)")
@@ -399,7 +400,7 @@ def main() -> None:
             os.environ.setdefault(k, v)
         res = one_batch(a.batch_size, a.input_len, a.output_len, a.threads, a.runs, a.model,
                         a.dtype, a.with_ceiling, a.prefill_max_tokens, a.compile_decode,
-                        a.quantization, a.quant_max_rows)
+                        a.quantization, a.quant_max_rows, a.quant_kernel)
         print_one_batch(res)
         text = json.dumps(res, indent=1)
         print(text)

@@ -14,6 +14,7 @@ DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 TOOL_CALL_PARSERS: tuple[str, ...] = ("auto", "hermes", "llama3_json", "mistral")
 ROUTING_POLICIES: tuple[str, ...] = ("cache_aware", "round_robin", "least_load")
 QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "gguf", "int8", "int4")
+QUANT_KERNELS: tuple[str, ...] = ("auto", "radixrt", "torch")
 
 
 def available_cores() -> int:
@@ -71,6 +72,10 @@ class ServerArgs:
     quant_max_rows: int | None = _f(
         None, "quantized weights: largest matmul (rows) run on the weight-only kernel; larger "
               "ones (prefill) use a dense copy. Default: the crossover measured at start-up")
+    quant_kernel: str = _f(
+        "auto", "quantized weights: the small-M matmul kernel: auto (radixrt's C++ kernel when "
+                "its library builds, else torch) | radixrt (C++ qgemv: GGUF scales exact, "
+                "bf16 dot products on AVX512-BF16 CPUs) | torch (_weight_int4pack_mm_for_cpu)")
     disable_quant_dense_copy: bool = _f(
         False, "quantized weights: no dense copy (dtype) for matmuls above quant_max_rows: "
                "saves its memory (2 bytes/param in bf16) but runs prefill on the slower kernel")
@@ -173,6 +178,8 @@ class ServerArgs:
             bad("dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             bad("quantization", f"must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.quant_kernel not in QUANT_KERNELS:
+            bad("quant_kernel", f"must be one of {QUANT_KERNELS}, got {self.quant_kernel!r}")
         if self.quant_max_rows is not None and self.quant_max_rows < 0:
             bad("quant_max_rows", f"must be >= 0, got {self.quant_max_rows}")
         if self.device not in ("auto", "cpu", "cuda"):

@@ -24,6 +24,7 @@ from radixrt.model.quant import (
     quantize_int4,
     quantize_int8,
 )
+from radixrt.model.quant_matmul import TiledQuantMatmul, TorchInt4Matmul, resolve_quant_kernel
 from radixrt.model.quant_probe import ENV_FORCE, QuantProbe, resolve_quantization
 
 CPU = torch.device("cpu")
@@ -38,10 +39,19 @@ def _gguf_tensor(w: np.ndarray, qtype: str) -> GGUFQuantTensor:
     return GGUFQuantTensor(qtype, raw, tuple(w.shape))  # type: ignore[arg-type]
 
 
+KERNELS = ["torch", "radixrt"]  # radixrt's is skipped where its library does not build
+
+
+def _kernel(name: str) -> str:
+    if name == "radixrt" and resolve_quant_kernel("auto") != "radixrt":
+        pytest.skip("radixrt's CPU kernel library is unavailable")
+    return name
+
+
 def _kernel_weight(groups: Int4Groups) -> torch.Tensor:
-    """The weight the int4 kernel computes with: run it on identity inputs."""
+    """The weight torch's int4 kernel computes with: run it on identity inputs."""
     n, k = groups.shape
-    qw = QuantizedWeight.from_groups(groups)
+    qw = QuantizedWeight.from_groups(groups, kernel="torch")
     return qw(torch.eye(k, dtype=torch.bfloat16)).t().float()
 
 
@@ -114,17 +124,19 @@ def test_round_to_nearest_quantizers(quantize, bits: int) -> None:  # noqa: ANN0
 
 
 # -- the kernel against the dequantized fp32 matmul -------------------------------------------------
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows", [1, 5, 33])
-def test_quantized_matmul_matches_dequantized_fp32_within_bf16_rounding(bits: int,
+def test_quantized_matmul_matches_dequantized_fp32_within_bf16_rounding(kernel: str, bits: int,
                                                                         rows: int) -> None:
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(64, 96, generator=g)
     groups = quantize_int4(w) if bits == 4 else quantize_int8(w)
-    qw = QuantizedWeight.from_groups(groups)
+    qw = QuantizedWeight.from_groups(groups, kernel=_kernel(kernel))
+    assert qw.kernel.name == kernel and qw.bits == bits
     x = torch.randn(rows, 96, generator=g)
     bias = torch.randn(64, generator=g)
-    deq = groups.dequantize()
+    deq = groups.dequantize(qw.kernel.scale_dtype)
     ref = x @ deq.t() + bias
     y = qw(x, bias)
     assert y.dtype == torch.float32 and y.shape == (rows, 64)
@@ -132,11 +144,13 @@ def test_quantized_matmul_matches_dequantized_fp32_within_bf16_rounding(bits: in
     assert ((y - ref).abs() <= bound).all()
 
 
-def test_rows_above_max_rows_and_invariant_calls_use_the_dense_copy() -> None:
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_rows_above_max_rows_and_invariant_calls_use_the_dense_copy(kernel: str) -> None:
     """A dense copy made deliberately different (zeros) shows which path each call took."""
     g = torch.Generator().manual_seed(0)
     groups = quantize_int4(torch.randn(32, 64, generator=g))
-    qw = QuantizedWeight.from_groups(groups, dense=torch.zeros(32, 64), max_rows=4)
+    qw = QuantizedWeight.from_groups(groups, dense=torch.zeros(32, 64), max_rows=4,
+                                     kernel=_kernel(kernel))
     x = torch.randn(8, 64, generator=g)
     assert qw(x[:4]).abs().sum() > 0  # <= max_rows: the kernel
     assert torch.equal(qw(x[:5]), torch.zeros(5, 32))  # above: the dense copy
@@ -144,9 +158,11 @@ def test_rows_above_max_rows_and_invariant_calls_use_the_dense_copy() -> None:
     assert qw.bytes_read(4) < qw.bytes_read(5) == 32 * 64 * 4
 
 
-def test_invariant_kernel_calls_are_row_count_independent_below_16_rows() -> None:
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_invariant_kernel_calls_are_row_count_independent_below_16_rows(kernel: str) -> None:
     g = torch.Generator().manual_seed(0)
-    qw = QuantizedWeight.from_groups(quantize_int8(torch.randn(32, 64, generator=g)))
+    qw = QuantizedWeight.from_groups(quantize_int8(torch.randn(32, 64, generator=g)),
+                                     kernel=_kernel(kernel))
     x = torch.randn(12, 64, generator=g)
     one = qw(x[:1], invariant=True)
     for m in (2, 7, 12):
@@ -239,9 +255,10 @@ def test_hf_model_quantized_at_load_stays_close_to_fp32(tiny_hf: tuple[object, P
             assert _greedy_ids(q_model, prompt, 12) == _greedy_ids(ref_model, prompt, 12)
 
 
-def test_gguf_mode_keeps_the_files_blocks(tiny_gguf: Path) -> None:
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_gguf_mode_keeps_the_files_blocks(tiny_gguf: Path, kernel: str) -> None:
     ref_model, _ = load_model(tiny_gguf, None, torch.float32, "cpu")
-    plan = QuantPlan("gguf", max_rows_int4=1, max_rows_int8=1)
+    plan = QuantPlan("gguf", max_rows_int4=1, max_rows_int8=1, kernel=_kernel(kernel))
     q_model, _ = load_model(tiny_gguf, None, torch.bfloat16, "cpu", quant=plan)
     layer = q_model.layers[0]
     assert isinstance(layer.qkv_proj, QuantizedWeight) and layer.qkv_proj.planes == 1
@@ -249,11 +266,20 @@ def test_gguf_mode_keeps_the_files_blocks(tiny_gguf: Path) -> None:
     # The dense copy (prefill) holds the kernel's weights; the tied table shares it.
     assert q_model.lm_head.dense is not None
     assert q_model.lm_head.dense.weight is q_model.embed_tokens
+    assert layer.qkv_proj.kernel.name == kernel
     kernel_w = _kernel_weight_of(layer.qkv_proj)
-    assert torch.equal(layer.qkv_proj.dense.weight.float(), kernel_w)
-    # Dense-loaded fp32 weights are the file's values; the quantized ones agree to bf16 scales.
     ref_w = ref_model.layers[0].qkv_proj.weight
-    assert (kernel_w - ref_w).abs().max() <= ref_w.abs().max() * 2.0**-6
+    if kernel == "torch":
+        # Dense-loaded fp32 weights are the file's values; torch's agree to bf16 scales.
+        assert torch.equal(layer.qkv_proj.dense.weight.float(), kernel_w)
+        assert (kernel_w - ref_w).abs().max() <= ref_w.abs().max() * 2.0**-6
+    else:
+        # radixrt's kernel holds the file's values exactly (fp16 scales kept); the dense
+        # copy is them rounded to bf16.
+        assert layer.qkv_proj.kernel.scale.dtype == torch.float16
+        assert torch.equal(kernel_w, ref_w)
+        assert torch.equal(layer.qkv_proj.dense.weight, ref_w.bfloat16())
+        assert torch.equal(q_model.lm_head.kernel.dequantize(), ref_model.lm_head.weight)
     ids = list(range(3, 60))
     ref = _teacher_forced_logits(ref_model, ids)
     got = _teacher_forced_logits(q_model, ids)
@@ -261,9 +287,10 @@ def test_gguf_mode_keeps_the_files_blocks(tiny_gguf: Path) -> None:
 
 
 def _kernel_weight_of(qw: QuantizedWeight) -> torch.Tensor:
-    k = qw.in_features
-    bare = QuantizedWeight(qw.packed, qw.scales_and_zeros, qw.planes)
-    return bare(torch.eye(k, dtype=torch.bfloat16)).t().float()
+    if isinstance(qw.kernel, TiledQuantMatmul):
+        return qw.kernel.dequantize()
+    assert isinstance(qw.kernel, TorchInt4Matmul)
+    return qw.kernel(torch.eye(qw.in_features, dtype=torch.bfloat16)).t().float()
 
 
 def test_gguf_mode_needs_a_gguf_file(tiny_hf: tuple[object, Path]) -> None:
@@ -282,7 +309,7 @@ def test_runner_wires_quantization_from_server_args(tiny_gguf: Path,
     args = ServerArgs(model_path=str(tiny_gguf), dtype="bfloat16", quantization="gguf",
                       quant_max_rows=3, max_total_tokens=256, attention_backend="torch")
     r = runner_mod.ModelRunner(args)
-    assert r.quant == QuantPlan("gguf", 3, 3)
+    assert r.quant == QuantPlan("gguf", 3, 3, kernel=resolve_quant_kernel("auto"))
     qkv = r.model.layers[1].qkv_proj
     assert isinstance(qkv, QuantizedWeight) and qkv.max_rows == 3
     args = args.replace(quantization="none")
@@ -290,6 +317,11 @@ def test_runner_wires_quantization_from_server_args(tiny_gguf: Path,
 
 
 # -- choosing: `auto`, overrides, bad values ---------------------------------------------------------
+def _qp(*args: object, **kw: object) -> QuantPlan:
+    """A quantizing plan as `resolve_quantization` makes it: kernel "auto" resolved."""
+    return QuantPlan(*args, kernel=resolve_quant_kernel("auto"), **kw)  # type: ignore[arg-type]
+
+
 def _probe(ms: dict[str, dict[int, float]]):  # noqa: ANN202
     calls: list[torch.dtype] = []
 
@@ -322,9 +354,9 @@ def test_probe_crossover_is_the_last_row_count_of_the_winning_prefix() -> None:
 def test_auto_quantizes_only_with_bf16_and_a_clearly_faster_kernel() -> None:
     probe, calls = _probe(FAST)
     plan, why = resolve_quantization("auto", torch.bfloat16, CPU, True, probe)
-    assert plan == QuantPlan("gguf", 8, 2) and "probe" in why
+    assert plan == _qp("gguf", 8, 2) and "probe" in why
     plan, _ = resolve_quantization("auto", torch.bfloat16, CPU, False, probe)
-    assert plan == QuantPlan("int8", 8, 2)  # an HF directory: 8-bit
+    assert plan == _qp("int8", 8, 2)  # an HF directory: 8-bit
     assert calls == [torch.bfloat16, torch.bfloat16]
     # fp32 activations: never quantized, nothing timed.
     plan, why = resolve_quantization("auto", torch.float32, CPU, True, probe)
@@ -346,13 +378,13 @@ def test_explicit_modes_and_knobs() -> None:
     assert resolve_quantization("none", torch.bfloat16, CPU, True, probe)[0] == QuantPlan()
     # Explicit modes apply whatever the dtype; the crossover is measured in the model dtype ...
     assert resolve_quantization("int4", torch.float32, CPU, False, probe)[0] == (
-        QuantPlan("int4", 8, 2))
+        _qp("int4", 8, 2))
     assert calls == [torch.float32]
     # ... unless given, or unused without a dense copy.
     assert resolve_quantization("gguf", torch.bfloat16, CPU, True, probe, max_rows=5)[0] == (
-        QuantPlan("gguf", 5, 5))
+        _qp("gguf", 5, 5))
     assert resolve_quantization("int8", torch.bfloat16, CPU, True, probe,
-                                dense_copy=False)[0] == QuantPlan("int8", dense_copy=False)
+                                dense_copy=False)[0] == _qp("int8", dense_copy=False)
     assert len(calls) == 1
     with pytest.raises(ValueError, match="ServerArgs.quantization.*gguf"):
         resolve_quantization("gguf", torch.bfloat16, CPU, False, probe)
@@ -367,7 +399,7 @@ def test_env_forces_the_auto_outcome(monkeypatch: pytest.MonkeyPatch) -> None:
     assert plan == QuantPlan() and ENV_FORCE in why and not calls
     monkeypatch.setenv(ENV_FORCE, "int4")  # forced even with fp32 activations
     assert resolve_quantization("auto", torch.float32, CPU, True, probe)[0] == (
-        QuantPlan("int4", 8, 2))
+        _qp("int4", 8, 2))
     monkeypatch.setenv(ENV_FORCE, "fp8")
     with pytest.raises(ValueError, match=ENV_FORCE):
         resolve_quantization("auto", torch.bfloat16, CPU, True, probe)
@@ -378,10 +410,13 @@ def test_server_args_reject_bad_values_and_the_cli_exposes_the_knobs() -> None:
         ServerArgs(quantization="int3")
     with pytest.raises(ValueError, match="ServerArgs.quant_max_rows"):
         ServerArgs(quant_max_rows=-1)
+    with pytest.raises(ValueError, match="ServerArgs.quant_kernel"):
+        ServerArgs(quant_kernel="fast")
     ap = argparse.ArgumentParser()
     add_server_args(ap)
     args = args_from_namespace(ap.parse_args(
-        ["--quantization", "int4", "--quant-max-rows", "6", "--disable-quant-dense-copy"]))
-    assert (args.quantization, args.quant_max_rows, args.disable_quant_dense_copy) == (
-        "int4", 6, True)
+        ["--quantization", "int4", "--quant-max-rows", "6", "--disable-quant-dense-copy",
+         "--quant-kernel", "torch"]))
+    assert (args.quantization, args.quant_max_rows, args.disable_quant_dense_copy,
+            args.quant_kernel) == ("int4", 6, True, "torch")
     assert ServerArgs().quantization == "auto"

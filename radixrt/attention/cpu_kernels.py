@@ -38,7 +38,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
-SOURCES: tuple[str, ...] = ("paged_decode.cpp",)
+SOURCES: tuple[str, ...] = ("paged_decode.cpp", "qgemv.cpp")
 LIB_NAME = "radixrt_cpu_kernels"
 ISAS: tuple[str, ...] = ("avx512", "avx2", "default")  # best first
 
@@ -54,6 +54,11 @@ _ISA_NEEDS: dict[str, frozenset[str]] = {
     "avx512": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"}),
     "avx2": frozenset({"avx2", "fma", "f16c"}),
     "default": frozenset(),
+}
+# Extra flags an instruction set adds when the CPU has the named flag (sources guard their use
+# with the matching #ifdef, e.g. __AVX512BF16__).
+_ISA_OPTIONAL: dict[str, tuple[tuple[str, str], ...]] = {
+    "avx512": (("avx512_bf16", "-mavx512bf16"),),
 }
 _COMMON_FLAGS: tuple[str, ...] = ("-O3", "-fopenmp")
 
@@ -122,7 +127,8 @@ def build_spec(isa: str | None = None) -> BuildSpec:
     """What would be built here, and where: the key covers sources, torch, flags and the CPU."""
     flags = cpu_flags()
     isa = choose_isa(flags, isa)
-    cflags = (*_COMMON_FLAGS, *_ISA_FLAGS[isa])
+    optional = tuple(f for need, f in _ISA_OPTIONAL.get(isa, ()) if need in flags)
+    cflags = (*_COMMON_FLAGS, *_ISA_FLAGS[isa], *optional)
     h = hashlib.sha256()
     for src in SOURCES:
         h.update(src.encode())
@@ -146,6 +152,10 @@ def _register_fakes() -> None:
     def _(q, k_buffer, v_buffer, kv_indices, row_start, row_len, group_start, group_len,
           group_row_ptr, group_rows, scale):
         return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+    @torch.library.register_fake("radixrt::qgemv")
+    def _(x, codes, scale, offset, bits):
+        return x.new_empty(x.shape[0], codes.shape[0] * 16)
 
 
 def _compile(spec: BuildSpec, verbose: bool) -> None:

@@ -2,9 +2,9 @@
 forms, behind one call, `weight(x, bias, invariant)`.
 
 - `DenseWeight`: a plain tensor in the model dtype; `F.linear`.
-- `QuantizedWeight`: `Int4Groups` (4-bit, or 8-bit as two 4-bit planes) packed for torch's CPU
-  weight-only kernel `_weight_int4pack_mm_for_cpu`, which runs with bf16 activations (inputs of
-  another dtype are cast to bf16 and the result cast back). Weight-only kernels beat dense GEMMs
+- `QuantizedWeight`: `Int4Groups` (4-bit or 8-bit) packed for a quantized matmul kernel
+  (`quant_matmul.QuantMatmul`: radixrt's C++ `qgemv`, or torch's `_weight_int4pack_mm_for_cpu`
+  where radixrt's kernel library is unavailable). Weight-only kernels beat dense GEMMs
   only for a few rows (decode: they read 4-8x fewer weight bytes), and lose for many (prefill:
   they are compute-bound and dequantize on the fly), so a `QuantizedWeight` may keep a `dense`
   copy of its own dequantized values (model dtype) and run calls of more than `max_rows` rows
@@ -21,6 +21,7 @@ from torch import nn
 
 from radixrt.attention.base import MIN_INVARIANT_ROWS
 from radixrt.model.quant import GROUP, Int4Groups
+from radixrt.model.quant_matmul import QuantMatmul, TorchInt4Matmul, make_quant_matmul
 
 
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -86,51 +87,51 @@ class DenseWeight(LinearWeight):
 
 
 class QuantizedWeight(LinearWeight):
-    """`groups` packed for the int4 CPU kernel; calls of more than `max_rows` rows run on `dense`
-    (when given; the caller fills it with `groups.dequantize()` in the model dtype so both paths
-    hold the same weights). Without `dense` every call runs on the kernel."""
+    """A quantized weight run by `kernel` (a `QuantMatmul`: radixrt's C++ kernel or torch's int4
+    one); calls of more than `max_rows` rows, and invariant calls, run on `dense` when given
+    (the caller fills it with `groups.dequantize(kernel.scale_dtype)` in the model dtype so both
+    paths hold the same weights). Without `dense` every call runs on the kernel."""
 
-    def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, planes: int,
-                 dense: torch.Tensor | None = None, max_rows: int = 0):
-        """`packed` / `scales_and_zeros` as `Int4Groups.pack` returns them (`planes` side by side
-        along K); see `from_groups`."""
+    def __init__(self, kernel: QuantMatmul, dense: torch.Tensor | None = None,
+                 max_rows: int = 0):
         super().__init__()
-        self.out_features = int(scales_and_zeros.shape[1])
-        self.in_features = int(scales_and_zeros.shape[0]) * GROUP // planes
-        self.planes = planes
-        self.register_buffer("packed", packed)
-        self.register_buffer("scales_and_zeros", scales_and_zeros)
+        self.kernel = kernel
+        self.out_features, self.in_features = kernel.out_features, kernel.in_features
+        self.bits = kernel.bits
         self.dense = None if dense is None else DenseWeight(dense)
         self.max_rows = max_rows if dense is not None else torch.iinfo(torch.int64).max
 
     @classmethod
     def from_groups(cls, groups: Int4Groups, dense: torch.Tensor | None = None,
-                    max_rows: int = 0) -> QuantizedWeight:
-        packed, sz = groups.pack()
-        return cls(packed, sz, groups.planes, dense, max_rows)
+                    max_rows: int = 0, kernel: str = "auto") -> QuantizedWeight:
+        """`groups` packed for `kernel` ("auto" | "radixrt" | "torch", see
+        `quant_matmul.resolve_quant_kernel`)."""
+        return cls(make_quant_matmul(groups, kernel), dense, max_rows)
+
+    @property
+    def planes(self) -> int:
+        """4-bit planes of the weight (1: 4-bit, 2: 8-bit)."""
+        return self.bits // 4
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None,
                 invariant: bool = False) -> torch.Tensor:
         n = x.shape[0]
         if self.dense is not None and (n > self.max_rows or invariant):
             return self.dense(x, bias, invariant)
-        xb = _pad_rows(x, MIN_INVARIANT_ROWS) if invariant and n < MIN_INVARIANT_ROWS else x
-        xb = xb.to(torch.bfloat16).contiguous()
-        if self.planes > 1:
-            xb = torch.cat([xb] * self.planes, dim=1)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, GROUP,
-                                                       self.scales_and_zeros)[:n].to(x.dtype)
+        if invariant and n < MIN_INVARIANT_ROWS and isinstance(self.kernel, TorchInt4Matmul):
+            y = self.kernel(_pad_rows(x, MIN_INVARIANT_ROWS))[:n]  # its small-M path differs
+        else:
+            y = self.kernel(x)  # radixrt's kernel: each row's arithmetic is independent of M
         return y if bias is None else y + bias
 
     def bytes_read(self, rows: int) -> int:
         if self.dense is not None and rows > self.max_rows:
             return self.dense.nbytes()
-        return self.packed.numel() + self.scales_and_zeros.numel() * 2
+        return self.kernel.nbytes()
 
     def nbytes(self) -> int:
-        quant = self.packed.numel() + self.scales_and_zeros.numel() * 2
-        return quant + (self.dense.nbytes() if self.dense is not None else 0)
+        return self.kernel.nbytes() + (self.dense.nbytes() if self.dense is not None else 0)
 
     def describe(self) -> str:
         rows = "every call" if self.dense is None else f"<= {self.max_rows} rows, dense above"
-        return f"{4 * self.planes}-bit groups of {GROUP} ({rows})"
+        return f"{self.bits}-bit groups of {GROUP} on the {self.kernel.name} kernel ({rows})"

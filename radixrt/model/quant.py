@@ -1,5 +1,6 @@
 """Quantized weight data: GGUF block tensors as read from a file, and `Int4Groups`, the one
-in-memory form every quantized matmul weight takes before it is packed for torch's CPU kernel.
+in-memory form every quantized matmul weight takes before it is packed for a quantized matmul
+kernel (`quant_matmul`: radixrt's C++ kernel, or torch's int4 kernel described here).
 
 `Int4Groups` holds one or two *planes* of 4-bit codes with a scale and a zero per group of
 `GROUP` (32) consecutive input features:
@@ -16,8 +17,9 @@ plane is a 4-bit weight; two planes are an 8-bit weight (`q8 = 16 * hi + lo`, hi
 - Q4_1 (`w = d * q + m`): one plane, scale d, zero m + 8d.
 - Q8_0 (`w = d * q`, q int8): two planes as above.
 
-The kernel takes scales and zeros in the activation dtype (bf16), so the only change from the
-file is rounding each group's scale and zero to bf16 (`dequantize` reproduces that exactly).
+torch's kernel takes scales and zeros in the activation dtype (bf16), so the only change from the
+file is rounding each group's scale and zero to bf16 (`dequantize` reproduces that exactly);
+radixrt's kernel keeps them exact (`dequantize(scale_dtype=None)`).
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ KERNEL_N_MULTIPLE = 16  # `_convert_weight_to_int4pack_for_cpu` needs N % 16 == 
 
 
 def kernel_supports(out_features: int, in_features: int) -> bool:
-    """Whether torch's int4 CPU kernel can hold a `[out, in]` weight in groups of GROUP."""
+    """Whether the quantized kernels (torch's int4, radixrt's qgemv) can hold a `[out, in]` weight
+    in groups of GROUP (both need out % 16 == 0)."""
     return out_features % KERNEL_N_MULTIPLE == 0 and in_features % GROUP == 0
 
 
@@ -209,12 +212,14 @@ class QuantPlan:
     `int4` keeps the LM head at 8 bits: a 4-bit head alone raised SmolLM2's mean KL to the fp32
     logits from 0.003 to 0.08, see bench/accuracy.py).
     `max_rows_int4` / `max_rows_int8`: the largest call (rows) run on the quantized kernel when
-    `dense_copy` keeps a dense copy for larger ones."""
+    `dense_copy` keeps a dense copy for larger ones. `kernel`: "auto" | "radixrt" | "torch", the
+    quantized matmul kernel (see `quant_matmul.resolve_quant_kernel`)."""
 
     mode: str = "none"
     max_rows_int4: int = 0
     max_rows_int8: int = 0
     dense_copy: bool = True
+    kernel: str = "auto"
 
     def __post_init__(self) -> None:
         if self.mode not in QUANTIZATION_MODES:
@@ -245,7 +250,7 @@ class QuantPlan:
             return "none"
         rows = (f"kernels up to {self.max_rows_int4} rows (4-bit) / {self.max_rows_int8} rows "
                 f"(8-bit), dense copy above" if self.dense_copy else "kernels for every call")
-        return f"{self.mode} ({rows})"
+        return f"{self.mode} ({self.kernel} kernel, {rows})"
 
 
 def to_groups(piece: torch.Tensor | GGUFQuantTensor, bits: int) -> Int4Groups:

@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 import torch
 
 from radixrt.model.linear import DenseWeight, LinearWeight, QuantizedWeight
-from radixrt.model.quant import GROUP, QUANTIZATION_MODES, QuantPlan
+from radixrt.model.quant import GROUP, QUANTIZATION_MODES, Int4Groups, QuantPlan
+from radixrt.model.quant_matmul import resolve_quant_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ class QuantProbe:
 
     ms: dict[str, dict[int, float]] = field(default_factory=dict)
     threads: int = 1
+    kernel: str = "torch"  # the quantized kernel timed
 
     def crossover(self, kind: str) -> int:
         """Largest row count up to which `kind` beat dense at every measured count (0: never)."""
@@ -75,20 +77,29 @@ class QuantProbe:
             cells = "/".join(f"{self.ms[k][rows]:.2f}" if rows in self.ms.get(k, {}) else "-"
                              for k in KINDS)
             parts.append(f"{rows}: {cells}")
-        return (f"ms dense/int4/int8 per rows ({self.threads} threads) " + ", ".join(parts)
+        return (f"ms dense/int4/int8 per rows ({self.kernel} kernel, {self.threads} threads) "
+                + ", ".join(parts)
                 + f"; kernels win up to {self.crossover('int4')} rows (4-bit), "
                   f"{self.crossover('int8')} rows (8-bit)")
 
     def as_info(self) -> dict[str, object]:
         return {"ms": {k: {str(r): v for r, v in d.items()} for k, d in self.ms.items()},
-                "threads": self.threads, "max_rows_int4": self.crossover("int4"),
+                "threads": self.threads, "kernel": self.kernel, "max_rows_int4": self.crossover("int4"),
                 "max_rows_int8": self.crossover("int8")}
 
 
-def _probe_weights(hidden: int, intermediate: int,
-                   dense_dtype: torch.dtype) -> dict[str, list[LinearWeight]]:
+def _random_groups(n: int, k: int, planes: int, g: torch.Generator) -> Int4Groups:
+    q = torch.randint(0, 16, (planes, n, k), dtype=torch.uint8, generator=g)
+    s = torch.full((1, n, k // GROUP), 0.01)
+    scale = s if planes == 1 else torch.cat([16 * s, s])
+    return Int4Groups(q, scale, torch.zeros_like(scale))
+
+
+def _probe_weights(hidden: int, intermediate: int, dense_dtype: torch.dtype,
+                   kernel: str = "auto") -> dict[str, list[LinearWeight]]:
     """Model-shaped weights (gate_up `[2i, h]` and down `[h, i]` alternating) of at least
-    PROBE_PARAMS parameters in each kind. Values are arbitrary: only timing matters."""
+    PROBE_PARAMS parameters in each kind, the quantized ones on `kernel`. Values are arbitrary:
+    only timing matters."""
     shapes = [(2 * intermediate, hidden), (hidden, intermediate)]
     shapes = [(n, k) for n, k in shapes if k % GROUP == 0] or [(1536, 576)]
     out: dict[str, list[LinearWeight]] = {k: [] for k in KINDS}
@@ -101,17 +112,16 @@ def _probe_weights(hidden: int, intermediate: int,
         total += n * k
         out["dense"].append(DenseWeight(torch.full((n, k), 0.01, dtype=dense_dtype)))
         for kind, planes in (("int4", 1), ("int8", 2)):
-            packed = torch.randint(0, 256, (n, planes * k // 2), dtype=torch.uint8, generator=g)
-            sz = torch.full((planes * k // GROUP, n, 2), 0.01, dtype=torch.bfloat16)
-            out[kind].append(QuantizedWeight(packed, sz, planes))
+            groups = _random_groups(n, k, planes, g)
+            out[kind].append(QuantizedWeight.from_groups(groups, kernel=kernel))
     return out
 
 
-def measure_kernels(hidden: int, intermediate: int) -> Measure:
-    """The real measurement for a model of this shape (see the module docstring)."""
+def measure_kernels(hidden: int, intermediate: int, kernel: str = "auto") -> Measure:
+    """The real measurement for a model of this shape on `kernel` (see the module docstring)."""
 
     def measure(rows_list: tuple[int, ...], dense_dtype: torch.dtype) -> dict[str, dict[int, float]]:
-        weights = _probe_weights(hidden, intermediate, dense_dtype)
+        weights = _probe_weights(hidden, intermediate, dense_dtype, kernel)
         inputs = {(kind, r, w.in_features): torch.randn(r, w.in_features).to(
             dense_dtype if kind == "dense" else torch.bfloat16)
             for kind, ws in weights.items() for w in ws for r in rows_list}
@@ -148,19 +158,20 @@ def measure_kernels(hidden: int, intermediate: int) -> Measure:
     return measure
 
 
-_cached: dict[tuple[int, int, torch.dtype], QuantProbe] = {}
+_cached: dict[tuple[int, int, torch.dtype, str], QuantProbe] = {}
 
 
 def probe_quant_kernels(hidden: int, intermediate: int, dense_dtype: torch.dtype = torch.bfloat16,
-                        measure: Measure | None = None) -> QuantProbe:
-    """Time dense vs quantized matmuls for this model shape (once per process and shape unless
-    `measure` is injected)."""
-    key = (hidden, intermediate, dense_dtype)
+                        measure: Measure | None = None, kernel: str = "auto") -> QuantProbe:
+    """Time dense vs quantized matmuls (on `kernel`) for this model shape (once per process,
+    shape and kernel unless `measure` is injected)."""
+    kernel = resolve_quant_kernel(kernel)
+    key = (hidden, intermediate, dense_dtype, kernel)
     if measure is None and key in _cached:
         return _cached[key]
     with torch.inference_mode():
-        ms = (measure or measure_kernels(hidden, intermediate))(ROWS, dense_dtype)
-    result = QuantProbe(ms, torch.get_num_threads())
+        ms = (measure or measure_kernels(hidden, intermediate, kernel))(ROWS, dense_dtype)
+    result = QuantProbe(ms, torch.get_num_threads(), kernel)
     if measure is None:
         _cached[key] = result
     return result
@@ -171,11 +182,13 @@ ProbeFn = Callable[[torch.dtype], QuantProbe]
 
 def resolve_quantization(requested: str, dtype: torch.dtype, device: torch.device,
                          is_gguf: bool, probe: ProbeFn, max_rows: int | None = None,
-                         dense_copy: bool = True) -> tuple[QuantPlan, str]:
-    """The `QuantPlan` for `ServerArgs.quantization` = `requested` and why (a log line).
+                         dense_copy: bool = True, kernel: str = "auto") -> tuple[QuantPlan, str]:
+    """The `QuantPlan` for `ServerArgs.quantization` = `requested` and why (a log line);
+    `kernel` (`ServerArgs.quant_kernel`) is resolved into the plan when it quantizes.
 
-    `probe(dense_dtype)` is called only when a crossover or the `auto` decision needs timing.
-    Raises ValueError naming the field for a mode this model / device cannot use."""
+    `probe(dense_dtype)` (timing that kernel) is called only when a crossover or the `auto`
+    decision needs timing. Raises ValueError naming the field for a mode this model / device
+    cannot use."""
     if requested not in ("auto", *QUANTIZATION_MODES):
         raise ValueError(f"ServerArgs.quantization: must be one of "
                          f"{('auto', *QUANTIZATION_MODES)}, got {requested!r}")
@@ -195,6 +208,7 @@ def resolve_quantization(requested: str, dtype: torch.dtype, device: torch.devic
         mode = forced or ("gguf" if is_gguf else "int8")
         if mode == "none":
             return QuantPlan(), f"none (forced by {ENV_FORCE})"
+    kernel = resolve_quant_kernel(kernel)
     if mode == "gguf" and not is_gguf:
         raise ValueError("ServerArgs.quantization: 'gguf' keeps a GGUF file's blocks; the model is "
                          "not a .gguf file (use int8 or int4)")
@@ -202,9 +216,11 @@ def resolve_quantization(requested: str, dtype: torch.dtype, device: torch.devic
         return QuantPlan(), (f"none (dtype {str(dtype).removeprefix('torch.')}: the weight-only "
                              "kernels are fast only with bf16 activations)")
     if not dense_copy:
-        return QuantPlan(mode, dense_copy=False), f"{mode} (kernels for every call, no dense copy)"
+        return (QuantPlan(mode, dense_copy=False, kernel=kernel),
+                f"{mode} ({kernel} kernel for every call, no dense copy)")
     if max_rows is not None and requested != "auto":
-        return QuantPlan(mode, max_rows, max_rows), f"{mode} (max_rows {max_rows} given)"
+        return (QuantPlan(mode, max_rows, max_rows, kernel=kernel),
+                f"{mode} ({kernel} kernel, max_rows {max_rows} given)")
     p = probe(dtype)
     if requested == "auto" and not forced:
         kind = "int4" if mode == "gguf" else mode
@@ -215,4 +231,4 @@ def resolve_quantization(requested: str, dtype: torch.dtype, device: torch.devic
     r4 = max_rows if max_rows is not None else p.crossover("int4")
     r8 = max_rows if max_rows is not None else p.crossover("int8")
     why = f"forced by {ENV_FORCE}" if forced else "requested" if requested != "auto" else "probe"
-    return QuantPlan(mode, r4, r8), f"{mode} ({why}; {p.describe()})"
+    return QuantPlan(mode, r4, r8, kernel=kernel), f"{mode} ({why}; {p.describe()})"

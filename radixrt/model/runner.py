@@ -65,14 +65,14 @@ class ModelRunner:
 
         def qprobe(dense_dtype: torch.dtype) -> QuantProbe:
             self.quant_probe = probe_quant_kernels(cfg.hidden_size, cfg.intermediate_size,
-                                                   dense_dtype)
+                                                   dense_dtype, kernel=args.quant_kernel)
             return self.quant_probe
 
         self.quant: QuantPlan
         self.quant, why = resolve_quantization(
             args.quantization, self.dtype, self.device,
             resolve_gguf_file(Path(self.model_path)) is not None, qprobe, args.quant_max_rows,
-            dense_copy=not args.disable_quant_dense_copy)
+            dense_copy=not args.disable_quant_dense_copy, kernel=args.quant_kernel)
         logger.info("quantization %s -> %s", args.quantization, why)
         self.sizes = plan_pools(args, cfg, self.dtype, self.device)
         self.req_to_token_pool = ReqToTokenPool(

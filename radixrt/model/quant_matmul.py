@@ -1,0 +1,211 @@
+"""Quantized matmul kernels: the `QuantMatmul` seam and its two CPU implementations, both built
+from an `Int4Groups` weight and computing `x @ W.T` for `x [M, in]` in x's dtype.
+
+- `TiledQuantMatmul` ("radixrt"): radixrt's C++ kernel `torch.ops.radixrt.qgemv`
+  (radixrt/attention/csrc/qgemv.cpp) on a tiled layout made once at load time (`pack_tiles`):
+  4-bit codes, or 8-bit codes (two planes merged back into one int8), with an fp32 scale and
+  offset per group of 32, so GGUF Q4_0 / Q4_1 / Q8_0 blocks are kept exactly (up to one fp32
+  rounding of a Q4_1 group's offset). Activations are bf16 on AVX512-BF16 CPUs (products and
+  sums fp32) and fp32 elsewhere.
+- `TorchInt4Matmul` ("torch"): torch's `_weight_int4pack_mm_for_cpu` (bf16 activations, scales
+  and zeros rounded to bf16; 8-bit weights run as two 4-bit planes over `[x, x]`). The fallback
+  where radixrt's kernel library does not build.
+
+`make_quant_matmul(groups, kernel)` picks one: `kernel` is "auto" (radixrt when its library
+loads, else torch), "radixrt" or "torch".
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+from torch import nn
+
+from radixrt.config import QUANT_KERNELS
+from radixrt.model.quant import GROUP, KERNEL_SCALE_DTYPE, Int4Groups
+
+TILE = 16  # output features per tile of the radixrt layout
+
+
+class QuantMatmul(nn.Module, ABC):
+    """`forward(x [M, in_features]) -> [M, out_features]` in x's dtype, on a quantized weight."""
+
+    name: str
+    bits: int
+    out_features: int
+    in_features: int
+
+    @abstractmethod
+    def forward(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes the packed weight holds (what one call reads)."""
+
+    @property
+    @abstractmethod
+    def scale_dtype(self) -> torch.dtype | None:
+        """The rounding applied to scales and zeros (`Int4Groups.dequantize(scale_dtype)` is
+        this kernel's weight; None: exact)."""
+
+
+class TorchInt4Matmul(QuantMatmul):
+    """torch's weight-only int4 CPU kernel; see the module docstring."""
+
+    name = "torch"
+
+    def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, planes: int):
+        """`packed` / `scales_and_zeros` as `Int4Groups.pack` returns them."""
+        super().__init__()
+        self.out_features = int(scales_and_zeros.shape[1])
+        self.in_features = int(scales_and_zeros.shape[0]) * GROUP // planes
+        self.planes = planes
+        self.bits = 4 * planes
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_and_zeros", scales_and_zeros)
+
+    @classmethod
+    def from_groups(cls, groups: Int4Groups) -> TorchInt4Matmul:
+        packed, sz = groups.pack()
+        return cls(packed, sz, groups.planes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xb = x.to(torch.bfloat16).contiguous()
+        if self.planes > 1:
+            xb = torch.cat([xb] * self.planes, dim=1)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, GROUP,
+                                                          self.scales_and_zeros).to(x.dtype)
+
+    def nbytes(self) -> int:
+        return self.packed.numel() + self.scales_and_zeros.numel() * 2
+
+    @property
+    def scale_dtype(self) -> torch.dtype | None:
+        return KERNEL_SCALE_DTYPE
+
+
+def merged_codes(groups: Int4Groups) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes, scale, offset) with `W = scale * codes + offset` per group, exactly `groups`'
+    weight up to one fp32 rounding of the offset: one plane -> codes uint8 0..15; two planes
+    (scale of plane 0 = 16 x plane 1's, as every 8-bit constructor makes them) -> codes int8
+    `16 * (hi - 8) + lo`. scale / offset float32 `[N, K / GROUP]`."""
+    s, z = groups.scale.float(), groups.zero.float()
+    if groups.planes == 1:
+        return groups.q[0], s[0], z[0] - 8 * s[0]
+    if not torch.equal(s[0], 16 * s[1]):
+        raise ValueError("8-bit Int4Groups need plane 0's scale to be 16x plane 1's")
+    q8 = 16 * (groups.q[0].to(torch.int16) - 8) + groups.q[1].to(torch.int16)
+    return q8.to(torch.int8), s[1], z[0] + z[1] - 8 * s[1]
+
+
+def pack_tiles(groups: Int4Groups) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes uint8 `[N/16, K/32, 64 * bits]`, scale, offset `[N/16, K/32, 16]`) in qgemv.cpp's
+    layout; scale and offset are float16 when that holds every value exactly (GGUF blocks),
+    else float32. Raises ValueError unless N % 16 == 0 and K % 32 == 0."""
+    n, k = groups.shape
+    if n % TILE or k % GROUP:
+        raise ValueError(f"the radixrt quantized kernel needs out_features % {TILE} == 0 and "
+                         f"in_features % {GROUP} == 0, got a [{n}, {k}] weight")
+    q, scale, offset = merged_codes(groups)
+    nt, g = n // TILE, k // GROUP
+    # [t, n, g, j, h] -> [t, g, j, n, h]: pair j of group g, lane n, element h (k = 32g + 2j + h)
+    q = q.reshape(nt, TILE, g, GROUP // 2, 2).permute(0, 2, 3, 1, 4)
+    if groups.planes == 1:
+        codes = (q[..., 0] | (q[..., 1] << 4)).to(torch.uint8)
+    else:
+        codes = q.contiguous().view(torch.uint8)
+    codes = codes.reshape(nt, g, -1).contiguous()
+
+    def lanes(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(nt, TILE, g).permute(0, 2, 1).contiguous()
+
+    scale, offset = lanes(scale), lanes(offset)
+    half_s, half_o = scale.half(), offset.half()
+    if torch.equal(half_s.float(), scale) and torch.equal(half_o.float(), offset):
+        return codes, half_s, half_o  # exact in fp16 (GGUF's d and m are fp16)
+    return codes, scale, offset
+
+
+def unpack_tiles(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+                 bits: int) -> torch.Tensor:
+    """float32 `[N, K]` weight of a tiled layout (the torch reference of qgemv.cpp)."""
+    nt, g, _ = codes.shape
+    if bits == 4:
+        q = torch.stack([codes & 0xF, codes >> 4], -1).float()  # [t, g, j*16 + n, h]
+    else:
+        q = codes.view(torch.int8).float()  # [t, g, j*32 + 2n + h]
+    q = q.reshape(nt, g, GROUP // 2, TILE, 2)  # [t, g, j, n, h]
+    w = q * scale.float()[:, :, None, :, None] + offset.float()[:, :, None, :, None]
+    return w.permute(0, 3, 1, 2, 4).reshape(nt * TILE, g * GROUP)
+
+
+class TiledQuantMatmul(QuantMatmul):
+    """radixrt's C++ kernel on the tiled layout; see the module docstring."""
+
+    name = "radixrt"
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+                 bits: int):
+        """Arguments as `pack_tiles` returns them (`bits` 4 or 8)."""
+        super().__init__()
+        self.bits = bits
+        self.out_features = int(codes.shape[0]) * TILE
+        self.in_features = int(codes.shape[1]) * GROUP
+        self.register_buffer("codes", codes)
+        self.register_buffer("scale", scale)
+        self.register_buffer("offset", offset)
+
+    @classmethod
+    def from_groups(cls, groups: Int4Groups) -> TiledQuantMatmul:
+        return cls(*pack_tiles(groups), groups.bits)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"x has {x.shape[-1]} input features, the weight "
+                             f"{self.in_features}")
+        return torch.ops.radixrt.qgemv(x.contiguous(), self.codes, self.scale, self.offset,
+                                       self.bits)
+
+    def dequantize(self) -> torch.Tensor:
+        return unpack_tiles(self.codes, self.scale, self.offset, self.bits)
+
+    def nbytes(self) -> int:
+        return (self.codes.numel() + self.scale.numel() * self.scale.element_size()
+                + self.offset.numel() * self.offset.element_size())
+
+    @property
+    def scale_dtype(self) -> torch.dtype | None:
+        return None
+
+
+def radixrt_kernel_available() -> bool:
+    """Whether `torch.ops.radixrt.qgemv` is usable here (builds the kernel library if needed)."""
+    from radixrt.attention.cpu_kernels import load_cpu_kernels
+
+    return load_cpu_kernels() and hasattr(torch.ops.radixrt, "qgemv")
+
+
+def resolve_quant_kernel(kernel: str) -> str:
+    """"radixrt" or "torch" for `ServerArgs.quant_kernel` = `kernel`. Raises ValueError naming
+    the field for an unknown name, or "radixrt" where its library is unavailable."""
+    if kernel not in QUANT_KERNELS:
+        raise ValueError(f"ServerArgs.quant_kernel: must be one of {QUANT_KERNELS}, got "
+                         f"{kernel!r}")
+    if kernel == "torch":
+        return "torch"
+    if radixrt_kernel_available():
+        return "radixrt"
+    if kernel == "radixrt":
+        from radixrt.attention.cpu_kernels import unavailable_reason
+
+        raise ValueError("ServerArgs.quant_kernel: 'radixrt' needs radixrt's CPU kernel library, "
+                         f"which is unavailable ({unavailable_reason()})")
+    return "torch"
+
+
+def make_quant_matmul(groups: Int4Groups, kernel: str = "auto") -> QuantMatmul:
+    """`groups` packed for `kernel` (see `resolve_quant_kernel`)."""
+    if resolve_quant_kernel(kernel) == "radixrt":
+        return TiledQuantMatmul.from_groups(groups)
+    return TorchInt4Matmul.from_groups(groups)
