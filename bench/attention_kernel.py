@@ -2,6 +2,14 @@
 
     python bench/attention_kernel.py attention --batch 1 8 64 --ctx 512 2048 --prefix 0 400
     python bench/attention_kernel.py step --batch 1 8 64 --ctx 512 2048 --dtype bfloat16
+    python bench/attention_kernel.py kernel --baseline 1e7a68f --batch 8 64 --ctx 512 2048
+
+`kernel`: the op alone (`PagedDecodePlan.run` on every layer, plan built once) against the same op
+compiled from `paged_decode.cpp` at git revision `--baseline` (built beside the current one with
+the same flags, registered as `torch.ops.radixrt_baseline`), with the K+V bytes a layer has to
+read (each shared prefix once) and the bandwidth that makes. Enough layers are allocated that K/V
+comes from memory, as in a real step; `--hot` attends one layer 30 times instead (the kernel's
+compute where K/V fits in the caches).
 
 `attention`: the attention backend alone on SmolLM2's shape (9 query heads, 3 KV heads, head dim
 64): one step's plan (`init_forward_metadata`) plus `forward` on every layer of a pool filled with
@@ -28,10 +36,12 @@ if __package__ in (None, ""):
     _path.fix()
 
 import argparse  # noqa: E402
+import hashlib  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import statistics  # noqa: E402
+import subprocess  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -39,6 +49,8 @@ import torch  # noqa: E402
 
 from bench.common import cpu_name, markdown_table  # noqa: E402
 from radixrt.attention import cpu_kernels  # noqa: E402
+from radixrt.attention.cascade import SharedPrefixGroup  # noqa: E402
+from radixrt.attention.paged_decode import PagedDecodePlan  # noqa: E402
 from radixrt.attention.torch_native import TorchNativeBackend  # noqa: E402
 from radixrt.core.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from radixrt.mem.memory_pool import ReqToTokenPool, TokenToKVPool  # noqa: E402
@@ -192,6 +204,95 @@ def bench_step(batches: list[int], ctxs: list[int], prefixes: list[int], dtypes:
     return out
 
 
+def load_baseline(rev: str) -> None:
+    """Builds `radixrt/attention/csrc/paged_decode.cpp` as of git `rev` under the op namespace
+    `radixrt_baseline` (same compiler flags as the current build) and loads it."""
+    from torch.utils import cpp_extension
+
+    root = Path(__file__).resolve().parents[1]
+    src = subprocess.run(["git", "show", f"{rev}:radixrt/attention/csrc/paged_decode.cpp"],
+                         cwd=root, check=True, capture_output=True, text=True).stdout
+    for macro in ("TORCH_LIBRARY(", "TORCH_LIBRARY_IMPL("):
+        if f"{macro}radixrt," not in src:
+            raise SystemExit(f"{rev}: no {macro}radixrt, ...) in paged_decode.cpp")
+        src = src.replace(f"{macro}radixrt,", f"{macro}radixrt_baseline,")
+    spec = cpu_kernels.build_spec()
+    key = hashlib.sha256((src + " ".join(spec.cflags) + torch.__version__).encode()).hexdigest()
+    directory = cpu_kernels.cache_root() / f"baseline-{spec.isa}-{key[:16]}"
+    directory.mkdir(parents=True, exist_ok=True)
+    source = directory / "paged_decode_baseline.cpp"
+    source.write_text(src)
+    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])
+    cpp_extension.load(name=f"radixrt_baseline_{key[:16]}", sources=[str(source)],
+                       extra_cflags=list(spec.cflags), extra_ldflags=["-fopenmp"],
+                       build_directory=str(directory), is_python_module=False)
+
+
+def _kernel_case(dname: str, bs: int, ctx: int, prefix: int, reps: int,
+                 hot: bool) -> dict[str, Any]:
+    """`hot`: one layer's buffers, attended 30 times (K/V from the caches where they fit)."""
+    dtype = DTYPES[dname]
+    elem = torch.empty((), dtype=dtype).element_size()
+    tokens = prefix + bs * (ctx - prefix)
+    per_layer = tokens * KV_HEADS * HEAD_DIM * 2 * elem  # K+V bytes read per layer
+    layers = 1 if hot else min(LAYERS, max(2, math.ceil(256 * 2**20 / per_layer)))
+    kv = TokenToKVPool(tokens + 8, layers, KV_HEADS, HEAD_DIM, dtype)
+    fill_random(kv, tokens + 8)
+    fb = decode_batch(ReqToTokenPool(bs, ctx + 1), kv, bs, ctx, prefix)
+    groups = [SharedPrefixGroup(list(range(bs)), prefix)] if prefix else []
+    plan = PagedDecodePlan.build(fb, groups)
+    args = (plan.kv_indices, plan.row_start, plan.row_len, plan.group_start, plan.group_len,
+            plan.group_row_ptr, plan.group_rows)
+    q = torch.randn(bs, HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(1)).to(dtype)
+    scale = HEAD_DIM**-0.5
+
+    def step(op: Any) -> None:
+        for i in range(LAYERS):
+            layer = i % layers
+            op(q, kv.k_buffer[layer], kv.v_buffer[layer], *args, scale)
+
+    new, old = torch.ops.radixrt.paged_decode, torch.ops.radixrt_baseline.paged_decode
+    a, b = new(q, kv.k_buffer[0], kv.v_buffer[0], *args, scale), old(
+        q, kv.k_buffer[0], kv.v_buffer[0], *args, scale)
+    max_diff = float((a[0].float() - b[0].float()).abs().max())
+    med = interleaved({"baseline": lambda: step(old), "kernel": lambda: step(new)}, reps)
+    per_step = 1e3
+    return {"dtype": dname, "batch": bs, "ctx": ctx, "prefix": prefix, "layers_timed": layers,
+            "hot": hot,
+            "baseline_ms": med["baseline"] * per_step, "kernel_ms": med["kernel"] * per_step,
+            "speedup": med["baseline"] / med["kernel"],
+            "baseline_cpu_ms": med["baseline_cpu"] * per_step,
+            "kernel_cpu_ms": med["kernel_cpu"] * per_step,
+            "kv_mb_per_layer": per_layer / 2**20,
+            "kernel_gb_s": per_layer * LAYERS / med["kernel"] / 1e9,
+            "baseline_gb_s": per_layer * LAYERS / med["baseline"] / 1e9,
+            "max_abs_diff": max_diff}
+
+
+def bench_kernel(batches: list[int], ctxs: list[int], prefixes: list[int], dtypes: list[str],
+                 reps: int, hot: bool) -> list[dict[str, Any]]:
+    out = []
+    for dname in dtypes:
+        for bs, ctx, prefix in _cases(batches, ctxs, prefixes):
+            row = _kernel_case(dname, bs, ctx, prefix, reps, hot)
+            print(json.dumps(row), flush=True)
+            out.append(row)
+    return out
+
+
+def markdown_kernel(rows: list[dict[str, Any]], baseline: str) -> str:
+    hot = ", one layer's K/V attended 30 times (hot)" if rows and rows[0]["hot"] else ""
+    head = (f"Op alone, ms per 30-layer decode step{hot}: baseline = `{baseline}`\n\n"
+            "| dtype | batch | ctx | shared prefix | K+V MB/layer | baseline ms | kernel ms | speedup "
+            "| baseline CPU ms | kernel CPU ms | kernel GB/s |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|\n")
+    return head + "".join(
+        f"| {r['dtype']} | {r['batch']} | {r['ctx']} | {r['prefix'] or '-'} | "
+        f"{r['kv_mb_per_layer']:.1f} | {r['baseline_ms']:.1f} | {r['kernel_ms']:.1f} | "
+        f"{r['speedup']:.2f}x | {r['baseline_cpu_ms']:.1f} | {r['kernel_cpu_ms']:.1f} | "
+        f"{r['kernel_gb_s']:.1f} |\n" for r in rows)
+
+
 def markdown(rows: list[dict[str, Any]], what: str) -> str:
     table = markdown_table(
         ["dtype", "batch", "ctx", "shared prefix", "torch path ms", "kernel ms", "speedup",
@@ -205,7 +306,7 @@ def markdown(rows: list[dict[str, Any]], what: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=("attention", "step"))
+    ap.add_argument("what", choices=("attention", "step", "kernel"))
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--ctx", type=int, nargs="+", default=[512, 2048])
     ap.add_argument("--prefix", type=int, nargs="+", default=[0, 400])
@@ -213,6 +314,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", default=None)
+    ap.add_argument("--baseline", default="1e7a68f",
+                    help="kernel: git revision of the paged_decode.cpp to compare against")
+    ap.add_argument("--hot", action="store_true",
+                    help="kernel: one layer's K/V attended 30 times (cache-resident where it fits)")
     ap.add_argument("--out", default=None, help="write rows + machine info as JSON here")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -220,6 +325,14 @@ def main() -> None:
         raise SystemExit(f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
     info = machine()
     print(json.dumps(info), flush=True)
+    if a.what == "kernel":
+        load_baseline(a.baseline)
+        with torch.inference_mode():
+            rows = bench_kernel(a.batch, a.ctx, a.prefix, a.dtype, a.reps, a.hot)
+        print(markdown_kernel(rows, a.baseline))
+        if a.out:
+            Path(a.out).write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
+        return
     if a.what == "attention":
         with torch.inference_mode():
             rows = bench_attention(a.batch, a.ctx, a.prefix, a.dtype, a.reps)

@@ -1,8 +1,8 @@
 """The C++ paged-decode op (`torch.ops.radixrt.paged_decode`) and its builder.
 
 The op against a float64 reference over random pools (scattered and repeated slots, shared
-prefixes, lengths around the 32-key block), LSE included; cascade equal to non-cascade; thread
-count invariance; bad input; the builder's ISA choice, cache key and failure fallback; other
+prefixes, lengths around the 16-key block, rows long enough to be split into key-range parts),
+LSE included; cascade equal to non-cascade; thread count invariance; bad input; the builder's ISA choice, cache key and failure fallback; other
 instruction sets built in a subprocess; a tiny model decoding through it vs the torch path and HF.
 """
 
@@ -96,7 +96,7 @@ def _reference(c: dict[str, Any], scale: float) -> tuple[torch.Tensor, torch.Ten
 
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
-LENS = [1, 2, 31, 32, 33, 64, 65, 300]  # around the op's 32-key block
+LENS = [1, 2, 15, 16, 17, 31, 32, 33, 64, 65, 300]  # around the op's 8- or 16-key block
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
@@ -161,6 +161,30 @@ def test_cascade_matches_reference_and_flat(case: tuple[list[int], list[tuple[in
     torch.testing.assert_close(lse, flat_lse, atol=1e-5, rtol=1e-5)
 
 
+# Rows long enough to be split into key-range parts (>= 2 x 256 keys while the batch has few
+# rows), next to rows of 0 and 1 key and lengths that are not a multiple of the key block.
+SPLIT_CASES = [
+    ([0, 1, 17, 513, 1100, 2049], []),
+    ([515], []),  # batch of one: parts only
+    ([600, 3, 0, 1031], [(45, [0, 1, 2])]),  # split rows inside a cascade group
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: f"b{len(c[0])}g{len(c[1])}")
+def test_split_rows_merge_to_the_reference(case: tuple[list[int], list[tuple[int, list[int]]]],
+                                           dtype: torch.dtype) -> None:
+    own, groups = case
+    c = _case(len(own) + 100, dtype, 9, 3, 64, own, groups)
+    out, lse = _run(c, 0.125)
+    ref_out, ref_lse = _reference(c, 0.125)
+    tol = TOL[dtype]
+    torch.testing.assert_close(out.double(), ref_out, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=2e-5)
+    if 0 in own and not any(own.index(0) in rows for _, rows in groups):
+        assert (lse[own.index(0)] == -math.inf).all() and (out[own.index(0)] == 0).all()
+
+
 def test_row_without_keys_gives_zero_and_minus_inf() -> None:
     c = _case(5, torch.float32, 4, 2, 16, [0, 3], [])
     out, lse = _run(c, 0.25)
@@ -171,17 +195,20 @@ def test_row_without_keys_gives_zero_and_minus_inf() -> None:
 def test_result_does_not_depend_on_thread_count() -> None:
     """Each (row or group chunk, KV head) is computed by one thread in key order: bitwise the
     same output whatever the number of threads."""
-    c = _case(9, torch.bfloat16, 9, 3, 64, [1 + (7 * i) % 90 for i in range(24)],
-              [(50, [0, 3, 5, 7, 9, 11, 13])])
+    cases = [_case(9, torch.bfloat16, 9, 3, 64, [1 + (7 * i) % 90 for i in range(24)],
+                   [(50, [0, 3, 5, 7, 9, 11, 13])]),
+             # few long rows: split into key-range parts, merged by LSE
+             _case(10, torch.float32, 9, 3, 64, [700, 1300, 5, 2000], [(300, [1, 2])])]
     before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = _run(c, 0.125)
-        torch.set_num_threads(max(2, before))
-        many = _run(c, 0.125)
-    finally:
-        torch.set_num_threads(before)
-    assert torch.equal(one[0], many[0]) and torch.equal(one[1], many[1])
+    for c in cases:
+        try:
+            torch.set_num_threads(1)
+            one = _run(c, 0.125)
+            torch.set_num_threads(max(2, before))
+            many = _run(c, 0.125)
+        finally:
+            torch.set_num_threads(before)
+        assert torch.equal(one[0], many[0]) and torch.equal(one[1], many[1])
 
 
 def test_bad_input_raises_naming_the_argument() -> None:
@@ -318,11 +345,11 @@ _SUBPROCESS_CHECK = textwrap.dedent("""
     kb = torch.randn(500, 2, 64, generator=g).bfloat16()
     vb = torch.randn(500, 2, 64, generator=g).bfloat16()
     q = torch.randn(3, 6, 64, generator=g).bfloat16()
-    idx = torch.randint(0, 500, (200,), generator=g, dtype=torch.int32)
+    idx = torch.randint(0, 500, (800,), generator=g, dtype=torch.int32)
     i64 = lambda x: torch.tensor(x, dtype=torch.int64)
     out, lse = torch.ops.radixrt.paged_decode(q, kb, vb, idx, i64([40, 80, 120]),
-        i64([40, 1, 80]), i64([0]), i64([40]), i64([0, 2]), i64([0, 2]), 0.125)
-    for b, (s, n) in enumerate([(40, 40), (80, 1), (120, 80)]):
+        i64([40, 1, 677]), i64([0]), i64([40]), i64([0, 2]), i64([0, 2]), 0.125)
+    for b, (s, n) in enumerate([(40, 40), (80, 1), (120, 677)]):
         sl = idx[s:s + n].long()
         if b != 1:
             sl = torch.cat([idx[:40].long(), sl])

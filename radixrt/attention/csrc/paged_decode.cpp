@@ -451,19 +451,21 @@ std::tuple<Tensor, Tensor> paged_decode(const Tensor& q, const Tensor& k_buffer,
   Tensor lse = at::empty({B, H}, q.options().dtype(at::kFloat));
   if (B == 0) return {out, lse};
   const float s = static_cast<float>(scale);
-  switch (q.scalar_type()) {
-    case at::kFloat:
-      dispatch_head_dim<float>(D, q, k_buffer, v_buffer, kv_indices, row_start, row_len,
-                               group_start, group_len, group_row_ptr, group_rows, s, out, lse);
-      break;
-    case at::kBFloat16:
-      dispatch_head_dim<at::BFloat16>(D, q, k_buffer, v_buffer, kv_indices, row_start, row_len,
+  // One call per dtype (T deduced from a zero of that type).
+  auto run = [&](auto zero) {
+    dispatch_head_dim<decltype(zero)>(D, q, k_buffer, v_buffer, kv_indices, row_start, row_len,
                                       group_start, group_len, group_row_ptr, group_rows, s, out,
                                       lse);
+  };
+  switch (q.scalar_type()) {
+    case at::kFloat:
+      run(0.f);
+      break;
+    case at::kBFloat16:
+      run(at::BFloat16(0.f));
       break;
     case at::kHalf:
-      dispatch_head_dim<at::Half>(D, q, k_buffer, v_buffer, kv_indices, row_start, row_len,
-                                  group_start, group_len, group_row_ptr, group_rows, s, out, lse);
+      run(at::Half(0.f));
       break;
     default:
       TORCH_CHECK(false, "paged_decode: dtype must be float32, bfloat16 or float16, got ",
