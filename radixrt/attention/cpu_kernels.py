@@ -38,7 +38,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
-SOURCES: tuple[str, ...] = ("paged_decode.cpp",)
+SOURCES: tuple[str, ...] = ("paged_decode.cpp", "fused_ops.cpp")
 LIB_NAME = "radixrt_cpu_kernels"
 ISAS: tuple[str, ...] = ("avx512", "avx2", "default")  # best first
 
@@ -146,6 +146,27 @@ def _register_fakes() -> None:
     def _(q, k_buffer, v_buffer, kv_indices, row_start, row_len, group_start, group_len,
           group_row_ptr, group_rows, scale):
         return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+    @torch.library.register_fake("radixrt::rms_norm")
+    def _(x, weight, eps):
+        return x.new_empty(x.shape)
+
+    @torch.library.register_fake("radixrt::add_rms_norm")
+    def _(x, residual, weight, eps):
+        return x.new_empty(x.shape), x.new_empty(x.shape)
+
+    @torch.library.register_fake("radixrt::silu_mul")
+    def _(gate_up):
+        return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+
+    @torch.library.register_fake("radixrt::rope_qk")
+    def _(qkv, cos, sin, num_q_heads, num_kv_heads):
+        n, d = qkv.shape[0], cos.shape[1]
+        return qkv.new_empty(n, num_q_heads, d), qkv.new_empty(n, num_kv_heads, d)
+
+    @torch.library.register_fake("radixrt::kv_store")
+    def _(k_buffer, v_buffer, loc, k, v):
+        return None
 
 
 def _compile(spec: BuildSpec, verbose: bool) -> None:
