@@ -46,7 +46,7 @@ using at::Tensor;
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kVec = Vec::size();
 // Below this many elements an op runs on the calling thread (waking threads costs more).
-constexpr int64_t kMinParallelElems = 32768;
+constexpr int64_t kMinParallelElems = 131072;
 
 #define RADIXRT_FUSED_STR2(x) #x
 #define RADIXRT_FUSED_STR(x) RADIXRT_FUSED_STR2(x)
@@ -66,15 +66,32 @@ inline Vec load_vec(const T* p) {
   }
 }
 
-// Round kVec floats to T (round to nearest even, as torch's conversions) and store them.
+// Two float vectors rounded to one vector of T (round to nearest even, as torch's conversions).
+template <typename T>
+inline at::vec::Vectorized<T> from_f32(const Vec& a, const Vec& b) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    return at::vec::convert_float_bfloat16(a, b);
+  } else {
+    return at::vec::convert_float_half(a, b);
+  }
+}
+
+template <typename T>
+inline Vec low_to_f32(const at::vec::Vectorized<T>& v) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    return std::get<0>(at::vec::convert_bfloat16_float(v));
+  } else {
+    return std::get<0>(at::vec::convert_half_float(v));
+  }
+}
+
+// Round kVec floats to T and store them.
 template <typename T>
 inline void store_vec(T* p, const Vec& v) {
   if constexpr (std::is_same_v<T, float>) {
     v.store(p);
   } else {
-    alignas(64) float tmp[kVec];
-    v.store(tmp);
-    for (int64_t i = 0; i < kVec; ++i) p[i] = static_cast<T>(tmp[i]);
+    from_f32<T>(v, v).store(p, kVec);
   }
 }
 
@@ -89,9 +106,7 @@ inline Vec round_vec(const Vec& v) {
   if constexpr (std::is_same_v<T, float>) {
     return v;
   } else {
-    alignas(64) T tmp[kVec];
-    store_vec<T>(tmp, v);
-    return load_vec<T>(tmp);
+    return low_to_f32<T>(from_f32<T>(v, v));
   }
 }
 
