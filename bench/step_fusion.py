@@ -3,12 +3,14 @@ ops they replace, interleaved in one process on one `ModelRunner` (default SmolL
 
     python bench/step_fusion.py decode --batch-size 1 8 64 --input-len 512 --rounds 5
     python bench/step_fusion.py prefill --input-len 512 4096 --dtype float32 bfloat16 --rounds 3
+    python bench/step_fusion.py compile --dtype bfloat16 --batch-size 8 64 --cpu-time
     python bench/step_fusion.py profile --batch-size 8 --input-len 512 [--torch-ops]
 
 `decode`: bare decode steps over `input-len` random cached tokens per request (random K/V, no
 prefill: no op here depends on the values), `--steps` per block; old (torch ops, KV written by
 `index_copy_`) and new (fused ops, `kv_store`) blocks alternate `--rounds` times; the first step
 of each block is dropped. `prefill`: one request of `input-len` tokens, from an empty cache.
+`compile`: torch ops, fused ops and torch ops under torch.compile (`compile_decode`) in turn.
 Reported: medians in ms (wall, or with `--cpu-time` the process's CPU time, which contention
 from other processes inflates far less) and new/old. `profile`: `torch.profiler` table of one decode step.
 Speed is never asserted in tests; this script is where it is measured.
@@ -144,9 +146,46 @@ def prefill(a: argparse.Namespace) -> None:
             print(f"  (load {os.getloadavg()[0]:.1f})", flush=True)
         report(res)
         for k, v in sorted(res.items()):
-            if k[-1]:
+            if k[-1] and clock is time.perf_counter:
                 print(f"{k[0]} {k[1]} fused: {int(k[1].split()[1]) / statistics.median(v):.0f} "
                       "tok/s")
+
+
+def compile_ab(a: argparse.Namespace) -> None:
+    """Decode steps: torch ops eager, fused ops eager, torch ops under `compile_decode`'s
+    torch.compile (inductor fuses the same element-wise ops into its own C++ loops)."""
+    from radixrt.model.compiled_layers import CompiledDense
+
+    dtype = a.dtype[0]
+    runner = make_runner(dtype, max(a.batch_size), a.input_len + a.rounds * 3 * a.steps + 8,
+                         a.threads)
+    compiled = CompiledDense(runner.model.layers)
+    use(runner, False)
+    t = time.perf_counter()
+    with compiled.active():
+        for bs in a.batch_size:
+            Decoder(runner, bs, a.input_len).step()
+    print(f"dtype {runner.dtype}: first compiled steps took {time.perf_counter() - t:.0f} s",
+          flush=True)
+    res: dict[str, list[float]] = {}
+    for bs in a.batch_size:
+        dec = Decoder(runner, bs, a.input_len)
+        for _ in range(a.rounds):
+            for name in ("torch ops", "fused ops", "compiled torch ops"):
+                use(runner, name == "fused ops")
+                for i in range(a.steps + 1):
+                    if name.startswith("compiled"):
+                        with compiled.active():
+                            dt = dec.step()
+                    else:
+                        dt = dec.step()
+                    if i:
+                        res.setdefault(f"batch {bs} {name}", []).append(dt)
+        base = statistics.median(res[f"batch {bs} torch ops"])
+        for name in ("torch ops", "fused ops", "compiled torch ops"):
+            m = statistics.median(res[f"batch {bs} {name}"])
+            print(f"{dtype} batch {bs:3d} {name:20s} {m * 1e3:8.2f} ms  x{m / base:.3f}",
+                  flush=True)
 
 
 def profile(a: argparse.Namespace) -> None:
@@ -166,7 +205,7 @@ def profile(a: argparse.Namespace) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for name in ("decode", "prefill", "profile"):
+    for name in ("decode", "prefill", "compile", "profile"):
         p = sub.add_parser(name)
         p.add_argument("--batch-size", type=int, nargs="+", default=[1, 8, 64])
         p.add_argument("--input-len", type=int, nargs="+" if name == "prefill" else None,
@@ -184,7 +223,7 @@ def main() -> None:
     if a.cpu_time:
         global clock
         clock = time.process_time
-    {"decode": decode, "prefill": prefill, "profile": profile}[a.cmd](a)
+    {"decode": decode, "prefill": prefill, "compile": compile_ab, "profile": profile}[a.cmd](a)
 
 
 if __name__ == "__main__":
