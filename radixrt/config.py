@@ -113,6 +113,10 @@ class ServerArgs:
         False, "CPU decode attention through the torch gather + SDPA path instead of the C++ "
                "paged-decode kernel (which reads K/V in place; built at install or on first "
                "use, with this fallback when it cannot be built)")
+    disable_fused_cpu_ops: bool = _f(
+        False, "run each layer's residual add + RMSNorm, RoPE and SiLU-mul as separate torch "
+               "ops instead of the fused C++ CPU ops (built with the decode kernel; used only "
+               "where they match the torch ops, bitwise in fp32)")
     num_threads: int | None = _f(None, "torch threads of the scheduler (default: cores "
                                        "available)")
     thread_wait: str = _f("passive", "how the scheduler's OpenMP threads wait between parallel "

@@ -1,7 +1,8 @@
 """radixrt's C++ CPU kernels (`csrc/*.cpp`): built for this machine, cached, loaded once.
 
 The sources are compiled with `torch.utils.cpp_extension` into one shared library that registers
-`torch.ops.radixrt.*` (today `paged_decode`, see `csrc/paged_decode.cpp`). The instruction set
+`torch.ops.radixrt.*`: decode attention (`csrc/paged_decode.cpp`), the quantized small-M matmul
+(`csrc/qgemv.cpp`) and the fused layer ops (`csrc/fused_ops.cpp`). The instruction set
 is chosen from this CPU's flags at build time (AVX-512 F/BW/VL/DQ, else AVX2 + FMA + F16C, else
 the compiler's baseline; never `-march=native`), and the library is cached under
 `<cache root>/<key>/` where `key` hashes the sources, the torch version, the chosen ISA and the
@@ -38,7 +39,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
-SOURCES: tuple[str, ...] = ("paged_decode.cpp", "qgemv.cpp")
+SOURCES: tuple[str, ...] = ("paged_decode.cpp", "qgemv.cpp", "fused_ops.cpp")
 LIB_NAME = "radixrt_cpu_kernels"
 ISAS: tuple[str, ...] = ("avx512", "avx2", "default")  # best first
 
@@ -156,6 +157,27 @@ def _register_fakes() -> None:
     @torch.library.register_fake("radixrt::qgemv")
     def _(x, codes, scale, offset, bits):
         return x.new_empty(x.shape[0], codes.shape[0] * 16)
+
+    @torch.library.register_fake("radixrt::rms_norm")
+    def _(x, weight, eps):
+        return x.new_empty(x.shape)
+
+    @torch.library.register_fake("radixrt::add_rms_norm")
+    def _(x, residual, weight, eps):
+        return x.new_empty(x.shape), x.new_empty(x.shape)
+
+    @torch.library.register_fake("radixrt::silu_mul")
+    def _(gate_up):
+        return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+
+    @torch.library.register_fake("radixrt::rope_qk")
+    def _(qkv, cos, sin, num_q_heads, num_kv_heads):
+        n, d = qkv.shape[0], cos.shape[1]
+        return qkv.new_empty(n, num_q_heads, d), qkv.new_empty(n, num_kv_heads, d)
+
+    @torch.library.register_fake("radixrt::kv_store")
+    def _(k_buffer, v_buffer, loc, k, v):
+        return None
 
 
 def _compile(spec: BuildSpec, verbose: bool) -> None:

@@ -115,6 +115,9 @@ class TorchNativeBackend(AttentionBackend):
             elif reason is None:
                 logger.debug("decode attention: C++ paged-decode kernel")
             self.decode_kernel = reason is None
+        # The new K/V go into the pool with one C++ op (strided sources, no copies) when the CPU
+        # kernels are loaded; else `kv_pool.set_kv` (index_copy_ of contiguous copies).
+        self._kv_store = self.device.type == "cpu" and _kv_store_available()
         self._kernel: PagedDecodePlan | None = None
         self._padded: _PaddedPlan | None = None
         self._cascade: _CascadePlan | None = None
@@ -292,10 +295,13 @@ class TorchNativeBackend(AttentionBackend):
     ) -> torch.Tensor:
         if fb is not self._planned_for:
             raise RuntimeError("init_forward_metadata(fb) was not called for this batch")
-        # Contiguous sources: index_put from a strided view is ~100x slower on CPU.
-        self.kv_pool.set_kv(layer_id, fb.out_cache_loc, k.contiguous(), v.contiguous())
+        pool = self.kv_pool
+        if self._kv_store and k.dtype == pool.dtype and v.dtype == pool.dtype:
+            torch.ops.radixrt.kv_store(pool.k_buffer[layer_id], pool.v_buffer[layer_id],
+                                       fb.out_cache_loc, k, v)
+        else:  # contiguous sources: index_put from a strided view is ~100x slower on CPU
+            pool.set_kv(layer_id, fb.out_cache_loc, k.contiguous(), v.contiguous())
         if self._kernel is not None:
-            pool = self.kv_pool
             out, _ = self._kernel.run(q, pool.k_buffer[layer_id], pool.v_buffer[layer_id],
                                       scaling)
             return out
@@ -455,6 +461,12 @@ class TorchNativeBackend(AttentionBackend):
             out[r.q_start : r.q_end] = o.view(kv_heads, rows, group, dim).permute(
                 1, 0, 2, 3)[:e].reshape(e, heads, dim)
         return out
+
+
+def _kv_store_available() -> bool:
+    from radixrt.attention import cpu_kernels
+
+    return cpu_kernels.load_cpu_kernels() and hasattr(torch.ops.radixrt, "kv_store")
 
 
 def _attention_lse(

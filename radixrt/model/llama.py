@@ -18,6 +18,7 @@ from torch import nn
 
 from radixrt.attention.base import AttentionBackend
 from radixrt.core.forward_batch import ForwardBatch
+from radixrt.model.layer_ops import LayerOps, TorchLayerOps, rms_norm, select_layer_ops
 from radixrt.model.linear import DenseWeight, LinearWeight, QuantizedWeight
 from radixrt.model.model_config import ModelConfig
 from radixrt.model.quant import (
@@ -36,11 +37,7 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF `LlamaRMSNorm`: normalise in fp32, cast back, then scale by `weight`."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype) * weight
+__all__ = ["LlamaDecoderLayer", "LlamaForCausalLM", "invariant_step", "rms_norm"]
 
 
 def invariant_step(attn: AttentionBackend, fb: ForwardBatch) -> bool:
@@ -72,6 +69,8 @@ class LlamaDecoderLayer(nn.Module):
         self.gate_up_bias = _param(2 * inter, **p) if cfg.mlp_bias else None
         self.down_proj: LinearWeight = DenseWeight(_param(hid, inter, **p))
         self.down_bias = _param(hid, **p) if cfg.mlp_bias else None
+        # Residual add + norm, RoPE, SiLU-mul; the model sets the fused CPU ops when they apply.
+        self.ops: LayerOps = TorchLayerOps()
 
     def forward(
         self,
@@ -98,16 +97,16 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Residual add, input norm, qkv projection, RoPE: (q, k, v, residual stream). Dense
         work only (no KV pool, no batch metadata), so it can be compiled."""
-        residual = h if residual is None else h + residual
-        x = rms_norm(residual, self.input_layernorm, self.eps)
+        ops = self.ops
+        if residual is None:
+            residual, x = h, ops.rms_norm(h, self.input_layernorm, self.eps)
+        else:
+            x, residual = ops.add_rms_norm(h, residual, self.input_layernorm, self.eps)
         n = x.shape[0]
         qkv = self.qkv_proj(x, self.qkv_bias, inv)
-        qk_heads = self.num_heads + self.num_kv_heads
-        qk = RotaryEmbedding.apply(
-            qkv[:, : self.q_size + self.kv_size].view(n, qk_heads, self.head_dim), cos, sin
-        )
+        q, k = ops.rope_qk(qkv, cos, sin, self.num_heads, self.num_kv_heads)
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
-        return qk[:, : self.num_heads], qk[:, self.num_heads :], v, residual
+        return q, k, v, residual
 
     def post_attention(
         self, o: torch.Tensor, residual: torch.Tensor, inv: bool = False
@@ -115,11 +114,9 @@ class LlamaDecoderLayer(nn.Module):
         """o_proj, residual add, post-attention norm and the MLP: (MLP output, residual)."""
         n = o.shape[0]
         h = self.o_proj(o.reshape(n, self.q_size), self.o_bias, inv)
-        residual = h + residual
-        x = rms_norm(residual, self.post_attention_layernorm, self.eps)
+        x, residual = self.ops.add_rms_norm(h, residual, self.post_attention_layernorm, self.eps)
         gate_up = self.gate_up_proj(x, self.gate_up_bias, inv)
-        gate, up = gate_up.chunk(2, dim=-1)
-        h = self.down_proj(F.silu(gate) * up, self.down_bias, inv)
+        h = self.down_proj(self.ops.silu_mul(gate_up), self.down_bias, inv)
         return h, residual
 
 
@@ -132,7 +129,10 @@ class LlamaForCausalLM(nn.Module):
         attn_backend: AttentionBackend | None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        fused_ops: bool | None = None,
     ):
+        """`fused_ops`: the decoder's element-wise ops as fused C++ CPU ops (None: when they run
+        here and match the torch ones, see `model.layer_ops`; False: torch; True: required)."""
         super().__init__()
         dev = torch.device(device)
         self.config = config
@@ -153,6 +153,16 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope, dtype=dtype, device=dev
         )
+        self.ops: LayerOps = TorchLayerOps()
+        self.set_layer_ops(select_layer_ops(dtype, dev, config.hidden_size,
+                                            config.intermediate_size, config.head_dim,
+                                            fused_ops))
+
+    def set_layer_ops(self, ops: LayerOps) -> None:
+        """Use `ops` (see `model.layer_ops.select_layer_ops`) in every layer and the final norm."""
+        self.ops = ops
+        for layer in self.layers:
+            layer.ops = ops
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
@@ -180,8 +190,9 @@ class LlamaForCausalLM(nn.Module):
         b = int(idx.numel())
         if fb.score_rows is not None:
             idx = torch.cat([idx, fb.score_rows])
-        last = torch.index_select(h, 0, idx) + torch.index_select(residual, 0, idx)
-        last = rms_norm(last, self.norm, self.config.rms_norm_eps)
+        last, _ = self.ops.add_rms_norm(torch.index_select(h, 0, idx),
+                                        torch.index_select(residual, 0, idx), self.norm,
+                                        self.config.rms_norm_eps)
         logits = self.lm_head(last[:b], None, invariant_step(attn, fb)).float()
         return logits, (last[b:] if fb.score_rows is not None else None)
 

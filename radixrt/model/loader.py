@@ -229,12 +229,14 @@ def load_model(
     device: str | torch.device = "auto",
     model_config: ModelConfig | None = None,
     quant: QuantPlan | None = None,
+    fused_ops: bool | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build the model and fill its weights. `model_path=None` means `default_model_path()`.
 
     `attn_backend` may be None and set later (`model.attn_backend = ...`) once the KV pool can
     be sized; pass `model_config` to skip re-reading the config. `quant` (default: none) says
-    which matmul weights are stored quantized (CPU only).
+    which matmul weights are stored quantized (CPU only); `fused_ops` goes to
+    `LlamaForCausalLM` (None: fused C++ element-wise ops on CPU where they apply).
     """
     path = model_path if model_path is not None else default_model_path()
     config = model_config or ModelConfig.from_path(path)
@@ -246,7 +248,7 @@ def load_model(
     if plan.mode == "gguf" and resolve_gguf_file(Path(path)) is None:
         raise ValueError(f"quantization='gguf' keeps a GGUF file's blocks, but {path} is not a "
                          f".gguf model (use int8 or int4)")
-    model = LlamaForCausalLM(config, attn_backend, dtype=dt, device=dev)
+    model = LlamaForCausalLM(config, attn_backend, dtype=dt, device=dev, fused_ops=fused_ops)
     loader = create_weight_loader(path, config, keep_quantized=plan.quantized)
     model.load_weights(loader.iter_weights(), plan)
     model.eval()

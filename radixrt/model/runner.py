@@ -85,7 +85,8 @@ class ModelRunner:
             num_q_heads=cfg.num_heads,
             decode_kernel=False if args.disable_cpu_decode_kernel else None)
         self.model, _ = load_model(self.model_path, self.attn_backend, self.dtype, self.device,
-                                   model_config=cfg, quant=self.quant)
+                                   model_config=cfg, quant=self.quant,
+                                   fused_ops=False if args.disable_fused_cpu_ops else None)
         self.compiled = None
         if args.compile_decode:
             from radixrt.model.compiled_layers import CompiledDense

@@ -1,0 +1,491 @@
+// Fused element-wise ops of a decoder layer (CPU): the small ops between the matmuls and the
+// attention, each one pass over its rows instead of several torch kernels and temporaries.
+//
+//   rms_norm(x, weight, eps) -> out;  add_rms_norm(x, residual, weight, eps) -> (out, x + residual)
+//       out = RMSNorm(x or x + residual) * weight, HF's rounding order: normalise in fp32, round to the
+//       model dtype, then multiply by weight (fp32: (r * inv) * w, as F.rms_norm).
+//   silu_mul(gate_up [n, 2I]) -> [n, I]: silu(gate) * up, each op rounded to the dtype.
+//   rope_qk(qkv [n, >= (Hq + Hkv) * D], cos [n, D], sin [n, D], Hq, Hkv) -> (q [n,Hq,D], k [n,Hkv,D])
+//       rotate-half RoPE with the cache layout of radixrt/model/rope.py (cos duplicated over both
+//       halves, sin with its first half negated): x * cos + roll(x, D/2) * sin, each op rounded.
+//   kv_store(k_buffer, v_buffer, loc, k, v): k_buffer[loc[i]] = k[i] (and v), strided sources.
+//
+// Numerics: every op reproduces the rounding of the torch code it replaces (radixrt/model/llama.py,
+// rope.py): the same intermediate roundings to the model dtype, the sum of squares in the order of
+// ATen's vectorised inner sum (see sum_squares_like_aten), silu as x / (1 + exp(-x)) with at::vec's exp on the
+// vectorised part and std::exp on the loop remainder, as ATen's cpu_kernel_vec does. Compiled for
+// the same instruction set as torch's dispatch (torch.backends.cpu.get_cpu_capability()), results
+// are bitwise those of the torch path; `fused_ops_isa()` says which one this build is, so callers
+// can tell. FP contraction is off in this file: an a*b+c contracted to an fma would round once
+// where torch rounds twice.
+//
+// Rows are independent (no op mixes rows), so every result is batch invariant. Rows are split
+// over threads only above kMinParallelElems elements.
+
+#pragma GCC optimize("fp-contract=off")
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+namespace radixrt_cpu {
+namespace {
+
+using at::Tensor;
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kVec = Vec::size();
+// Below this many elements an op runs on the calling thread (waking threads costs more).
+constexpr int64_t kMinParallelElems = 131072;
+
+#define RADIXRT_FUSED_STR2(x) #x
+#define RADIXRT_FUSED_STR(x) RADIXRT_FUSED_STR2(x)
+
+template <typename T>
+inline Vec load_vec(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return Vec::loadu(p);
+  } else if constexpr (std::is_same_v<T, at::BFloat16>) {
+    Vec out;
+    at::vec::load_fp32_from_bf16(p, out);
+    return out;
+  } else {
+    Vec out;
+    at::vec::load_fp32_from_fp16(p, out);
+    return out;
+  }
+}
+
+// Two float vectors rounded to one vector of T (round to nearest even, as torch's conversions).
+template <typename T>
+inline at::vec::Vectorized<T> from_f32(const Vec& a, const Vec& b) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    return at::vec::convert_float_bfloat16(a, b);
+  } else {
+    return at::vec::convert_float_half(a, b);
+  }
+}
+
+template <typename T>
+inline Vec low_to_f32(const at::vec::Vectorized<T>& v) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    return std::get<0>(at::vec::convert_bfloat16_float(v));
+  } else {
+    return std::get<0>(at::vec::convert_half_float(v));
+  }
+}
+
+// Round kVec floats to T and store them.
+template <typename T>
+inline void store_vec(T* p, const Vec& v) {
+  if constexpr (std::is_same_v<T, float>) {
+    v.store(p);
+  } else {
+    from_f32<T>(v, v).store(p, kVec);
+  }
+}
+
+// The value `x` takes once stored in T (identity for float).
+template <typename T>
+inline float round_to(float x) {
+  return static_cast<float>(static_cast<T>(x));
+}
+
+template <typename T>
+inline Vec round_vec(const Vec& v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    return low_to_f32<T>(from_f32<T>(v, v));
+  }
+}
+
+inline int64_t ceil_log2(int64_t x) {
+  if (x <= 2) return 1;
+  int64_t r = 0;
+  uint64_t v = static_cast<uint64_t>(x) - 1;
+  while (v) {
+    ++r;
+    v >>= 1;
+  }
+  return r;
+}
+
+// Lanes of ATen's float sum: its reduction kernels are registered with REGISTER_DISPATCH, which
+// leaves the AVX512 slot empty, so AVX512 CPUs run the AVX2 build (Vectorized<float> of 8), and
+// the DEFAULT build's Vectorized<float> is 32 bytes too.
+constexpr int64_t kSumLanes = 8;
+
+// Sum of x[i]^2 (fp32) over a row, in the order of ATen's `vectorized_inner_sum` over the
+// materialised squares (SumKernel.cpp): `row_sum` over whole 8-lane vectors with 4 interleaved
+// accumulators, each a 4-level cascade of 2^level_power steps (`multi_row_sum`); then the
+// scalar remainder into a scalar that starts at 0, then the lanes in order.
+inline float sum_squares_like_aten(const float* x, int64_t n) {
+  constexpr int64_t L = kSumLanes;
+  constexpr int64_t ilp = 4;
+  constexpr int64_t levels = 4;
+  const int64_t vec_size = n / L;
+  const int64_t size_ilp = vec_size / ilp;
+  const int64_t level_power = std::max<int64_t>(4, ceil_log2(size_ilp) / levels);
+  const int64_t level_step = int64_t(1) << level_power;
+  const int64_t level_mask = level_step - 1;
+  alignas(64) float acc[levels][ilp][L] = {};
+  auto add_sq = [&](float* dst, int64_t v) {
+    const float* p = x + v * L;
+    for (int64_t l = 0; l < L; ++l) {
+      const float sq = p[l] * p[l];
+      dst[l] = dst[l] + sq;
+    }
+  };
+  auto add_to = [](float* dst, const float* src) {
+    for (int64_t l = 0; l < L; ++l) dst[l] = dst[l] + src[l];
+  };
+  int64_t i = 0;
+  for (; i + level_step <= size_ilp;) {
+    for (int64_t j = 0; j < level_step; ++j, ++i) {
+      for (int64_t k = 0; k < ilp; ++k) add_sq(acc[0][k], i * ilp + k);
+    }
+    for (int64_t j = 1; j < levels; ++j) {
+      for (int64_t k = 0; k < ilp; ++k) {
+        add_to(acc[j][k], acc[j - 1][k]);
+        std::fill_n(acc[j - 1][k], L, 0.f);
+      }
+      const int64_t mask = level_mask << (j * level_power);
+      if ((i & mask) != 0) break;
+    }
+  }
+  for (; i < size_ilp; ++i) {
+    for (int64_t k = 0; k < ilp; ++k) add_sq(acc[0][k], i * ilp + k);
+  }
+  for (int64_t j = 1; j < levels; ++j)
+    for (int64_t k = 0; k < ilp; ++k) add_to(acc[0][k], acc[j][k]);
+  float* part = acc[0][0];
+  for (int64_t v = size_ilp * ilp; v < vec_size; ++v) add_sq(part, v);
+  for (int64_t k = 1; k < ilp; ++k) add_to(part, acc[0][k]);
+  float total = 0.f;
+  for (int64_t k = vec_size * L; k < n; ++k) {
+    const float sq = x[k] * x[k];
+    total = total + sq;
+  }
+  for (int64_t l = 0; l < L; ++l) total = total + part[l];
+  return total;
+}
+
+template <typename F>
+void for_rows(int64_t rows, int64_t elems_per_row, const F& f) {
+  const int64_t total = rows * std::max<int64_t>(1, elems_per_row);
+  if (total < kMinParallelElems || rows < 2) {
+    f(0, rows);
+    return;
+  }
+  const int64_t grain = std::max<int64_t>(1, kMinParallelElems / std::max<int64_t>(1, elems_per_row) / 2);
+  at::parallel_for(0, rows, grain, f);
+}
+
+// Calls f(T{}) for T = float, at::BFloat16 or at::Half (the model dtypes), else raises.
+template <typename F>
+void dispatch_dtype(at::ScalarType st, const char* op, const F& f) {
+  switch (st) {
+    case at::kFloat:
+      f(float{});
+      break;
+    case at::kBFloat16:
+      f(at::BFloat16{});
+      break;
+    case at::kHalf:
+      f(at::Half{});
+      break;
+    default:
+      TORCH_CHECK(false, op, ": dtype must be float32, bfloat16 or float16, got ", st);
+  }
+}
+
+void check_rows(const Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.dim() == 2, name, " must be 2-D, got ", t.dim(), "-D");
+  TORCH_CHECK(t.stride(1) == 1, name, " must be contiguous in its last dimension");
+}
+
+// ---------------------------------------------------------------------------------------------
+// add_rms_norm
+
+template <typename T>
+void add_rms_norm_impl(const Tensor& x, const Tensor* residual, const Tensor& weight, double eps,
+                       Tensor& out, Tensor& res_out) {
+  const int64_t n = x.size(0), d = x.size(1);
+  const T* xp = x.data_ptr<T>();
+  const T* rp = residual ? residual->data_ptr<T>() : nullptr;
+  const T* wp = weight.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  T* sp = residual ? res_out.data_ptr<T>() : nullptr;
+  const int64_t xs = x.stride(0), rs = residual ? residual->stride(0) : 0;
+  const float feps = static_cast<float>(eps);
+  const float fd = static_cast<float>(d);
+  for_rows(n, d, [&](int64_t r0, int64_t r1) {
+    std::vector<float> buf(d);
+    float* f = buf.data();
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = xp + r * xs;
+      // residual stream in T, kept in fp32 (exact) for the norm
+      int64_t i = 0;
+      if (rp) {
+        const T* rr = rp + r * rs;
+        T* sr = sp + r * d;
+        for (; i + kVec <= d; i += kVec) {
+          const Vec s = round_vec<T>(load_vec<T>(xr + i) + load_vec<T>(rr + i));
+          store_vec<T>(sr + i, s);
+          s.store(f + i);
+        }
+        for (; i < d; ++i) {
+          const float s = round_to<T>(static_cast<float>(xr[i]) + static_cast<float>(rr[i]));
+          sr[i] = static_cast<T>(s);
+          f[i] = s;
+        }
+      } else {
+        for (; i + kVec <= d; i += kVec) load_vec<T>(xr + i).store(f + i);
+        for (; i < d; ++i) f[i] = static_cast<float>(xr[i]);
+      }
+      float var = sum_squares_like_aten(f, d) / fd;
+      var = var + feps;
+      const float inv = 1.f / std::sqrt(var);
+      const Vec vinv(inv);
+      T* orow = op + r * d;
+      i = 0;
+      for (; i + kVec <= d; i += kVec) {
+        // fp32: (r * inv) * w; other dtypes: round(r * inv) to T, then * w rounded to T
+        const Vec y = round_vec<T>(Vec::loadu(f + i) * vinv);
+        store_vec<T>(orow + i, y * load_vec<T>(wp + i));
+      }
+      for (; i < d; ++i) {
+        const float y = round_to<T>(f[i] * inv);
+        orow[i] = static_cast<T>(y * static_cast<float>(wp[i]));
+      }
+    }
+  });
+}
+
+Tensor rms_norm_into(const Tensor& x, const Tensor* residual, const Tensor& weight, double eps,
+                     Tensor& res_out) {
+  check_rows(x, "rms_norm: x");
+  const int64_t n = x.size(0), d = x.size(1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == d && weight.is_contiguous(),
+              "rms_norm: weight must be contiguous [", d, "]");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "rms_norm: weight dtype ",
+              weight.scalar_type(), " != x dtype ", x.scalar_type());
+  if (residual != nullptr) {
+    check_rows(*residual, "add_rms_norm: residual");
+    TORCH_CHECK(residual->size(0) == n && residual->size(1) == d,
+                "add_rms_norm: residual shape must equal x's");
+    TORCH_CHECK(residual->scalar_type() == x.scalar_type(), "add_rms_norm: residual dtype ",
+                residual->scalar_type(), " != x dtype ", x.scalar_type());
+  }
+  Tensor out = at::empty({n, d}, x.options());
+  dispatch_dtype(x.scalar_type(), "rms_norm", [&](auto t) {
+    add_rms_norm_impl<decltype(t)>(x, residual, weight, eps, out, res_out);
+  });
+  return out;
+}
+
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
+  Tensor unused;
+  return rms_norm_into(x, nullptr, weight, eps, unused);
+}
+
+std::tuple<Tensor, Tensor> add_rms_norm(const Tensor& x, const Tensor& residual,
+                                        const Tensor& weight, double eps) {
+  Tensor res_out = at::empty({x.size(0), x.size(1)}, x.options());
+  Tensor out = rms_norm_into(x, &residual, weight, eps, res_out);
+  return {out, res_out};
+}
+
+// ---------------------------------------------------------------------------------------------
+// silu_mul
+
+template <typename T>
+inline float silu_scalar(float x) {
+  // ATen's scalar silu: float x / (1 + exp(-x)) (T = float: the same in float)
+  return x / (1.0f + std::exp(-x));
+}
+
+template <typename T>
+void silu_mul_impl(const Tensor& gu, Tensor& out) {
+  const int64_t n = gu.size(0), inter = gu.size(1) / 2;
+  const T* gp = gu.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t gs = gu.stride(0);
+  // ATen's cpu_kernel_vec: vectorised in chunks of 2 * Vectorized<T>::size(), remainder scalar.
+  const int64_t chunk = 2 * at::vec::Vectorized<T>::size();
+  const int64_t vec_end = (inter / chunk) * chunk;
+  const Vec one(1.f);
+  for_rows(n, 3 * inter, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* g = gp + r * gs;
+      const T* u = g + inter;
+      T* o = op + r * inter;
+      int64_t i = 0;
+      for (; i < vec_end; i += kVec) {
+        const Vec x = load_vec<T>(g + i);
+        const Vec s = round_vec<T>(x / (one + x.neg().exp()));
+        store_vec<T>(o + i, s * load_vec<T>(u + i));
+      }
+      for (; i < inter; ++i) {
+        const float s = round_to<T>(silu_scalar<T>(static_cast<float>(g[i])));
+        o[i] = static_cast<T>(s * static_cast<float>(u[i]));
+      }
+    }
+  });
+}
+
+Tensor silu_mul(const Tensor& gate_up) {
+  check_rows(gate_up, "silu_mul: gate_up");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_mul: gate_up width must be even");
+  Tensor out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  dispatch_dtype(gate_up.scalar_type(), "silu_mul",
+                 [&](auto t) { silu_mul_impl<decltype(t)>(gate_up, out); });
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// rope_qk
+
+template <typename T>
+inline void rope_head(const T* x, const T* c, const T* s, T* o, int64_t d) {
+  const int64_t h = d / 2;
+  for (int64_t half = 0; half < 2; ++half) {
+    const int64_t base = half * h, other = (1 - half) * h;
+    int64_t i = 0;
+    for (; i + kVec <= h; i += kVec) {
+      const Vec a = round_vec<T>(load_vec<T>(x + base + i) * load_vec<T>(c + base + i));
+      const Vec b = round_vec<T>(load_vec<T>(x + other + i) * load_vec<T>(s + base + i));
+      store_vec<T>(o + base + i, a + b);
+    }
+    for (; i < h; ++i) {
+      const float a = round_to<T>(static_cast<float>(x[base + i]) * static_cast<float>(c[base + i]));
+      const float b = round_to<T>(static_cast<float>(x[other + i]) * static_cast<float>(s[base + i]));
+      o[base + i] = static_cast<T>(a + b);
+    }
+  }
+}
+
+template <typename T>
+void rope_qk_impl(const Tensor& qkv, const Tensor& cos, const Tensor& sin, int64_t hq,
+                  int64_t hkv, int64_t d, Tensor& q, Tensor& k) {
+  const int64_t n = qkv.size(0);
+  const T* xp = qkv.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  T* qp = q.data_ptr<T>();
+  T* kp = k.data_ptr<T>();
+  const int64_t xs = qkv.stride(0), cs = cos.stride(0), ss = sin.stride(0);
+  for_rows(n, (hq + hkv) * d, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* x = xp + r * xs;
+      const T* c = cp + r * cs;
+      const T* s = sp + r * ss;
+      for (int64_t hh = 0; hh < hq; ++hh) rope_head<T>(x + hh * d, c, s, qp + (r * hq + hh) * d, d);
+      for (int64_t hh = 0; hh < hkv; ++hh)
+        rope_head<T>(x + (hq + hh) * d, c, s, kp + (r * hkv + hh) * d, d);
+    }
+  });
+}
+
+std::tuple<Tensor, Tensor> rope_qk(const Tensor& qkv, const Tensor& cos, const Tensor& sin,
+                                   int64_t num_q_heads, int64_t num_kv_heads) {
+  check_rows(qkv, "rope_qk: qkv");
+  check_rows(cos, "rope_qk: cos");
+  check_rows(sin, "rope_qk: sin");
+  const int64_t n = qkv.size(0), d = cos.size(1);
+  TORCH_CHECK(d % 2 == 0 && sin.size(1) == d, "rope_qk: cos/sin must be [n, head_dim], even");
+  TORCH_CHECK(cos.size(0) == n && sin.size(0) == n, "rope_qk: cos/sin rows != qkv rows");
+  TORCH_CHECK(qkv.size(1) >= (num_q_heads + num_kv_heads) * d, "rope_qk: qkv too narrow");
+  TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(),
+              "rope_qk: cos/sin dtype must equal qkv's");
+  Tensor q = at::empty({n, num_q_heads, d}, qkv.options());
+  Tensor k = at::empty({n, num_kv_heads, d}, qkv.options());
+  dispatch_dtype(qkv.scalar_type(), "rope_qk", [&](auto t) {
+    rope_qk_impl<decltype(t)>(qkv, cos, sin, num_q_heads, num_kv_heads, d, q, k);
+  });
+  return {q, k};
+}
+
+// ---------------------------------------------------------------------------------------------
+// kv_store
+
+void kv_store(Tensor k_buffer, Tensor v_buffer, const Tensor& loc, const Tensor& k,
+              const Tensor& v) {
+  TORCH_CHECK(k_buffer.is_contiguous() && v_buffer.is_contiguous(),
+              "kv_store: pool buffers must be contiguous");
+  TORCH_CHECK(k_buffer.dim() == 3 && v_buffer.sizes() == k_buffer.sizes(),
+              "kv_store: buffers must be [slots, kv_heads, head_dim] alike");
+  TORCH_CHECK(loc.scalar_type() == at::kLong && loc.dim() == 1, "kv_store: loc must be int64 [n]");
+  const int64_t n = loc.size(0), heads = k_buffer.size(1), d = k_buffer.size(2);
+  const int64_t slots = k_buffer.size(0);
+  for (const Tensor* t : {&k, &v}) {
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == n && t->size(1) == heads && t->size(2) == d,
+                "kv_store: k/v must be [n, kv_heads, head_dim]");
+    TORCH_CHECK(t->scalar_type() == k_buffer.scalar_type(), "kv_store: k/v dtype != pool dtype");
+    TORCH_CHECK(t->stride(2) == 1, "kv_store: k/v must be contiguous in head_dim");
+  }
+  const Tensor loc_c = loc.contiguous();
+  const int64_t* lp = loc_c.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(lp[i] >= 0 && lp[i] < slots, "kv_store: slot ", lp[i], " out of range [0, ",
+                slots, ")");
+  }
+  const int64_t es = k_buffer.element_size();
+  const int64_t row_bytes = d * es;
+  char* kb = static_cast<char*>(k_buffer.data_ptr());
+  char* vb = static_cast<char*>(v_buffer.data_ptr());
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  const int64_t k0 = k.stride(0) * es, k1 = k.stride(1) * es;
+  const int64_t v0 = v.stride(0) * es, v1 = v.stride(1) * es;
+  for_rows(n, 2 * heads * d, [&](int64_t r0, int64_t r1) {
+    for (int64_t i = r0; i < r1; ++i) {
+      const int64_t dst = lp[i] * heads * row_bytes;
+      for (int64_t h = 0; h < heads; ++h) {
+        std::memcpy(kb + dst + h * row_bytes, kp + i * k0 + h * k1, row_bytes);
+        std::memcpy(vb + dst + h * row_bytes, vp + i * v0 + h * v1, row_bytes);
+      }
+    }
+  });
+}
+
+std::string fused_ops_isa() {
+#if defined(CPU_CAPABILITY)
+  return RADIXRT_FUSED_STR(CPU_CAPABILITY);
+#else
+  return "DEFAULT";
+#endif
+}
+
+}  // namespace
+}  // namespace radixrt_cpu
+
+TORCH_LIBRARY_FRAGMENT(radixrt, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("rope_qk(Tensor qkv, Tensor cos, Tensor sin, int num_q_heads, int num_kv_heads)"
+        " -> (Tensor, Tensor)");
+  m.def("kv_store(Tensor(a!) k_buffer, Tensor(b!) v_buffer, Tensor loc, Tensor k, Tensor v) -> ()");
+  m.def("fused_ops_isa() -> str", &radixrt_cpu::fused_ops_isa);
+}
+
+TORCH_LIBRARY_IMPL(radixrt, CPU, m) {
+  m.impl("rms_norm", &radixrt_cpu::rms_norm);
+  m.impl("add_rms_norm", &radixrt_cpu::add_rms_norm);
+  m.impl("silu_mul", &radixrt_cpu::silu_mul);
+  m.impl("rope_qk", &radixrt_cpu::rope_qk);
+  m.impl("kv_store", &radixrt_cpu::kv_store);
+}
