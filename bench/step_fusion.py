@@ -37,6 +37,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the scheduler runs; be
 
 import torch  # noqa: E402
 
+from bench.decode_steps import RandomKVDecoder  # noqa: E402
 from radixrt.config import ServerArgs  # noqa: E402
 from radixrt.core.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from radixrt.model.layer_ops import FusedCpuLayerOps, TorchLayerOps  # noqa: E402
@@ -60,34 +61,6 @@ def use(runner: ModelRunner, fused: bool) -> None:
         raise RuntimeError("fused ops unavailable")
     runner.model.set_layer_ops(FusedCpuLayerOps() if fused else TorchLayerOps())
     runner.attn_backend._kv_store = fused  # type: ignore[attr-defined]
-
-
-class Decoder:
-    """Decode steps of `bs` requests over `ctx` random cached tokens each."""
-
-    def __init__(self, runner: ModelRunner, bs: int, ctx: int):
-        self.runner, self.bs, self.seq = runner, bs, ctx
-        rp, kp = runner.req_to_token_pool, runner.token_to_kv_pool
-        rp.clear()
-        kp.clear()
-        self.rows = [rp.alloc() for _ in range(bs)]
-        slots = kp.alloc(bs * ctx)
-        rp.write(self.rows, [0] * bs, [ctx] * bs, slots)
-        g = torch.Generator().manual_seed(0)
-        for buf in (*kp.k_buffer, *kp.v_buffer):
-            buf[slots] = torch.randn(slots.numel(), *buf.shape[1:], generator=g).to(buf.dtype)
-        self.nxt = list(range(100, 100 + bs))
-
-    def step(self) -> float:
-        rp, kp, bs = self.runner.req_to_token_pool, self.runner.token_to_kv_pool, self.bs
-        rp.write(self.rows, [self.seq] * bs, [1] * bs, kp.alloc(bs))
-        fb = ForwardBatch.build(ForwardMode.DECODE, self.nxt, self.rows, [self.seq] * bs,
-                                [1] * bs, rp.req_to_token, self.runner.device)
-        t = clock()
-        self.nxt = self.runner.forward(fb).argmax(-1).tolist()
-        dt = clock() - t
-        self.seq += 1
-        return dt
 
 
 def prefill_once(runner: ModelRunner, n: int, seed: int) -> float:
@@ -121,7 +94,7 @@ def decode(a: argparse.Namespace) -> None:
               f"kernel ISA {torch.ops.radixrt.fused_ops_isa()}", flush=True)
         res: dict[tuple[Any, ...], list[float]] = {}
         for bs in a.batch_size:
-            dec = Decoder(runner, bs, a.input_len)
+            dec = RandomKVDecoder(runner, bs, a.input_len, clock)
             for r in range(a.rounds):
                 for fused in ((False, True) if r % 2 == 0 else (True, False)):
                     use(runner, fused)
@@ -164,12 +137,12 @@ def compile_ab(a: argparse.Namespace) -> None:
     t = time.perf_counter()
     with compiled.active():
         for bs in a.batch_size:
-            Decoder(runner, bs, a.input_len).step()
+            RandomKVDecoder(runner, bs, a.input_len, clock).step()
     print(f"dtype {runner.dtype}: first compiled steps took {time.perf_counter() - t:.0f} s",
           flush=True)
     res: dict[str, list[float]] = {}
     for bs in a.batch_size:
-        dec = Decoder(runner, bs, a.input_len)
+        dec = RandomKVDecoder(runner, bs, a.input_len, clock)
         for _ in range(a.rounds):
             for name in ("torch ops", "fused ops", "compiled torch ops"):
                 use(runner, name == "fused ops")
@@ -193,7 +166,7 @@ def profile(a: argparse.Namespace) -> None:
 
     runner = make_runner(a.dtype[0], a.batch_size[0], a.input_len + 40, a.threads)
     use(runner, not a.torch_ops)
-    dec = Decoder(runner, a.batch_size[0], a.input_len)
+    dec = RandomKVDecoder(runner, a.batch_size[0], a.input_len, clock)
     for _ in range(3):
         dec.step()
     with prof() as p:

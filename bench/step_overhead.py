@@ -35,6 +35,8 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
+from bench.decode_steps import RandomKVDecoder  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 THREAD_VARIANTS: dict[str, dict[str, str]] = {
     "spin (OpenMP default)": {"OMP_WAIT_POLICY": "", "GOMP_SPINCOUNT": ""},
@@ -130,35 +132,6 @@ def _bare_runner(dtype: str, max_bs: int, ctx: int, compile_decode: bool = False
         num_threads=1, compile_decode=compile_decode))
 
 
-class _Decoder:
-    """Decode steps of `bs` requests over `ctx` random cached tokens each."""
-
-    def __init__(self, runner: Any, bs: int, ctx: int):
-        import torch
-
-        self.runner, self.bs, self.seq = runner, bs, ctx
-        rp, kp = runner.req_to_token_pool, runner.token_to_kv_pool
-        rp.clear()
-        kp.clear()
-        self.rows = [rp.alloc() for _ in range(bs)]
-        slots = kp.alloc(bs * ctx)
-        rp.write(self.rows, [0] * bs, [ctx] * bs, slots)
-        g = torch.Generator().manual_seed(0)
-        for buf in (*kp.k_buffer, *kp.v_buffer):
-            buf[slots] = torch.randn(slots.numel(), *buf.shape[1:], generator=g).to(buf.dtype)
-        self.nxt = list(range(100, 100 + bs))
-
-    def step(self) -> None:
-        from radixrt.core.forward_batch import ForwardBatch, ForwardMode
-
-        rp, kp, bs = self.runner.req_to_token_pool, self.runner.token_to_kv_pool, self.bs
-        rp.write(self.rows, [self.seq] * bs, [1] * bs, kp.alloc(bs))
-        fb = ForwardBatch.build(ForwardMode.DECODE, self.nxt, self.rows, [self.seq] * bs,
-                                [1] * bs, rp.req_to_token, self.runner.device)
-        self.nxt = self.runner.forward(fb).argmax(-1).tolist()
-        self.seq += 1
-
-
 def compile_ab(a: argparse.Namespace) -> None:
     import torch
 
@@ -169,14 +142,14 @@ def compile_ab(a: argparse.Namespace) -> None:
     compiled = CompiledDense(runner.model.layers)
     t, c = time.perf_counter(), time.process_time()
     with compiled.active():
-        _Decoder(runner, a.batch_size[0], a.input_len).step()
+        RandomKVDecoder(runner, a.batch_size[0], a.input_len).step()
     print(f"first compiled step: wall {time.perf_counter() - t:.1f} s, this process's CPU "
           f"{time.process_time() - c:.1f} s (inductor compiles in worker processes too)")
     res: dict[tuple[int, bool], list[float]] = {}
     for _ in range(a.rounds):
         for bs in a.batch_size:
             for on in (False, True):
-                dec = _Decoder(runner, bs, a.input_len)
+                dec = RandomKVDecoder(runner, bs, a.input_len)
                 for i in range(7):
                     c = time.thread_time()
                     if on:
@@ -198,7 +171,7 @@ def profile(a: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     bs = a.batch_size[0]
-    dec = _Decoder(_bare_runner(a.dtype, bs, a.input_len), bs, a.input_len)
+    dec = RandomKVDecoder(_bare_runner(a.dtype, bs, a.input_len), bs, a.input_len)
     dec.step()
     with prof(activities=[ProfilerActivity.CPU]) as p:
         for _ in range(3):

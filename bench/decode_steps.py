@@ -1,0 +1,45 @@
+"""Bare decode steps for step-level benchmarks: `bs` requests over `ctx` random cached tokens.
+
+Used by bench/step_overhead.py and bench/step_fusion.py. The pool is filled with random K/V
+(attention's cost does not depend on the values), so no prefill runs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+class RandomKVDecoder:
+    """Decode steps of `bs` requests over `ctx` random cached tokens each, on `runner`
+    (a `ModelRunner`); `step()` returns the forward pass's time by `clock`."""
+
+    def __init__(self, runner: Any, bs: int, ctx: int,
+                 clock: Callable[[], float] = time.perf_counter):
+        import torch
+
+        self.runner, self.bs, self.seq, self.clock = runner, bs, ctx, clock
+        rp, kp = runner.req_to_token_pool, runner.token_to_kv_pool
+        rp.clear()
+        kp.clear()
+        self.rows = [rp.alloc() for _ in range(bs)]
+        slots = kp.alloc(bs * ctx)
+        rp.write(self.rows, [0] * bs, [ctx] * bs, slots)
+        g = torch.Generator().manual_seed(0)
+        for buf in (*kp.k_buffer, *kp.v_buffer):
+            buf[slots] = torch.randn(slots.numel(), *buf.shape[1:], generator=g).to(buf.dtype)
+        self.nxt = list(range(100, 100 + bs))
+
+    def step(self) -> float:
+        from radixrt.core.forward_batch import ForwardBatch, ForwardMode
+
+        rp, kp, bs = self.runner.req_to_token_pool, self.runner.token_to_kv_pool, self.bs
+        rp.write(self.rows, [self.seq] * bs, [1] * bs, kp.alloc(bs))
+        fb = ForwardBatch.build(ForwardMode.DECODE, self.nxt, self.rows, [self.seq] * bs,
+                                [1] * bs, rp.req_to_token, self.runner.device)
+        t = self.clock()
+        self.nxt = self.runner.forward(fb).argmax(-1).tolist()
+        dt = self.clock() - t
+        self.seq += 1
+        return dt
