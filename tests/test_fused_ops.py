@@ -12,14 +12,12 @@ a subprocess.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from kernel_isa import run_isa_check
 from model_fixtures import PagedRunner, make_tiny_checkpoint
 
 from radixrt.attention import cpu_kernels
@@ -227,13 +225,7 @@ def test_other_instruction_sets_build_and_agree(isa: str) -> None:
     """The library built for a lower ISA (AVX2-only machines, non-x86), in a fresh process:
     bf16 / fp16 within one rounding unit of torch; fp32 bitwise wherever the build and torch's
     dispatch agree (elsewhere the model falls back to the torch ops, as the self-check says)."""
-    if isa != "default" and cpu_kernels.choose_isa(requested=isa) != isa:
-        pytest.skip(f"this CPU cannot run {isa}")
-    env = dict(os.environ, RADIXRT_CPU_ISA=isa)
-    res = subprocess.run([sys.executable, "-c", _SUBPROCESS_CHECK], env=env, capture_output=True,
-                         text=True, timeout=1200)
-    assert res.returncode == 0, res.stderr[-3000:]
-    lines = res.stdout.split("\n")
+    lines = run_isa_check(isa, _SUBPROCESS_CHECK, timeout=1200).split("\n")
     ours, torch_isa = lines[0].split()
     assert ours == isa.upper()
     errs = [float(x) for x in lines[1:] if x.strip()]

@@ -12,14 +12,12 @@ for a bf16 output.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from kernel_isa import run_isa_check
 
 from radixrt.attention import cpu_kernels
 from radixrt.model.quant import Int4Groups, quantize_int4, quantize_int8
@@ -188,13 +186,7 @@ _SUBPROCESS_CHECK = textwrap.dedent("""
 def test_other_instruction_sets_build_and_agree(isa: str, path: str) -> None:
     """The AVX2 and generic paths, built here and checked in a fresh process (one kernel library
     per process; cached after the first run)."""
-    if isa != "default" and cpu_kernels.choose_isa(requested=isa) != isa:
-        pytest.skip(f"this CPU cannot run {isa}")
-    env = dict(os.environ, RADIXRT_CPU_ISA=isa)
-    res = subprocess.run([sys.executable, "-c", _SUBPROCESS_CHECK], env=env, capture_output=True,
-                         text=True, timeout=900)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.split() == [path, "ok"]
+    assert run_isa_check(isa, _SUBPROCESS_CHECK).split() == [path, "ok"]
 
 
 def test_isa_table_adds_bf16_only_when_the_cpu_has_it(monkeypatch: pytest.MonkeyPatch,
