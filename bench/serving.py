@@ -306,6 +306,8 @@ def main() -> None:
                     help="extra `radixrt serve` flags with --launch-radixrt, e.g. "
                          "'--disable-radix-cache'")
     ap.add_argument("--out", default=None, help="JSON lines (appended)")
+    ap.add_argument("--server-log", default=None,
+                    help="with --launch-radixrt: append the server's output here")
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args()
 
@@ -323,7 +325,8 @@ def main() -> None:
     proc = None
     if a.launch_radixrt:
         port = int(a.base_url.rsplit(":", 1)[1].split("/")[0])
-        proc = launch_radixrt(port, a.threads, a.server_args.split())
+        log = open(a.server_log, "ab") if a.server_log else subprocess.DEVNULL
+        proc = launch_radixrt(port, a.threads, a.server_args.split(), log)
     try:
         client = Client(a.base_url, a.model, a.endpoint, a.prompt_format, a.api_key,
                         not a.no_ignore_eos, tok)

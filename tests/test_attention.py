@@ -115,6 +115,7 @@ def _extend_case(case: tuple[list[int], list[int]], heads: int, kv_heads: int):
     return kv, fb, q, k, v, scale, _reference(q, k, v, kv, fb, scale)
 
 
+@pytest.mark.parametrize("decode_kernel", DECODE_PATHS)
 @pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4)])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"p{c[0][:4]}e{c[1][:4]}")
 @pytest.mark.parametrize("waste", [0.0, 1e9], ids=["ragged", "padded"])
@@ -123,16 +124,23 @@ def test_extend_matches_reference(
     heads: int,
     kv_heads: int,
     waste: float,
+    decode_kernel: bool,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """With the decode op, 1-token rows (a mixed step's decode rows) run through it and the
+    other rows through the padded/ragged plan of their own sub-batch."""
     monkeypatch.setattr(torch_native, "PADDED_WASTE_FACTOR", waste)
-    prefix, _ = case
+    _, ext = case
     kv, fb, q, k, v, scale, ref = _extend_case(case, heads, kv_heads)
     n = fb.num_tokens
-    backend = TorchNativeBackend(kv)
+    backend = _decode_backend(kv, decode_kernel)
     backend.init_forward_metadata(fb)
-    padded = waste > 1 and len(prefix) > 1
-    assert (backend._padded is not None) == padded and (backend._ragged is not None) != padded
+    split = decode_kernel and 1 in ext
+    assert (backend._split is not None) == split
+    multi = [e for e in ext if e > 1] if split else ext
+    padded = waste > 1 and len(multi) > 1
+    assert (backend._padded is not None) == padded
+    assert (backend._ragged is not None) == (not padded and bool(multi))
     out = backend.forward(q, k, v, LAYER, scale, fb)
     assert out.shape == (n, heads, D)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
@@ -304,6 +312,49 @@ def test_decode_over_shared_prefixes_matches_reference(
         assert cascade is not None
         assert cascade.num_groups == len(expect) and cascade.shared_mask.shape[-1] == max(
             expect)
+    out = backend.forward(q, k, v, LAYER, scale, fb)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_mixed_step_decode_rows_share_prefixes() -> None:
+    """A mixed extend step whose 1-token rows share a cached prefix: the decode op attends
+    the prefix once for the group (cascade), the prefill row runs apart, and all rows match
+    the reference."""
+    if paged_decode_unavailable_reason(torch.float32, D) is not None:
+        pytest.skip("paged decode op unavailable")
+    heads, kv_heads, shared = 6, 3, 40
+    g = torch.Generator().manual_seed(5)
+    private = [2, 0, 7]
+    total = shared + sum(private) + 64
+    kv = TokenToKVPool(total, 2, kv_heads, D)
+    for buf in kv.k_buffer + kv.v_buffer:
+        buf.copy_(torch.randn(buf.shape, generator=g))
+    slots = (torch.randperm(total - 1, generator=g) + 1).tolist()
+    reqs = ReqToTokenPool(8, shared + 32)
+    common = [slots.pop() for _ in range(shared)]
+    rows, prefix_lens, ext = [], [], []
+    for i, n in enumerate([*private, 5]):
+        own = [slots.pop() for _ in range(n)]
+        r = reqs.alloc()
+        assert r is not None
+        pre = common + own if i < len(private) else own  # the last row: a fresh prefill
+        reqs.req_to_token[r, : len(pre)] = torch.tensor(pre, dtype=torch.int32)
+        rows.append(r)
+        prefix_lens.append(len(pre))
+        ext.append(1 if i < len(private) else 9)
+    out_loc = torch.tensor([slots.pop() for _ in range(sum(ext))])
+    reqs.write(rows, prefix_lens, ext, out_loc)
+    fb = ForwardBatch.build(ForwardMode.EXTEND, torch.zeros(sum(ext), dtype=torch.int64), rows,
+                            prefix_lens, ext, reqs.req_to_token)
+    q = torch.randn(fb.num_tokens, heads, D, generator=g)
+    k = torch.randn(fb.num_tokens, kv_heads, D, generator=g)
+    v = torch.randn(fb.num_tokens, kv_heads, D, generator=g)
+    scale = D**-0.5
+    ref = _reference(q, k, v, kv, fb, scale)
+    backend = _decode_backend(kv, True)
+    backend.init_forward_metadata(fb)
+    assert backend._split is not None and backend._kernel is not None
+    assert backend._kernel.group_len.tolist() == [shared]
     out = backend.forward(q, k, v, LAYER, scale, fb)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 

@@ -8,6 +8,9 @@ Execution plans, chosen once per step in `init_forward_metadata`:
   with one `index_select` per layer (slot 0 pads), masked by a float mask built once per step.
   Decode always uses it (Qmax = 1; the query heads of one KV group ride the query-length axis, so
   GQA needs no K/V expansion). Extend uses it when padding wastes at most half the work.
+- split (extend on CPU with the decode op, when some rows compute one token, e.g. a mixed
+  step's decode rows): those rows go to the paged-decode op as a decode sub-batch
+  (`ForwardBatch.split_rows`), the others to the padded or ragged plan of their own sub-batch.
 - ragged: one SDPA call per request: its new tokens against its prefix K/V (gathered from the
   pool) concatenated with the new K/V of this pass; the causal mask is offset by the prefix
   length, i.e. query i of a request with prefix P sees keys 0..P+i.
@@ -123,12 +126,16 @@ class TorchNativeBackend(AttentionBackend):
         self._cascade: _CascadePlan | None = None
         self._ragged: list[_RaggedReq] | None = None
         self._invariant: list[_InvariantReq] | None = None
+        # Mixed extend step: (token rows of the 1-token rows, run by `_kernel`; token rows of
+        # the others, run by the padded/ragged plan of their sub-batch, or None).
+        self._split: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self._planned_for: ForwardBatch | None = None  # the batch the plan above describes
 
     # -- per step ----------------------------------------------------------------------------
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         self._padded, self._cascade, self._ragged, self._invariant = None, None, None, None
         self._kernel = None
+        self._split = None
         self._planned_for = fb
         if fb.is_decode:
             groups = self._decode_groups(fb)
@@ -141,6 +148,25 @@ class TorchNativeBackend(AttentionBackend):
         if self.batch_invariant or fb.batch_invariant:
             self._invariant = self._plan_invariant(fb)
             return
+        single = [b for b, e in enumerate(fb.extend_lens_cpu) if e == 1]
+        if self.decode_kernel and single:
+            # A mixed step's decode rows (and any 1-token extend) go to the paged-decode op:
+            # padded they would cost Qmax rows each, ragged one SDPA call and gather each.
+            dec = fb.split_rows(single, as_decode=True)
+            self._kernel = PagedDecodePlan.build(dec, self._decode_groups(dec))
+            multi = [b for b, e in enumerate(fb.extend_lens_cpu) if e > 1]
+            starts = fb.qo_indptr.to("cpu", torch.int64)
+            ext_tok = None
+            if multi:
+                self._plan_extend(fb.split_rows(multi))
+                ext_tok = torch.cat([torch.arange(int(starts[b]), int(starts[b + 1]))
+                                     for b in multi]).to(self.device)
+            self._split = (starts[single].to(self.device), ext_tok)
+            return
+        self._plan_extend(fb)
+
+    def _plan_extend(self, fb: ForwardBatch) -> None:
+        """Padded when padding wastes at most `PADDED_WASTE_FACTOR`, else ragged."""
         ext, pre = fb.extend_lens_cpu, fb.prefix_lens_cpu
         qmax = max(ext)
         kmax = max(p + e for p, e in zip(pre, ext, strict=True))
@@ -301,6 +327,8 @@ class TorchNativeBackend(AttentionBackend):
                                        fb.out_cache_loc, k, v)
         else:  # contiguous sources: index_put from a strided view is ~100x slower on CPU
             pool.set_kv(layer_id, fb.out_cache_loc, k.contiguous(), v.contiguous())
+        if self._split is not None:
+            return self._forward_split(q, k, v, layer_id, scaling)
         if self._kernel is not None:
             out, _ = self._kernel.run(q, pool.k_buffer[layer_id], pool.v_buffer[layer_id],
                                       scaling)
@@ -309,12 +337,29 @@ class TorchNativeBackend(AttentionBackend):
             return self._extend_invariant(q, layer_id, scaling)
         if self._cascade is not None:
             return self._decode_cascade(q, layer_id, scaling)
+        if self._padded is not None and self._padded.q_rows is None:
+            return self._decode(q, layer_id, scaling)
+        return self._extend(q, k, v, layer_id, scaling)
+
+    def _extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                scaling: float) -> torch.Tensor:
         if self._padded is not None:
-            if self._padded.q_rows is None:
-                return self._decode(q, layer_id, scaling)
             return self._extend_padded(q, layer_id, scaling)
         assert self._ragged is not None
         return self._extend_ragged(q, k, v, layer_id, scaling)
+
+    def _forward_split(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                       scaling: float) -> torch.Tensor:
+        assert self._split is not None and self._kernel is not None
+        dec_tok, ext_tok = self._split
+        pool = self.kv_pool
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        o, _ = self._kernel.run(q[dec_tok], pool.k_buffer[layer_id], pool.v_buffer[layer_id],
+                                scaling)
+        out[dec_tok] = o
+        if ext_tok is not None:
+            out[ext_tok] = self._extend(q[ext_tok], k[ext_tok], v[ext_tok], layer_id, scaling)
+        return out
 
     def _gather(
         self, layer_id: int, index: torch.Tensor, rows: int

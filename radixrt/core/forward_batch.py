@@ -130,3 +130,58 @@ class ForwardBatch:
             prefix_lens_cpu=prefix,
             extend_lens_cpu=ext,
         )
+
+    def split_rows(self, rows: Sequence[int], as_decode: bool = False) -> ForwardBatch:
+        """This extend batch restricted to `rows` (ascending), token rows renumbered from 0.
+
+        With `as_decode`, every row must compute one token, and the result has the decode
+        layout: `kv_indices` lists each row's prefix slots followed by the slot it writes this
+        step. Used by backends that attend a mixed step's decode rows apart from its prefill
+        rows; prompt-scoring fields are not carried (scoring steps never split).
+        """
+        if self.is_decode:
+            raise ValueError("split_rows is for extend batches")
+        rows_t = torch.tensor(list(rows), dtype=torch.int64)
+        qo = self.qo_indptr.to("cpu", torch.int64)
+        kvp = self.kv_indptr.to("cpu", torch.int64)
+        ext = [self.extend_lens_cpu[b] for b in rows]
+        pre = [self.prefix_lens_cpu[b] for b in rows]
+        if as_decode and any(e != 1 for e in ext):
+            raise ValueError("as_decode needs rows that compute exactly one token")
+        tok = torch.cat([torch.arange(int(qo[b]), int(qo[b + 1])) for b in rows])
+        kv_parts = []
+        for b in rows:
+            kv_parts.append(self.kv_indices[int(kvp[b]):int(kvp[b + 1])])
+            if as_decode:
+                kv_parts.append(self.out_cache_loc[int(qo[b]):int(qo[b + 1])].to(
+                    self.kv_indices.dtype))
+        kv_indices = torch.cat(kv_parts)
+        kv_lens = torch.tensor([p + e for p, e in zip(pre, ext, strict=True)] if as_decode
+                               else pre, dtype=torch.int64)
+        ext_t = torch.tensor(ext, dtype=torch.int64)
+        dev = self.input_ids.device
+        qo_new = torch.zeros(len(ext) + 1, dtype=torch.int64)
+        torch.cumsum(ext_t, 0, out=qo_new[1:])
+        kv_new = torch.zeros(len(ext) + 1, dtype=torch.int64)
+        torch.cumsum(kv_lens, 0, out=kv_new[1:])
+        tok_d = tok.to(dev)
+        rows_d = rows_t.to(dev)
+        return ForwardBatch(
+            mode=ForwardMode.DECODE if as_decode else ForwardMode.EXTEND,
+            batch_size=len(ext),
+            input_ids=self.input_ids[tok_d],
+            positions=self.positions[tok_d],
+            req_pool_indices=self.req_pool_indices[rows_d],
+            seq_lens=self.seq_lens[rows_d],
+            prefix_lens=self.prefix_lens[rows_d],
+            extend_lens=self.extend_lens[rows_d],
+            out_cache_loc=self.out_cache_loc[tok_d],
+            qo_indptr=qo_new.to(dev, torch.int32),
+            kv_indptr=kv_new.to(dev, torch.int32),
+            kv_indices=kv_indices,
+            kv_last_page_len=torch.ones(len(ext), dtype=torch.int32, device=dev),
+            logits_indices=(qo_new[1:] - 1).to(dev),
+            seq_lens_cpu=[p + e for p, e in zip(pre, ext, strict=True)],
+            prefix_lens_cpu=pre,
+            extend_lens_cpu=ext,
+        )

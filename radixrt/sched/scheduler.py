@@ -360,6 +360,13 @@ class Scheduler:
         self.step_times["grammar"] += tg - t2
         self.step_times["sample"] += t3 - tg
         self.step_times["process"] += t4 - t3
+        if logger.isEnabledFor(logging.DEBUG):
+            n_dec = len(reqs) if mode == "decode" else len(reqs) - n_ext
+            n_pre = 0 if mode == "decode" else n_ext
+            logger.debug("step %s: %d prefill rows / %d tokens on %d cached, %d decode rows, "
+                         "%d waiting; %.1f ms (forward %.1f)", mode, n_pre,
+                         fb.num_tokens - n_dec, sum(fb.prefix_lens_cpu[:n_pre]), n_dec,
+                         len(self.waiting), (t4 - t0) * 1e3, (t2 - t1) * 1e3)
         if mode == "decode":
             self.decode_totals["steps"] += 1
             self.decode_totals["rows"] += len(reqs)
