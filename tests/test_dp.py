@@ -144,9 +144,13 @@ def test_dead_replica_fails_its_requests_and_the_others_serve(engine):
 
 
 def test_http_server_survives_a_killed_replica(tiny_llama_dir):
-    """`radixrt serve --dp 2`: SIGKILL the scheduler running a stream. The stream ends with an
-    error event naming the replica (code replica_dead) and [DONE], /health stays 200 and lists
-    the dead replica, and later requests of every prompt group succeed on the survivor."""
+    """`radixrt serve --dp 2`: SIGKILL the scheduler running a stream while non-streamed
+    requests run on both replicas. The stream (it sent output) ends with an error event naming
+    the replica (code replica_dead) and [DONE]; every non-streamed request answers 200 once,
+    with the text it gets without the kill; the survivor passes its invariant checks, /health
+    stays 200 and lists the dead replica, and later requests of every group succeed."""
+    import concurrent.futures
+
     import psutil
     from test_server import start_server, stop_server
 
@@ -155,18 +159,36 @@ def test_http_server_survives_a_killed_replica(tiny_llama_dir):
         kids = psutil.Process(server.proc.pid).children()
         scheds = {i: next(c for c in kids if any(f"scheduler-{i}.pkl" in a
                                                   for a in c.cmdline())) for i in (0, 1)}
+
+        def complete(p: str) -> dict:
+            r = httpx.post(server.url + "/v1/completions", timeout=120, json={
+                "model": "default", "prompt": p, "max_tokens": 300, "temperature": 0,
+                "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        texts = [p for _, p in prompts()]
+        expected = [complete(p)["choices"][0]["text"] for p in texts]
+
+        def routing() -> list[dict]:
+            return httpx.get(server.url + "/debug/stats", timeout=10).json()["routing"]
+
         body = {"model": "default", "prompt": SYSTEMS[0] + "long", "max_tokens": 900,
                 "ignore_eos": True, "stream": True}
         events: list[str] = []
+        pool = concurrent.futures.ThreadPoolExecutor(len(texts))
         with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
             lines = r.iter_lines()
             assert r.status_code == 200
             for line in lines:  # wait for the first token: the request runs somewhere
                 if line.startswith("data: {"):
                     break
-            loads = [x["load"] for x in httpx.get(server.url + "/debug/stats",
-                                                   timeout=10).json()["routing"]]
-            victim = loads.index(1)
+            victim = [x["load"] for x in routing()].index(1)
+            futures = [pool.submit(complete, p) for p in texts]
+            deadline = time.monotonic() + 30
+            while routing()[victim]["load"] < 2:  # the victim has non-streamed work too
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
             scheds[victim].kill()
             t0 = time.monotonic()
             events = [line for line in lines if line.startswith("data: ")]
@@ -174,6 +196,14 @@ def test_http_server_survives_a_killed_replica(tiny_llama_dir):
         assert events[-1] == "data: [DONE]"
         err = [e for e in events if '"error"' in e]
         assert err and "replica_dead" in err[-1] and f"replica {victim} died" in err[-1]
+        answers = [f.result(timeout=120) for f in futures]
+        pool.shutdown()
+        assert [a["choices"][0]["text"] for a in answers] == expected
+        assert all(a["usage"]["completion_tokens"] == 300 for a in answers)
+        stats = httpx.get(server.url + "/debug/stats", timeout=10).json()
+        assert stats["retried_requests"] >= 1
+        inv = httpx.get(server.url + "/debug/check_invariants", timeout=30)
+        assert inv.status_code == 200 and inv.json()["ok"], inv.text
         health = httpx.get(server.url + "/health", timeout=10)
         assert health.status_code == 200 and set(health.json()["dead_replicas"]) == {str(victim)}
         for _, p in prompts():
