@@ -66,6 +66,7 @@ class TokenizerManager:
         self.on_lost = on_lost
         # Replica -> why it is gone (several replicas only).
         self.lost: dict[int, str] = {}
+        self._to_stop: list[int] = []  # lost replicas whose leftover process `on_lost` stops
         self._last_check = 0.0
         self._child_lock = threading.Lock()  # one thread handles a death
         self.ctx = zmq.Context()
@@ -148,7 +149,16 @@ class TokenizerManager:
     def _check_children(self) -> bool:
         """Handle dead children; True once the whole runtime is dead."""
         with self._child_lock:
-            return self._check_children_locked()
+            dead = self._check_children_locked()
+            stop, self._to_stop = self._to_stop, []
+        # Outside the lock (it takes up to seconds): outputs of the live replicas keep flowing.
+        for replica in stop:
+            if self.on_lost is not None:
+                try:
+                    self.on_lost(replica)
+                except Exception:  # stopping the leftover process is best effort
+                    logger.exception("stopping replica %d's processes failed", replica)
+        return dead
 
     def _check_children_locked(self) -> bool:
         if self.dead_error is not None:
@@ -195,11 +205,7 @@ class TokenizerManager:
         for event, _, r in list(self._control.values()):
             if r == replica:
                 event.set()
-        if self.on_lost is not None:
-            try:
-                self.on_lost(replica)
-            except Exception:  # stopping the leftover process is best effort
-                logger.exception("stopping replica %d's processes failed", replica)
+        self._to_stop.append(replica)
 
     def _rerun(self, state: ReqState, req: GenerateReq) -> None:
         """Send a lost run's request again, on a live replica, under a new wire id."""
@@ -216,25 +222,31 @@ class TokenizerManager:
         self.retried += 1
         self._send(again, int(d.worker))  # type: ignore[call-overload]
 
+    def _apply_outs(self, msg: TextBatchOut) -> None:
+        for out in msg.outs:
+            state = self.states.get(out.rid)  # by wire id: a lost run's outputs find none
+            if state is None:
+                continue
+            wire = out.rid
+            if wire != state.rid:  # a re-run: the caller knows only its own rid
+                out = dataclasses.replace(out, rid=state.rid)
+            state.apply(out)
+            if state.finish_reason is not None:
+                self.states.pop(wire, None)
+                self._reqs.pop(wire, None)
+                self._wire.pop(state.rid, None)
+                replica = self._release(wire, error=bool(out.error))
+                if self.policy is not None and replica is not None:
+                    self.policy.observed(replica, out.usage.prompt_tokens,
+                                         out.usage.cached_tokens)
+            state.notify(out)
+
     def _dispatch(self, msg: object) -> None:
         if isinstance(msg, TextBatchOut):
-            for out in msg.outs:
-                state = self.states.get(out.rid)  # by wire id: a lost run's outputs find none
-                if state is None:
-                    continue
-                wire = out.rid
-                if wire != state.rid:  # a re-run: the caller knows only its own rid
-                    out = dataclasses.replace(out, rid=state.rid)
-                state.apply(out)
-                if state.finish_reason is not None:
-                    self.states.pop(wire, None)
-                    self._reqs.pop(wire, None)
-                    self._wire.pop(state.rid, None)
-                    replica = self._release(wire, error=bool(out.error))
-                    if self.policy is not None and replica is not None:
-                        self.policy.observed(replica, out.usage.prompt_tokens,
-                                             out.usage.cached_tokens)
-                state.notify(out)
+            # Under the death lock: a replica lost by another thread (`check_alive`) must not
+            # restart a state while one of its lost run's outputs is being applied.
+            with self._child_lock:
+                self._apply_outs(msg)
         elif isinstance(msg, ControlReply):
             waiter = self._control.get(msg.req_id)
             if waiter is not None:
