@@ -6,6 +6,8 @@ groups (more groups than workers).
     python bench/routing.py --groups 8 --per-group 8 --system-len 512 --max-concurrency 16
     python bench/routing.py --systems single dp-cache_aware dp-round_robin --md out.md
     python bench/routing.py --rounds 3 ...                    # systems interleaved, medians
+    python bench/routing.py --total-kv-tokens 3072 --groups 8 --per-group 8 --system-len 256
+                                                              # memory pressure (see below)
 
 Per system: a fresh server (or servers + router) with `--threads` cores in all (split between
 the replicas, each pinned to its own cores when there are enough), a warm-up request, then the
@@ -14,6 +16,19 @@ total token throughput, TTFT p50 / p99, achieved hit rate (usage.cached_tokens),
 relative to the single replica's (`single` must be in the run) and to the workload's optimum,
 and load imbalance = max / mean prompt tokens routed per worker (from the front end's routing
 counters: `/debug/stats` `routing` for --dp, `/workers` for the router).
+
+Memory: without `--total-kv-tokens` every server sizes its KV pool from free memory as usual
+(`--max-total-tokens` is per replica, so `--dp 2` then has twice the single replica's pool).
+`--total-kv-tokens T` makes the budget equal: the single replica gets `--max-total-tokens T`,
+each of the 2 replicas (dp or router workers) T/2, and the cache-aware trees are bounded at
+T/2 (`--routing-max-tree-tokens`). With a working set (groups x system-len) between T/2 and T,
+this is the regime the router is for: round-robin makes every replica hold every group's
+prefix, cache-aware partitions the groups so the pools add up.
+
+Arrival order: the `gsp` prompts come in the dataset's seeded shuffle (not group by group in
+turn, where 2-way round-robin would send each group of an even count to one replica and look
+cache-aware by accident); the report states how many groups round-robin reaches both replicas
+with in this order.
 """
 
 from __future__ import annotations
@@ -69,14 +84,39 @@ def serve_cmd(port: int, threads: int, extra: list[str]) -> list[str]:
             "--num-threads", str(threads), "--log-level", "warning", *extra]
 
 
+REPLICAS = 2  # of `dp-*` and `router-*` systems
+
+
+def memory_args(kind: str, total_kv_tokens: int | None) -> list[str]:
+    """Per-server KV flags giving every system the same total budget: all of it to `single`,
+    1/REPLICAS to each replica (and the cache-aware trees bounded alike)."""
+    if total_kv_tokens is None:
+        return []
+    share = total_kv_tokens if kind == "single" else total_kv_tokens // REPLICAS
+    out = ["--max-total-tokens", str(share)]
+    if kind == "dp":
+        out += ["--routing-max-tree-tokens", str(share)]
+    return out
+
+
+def round_robin_spread(workload: Any, system_len: int) -> tuple[int, int]:
+    """(groups that 2-way round-robin in arrival order sends to both replicas, groups)."""
+    seen: dict[tuple[int, ...], set[int]] = {}
+    for i, s in enumerate(workload.sessions):
+        seen.setdefault(tuple(s.turns[0].append[:system_len]), set()).add(i % REPLICAS)
+    return sum(len(v) > 1 for v in seen.values()), len(seen)
+
+
 class Deployment:
     """The processes of one system; `url` is where clients go, `routed_tokens()` per worker."""
 
-    def __init__(self, system: str, threads: int, server_args: list[str], log: Any):
+    def __init__(self, system: str, threads: int, server_args: list[str], log: Any,
+                 total_kv_tokens: int | None = None):
         self.procs: list[subprocess.Popen] = []
         kind, _, policy = system.partition("-")
         cores = sorted(os.sched_getaffinity(0))
         self.kind = kind
+        server_args = [*server_args, *memory_args(kind, total_kv_tokens)]
         try:
             if kind == "single":
                 port = free_port()
@@ -85,7 +125,7 @@ class Deployment:
             elif kind == "dp":
                 port = free_port()
                 self.procs.append(popen(serve_cmd(port, threads, [
-                    *server_args, "--dp", "2", "--routing-policy", policy]), None, log))
+                    *server_args, "--dp", str(REPLICAS), "--routing-policy", policy]), None, log))
                 self.url = f"http://127.0.0.1:{port}"
             elif kind == "router":
                 half = max(1, threads // 2)
@@ -102,6 +142,8 @@ class Deployment:
                 self.procs.append(popen([
                     sys.executable, "-m", "radixrt", "router", "--port", str(port),
                     "--log-level", "warning", "--routing-policy", policy,
+                    *(["--routing-max-tree-tokens", str(total_kv_tokens // REPLICAS)]
+                      if total_kv_tokens else []),
                     "--worker-url", *workers], None, log))
                 self.url = f"http://127.0.0.1:{port}"
             else:
@@ -127,7 +169,7 @@ class Deployment:
 
 def run_system(system: str, workload: Any, tok: Any, args: argparse.Namespace,
                log: Any) -> dict[str, Any]:
-    dep = Deployment(system, args.threads, args.server_args.split(), log)
+    dep = Deployment(system, args.threads, args.server_args.split(), log, args.total_kv_tokens)
     try:
         warm = warmup_prompt()
         httpx.post(dep.url + "/v1/completions", json={"model": "default", "prompt": warm,
@@ -178,7 +220,15 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace, desc: str) -
         f"# Routing across replicas ({datetime.date.today()})", "",
         f"- CPU: {cpu_name()}, {len(os.sched_getaffinity(0))} cores visible, `--threads "
         f"{args.threads}` in all per system (split between replicas)",
-        f"- workload: gsp {desc}, max concurrency {args.max_concurrency}",
+        f"- workload: gsp {desc}, max concurrency {args.max_concurrency}; arrival order: the "
+        f"dataset's seeded shuffle (2-way round-robin reaches both replicas with "
+        f"{args.rr_spread[0]} of {args.rr_spread[1]} groups)",
+        "- KV budget: " + (f"{args.total_kv_tokens} tokens in all (`single` "
+                           f"--max-total-tokens {args.total_kv_tokens}, each of the "
+                           f"{REPLICAS} replicas {args.total_kv_tokens // REPLICAS}); working "
+                           f"set {args.groups * args.system_len} prefix tokens"
+                           if args.total_kv_tokens else
+                           "each server's own default (`--max-total-tokens` per replica)"),
         f"- command: `python bench/routing.py {' '.join(sys.argv[1:])}`",
         f"- load average when the report was written: {os.getloadavg()[0]:.1f} on "
         f"{os.cpu_count()} CPUs (other jobs on the machine inflate absolute figures; compare "
@@ -224,6 +274,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--server-args", default="--dtype float32",
                     help="extra `radixrt serve` flags for every worker")
+    ap.add_argument("--total-kv-tokens", type=int, default=None,
+                    help="KV budget per system: --max-total-tokens T for single, T/2 for each "
+                         "replica (default: every server sizes its own pool)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the systems in turn this many times; report each one's median")
@@ -235,6 +288,7 @@ def main() -> None:
     w = make_workload("gsp", a.seed, tok, groups=a.groups, prompts_per_group=a.per_group,
                       system_len=a.system_len, question_len=a.question_len,
                       output_len=a.output_len)
+    a.rr_spread = round_robin_spread(w, a.system_len)
     results = []
     with open(a.log, "a") as log:
         for rnd, system in ((i, s) for i in range(a.rounds) for s in a.systems):

@@ -68,7 +68,7 @@ class FakeEngine(FakeEngineBase):
         self.scores = ToyScores(self.vocab_size)
 
     def submit(self, ids: list[int], sp: SamplingParams, *, loop: asyncio.AbstractEventLoop,
-               queue: asyncio.Queue) -> ReqState:
+               queue: asyncio.Queue, stream: bool | None = None) -> ReqState:
         state = self._new_request(ids, sp, loop, queue)
         rid = state.rid
         prompt_lp = (self.scores.score(ids, sp.logprob_start_len, sp.top_logprobs)

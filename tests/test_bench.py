@@ -521,3 +521,51 @@ def test_llama_server_peer_end_to_end(tmp_path):
     assert all(r.output_len == t.max_tokens for r, s in zip(recs, ws[0].sessions, strict=True)
                for t in s.turns)  # ignore_eos honoured
     assert all(r.cached_tokens is not None for r in recs)
+
+
+# -- routing bench ------------------------------------------------------------------------------------
+def test_routing_bench_gives_every_system_the_same_kv_budget():
+    from bench.routing import REPLICAS, memory_args
+
+    assert memory_args("single", None) == memory_args("dp", None) == []
+    assert memory_args("single", 3072) == ["--max-total-tokens", "3072"]
+    share = str(3072 // REPLICAS)
+    assert memory_args("router", 3072) == ["--max-total-tokens", share]
+    assert memory_args("dp", 3072) == ["--max-total-tokens", share,
+                                       "--routing-max-tree-tokens", share]
+
+
+def test_round_robin_spread_detects_the_in_turn_artefact():
+    """Groups arriving in turn (g0 g1 g0 g1 ...) with an even count: 2-way round-robin sends
+    each group to one replica; the shuffled gsp order scatters them."""
+    from bench.routing import round_robin_spread
+
+    systems = [[g] * 8 for g in range(4)]
+    in_turn = Workload("gsp", 0, {}, [Session(i, 0.0, [Turn(systems[i % 4] + [100 + i], 4)])
+                                      for i in range(16)])
+    assert round_robin_spread(in_turn, 8) == (0, 4)
+    w = datasets.make_workload("gsp", 0, datasets.default_tokenizer(), groups=8,
+                               prompts_per_group=8, system_len=64, question_len=8, output_len=4)
+    spread, groups = round_robin_spread(w, 64)
+    assert groups == 8 and spread == 8
+
+
+def test_sim_cache_is_an_lru_radix_cache_with_pinned_requests():
+    from bench.routing_sim import SimCache
+
+    c = SimCache(capacity=100)
+    a, b = list(range(1000, 1040)), list(range(2000, 2040))
+    assert c.admit(0, a, 10) == (0, [])  # miss; 40 + 10 held
+    assert c.admit(0, a, 10)[0] == 40  # the prefix is cached now
+    assert c.release(0, 1, [7] * 10) == []
+    assert c.release(0, 2, [8] * 10) == []  # 40 + 20 cached
+    hit, reports = c.admit(1, b, 10)  # 110 > 100: the oldest leaf (suffix 1) goes
+    assert hit == 0 and reports == [a + [7]]
+    c.release(1, 3, [9] * 10)  # 40 + 10 + 40 + 10 = 100
+    hit, reports = c.admit(0, a, 10)  # 110: the oldest leaf, suffix 2, goes
+    assert hit == 40 and reports == [a + [8]]
+    c.release(0, 4, [6] * 10)  # cached a, b, suffixes 3 and 4: 100
+    # Room for 30 + 10 more: suffix 3 goes, then b (now a leaf); a keeps a cached suffix.
+    hit, reports = c.admit(2, list(range(3000, 3030)), 10)
+    assert hit == 0 and reports == [b + [9], b[:1]]
+    assert c.used + c.held == 90 and ("g", 0) in c.lru

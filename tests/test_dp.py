@@ -1,7 +1,8 @@
 """`Engine(dp=2)` on a tiny random model: two scheduler replicas behind one front end, routed
 cache-aware. Prompt groups stick to a replica and spread over both, both replicas give HF's
-greedy tokens, stats merge, cache flushes reach the routing trees, a dead replica fails only
-its own requests (Engine and a live `radixrt serve --dp 2`) and the other serves the rest."""
+greedy tokens, stats merge, cache flushes reach the routing trees, a dead replica's requests
+run again on the other unless they streamed output (which fail), and the other serves the rest
+(Engine and a live `radixrt serve --dp 2`)."""
 
 from __future__ import annotations
 
@@ -102,12 +103,12 @@ def test_flush_reaches_the_routing_trees(engine):
 
 
 def test_dead_replica_fails_its_requests_and_the_others_serve(engine):
-    """Last: kills the scheduler of the replica running a long request. That request ends
-    with an error naming the replica (no hang), the engine stays up on the other replica,
-    which takes every later request."""
+    """Last: kills the scheduler of the replica running a long streamed request. That request
+    (it handed over output: not re-run) ends with an error naming the replica (no hang), the
+    engine stays up on the other replica, which takes every later request."""
     sp = SamplingParams(max_new_tokens=100_000, temperature=0, ignore_eos=True)
     ids = engine.tokenize(SYSTEMS[0] + "long")
-    state = engine.submit(ids, sp)
+    state = engine.submit(ids, sp, stream=True)
     victim = int(engine._tm._replica_of[state.rid].worker)
     deadline = time.monotonic() + 30
     while not state.token_ids and time.monotonic() < deadline:  # it runs
@@ -143,9 +144,13 @@ def test_dead_replica_fails_its_requests_and_the_others_serve(engine):
 
 
 def test_http_server_survives_a_killed_replica(tiny_llama_dir):
-    """`radixrt serve --dp 2`: SIGKILL the scheduler running a stream. The stream ends with an
-    error event naming the replica (code replica_dead) and [DONE], /health stays 200 and lists
-    the dead replica, and later requests of every prompt group succeed on the survivor."""
+    """`radixrt serve --dp 2`: SIGKILL the scheduler running a stream while non-streamed
+    requests run on both replicas. The stream (it sent output) ends with an error event naming
+    the replica (code replica_dead) and [DONE]; every non-streamed request answers 200 once,
+    with the text it gets without the kill; the survivor passes its invariant checks, /health
+    stays 200 and lists the dead replica, and later requests of every group succeed."""
+    import concurrent.futures
+
     import psutil
     from test_server import start_server, stop_server
 
@@ -154,18 +159,36 @@ def test_http_server_survives_a_killed_replica(tiny_llama_dir):
         kids = psutil.Process(server.proc.pid).children()
         scheds = {i: next(c for c in kids if any(f"scheduler-{i}.pkl" in a
                                                   for a in c.cmdline())) for i in (0, 1)}
+
+        def complete(p: str) -> dict:
+            r = httpx.post(server.url + "/v1/completions", timeout=120, json={
+                "model": "default", "prompt": p, "max_tokens": 300, "temperature": 0,
+                "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        texts = [p for _, p in prompts()]
+        expected = [complete(p)["choices"][0]["text"] for p in texts]
+
+        def routing() -> list[dict]:
+            return httpx.get(server.url + "/debug/stats", timeout=10).json()["routing"]
+
         body = {"model": "default", "prompt": SYSTEMS[0] + "long", "max_tokens": 900,
                 "ignore_eos": True, "stream": True}
         events: list[str] = []
+        pool = concurrent.futures.ThreadPoolExecutor(len(texts))
         with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
             lines = r.iter_lines()
             assert r.status_code == 200
             for line in lines:  # wait for the first token: the request runs somewhere
                 if line.startswith("data: {"):
                     break
-            loads = [x["load"] for x in httpx.get(server.url + "/debug/stats",
-                                                   timeout=10).json()["routing"]]
-            victim = loads.index(1)
+            victim = [x["load"] for x in routing()].index(1)
+            futures = [pool.submit(complete, p) for p in texts]
+            deadline = time.monotonic() + 30
+            while routing()[victim]["load"] < 2:  # the victim has non-streamed work too
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
             scheds[victim].kill()
             t0 = time.monotonic()
             events = [line for line in lines if line.startswith("data: ")]
@@ -173,6 +196,14 @@ def test_http_server_survives_a_killed_replica(tiny_llama_dir):
         assert events[-1] == "data: [DONE]"
         err = [e for e in events if '"error"' in e]
         assert err and "replica_dead" in err[-1] and f"replica {victim} died" in err[-1]
+        answers = [f.result(timeout=120) for f in futures]
+        pool.shutdown()
+        assert [a["choices"][0]["text"] for a in answers] == expected
+        assert all(a["usage"]["completion_tokens"] == 300 for a in answers)
+        stats = httpx.get(server.url + "/debug/stats", timeout=10).json()
+        assert stats["retried_requests"] >= 1
+        inv = httpx.get(server.url + "/debug/check_invariants", timeout=30)
+        assert inv.status_code == 200 and inv.json()["ok"], inv.text
         health = httpx.get(server.url + "/health", timeout=10)
         assert health.status_code == 200 and set(health.json()["dead_replicas"]) == {str(victim)}
         for _, p in prompts():
@@ -181,3 +212,57 @@ def test_http_server_survives_a_killed_replica(tiny_llama_dir):
             assert r.status_code == 200, r.text
     finally:
         stop_server(server)
+
+
+def wait_for(cond, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+def test_killed_replica_reruns_what_showed_nothing(tiny_llama_dir):
+    """SIGKILL a replica with requests running and queued on it: every non-streamed request
+    (those with partial output included) and every stream that had handed over nothing
+    finishes exactly once on the survivor with the tokens it gives without the kill; a stream
+    that had output fails naming the replica; the survivor's pools pass their invariants."""
+    greedy = SamplingParams(max_new_tokens=160, temperature=0, ignore_eos=True)
+    with Engine(model_path=str(tiny_llama_dir), max_total_tokens=8192, num_threads=2, dp=2,
+                dtype="float32", max_running_requests=2) as eng:
+        texts = [p for _, p in prompts()]
+        ids = [eng.tokenize(t) for t in texts]
+        expected = [o.token_ids for o in eng.generate(texts, greedy, use_tqdm=False)]
+        assert all(len(e) == 160 for e in expected)
+        # A stream that has shown output pins the victim; then the batch lands on both.
+        long = eng.submit(eng.tokenize(SYSTEMS[0] + "long"),
+                          SamplingParams(max_new_tokens=4000, temperature=0, ignore_eos=True),
+                          stream=True)
+        victim = int(eng._tm._replica_of[long.rid].worker)
+        wait_for(lambda: long.delivered, 60, "the long stream's first output")
+        plain = [eng.submit(i, greedy) for i in ids]
+        streams = [eng.submit(i, greedy, stream=True) for i in ids]
+        where = {st.rid: int(eng._tm._replica_of[st.rid].worker) for st in plain + streams}
+        on_victim = [st for st in plain if where[st.rid] == victim]
+        assert on_victim and len(on_victim) < len(plain)
+        # Kill while a non-streamed request on the victim is part-way through.
+        wait_for(lambda: any(st.token_ids and st.finish_reason is None for st in on_victim),
+                 60, "partial output on the victim")
+        os.kill(eng.launcher.schedulers[victim].pid, signal.SIGKILL)
+        for st in [*plain, *streams, long]:
+            assert st.done.wait(120), "a request hangs after the kill"
+        assert long.finish_reason == "abort" and f"replica {victim} died" in long.error
+        rerun = [st for st in plain if st.attempts > 1]
+        assert rerun and all(where[st.rid] == victim for st in rerun)
+        for st, want in zip(plain, expected, strict=True):
+            assert not st.error and st.finish_reason == "length"
+            assert st.token_ids == want and st.completion_tokens == len(want)
+        for st, want in zip(streams, expected, strict=True):
+            if st.error:  # only a stream that had shown output on the victim may fail
+                assert where[st.rid] == victim and st.attempts == 1
+                assert f"replica {victim} died" in st.error
+            else:
+                assert st.token_ids == want and st.finish_reason == "length"
+        assert eng.stats()["retried_requests"] == sum(st.attempts - 1 for st in plain + streams)
+        assert eng.num_outstanding() == 0
+        eng.wait_idle()  # nothing left running or queued on the survivor
+        eng.check_invariants()  # the survivor's pools and radix tree

@@ -39,7 +39,7 @@ class ScriptedEngine(FakeEngineBase):
         self.script, self.piece = script, piece
 
     def submit(self, ids: list[int], sp: SamplingParams, *, loop: asyncio.AbstractEventLoop,
-               queue: asyncio.Queue) -> ReqState:
+               queue: asyncio.Queue, stream: bool | None = None) -> ReqState:
         state = self._new_request(ids, sp, loop, queue)
         rid = state.rid
         pieces = [self.script[i:i + self.piece]

@@ -5,15 +5,22 @@ detokenizer's outputs and the scheduler's control replies back to waiting caller
 asyncio). It starts no process: it is told how to learn that one died (`dead_child`; with
 several replicas, `dead_replicas` says which replicas lost a process).
 
-With several replicas a dead one is *lost*, not fatal: its requests in flight fail with
-`ReplicaDeadError`, its control waiters are woken, the routing policy stops sending it requests
-(`on_lost` is told, to stop its remaining process), and the others keep serving; the runtime is
-dead only once every replica is lost.
+With several replicas a dead one is *lost*, not fatal: its requests in flight run again on a
+live replica when that is invisible to the caller (`ReqState.retriable`: not streamed, or a
+stream that has handed over nothing yet), the others fail with `ReplicaDeadError`; its control
+waiters are woken, the routing policy stops sending it requests (`on_lost` is told, to stop its
+remaining process), and the others keep serving; the runtime is dead only once every replica
+is lost.
+
+A re-run goes out under a new wire id (`<rid>.<attempt>`), so an output of the lost run still
+queued in the socket can never reach the caller: outputs are matched by wire id, the caller
+only ever sees its own `rid`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import threading
@@ -59,6 +66,7 @@ class TokenizerManager:
         self.on_lost = on_lost
         # Replica -> why it is gone (several replicas only).
         self.lost: dict[int, str] = {}
+        self._to_stop: list[int] = []  # lost replicas whose leftover process `on_lost` stops
         self._last_check = 0.0
         self._child_lock = threading.Lock()  # one thread handles a death
         self.ctx = zmq.Context()
@@ -68,10 +76,13 @@ class TokenizerManager:
         self.send_sock = self.send_socks[0]
         # Set by the owner when there are several replicas (`set_policy`); None: replica 0.
         self.policy: RoutingPolicy | None = None
-        self._replica_of: dict[str, Decision] = {}  # rid -> where it was routed
+        self._replica_of: dict[str, Decision] = {}  # wire rid -> where it was routed
+        self._reqs: dict[str, GenerateReq] = {}  # wire rid -> the request (several replicas)
+        self._wire: dict[str, str] = {}  # caller rid -> wire rid, for requests re-run
+        self.retried = 0  # requests re-run on another replica after theirs died
         self.eviction_log = EvictionLog()
         self._send_lock = threading.Lock()
-        self.states: dict[str, ReqState] = {}
+        self.states: dict[str, ReqState] = {}  # wire rid -> state
         self._control: dict[int, tuple[threading.Event, list[ControlReply], int]] = {}
         self._control_ids = itertools.count()
         self._rid_prefix = uuid.uuid4().hex[:8]
@@ -138,7 +149,16 @@ class TokenizerManager:
     def _check_children(self) -> bool:
         """Handle dead children; True once the whole runtime is dead."""
         with self._child_lock:
-            return self._check_children_locked()
+            dead = self._check_children_locked()
+            stop, self._to_stop = self._to_stop, []
+        # Outside the lock (it takes up to seconds): outputs of the live replicas keep flowing.
+        for replica in stop:
+            if self.on_lost is not None:
+                try:
+                    self.on_lost(replica)
+                except Exception:  # stopping the leftover process is best effort
+                    logger.exception("stopping replica %d's processes failed", replica)
+        return dead
 
     def _check_children_locked(self) -> bool:
         if self.dead_error is not None:
@@ -148,52 +168,85 @@ class TokenizerManager:
             if err is not None:
                 self._die(err)
             return err is not None
-        for replica, err in sorted(self.dead_replicas().items()):
-            if replica not in self.lost:
-                self._lose(replica, err)
+        new = {r: e for r, e in sorted(self.dead_replicas().items()) if r not in self.lost}
+        self.lost.update(new)  # all first: a re-run must not go to another dying replica
+        for replica, err in new.items():
+            self._lose(replica, err)
         if len(self.lost) == len(self.send_socks):
             self._die("; ".join(self.lost[i] for i in sorted(self.lost)))
             return True
         return False
 
     def _lose(self, replica: int, err: str) -> None:
-        """Replica `replica` lost a process: fail its requests and stop routing to it."""
-        msg = (f"radixrt replica {replica} died ({err}); its requests in flight failed, the "
-               f"other replicas keep serving")
+        """Replica `replica` lost a process: re-run its retriable requests elsewhere, fail the
+        others, and stop routing to it."""
+        msg = (f"radixrt replica {replica} died ({err}); its requests in flight that had "
+               f"streamed output failed, the other replicas keep serving")
         self.lost[replica] = err
         logger.error(msg)
         exc = ReplicaDeadError(msg)
+        live = len(self.lost) < len(self.send_socks)
+        if self.policy is not None:
+            self.policy.forget(replica)
         for rid, d in list(self._replica_of.items()):
             if d.worker == replica:
                 state = self.states.pop(rid, None)
+                req = self._reqs.pop(rid, None)
                 self._release(rid, error=True)
-                if state is not None:
+                if state is None:
+                    continue
+                if live and req is not None and state.retriable():
+                    self._rerun(state, req)
+                else:
+                    self._wire.pop(state.rid, None)
                     state.fail(msg, exc)
-        if self.policy is not None:
-            self.policy.forget(replica)
+        if live and self.retried:
+            logger.warning("%d request(s) re-run on the live replicas so far", self.retried)
         for event, _, r in list(self._control.values()):
             if r == replica:
                 event.set()
-        if self.on_lost is not None:
-            try:
-                self.on_lost(replica)
-            except Exception:  # stopping the leftover process is best effort
-                logger.exception("stopping replica %d's processes failed", replica)
+        self._to_stop.append(replica)
+
+    def _rerun(self, state: ReqState, req: GenerateReq) -> None:
+        """Send a lost run's request again, on a live replica, under a new wire id."""
+        state.restart()
+        wire = f"{state.rid}.{state.attempts}"
+        assert self.policy is not None
+        d = self.policy.route(req.input_ids, exclude=set(self.lost),
+                              output_tokens=req.sampling.max_new_tokens)
+        again = GenerateReq(rid=wire, input_ids=req.input_ids, sampling=req.sampling)
+        self._wire[state.rid] = wire
+        self._replica_of[wire] = d
+        self._reqs[wire] = again
+        self.states[wire] = state
+        self.retried += 1
+        self._send(again, int(d.worker))  # type: ignore[call-overload]
+
+    def _apply_outs(self, msg: TextBatchOut) -> None:
+        for out in msg.outs:
+            state = self.states.get(out.rid)  # by wire id: a lost run's outputs find none
+            if state is None:
+                continue
+            wire = out.rid
+            if wire != state.rid:  # a re-run: the caller knows only its own rid
+                out = dataclasses.replace(out, rid=state.rid)
+            state.apply(out)
+            if state.finish_reason is not None:
+                self.states.pop(wire, None)
+                self._reqs.pop(wire, None)
+                self._wire.pop(state.rid, None)
+                replica = self._release(wire, error=bool(out.error))
+                if self.policy is not None and replica is not None:
+                    self.policy.observed(replica, out.usage.prompt_tokens,
+                                         out.usage.cached_tokens)
+            state.notify(out)
 
     def _dispatch(self, msg: object) -> None:
         if isinstance(msg, TextBatchOut):
-            for out in msg.outs:
-                state = self.states.get(out.rid)
-                if state is None:
-                    continue
-                state.apply(out)
-                if state.finish_reason is not None:
-                    self.states.pop(out.rid, None)
-                    replica = self._release(out.rid, error=bool(out.error))
-                    if self.policy is not None and replica is not None:
-                        self.policy.observed(replica, out.usage.prompt_tokens,
-                                             out.usage.cached_tokens)
-                state.notify(out)
+            # Under the death lock: a replica lost by another thread (`check_alive`) must not
+            # restart a state while one of its lost run's outputs is being applied.
+            with self._child_lock:
+                self._apply_outs(msg)
         elif isinstance(msg, ControlReply):
             waiter = self._control.get(msg.req_id)
             if waiter is not None:
@@ -221,6 +274,8 @@ class TokenizerManager:
         for state in list(self.states.values()):
             state.fail(err, exc)
         self.states.clear()
+        self._reqs.clear()
+        self._wire.clear()
         for rid in list(self._replica_of):
             self._release(rid, error=True)
         for event, _, _ in list(self._control.values()):
@@ -248,15 +303,18 @@ class TokenizerManager:
 
     def submit(self, input_ids: list[int], sampling: SamplingParams,
                loop: asyncio.AbstractEventLoop | None = None,
-               queue: asyncio.Queue | None = None) -> ReqState:
+               queue: asyncio.Queue | None = None, stream: bool | None = None) -> ReqState:
         """Send a validated request; the returned state fills in as outputs arrive.
 
         With `loop`, every `ReqTextOut` (or an exception if the runtime dies) is also put on
         `queue` (a new one unless given: several requests may share one) on that loop.
+        `stream`: the caller shows outputs as they come (default: when it gets a queue), so
+        once one is handed over the request is not re-run if its replica dies.
         """
         self.check_alive()
         rid = self.new_rid()
-        state = ReqState(rid=rid, usage=Usage(prompt_tokens=len(input_ids)))
+        state = ReqState(rid=rid, usage=Usage(prompt_tokens=len(input_ids)),
+                         stream=loop is not None if stream is None else stream)
         if loop is not None:
             state.loop = loop
             state.queue = queue if queue is not None else asyncio.Queue()
@@ -266,17 +324,22 @@ class TokenizerManager:
                                   output_tokens=sampling.max_new_tokens)
             replica = int(d.worker)  # type: ignore[call-overload]
             self._replica_of[rid] = d
+        req = GenerateReq(rid=rid, input_ids=input_ids, sampling=sampling)
+        if self.policy is not None:
+            self._reqs[rid] = req
         self.states[rid] = state
-        self._send(GenerateReq(rid=rid, input_ids=input_ids, sampling=sampling), replica)
+        self._send(req, replica)
         return state
 
     def abort(self, rid: str) -> None:
         """The caller gave up on `rid`: forget it here and tell the scheduler to free it."""
-        self.states.pop(rid, None)
-        replica = self._release(rid)
+        wire = self._wire.pop(rid, rid)
+        self.states.pop(wire, None)
+        self._reqs.pop(wire, None)
+        replica = self._release(wire)
         if (replica is not None and replica not in self.lost and self.dead_error is None
                 and not self._closed):
-            self._send(AbortReq(rid=rid), replica)
+            self._send(AbortReq(rid=wire), replica)
 
     def num_outstanding(self) -> int:
         """Requests submitted and neither finished nor aborted."""

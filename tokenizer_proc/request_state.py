@@ -49,6 +49,10 @@ class ReqState(UsageFields):
 
     Sync callers wait on `done`; async callers read each `ReqTextOut` (or the exception that
     ended the runtime) from `queue`, on their own `loop`.
+
+    `stream`: the caller may show each output as it comes (so once `delivered`, the request
+    cannot be re-run without the caller seeing it twice); a non-streamed caller reads only the
+    finished state, so a request whose replica died can be re-run elsewhere (`restart`).
     """
 
     rid: str
@@ -64,6 +68,9 @@ class ReqState(UsageFields):
     done: threading.Event = field(default_factory=threading.Event)
     loop: asyncio.AbstractEventLoop | None = None
     queue: asyncio.Queue | None = None
+    stream: bool = False
+    delivered: bool = False  # an output was handed to the caller (queue / done)
+    attempts: int = 1  # runs started (a dead replica's request re-run elsewhere adds one)
 
     def apply(self, out: ReqTextOut) -> None:
         self.text += out.text_delta
@@ -83,6 +90,8 @@ class ReqState(UsageFields):
             self.finish_reason = out.finish_reason
 
     def notify(self, item: ReqTextOut | BaseException) -> None:
+        if not isinstance(item, BaseException):
+            self.delivered = True
         if self.loop is not None and self.queue is not None:
             try:
                 self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -90,6 +99,21 @@ class ReqState(UsageFields):
                 pass
         if isinstance(item, BaseException) or self.finish_reason is not None:
             self.done.set()
+
+    def retriable(self) -> bool:
+        """Whether re-running from scratch is invisible to the caller: not finished, and
+        either not streamed or nothing handed over yet."""
+        return self.finish_reason is None and (not self.stream or not self.delivered)
+
+    def restart(self) -> None:
+        """Forget a lost run's partial output before the request runs again."""
+        self.usage = Usage(prompt_tokens=self.usage.prompt_tokens)
+        self.text = ""
+        self.token_ids = []
+        self.logprobs = self.prompt_logprobs = None
+        self.error = ""
+        self.first_token_time = None
+        self.attempts += 1
 
     def fail(self, err: str, exc: BaseException) -> None:
         """The runtime died: end this request with `err`."""

@@ -103,11 +103,13 @@ class Engine:
     # -- the request API (what the HTTP server uses) -------------------------------------------
     def submit(self, input_ids: list[int], sampling: SamplingParams, *,
                loop: asyncio.AbstractEventLoop | None = None,
-               queue: asyncio.Queue | None = None) -> ReqState:
+               queue: asyncio.Queue | None = None, stream: bool | None = None) -> ReqState:
         """Send one validated request; returns its handle (`ReqState`), filled as outputs
         arrive. With `loop`, each `ReqTextOut` (or the `EngineDeadError` that ended the runtime)
-        is also put on `queue` (a new one unless given) on that loop."""
-        return self._tm.submit(input_ids, sampling, loop=loop, queue=queue)
+        is also put on `queue` (a new one unless given) on that loop. With `dp` > 1, a request
+        whose replica dies runs again on a live one unless `stream` (default: a `loop` is
+        given) and it already handed over an output."""
+        return self._tm.submit(input_ids, sampling, loop=loop, queue=queue, stream=stream)
 
     def abort(self, rid: str) -> None:
         """Give up on a request: it is forgotten here and freed in the scheduler."""
@@ -177,7 +179,7 @@ class Engine:
                               input_ids: list[int] | None = None) -> AsyncIterator[StreamChunk]:
         """Yields text deltas as they are produced; aborts the request if the consumer stops."""
         ids_list, params, _ = self._inputs.prepare(prompt, input_ids, sampling_params)
-        state = self.submit(ids_list[0], params[0], loop=asyncio.get_running_loop())
+        state = self.submit(ids_list[0], params[0], loop=asyncio.get_running_loop(), stream=True)
         assert state.queue is not None
         finished = False
         try:
@@ -223,6 +225,7 @@ class Engine:
         out = merge_stats(per)
         out["routing"] = self.routing_stats()
         out["dead_replicas"] = {str(i): e for i, e in self._tm.lost.items()}
+        out["retried_requests"] = self._tm.retried
         return out
 
     def routing_stats(self) -> list[dict[str, Any]]:

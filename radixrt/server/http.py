@@ -50,12 +50,14 @@ class ClientDisconnected(Exception):
 class RequestGroup:
     """All samples of one HTTP request (prompts × n), read from one shared queue."""
 
-    def __init__(self, server: Server, ids_list: list[list[int]], params: list[SamplingParams]):
+    def __init__(self, server: Server, ids_list: list[list[int]], params: list[SamplingParams],
+                 stream: bool):
         self.server = server
         self.queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
+        # Non-streamed samples are read only once finished: a dead --dp replica's re-run them.
         self.states: list[ReqState] = [
-            server.engine.submit(ids, sp, loop=loop, queue=self.queue)
+            server.engine.submit(ids, sp, loop=loop, queue=self.queue, stream=stream)
             for ids, sp in zip(ids_list, params, strict=True)]
         self.index = {st.rid: i for i, st in enumerate(self.states)}
         self.start = time.monotonic()
@@ -227,7 +229,7 @@ class Server:
         all_ids = [ids for ids in ids_list for _ in range(n)]
         self.check_alive()
         self.check_capacity(len(all_ids))
-        group = RequestGroup(self, all_ids, params)
+        group = RequestGroup(self, all_ids, params, stream)
         rid, created = P.new_id("cmpl"), P.now()
         # The echoed prompt: as sent, or the token ids decoded (special tokens kept).
         prompt_texts = [p if isinstance(p, str) else self.engine.tokenizer.decode(p)
@@ -317,7 +319,7 @@ class Server:
         params = self.per_sample(sp, n)
         self.check_alive()
         self.check_capacity(n)
-        group = RequestGroup(self, [ids] * n, params)
+        group = RequestGroup(self, [ids] * n, params, stream)
         rid, created = P.new_id("chatcmpl"), P.now()
         calls = [self.tool_stream(treq) for _ in range(n)]
 
