@@ -27,10 +27,16 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <type_traits>
 #include <vector>
+
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define RADIXRT_EXTEND_BF16_DOT 1
+#endif
 
 namespace radixrt_cpu {
 namespace {
@@ -142,6 +148,152 @@ struct Tiles {
   }
 };
 
+
+// Online-softmax step of one score row (kKeyBlock entries, `visible` >= 1 of them real):
+// s = s * score_scale, masked past `visible`; new running max m, alpha = exp(m_old - m), s
+// becomes the probabilities exp(s - m), l = l * alpha + Σ s.
+inline void softmax_row(float* s, int64_t visible, float score_scale, float& m, float& l,
+                        float& alpha) {
+  for (int64_t jj = visible; jj < kKeyBlock; ++jj) s[jj] = kNegInf;
+  if (score_scale != 1.f) {
+    const Vec sc(score_scale);
+    for (int64_t c = 0; c < kKeyBlock; c += kVec) (Vec::loadu(s + c) * sc).store(s + c);
+  }
+  Vec mx = Vec::loadu(s);
+  for (int64_t c = kVec; c < kKeyBlock; c += kVec) mx = at::vec::maximum(mx, Vec::loadu(s + c));
+  const float m_new = std::max(m, hmax(mx));
+  alpha = std::exp(m - m_new);  // 0 while m is -inf
+  const Vec vm(m_new);
+  Vec sum(0.f);
+  for (int64_t c = 0; c < kKeyBlock; c += kVec) {
+    const Vec p = (Vec::loadu(s + c) - vm).exp_u20();  // exp(-inf) = 0
+    p.store(s + c);
+    sum = sum + p;
+  }
+  l = l * alpha + hsum(sum);
+  m = m_new;
+}
+
+#ifdef RADIXRT_EXTEND_BF16_DOT
+// bf16 pools on CPUs with AVX512-BF16: scores and P·V by vdpbf16ps (products of bf16 pairs
+// summed into fp32), twice the multiply-adds per instruction of fp32 FMA. Q and K stay bf16
+// (as in the pool); P is rounded to bf16 for P·V (as torch's bf16 flash attention does).
+// Layouts (uint32 = one bf16 pair): q [rows][D/2] pairs along d; kp [D/2][kKeyBlock] pairs
+// along d per key; vp [kKeyBlock/2][D] pairs of consecutive keys per d; pp [rows][kKeyBlock/2].
+template <int D>
+struct Bf16Tiles {
+  static_assert(D % 16 == 0, "head_dim must be a multiple of 16");
+  static constexpr int NK = kKeyBlock / 16;  // key vectors per score row
+  static constexpr int C_S = largest_divisor(NK, 4);
+  static constexpr int R_S = kAcc / C_S;
+  static constexpr int C_O = largest_divisor(D / 16, 4);
+  static constexpr int R_O = kAcc / C_O;
+
+  template <int R>
+  static inline void scores(const uint32_t* q, const uint32_t* kp, float* s) {
+    for (int64_t c0 = 0; c0 < kKeyBlock; c0 += C_S * 16) {
+      __m512 acc[R][C_S];
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+        for (int c = 0; c < C_S; ++c) acc[r][c] = _mm512_setzero_ps();
+      }
+      for (int dp = 0; dp < D / 2; ++dp) {
+        __m512bh kv[C_S];
+#pragma GCC unroll 4
+        for (int c = 0; c < C_S; ++c) {
+          kv[c] = (__m512bh)_mm512_loadu_si512(kp + dp * kKeyBlock + c0 + c * 16);
+        }
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+          const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r * (D / 2) + dp]));
+#pragma GCC unroll 4
+          for (int c = 0; c < C_S; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], qb, kv[c]);
+        }
+      }
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+        for (int c = 0; c < C_S; ++c) _mm512_storeu_ps(s + r * kKeyBlock + c0 + c * 16, acc[r][c]);
+      }
+    }
+  }
+
+  // o[r][:] = o[r][:] * alpha[r] + Σ_{pairs jp < np} pp[r][jp] · vp[jp][:].
+  template <int R>
+  static inline void accumulate(const uint32_t* pp, const uint32_t* vp, int64_t np,
+                                const float* alpha, float* o) {
+    for (int64_t c0 = 0; c0 < D; c0 += C_O * 16) {
+      __m512 acc[R][C_O];
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const __m512 a = _mm512_set1_ps(alpha[r]);
+#pragma GCC unroll 4
+        for (int c = 0; c < C_O; ++c) {
+          acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + r * D + c0 + c * 16), a);
+        }
+      }
+      for (int64_t jp = 0; jp < np; ++jp) {
+        __m512bh vv[C_O];
+#pragma GCC unroll 4
+        for (int c = 0; c < C_O; ++c) {
+          vv[c] = (__m512bh)_mm512_loadu_si512(vp + jp * D + c0 + c * 16);
+        }
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+          const __m512bh pb =
+              (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[r * (kKeyBlock / 2) + jp]));
+#pragma GCC unroll 4
+          for (int c = 0; c < C_O; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pb, vv[c]);
+        }
+      }
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+        for (int c = 0; c < C_O; ++c) _mm512_storeu_ps(o + r * D + c0 + c * 16, acc[r][c]);
+      }
+    }
+  }
+
+  // Two V rows (keys 2i, 2i+1; b may be null = zeros) interleaved into vp row i: [D] pairs.
+  static inline void pack_v_pair(const at::BFloat16* a, const at::BFloat16* b, uint32_t* dst) {
+    // Word 2i of the result is a[i], word 2i+1 is b[i] (index 32 + i selects b[i]).
+    alignas(64) static const uint16_t kLo[32] = {
+        0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+        8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    alignas(64) static const uint16_t kHi[32] = {
+        16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+        24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+    const __m512i lo = _mm512_load_si512(kLo), hi = _mm512_load_si512(kHi);
+    for (int64_t d = 0; d < D; d += 32) {
+      const __m512i va = D - d >= 32 ? _mm512_loadu_si512(a + d)
+                                     : _mm512_castsi256_si512(_mm256_loadu_si256(
+                                           reinterpret_cast<const __m256i*>(a + d)));
+      __m512i vb = _mm512_setzero_si512();
+      if (b != nullptr) {
+        vb = D - d >= 32 ? _mm512_loadu_si512(b + d)
+                         : _mm512_castsi256_si512(
+                               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + d)));
+      }
+      _mm512_storeu_si512(dst + d, _mm512_permutex2var_epi16(va, lo, vb));
+      if (D - d >= 32) _mm512_storeu_si512(dst + d + 16, _mm512_permutex2var_epi16(va, hi, vb));
+    }
+  }
+};
+#endif
+
+// Whether bf16 pools use the vdpbf16ps path (when compiled in); benchmarks switch it.
+std::atomic<bool> g_bf16_dot{true};
+
+bool extend_attention_bf16_dot(bool enable) {
+#ifdef RADIXRT_EXTEND_BF16_DOT
+  return g_bf16_dot.exchange(enable);
+#else
+  (void)enable;
+  return false;
+#endif
+}
+
 struct Item {
   int64_t cost;  // (query, key) pairs, for ordering (largest first)
   int32_t req;
@@ -152,6 +304,7 @@ struct Item {
 // Per-thread scratch of one work item.
 struct Scratch {
   std::vector<float> q, o, s, kt, vp, m, l, alpha;
+  std::vector<uint32_t> q2, k2, v2, p2;  // bf16-pair buffers of the vdpbf16ps path
 };
 
 template <typename T, int D>
@@ -199,85 +352,9 @@ void extend_impl(const Tensor& q, const Tensor& k_buffer, const Tensor& v_buffer
   std::stable_sort(items.begin(), items.end(),
                    [](const Item& a, const Item& b) { return a.cost > b.cost; });
 
-  auto work = [&](const Item& it, Scratch& sc) {
+  // Row r of the item = token (t0 + r / G), query head h * G + r % G: o / l in T.
+  auto write_out = [&](const Item& it, Scratch& sc, int64_t nq) {
     const int64_t b = it.req, h = it.kv_head;
-    const int64_t p_len = kptr[b + 1] - kptr[b];
-    const int32_t* pidx = pre_idx + kptr[b];
-    const int32_t* nidx = new_idx + qptr[b];
-    const int64_t nt = it.t1 - it.t0, nq = nt * G;
-    sc.q.resize(nq * D);
-    sc.o.assign(nq * D, 0.f);
-    sc.s.resize(nq * kKeyBlock);
-    sc.kt.resize(D * kKeyBlock);
-    sc.vp.resize(kKeyBlock * D);
-    sc.m.assign(nq, kNegInf);
-    sc.l.assign(nq, 0.f);
-    sc.alpha.resize(nq);
-    // Row r = token (t0 + r / G), query head h * G + r % G; scaled, fp32.
-    for (int64_t t = 0; t < nt; ++t) {
-      const T* src = qp + ((qptr[b] + it.t0 + t) * H + h * G) * D;
-      float* dst = sc.q.data() + t * G * D;
-      const Vec vs(scale);
-      for (int64_t e = 0; e < G * D; e += kVec) (load_f32<T>(src + e) * vs).store(dst + e);
-    }
-    const int64_t key_end = p_len + it.t1;  // keys of the last token: 0..p_len + t1 - 1
-    alignas(64) float krow[D];
-    for (int64_t j0 = 0; j0 < key_end; j0 += kKeyBlock) {
-      const int64_t nb = std::min(kKeyBlock, key_end - j0);
-      // Convert the block to fp32: K transposed, V row-major.
-      for (int64_t jj = 0; jj < nb; ++jj) {
-        const int64_t j = j0 + jj;
-        const int64_t slot = j < p_len ? pidx[j] : nidx[j - p_len];
-        TORCH_CHECK(slot >= 0 && slot < num_slots, "extend_attention: kv slot ", slot,
-                    " out of range [0, ", num_slots, ")");
-        const T* kr = kb + slot * stride + h * D;
-        const T* vr = vb + slot * stride + h * D;
-        for (int64_t c = 0; c < D; c += kVec) {
-          load_f32<T>(kr + c).store(krow + c);
-          load_f32<T>(vr + c).store(sc.vp.data() + jj * D + c);
-        }
-        for (int64_t d = 0; d < D; ++d) sc.kt[d * kKeyBlock + jj] = krow[d];
-      }
-      for (int64_t jj = nb; jj < kKeyBlock; ++jj) {
-        for (int64_t d = 0; d < D; ++d) sc.kt[d * kKeyBlock + jj] = 0.f;
-      }
-      // Rows whose token sees no key of this block are skipped (a suffix of tokens is active).
-      const int64_t t_lo = std::max<int64_t>(0, j0 - p_len - it.t0);
-      const int64_t r_lo = t_lo * G;
-      if (r_lo >= nq) continue;
-      for (int64_t r0 = r_lo; r0 < nq; r0 += Tl::R_S) {
-        with_rows<Tl::R_S>(static_cast<int>(std::min<int64_t>(Tl::R_S, nq - r0)), [&](auto rr) {
-          Tl::template scores<decltype(rr)::value>(sc.q.data() + r0 * D, sc.kt.data(),
-                                                   sc.s.data() + r0 * kKeyBlock);
-        });
-      }
-      // Causal limit, online softmax: probabilities in place, alpha rescales the old rows.
-      for (int64_t r = r_lo; r < nq; ++r) {
-        float* s = sc.s.data() + r * kKeyBlock;
-        const int64_t visible = std::min(nb, p_len + it.t0 + r / G - j0 + 1);  // >= 1
-        for (int64_t jj = visible; jj < kKeyBlock; ++jj) s[jj] = kNegInf;
-        Vec mx = Vec::loadu(s);
-        for (int64_t c = kVec; c < kKeyBlock; c += kVec) mx = at::vec::maximum(mx, Vec::loadu(s + c));
-        const float m_new = std::max(sc.m[r], hmax(mx));
-        sc.alpha[r] = std::exp(sc.m[r] - m_new);  // 0 while m is -inf
-        const Vec vm(m_new);
-        Vec sum(0.f);
-        for (int64_t c = 0; c < kKeyBlock; c += kVec) {
-          const Vec pv = (Vec::loadu(s + c) - vm).exp_u20();  // exp(-inf) = 0
-          pv.store(s + c);
-          sum = sum + pv;
-        }
-        sc.l[r] = sc.l[r] * sc.alpha[r] + hsum(sum);
-        sc.m[r] = m_new;
-      }
-      for (int64_t r0 = r_lo; r0 < nq; r0 += Tl::R_O) {
-        with_rows<Tl::R_O>(static_cast<int>(std::min<int64_t>(Tl::R_O, nq - r0)), [&](auto rr) {
-          Tl::template accumulate<decltype(rr)::value>(
-              sc.s.data() + r0 * kKeyBlock, sc.vp.data(), nb, sc.alpha.data() + r0,
-              sc.o.data() + r0 * D);
-        });
-      }
-    }
     for (int64_t r = 0; r < nq; ++r) {
       const int64_t t = r / G, g = r % G;
       T* dst = op + ((qptr[b] + it.t0 + t) * H + h * G + g) * D;
@@ -297,6 +374,154 @@ void extend_impl(const Tensor& q, const Tensor& k_buffer, const Tensor& v_buffer
     }
   };
 
+#ifdef RADIXRT_EXTEND_BF16_DOT
+  const bool bf16_dot = g_bf16_dot.load(std::memory_order_relaxed);
+  // Same block structure as the fp32 path, in bf16 pairs (layouts in Bf16Tiles).
+  auto run_bf16_dot = [&](const Item& it, Scratch& sc, int64_t nq, int64_t p_len,
+                          int64_t key_end, const auto& slot_of) {
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+    using Bt = Bf16Tiles<D>;
+    const int64_t b = it.req, h = it.kv_head;
+    constexpr int64_t DP = D / 2, KP = kKeyBlock / 2;
+    sc.q2.resize(nq * DP);
+    sc.k2.assign(DP * kKeyBlock, 0u);
+    sc.v2.resize(KP * D);
+    sc.p2.resize(nq * KP);
+    const int64_t nt = it.t1 - it.t0;
+    for (int64_t t = 0; t < nt; ++t) {
+      std::memcpy(sc.q2.data() + t * G * DP, qp + ((qptr[b] + it.t0 + t) * H + h * G) * D,
+                  G * D * sizeof(T));
+    }
+    for (int64_t j0 = 0; j0 < key_end; j0 += kKeyBlock) {
+      const int64_t nb = std::min(kKeyBlock, key_end - j0), np = (nb + 1) / 2;
+      for (int64_t jj = 0; jj < nb; ++jj) {
+        const uint32_t* kr =
+            reinterpret_cast<const uint32_t*>(kb + slot_of(j0 + jj) * stride + h * D);
+        for (int64_t dp = 0; dp < DP; ++dp) sc.k2[dp * kKeyBlock + jj] = kr[dp];
+      }
+      for (int64_t jj = nb; jj < kKeyBlock; ++jj) {
+        for (int64_t dp = 0; dp < DP; ++dp) sc.k2[dp * kKeyBlock + jj] = 0u;
+      }
+      for (int64_t i = 0; i < np; ++i) {
+        const T* va = vb + slot_of(j0 + 2 * i) * stride + h * D;
+        const T* vbb = 2 * i + 1 < nb ? vb + slot_of(j0 + 2 * i + 1) * stride + h * D : nullptr;
+        Bt::pack_v_pair(va, vbb, sc.v2.data() + i * D);
+      }
+      const int64_t t_lo = std::max<int64_t>(0, j0 - p_len - it.t0);
+      const int64_t r_lo = t_lo * G;
+      if (r_lo >= nq) continue;
+      for (int64_t r0 = r_lo; r0 < nq; r0 += Bt::R_S) {
+        with_rows<Bt::R_S>(static_cast<int>(std::min<int64_t>(Bt::R_S, nq - r0)), [&](auto rr) {
+          Bt::template scores<decltype(rr)::value>(sc.q2.data() + r0 * DP, sc.k2.data(),
+                                                   sc.s.data() + r0 * kKeyBlock);
+        });
+      }
+      for (int64_t r = r_lo; r < nq; ++r) {
+        float* srow = sc.s.data() + r * kKeyBlock;
+        const int64_t visible = std::min(nb, p_len + it.t0 + r / G - j0 + 1);  // >= 1
+        softmax_row(srow, visible, scale, sc.m[r], sc.l[r], sc.alpha[r]);
+        uint32_t* prow = sc.p2.data() + r * KP;
+        for (int64_t c = 0; c < kKeyBlock; c += 32) {
+          const __m512bh pb =
+              _mm512_cvtne2ps_pbh(_mm512_loadu_ps(srow + c + 16), _mm512_loadu_ps(srow + c));
+          _mm512_storeu_si512(prow + c / 2, (__m512i)pb);
+        }
+      }
+      for (int64_t r0 = r_lo; r0 < nq; r0 += Bt::R_O) {
+        with_rows<Bt::R_O>(static_cast<int>(std::min<int64_t>(Bt::R_O, nq - r0)), [&](auto rr) {
+          Bt::template accumulate<decltype(rr)::value>(
+              sc.p2.data() + r0 * KP, sc.v2.data(), np, sc.alpha.data() + r0,
+              sc.o.data() + r0 * D);
+        });
+      }
+    }
+    }  // T is BFloat16
+  };
+#endif
+
+  auto work = [&](const Item& it, Scratch& sc) {
+    const int64_t b = it.req, h = it.kv_head;
+    const int64_t p_len = kptr[b + 1] - kptr[b];
+    const int32_t* pidx = pre_idx + kptr[b];
+    const int32_t* nidx = new_idx + qptr[b];
+    const int64_t nt = it.t1 - it.t0, nq = nt * G;
+    sc.q.resize(nq * D);
+    sc.o.assign(nq * D, 0.f);
+    sc.s.resize(nq * kKeyBlock);
+    sc.kt.resize(D * kKeyBlock);
+    sc.vp.resize(kKeyBlock * D);
+    sc.m.assign(nq, kNegInf);
+    sc.l.assign(nq, 0.f);
+    sc.alpha.resize(nq);
+    const int64_t key_end = p_len + it.t1;  // keys of the last token: 0..p_len + t1 - 1
+    auto slot_of = [&](int64_t j) {
+      const int64_t slot = j < p_len ? pidx[j] : nidx[j - p_len];
+      TORCH_CHECK(slot >= 0 && slot < num_slots, "extend_attention: kv slot ", slot,
+                  " out of range [0, ", num_slots, ")");
+      return slot;
+    };
+#ifdef RADIXRT_EXTEND_BF16_DOT
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      if (bf16_dot) {
+        run_bf16_dot(it, sc, nq, p_len, key_end, slot_of);
+        write_out(it, sc, nq);
+        return;
+      }
+    }
+#endif
+    {
+      // Row r = token (t0 + r / G), query head h * G + r % G; scaled, fp32.
+      for (int64_t t = 0; t < nt; ++t) {
+        const T* src = qp + ((qptr[b] + it.t0 + t) * H + h * G) * D;
+        float* dst = sc.q.data() + t * G * D;
+        const Vec vs(scale);
+        for (int64_t e = 0; e < G * D; e += kVec) (load_f32<T>(src + e) * vs).store(dst + e);
+      }
+      alignas(64) float krow[D];
+      for (int64_t j0 = 0; j0 < key_end; j0 += kKeyBlock) {
+        const int64_t nb = std::min(kKeyBlock, key_end - j0);
+        // Convert the block to fp32: K transposed, V row-major.
+        for (int64_t jj = 0; jj < nb; ++jj) {
+          const int64_t j = j0 + jj;
+          const int64_t slot = slot_of(j);
+          const T* kr = kb + slot * stride + h * D;
+          const T* vr = vb + slot * stride + h * D;
+          for (int64_t c = 0; c < D; c += kVec) {
+            load_f32<T>(kr + c).store(krow + c);
+            load_f32<T>(vr + c).store(sc.vp.data() + jj * D + c);
+          }
+          for (int64_t d = 0; d < D; ++d) sc.kt[d * kKeyBlock + jj] = krow[d];
+        }
+        for (int64_t jj = nb; jj < kKeyBlock; ++jj) {
+          for (int64_t d = 0; d < D; ++d) sc.kt[d * kKeyBlock + jj] = 0.f;
+        }
+        // Rows whose token sees no key of this block are skipped (a suffix of tokens is active).
+        const int64_t t_lo = std::max<int64_t>(0, j0 - p_len - it.t0);
+        const int64_t r_lo = t_lo * G;
+        if (r_lo >= nq) continue;
+        for (int64_t r0 = r_lo; r0 < nq; r0 += Tl::R_S) {
+          with_rows<Tl::R_S>(static_cast<int>(std::min<int64_t>(Tl::R_S, nq - r0)), [&](auto rr) {
+            Tl::template scores<decltype(rr)::value>(sc.q.data() + r0 * D, sc.kt.data(),
+                                                     sc.s.data() + r0 * kKeyBlock);
+          });
+        }
+        // Causal limit, online softmax: probabilities in place, alpha rescales the old rows.
+        for (int64_t r = r_lo; r < nq; ++r) {
+          const int64_t visible = std::min(nb, p_len + it.t0 + r / G - j0 + 1);  // >= 1
+          softmax_row(sc.s.data() + r * kKeyBlock, visible, 1.f, sc.m[r], sc.l[r], sc.alpha[r]);
+        }
+        for (int64_t r0 = r_lo; r0 < nq; r0 += Tl::R_O) {
+          with_rows<Tl::R_O>(static_cast<int>(std::min<int64_t>(Tl::R_O, nq - r0)), [&](auto rr) {
+            Tl::template accumulate<decltype(rr)::value>(
+                sc.s.data() + r0 * kKeyBlock, sc.vp.data(), nb, sc.alpha.data() + r0,
+                sc.o.data() + r0 * D);
+          });
+        }
+      }
+    }
+    write_out(it, sc, nq);
+  };
+
   const int64_t n = static_cast<int64_t>(items.size());
   if (n == 0) return;
   std::atomic<int64_t> next{0};
@@ -313,10 +538,14 @@ void dispatch_head_dim(int64_t D, const Tensor& q, const Tensor& k, const Tensor
                        const Tensor& idx, const Tensor& kptr, const Tensor& loc,
                        const Tensor& qptr, float scale, Tensor& out) {
   switch (D) {
+    case 16:
+      return extend_impl<T, 16>(q, k, v, idx, kptr, loc, qptr, scale, out);
     case 32:
       return extend_impl<T, 32>(q, k, v, idx, kptr, loc, qptr, scale, out);
     case 64:
       return extend_impl<T, 64>(q, k, v, idx, kptr, loc, qptr, scale, out);
+    case 96:
+      return extend_impl<T, 96>(q, k, v, idx, kptr, loc, qptr, scale, out);
     case 128:
       return extend_impl<T, 128>(q, k, v, idx, kptr, loc, qptr, scale, out);
     default:
@@ -385,7 +614,7 @@ Tensor extend_attention(const Tensor& q, const Tensor& k_buffer, const Tensor& v
   return out;
 }
 
-std::vector<int64_t> extend_attention_head_dims() { return {32, 64, 128}; }
+std::vector<int64_t> extend_attention_head_dims() { return {16, 32, 64, 96, 128}; }
 
 std::string extend_attention_isa() { return RADIXRT_STR(CPU_CAPABILITY); }
 
@@ -398,6 +627,10 @@ TORCH_LIBRARY_FRAGMENT(radixrt, m) {
       "Tensor kv_indptr, Tensor loc, Tensor qo_indptr, float scale) -> Tensor");
   m.def("extend_attention_head_dims() -> int[]", &radixrt_cpu::extend_attention_head_dims);
   m.def("extend_attention_isa() -> str", &radixrt_cpu::extend_attention_isa);
+  // Benchmarks / tests: bf16 pools through vdpbf16ps (true, the default where compiled in) or
+  // fp32 FMA; returns the previous setting (always false without AVX512-BF16).
+  m.def("extend_attention_bf16_dot(bool enable) -> bool",
+        &radixrt_cpu::extend_attention_bf16_dot);
 }
 
 TORCH_LIBRARY_IMPL(radixrt, CPU, m) {
