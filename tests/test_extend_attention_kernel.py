@@ -133,7 +133,9 @@ def test_shared_prefix_slots() -> None:
 
 
 def test_thread_count_does_not_change_results() -> None:
-    case = _case(4, torch.float32, 9, 3, 64, [(0, 300), (500, 40)])
+    """120 new tokens: 64-token query blocks at 1 thread, 32-token blocks at 2 (more items for
+    more threads); each row's arithmetic (key blocks from position 0, fixed order) is the same."""
+    case = _case(4, torch.float32, 9, 3, 64, [(0, 100), (37, 20)])
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

@@ -22,6 +22,7 @@
 #include <torch/library.h>
 
 #include "vec_util.h"
+#include "work_queue.h"
 
 #include <algorithm>
 #include <atomic>
@@ -334,7 +335,6 @@ void extend_impl(const Tensor& q, const Tensor& k_buffer, const Tensor& v_buffer
     block /= 2;
   }
   std::vector<Item> items;
-  int64_t total_cost = 0;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t e = qptr[b + 1] - qptr[b], p = kptr[b + 1] - kptr[b];
     if (e == 0) continue;
@@ -345,12 +345,9 @@ void extend_impl(const Tensor& q, const Tensor& k_buffer, const Tensor& v_buffer
       for (int64_t h = 0; h < Hkv; ++h) {
         items.push_back({cost, static_cast<int32_t>(b), static_cast<int32_t>(h),
                          static_cast<int32_t>(t0), static_cast<int32_t>(t1)});
-        total_cost += cost;
       }
     }
   }
-  std::stable_sort(items.begin(), items.end(),
-                   [](const Item& a, const Item& b) { return a.cost > b.cost; });
 
   // Row r of the item = token (t0 + r / G), query head h * G + r % G: o / l in T.
   auto write_out = [&](const Item& it, Scratch& sc, int64_t nq) {
@@ -522,14 +519,9 @@ void extend_impl(const Tensor& q, const Tensor& k_buffer, const Tensor& v_buffer
     write_out(it, sc, nq);
   };
 
-  const int64_t n = static_cast<int64_t>(items.size());
-  if (n == 0) return;
-  std::atomic<int64_t> next{0};
-  const int64_t workers =
-      total_cost < kMinParallelWork ? 1 : std::min<int64_t>(threads, n);
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    Scratch sc;
-    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) work(items[i], sc);
+  run_largest_first(items, kMinParallelWork, [&](const Item& it) {
+    thread_local Scratch sc;  // grows to the largest item a thread has run
+    work(it, sc);
   });
 }
 

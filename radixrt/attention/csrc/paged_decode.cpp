@@ -24,6 +24,7 @@
 #include <torch/library.h>
 
 #include "vec_util.h"
+#include "work_queue.h"
 
 #include <algorithm>
 #include <atomic>
@@ -173,23 +174,6 @@ struct Item {
   int32_t kv_head;
 };
 
-// Runs `items` on the intra-op threads, each thread taking the next item (largest first).
-template <typename F>
-void run_items(std::vector<Item>& items, const F& work) {
-  std::stable_sort(items.begin(), items.end(),  // equal costs keep row-major order
-            [](const Item& a, const Item& b) { return a.cost > b.cost; });
-  const int64_t n = static_cast<int64_t>(items.size());
-  if (n == 0) return;
-  int64_t total = 0;
-  for (const Item& it : items) total += it.cost;
-  std::atomic<int64_t> next{0};
-  const int64_t workers =
-      total < kMinParallelWork ? 1 : std::min<int64_t>(at::get_num_threads(), n);
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    for (int64_t it = next.fetch_add(1); it < n; it = next.fetch_add(1)) work(items[it]);
-  });
-}
-
 template <typename T, int D>
 void paged_decode_impl(const Tensor& q, const Tensor& k_buffer, const Tensor& v_buffer,
                        const Tensor& kv_indices, const Tensor& row_start, const Tensor& row_len,
@@ -260,7 +244,7 @@ void paged_decode_impl(const Tensor& q, const Tensor& k_buffer, const Tensor& v_
         }
       }
     }
-    run_items(items, [&](const Item& it) {
+    run_largest_first(items, kMinParallelWork, [&](const Item& it) {
       thread_local std::vector<float> qbuf, mbuf, lbuf, abuf;
       const int64_t rows = it.last - it.first, nq = rows * G;
       qbuf.resize(nq * D);
@@ -292,7 +276,7 @@ void paged_decode_impl(const Tensor& q, const Tensor& k_buffer, const Tensor& v_
       items.push_back({rl[b] * G, -1, static_cast<int32_t>(b), 0, static_cast<int32_t>(h)});
     }
   }
-  run_items(items, [&](const Item& it) {
+  run_largest_first(items, kMinParallelWork, [&](const Item& it) {
     thread_local std::vector<float> qbuf, mbuf, lbuf, abuf;
     const int64_t b = it.first, h = it.kv_head;
     qbuf.resize(G * D);
