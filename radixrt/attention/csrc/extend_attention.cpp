@@ -13,6 +13,9 @@
 // [D][kKeyBlock], V as [kKeyBlock][D]), then register-tiled micro-kernels compute the scores
 // S = Q Kᵀ and accumulate O += P V. Online softmax (running max m, sum l) and accumulation are fp32
 // whatever the pool's dtype; the output is rounded to q's dtype once at the end.
+// bf16 pools on CPUs with AVX512-BF16 (__AVX512BF16__, added by the builder when the CPU has it)
+// keep Q and K in bf16 pairs and use vdpbf16ps for S and for P V (P rounded to bf16): twice the
+// multiply-adds per instruction; prefill is compute-bound, so it pays (decode does not).
 // Items are run largest first over the intra-op threads, so both one long request (many query
 // blocks) and many short ones keep every thread busy.
 
