@@ -1,6 +1,7 @@
-"""Decode attention: the C++ paged-decode kernel against the torch gather + SDPA path.
+"""Decode and extend attention: the C++ kernels against the torch gather + SDPA paths.
 
     python bench/attention_kernel.py attention --batch 1 8 64 --ctx 512 2048 --prefix 0 400
+    python bench/attention_kernel.py extend --dtype bfloat16 float32 --reps 5
     python bench/attention_kernel.py step --batch 1 8 64 --ctx 512 2048 --dtype bfloat16
     python bench/attention_kernel.py kernel --baseline 1e7a68f --batch 8 64 --ctx 512 2048
 
@@ -18,7 +19,15 @@ the CPU caches from one layer to the next (as in a real step, where the weights 
 `step`: a whole decode step of the model (`ModelRunner.forward`, default SmolLM2) over a pool
 filled with random K/V (no prefill: attention's cost does not depend on the values).
 
-Both put every request at `ctx` tokens; with `--prefix P` > 0 the batch's rows start with the
+`extend`: the backend's extend attention alone (plan + `forward` on 3 layers, reported per layer)
+on the serving traces' shapes (`EXTEND_SHAPES`: the agent wave of 20 requests x 65 new tokens on
+an 850-token cached prefix, the same with 40 one-token decode rows of a mixed batch, fresh causal
+prefills of 512 / 2048 tokens and 4 x 512): the torch path (`extend_kernel=False`: padded or
+ragged SDPA, K/V gathered, float masks), the C++ op, and for bf16 the C++ op with fp32 FMA
+instead of vdpbf16ps (`kernel_fma`). GFLOP/s count the useful work only, 4 * D * heads per
+visible (query, key) pair.
+
+`attention` and `step` put every request at `ctx` tokens; with `--prefix P` > 0 the batch's rows start with the
 same P slots (one cached prefix shared by all requests: cascade decode). Slots are allocated as
 the runtime does (contiguous runs from the free list). Old and new paths alternate in one process,
 `--reps` times each; medians are reported.
@@ -147,6 +156,87 @@ def _attention_case(dname: str, bs: int, ctx: int, prefix: int, reps: int) -> di
             "speedup": med["torch"] / med["kernel"],
             "torch_cpu_ms": med["torch_cpu"] * scale, "kernel_cpu_ms": med["kernel_cpu"] * scale,
             "kv_mb_per_step": per_layer * LAYERS / 2**20}
+
+
+EXTEND_SHAPES: dict[str, list[tuple[int, int]]] = {
+    "agent 20x(850+65)": [(850, 65)] * 20,
+    "mixed 20x(850+65) + 40x(899+1)": [(850, 65)] * 20 + [(899, 1)] * 40,
+    "fresh 1x512": [(0, 512)],
+    "fresh 1x2048": [(0, 2048)],
+    "fresh 4x512": [(0, 512)] * 4,
+}
+
+
+def _extend_case(dname: str, shape: str, reps: int, layers: int = 3) -> dict[str, Any]:
+    dtype = DTYPES[dname]
+    rows = EXTEND_SHAPES[shape]
+    tokens = sum(p + e for p, e in rows)
+    kv = TokenToKVPool(tokens + 8, layers, KV_HEADS, HEAD_DIM, dtype)
+    fill_random(kv, tokens + 8)
+    rp = ReqToTokenPool(len(rows), max(p + e for p, e in rows) + 1)
+    reqs = [rp.alloc() for _ in rows]
+    for r, (p, e) in zip(reqs, rows, strict=True):  # one run per request, as the runtime does
+        rp.req_to_token[r, : p + e] = kv.alloc(p + e).to(torch.int32)
+    ext = [e for _, e in rows]
+    fb = ForwardBatch.build(ForwardMode.EXTEND, [100] * sum(ext), reqs, [p for p, _ in rows],
+                            ext, rp.req_to_token)
+    g = torch.Generator().manual_seed(1)
+    n = sum(ext)
+    q = torch.randn(n, HEADS, HEAD_DIM, generator=g).to(dtype)
+    k = torch.randn(n, KV_HEADS, HEAD_DIM, generator=g).to(dtype)
+    v = torch.randn(n, KV_HEADS, HEAD_DIM, generator=g).to(dtype)
+
+    def step(be: TorchNativeBackend) -> None:
+        be.init_forward_metadata(fb)
+        for layer in range(layers):
+            be.forward(q, k, v, layer, HEAD_DIM**-0.5, fb)
+
+    def with_dot(be: TorchNativeBackend, dot: bool) -> None:
+        previous = torch.ops.radixrt.extend_attention_bf16_dot(dot)
+        try:
+            step(be)
+        finally:
+            torch.ops.radixrt.extend_attention_bf16_dot(previous)
+
+    torch_path = TorchNativeBackend(kv, extend_kernel=False)
+    kernel = TorchNativeBackend(kv, extend_kernel=True)
+    fns = {"torch": lambda: step(torch_path), "kernel": lambda: with_dot(kernel, True)}
+    if dtype == torch.bfloat16:
+        fns["kernel_fma"] = lambda: with_dot(kernel, False)
+    med = interleaved(fns, reps)
+    flops = sum(4 * HEAD_DIM * HEADS * e * (p + (e + 1) / 2) for p, e in rows)
+    row: dict[str, Any] = {"dtype": dname, "shape": shape, "gflop_per_layer": flops / 1e9}
+    for name in fns:
+        row[f"{name}_ms"] = med[name] / layers * 1e3
+        row[f"{name}_cpu_ms"] = med[f"{name}_cpu"] / layers * 1e3
+        row[f"{name}_gflops"] = flops / (med[name] / layers) / 1e9
+    row["speedup"] = med["torch"] / med["kernel"]
+    return row
+
+
+def bench_extend(dtypes: list[str], reps: int) -> list[dict[str, Any]]:
+    out = []
+    for dname in dtypes:
+        for shape in EXTEND_SHAPES:
+            row = _extend_case(dname, shape, reps)
+            print(json.dumps(row), flush=True)
+            out.append(row)
+    return out
+
+
+def markdown_extend(rows: list[dict[str, Any]]) -> str:
+    def fma(r: dict[str, Any]) -> str:
+        if "kernel_fma_ms" not in r:
+            return "-"
+        return f"{r['kernel_fma_ms']:.1f} ({r['kernel_fma_gflops']:.0f})"
+
+    table = markdown_table(
+        ["dtype", "shape", "torch path ms (GFLOP/s)", "kernel ms (GFLOP/s)",
+         "kernel fp32-FMA ms (GFLOP/s)", "speedup", "torch CPU ms", "kernel CPU ms"],
+        ([r["dtype"], r["shape"], f"{r['torch_ms']:.1f} ({r['torch_gflops']:.0f})",
+          f"{r['kernel_ms']:.1f} ({r['kernel_gflops']:.0f})", fma(r), f"{r['speedup']:.2f}x",
+          f"{r['torch_cpu_ms']:.1f}", f"{r['kernel_cpu_ms']:.1f}"] for r in rows))
+    return f"Extend attention only, ms per layer (medians)\n\n{table}"
 
 
 def bench_attention(batches: list[int], ctxs: list[int], prefixes: list[int],
@@ -306,7 +396,7 @@ def markdown(rows: list[dict[str, Any]], what: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=("attention", "step", "kernel"))
+    ap.add_argument("what", choices=("attention", "step", "kernel", "extend"))
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--ctx", type=int, nargs="+", default=[512, 2048])
     ap.add_argument("--prefix", type=int, nargs="+", default=[0, 400])
@@ -330,6 +420,13 @@ def main() -> None:
         with torch.inference_mode():
             rows = bench_kernel(a.batch, a.ctx, a.prefix, a.dtype, a.reps, a.hot)
         print(markdown_kernel(rows, a.baseline))
+        if a.out:
+            Path(a.out).write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
+        return
+    if a.what == "extend":
+        with torch.inference_mode():
+            rows = bench_extend(a.dtype, a.reps)
+        print(markdown_extend(rows))
         if a.out:
             Path(a.out).write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
         return

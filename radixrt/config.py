@@ -113,6 +113,11 @@ class ServerArgs:
         False, "CPU decode attention through the torch gather + SDPA path instead of the C++ "
                "paged-decode kernel (which reads K/V in place; built at install or on first "
                "use, with this fallback when it cannot be built)")
+    disable_cpu_extend_kernel: bool = _f(
+        False, "CPU extend (prefill) attention through the torch SDPA path (K/V gathered, "
+               "float masks) instead of the C++ extend-attention kernel (which reads K/V in "
+               "place from the pool; built with the decode kernel, with this fallback when it "
+               "cannot be built)")
     disable_fused_cpu_ops: bool = _f(
         False, "run each layer's residual add + RMSNorm, RoPE and SiLU-mul as separate torch "
                "ops instead of the fused C++ CPU ops (built with the decode kernel; used only "

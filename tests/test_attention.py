@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from radixrt.attention import create_attention_backend, torch_native
+from radixrt.attention.extend_attention import extend_kernel_unavailable_reason
 from radixrt.attention.flashinfer import FlashInferUnavailableError
 from radixrt.attention.paged_decode import PagedDecodePlan, paged_decode_unavailable_reason
 from radixrt.attention.torch_native import TorchNativeBackend
@@ -118,29 +119,37 @@ def _extend_case(case: tuple[list[int], list[int]], heads: int, kv_heads: int):
 @pytest.mark.parametrize("decode_kernel", DECODE_PATHS)
 @pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4)])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"p{c[0][:4]}e{c[1][:4]}")
-@pytest.mark.parametrize("waste", [0.0, 1e9], ids=["ragged", "padded"])
+@pytest.mark.parametrize("path", ["ragged", "padded", "kernel"])
 def test_extend_matches_reference(
     case: tuple[list[int], list[int]],
     heads: int,
     kv_heads: int,
-    waste: float,
+    path: str,
     decode_kernel: bool,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """With the decode op, 1-token rows (a mixed step's decode rows) run through it and the
-    other rows through the padded/ragged plan of their own sub-batch."""
-    monkeypatch.setattr(torch_native, "PADDED_WASTE_FACTOR", waste)
+    """Each extend path (torch ragged / padded SDPA, the C++ extend-attention op) vs float64.
+    With the decode op, 1-token rows (a mixed step's decode rows) run through it and the other
+    rows through the extend path of their own sub-batch."""
+    monkeypatch.setattr(torch_native, "PADDED_WASTE_FACTOR", 1e9 if path == "padded" else 0.0)
     _, ext = case
     kv, fb, q, k, v, scale, ref = _extend_case(case, heads, kv_heads)
     n = fb.num_tokens
-    backend = _decode_backend(kv, decode_kernel)
+    if path == "kernel" and extend_kernel_unavailable_reason(kv.dtype, D) is not None:
+        pytest.skip(f"extend kernel unavailable: {extend_kernel_unavailable_reason(kv.dtype, D)}")
+    if decode_kernel and paged_decode_unavailable_reason(kv.dtype, D) is not None:
+        pytest.skip("paged decode op unavailable")
+    backend = TorchNativeBackend(kv, extend_kernel=path == "kernel", decode_kernel=decode_kernel)
     backend.init_forward_metadata(fb)
     split = decode_kernel and 1 in ext
     assert (backend._split is not None) == split
     multi = [e for e in ext if e > 1] if split else ext
-    padded = waste > 1 and len(multi) > 1
-    assert (backend._padded is not None) == padded
-    assert (backend._ragged is not None) == (not padded and bool(multi))
+    if path == "kernel":
+        assert (backend._extend is not None) == bool(multi) and backend._padded is None
+    else:
+        padded = path == "padded" and len(multi) > 1
+        assert (backend._padded is not None) == padded
+        assert (backend._ragged is not None) == (not padded and bool(multi))
     out = backend.forward(q, k, v, LAYER, scale, fb)
     assert out.shape == (n, heads, D)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)

@@ -34,6 +34,7 @@ def create_attention_backend(
     num_q_heads: int | None = None,
     sm_scale: float | None = None,
     decode_kernel: bool | None = None,
+    extend_kernel: bool | None = None,
 ) -> AttentionBackend:
     """`name` is "auto", "torch" (torch-native SDPA) or "flashinfer" (CUDA only).
 
@@ -41,13 +42,15 @@ def create_attention_backend(
     given and `flashinfer` imports; the torch-native backend otherwise. "flashinfer" raises
     `FlashInferUnavailableError` (saying why) where it cannot run. `sm_scale` (default
     `head_dim ** -0.5`) is the softmax scale FlashInfer plans with. `decode_kernel` goes to
-    `TorchNativeBackend` (None: the C++ paged-decode op on CPU when it builds; False: never).
+    `TorchNativeBackend` (None: the C++ paged-decode op on CPU when it builds; False: never),
+    and so does `extend_kernel` (the same for the C++ extend-attention op).
     """
     if name not in ("auto", "torch", "flashinfer"):
         raise ValueError(f"unknown attention backend {name!r}; expected auto|torch|flashinfer")
     dev = torch.device(device) if device is not None else kv_pool.device
     if name == "torch":
-        return TorchNativeBackend(kv_pool, dev, decode_kernel=decode_kernel)
+        return TorchNativeBackend(kv_pool, dev, decode_kernel=decode_kernel,
+                                  extend_kernel=extend_kernel)
     reason = flashinfer_unavailable_reason(dev, kv_pool.dtype, num_q_heads)
     if reason is None:
         assert num_q_heads is not None
@@ -56,4 +59,5 @@ def create_attention_backend(
         raise FlashInferUnavailableError(f"attention_backend='flashinfer' unavailable: {reason}")
     if dev.type == "cuda":
         logger.info("attention backend: torch-native (%s)", reason)
-    return TorchNativeBackend(kv_pool, dev, decode_kernel=decode_kernel)
+    return TorchNativeBackend(kv_pool, dev, decode_kernel=decode_kernel,
+                                  extend_kernel=extend_kernel)

@@ -1,11 +1,12 @@
 """radixrt's C++ CPU kernels (`csrc/*.cpp`): built for this machine, cached, loaded once.
 
 The sources are compiled with `torch.utils.cpp_extension` into one shared library that registers
-`torch.ops.radixrt.*`: decode attention (`csrc/paged_decode.cpp`), the quantized small-M matmul
-(`csrc/qgemv.cpp`) and the fused layer ops (`csrc/fused_ops.cpp`). The instruction set
+`torch.ops.radixrt.*`: decode attention (`csrc/paged_decode.cpp`), extend (prefill) attention (`csrc/extend_attention.cpp`), the
+quantized small-M matmul (`csrc/qgemv.cpp`) and the fused layer ops (`csrc/fused_ops.cpp`);
+`csrc/*.h` are their shared headers. The instruction set
 is chosen from this CPU's flags at build time (AVX-512 F/BW/VL/DQ, else AVX2 + FMA + F16C, else
 the compiler's baseline; never `-march=native`), and the library is cached under
-`<cache root>/<key>/` where `key` hashes the sources, the torch version, the chosen ISA and the
+`<cache root>/<key>/` where `key` hashes the sources and headers, the torch version, the chosen ISA and the
 CPU's whole flag set: another CPU or another torch rebuilds, the same machine builds once.
 
 - `make setup` builds it (`python -m radixrt.attention.cpu_kernels build`); otherwise the first
@@ -39,7 +40,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
-SOURCES: tuple[str, ...] = ("paged_decode.cpp", "qgemv.cpp", "fused_ops.cpp")
+SOURCES: tuple[str, ...] = ("paged_decode.cpp", "qgemv.cpp", "fused_ops.cpp",
+                           "extend_attention.cpp")
 LIB_NAME = "radixrt_cpu_kernels"
 ISAS: tuple[str, ...] = ("avx512", "avx2", "default")  # best first
 
@@ -62,6 +64,12 @@ _ISA_OPTIONAL: dict[str, tuple[tuple[str, str], ...]] = {
     "avx512": (("avx512_bf16", "-mavx512bf16"),),
 }
 _COMMON_FLAGS: tuple[str, ...] = ("-O3", "-fopenmp")
+
+
+def headers() -> tuple[str, ...]:
+    """The shared headers the sources include (`csrc/*.h`): part of the cache key, so that
+    editing one rebuilds."""
+    return tuple(sorted(p.name for p in SOURCE_DIR.glob("*.h")))
 
 
 def cpu_flags() -> frozenset[str]:
@@ -131,7 +139,7 @@ def build_spec(isa: str | None = None) -> BuildSpec:
     optional = tuple(f for need, f in _ISA_OPTIONAL.get(isa, ()) if need in flags)
     cflags = (*_COMMON_FLAGS, *_ISA_FLAGS[isa], *optional)
     h = hashlib.sha256()
-    for src in SOURCES:
+    for src in (*SOURCES, *headers()):
         h.update(src.encode())
         h.update((SOURCE_DIR / src).read_bytes())
     for part in (torch.__version__, platform.machine(), isa, " ".join(cflags),
@@ -153,6 +161,10 @@ def _register_fakes() -> None:
     def _(q, k_buffer, v_buffer, kv_indices, row_start, row_len, group_start, group_len,
           group_row_ptr, group_rows, scale):
         return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+    @torch.library.register_fake("radixrt::extend_attention")
+    def _(q, k_buffer, v_buffer, kv_indices, kv_indptr, loc, qo_indptr, scale):
+        return torch.empty_like(q)
 
     @torch.library.register_fake("radixrt::qgemv")
     def _(x, codes, scale, offset, bits):

@@ -3,14 +3,20 @@
 Execution plans, chosen once per step in `init_forward_metadata`:
 - kernel (decode on CPU, when the C++ op is available): `torch.ops.radixrt.paged_decode` reads
   each request's K/V in place from the pool (no gather), cascade groups included; see
-  `paged_decode.py`. Every other case below is the torch path (CUDA, no compiler, or disabled).
+  `paged_decode.py`.
+- split (extend on CPU with the decode op, when some rows compute one token, e.g. a mixed
+  step's decode rows): those rows go to the paged-decode op as a decode sub-batch
+  (`ForwardBatch.split_rows`; cascade reads their shared prefix once per group), the others to
+  the extend plan of their own sub-batch (one of the three below).
+- extend kernel (extend on CPU when the C++ op is available and the step is not
+  batch-invariant): `torch.ops.radixrt.extend_attention` reads each request's
+  prefix and new K/V in place from the pool, causal limit offset by the prefix length; see
+  `extend_attention.py`. Every other case below is the torch path (CUDA, no compiler, or
+  disabled).
 - padded: the batch becomes `[B, Qmax]` queries against `[B, Kmax]` keys gathered from the pool
   with one `index_select` per layer (slot 0 pads), masked by a float mask built once per step.
   Decode always uses it (Qmax = 1; the query heads of one KV group ride the query-length axis, so
   GQA needs no K/V expansion). Extend uses it when padding wastes at most half the work.
-- split (extend on CPU with the decode op, when some rows compute one token, e.g. a mixed
-  step's decode rows): those rows go to the paged-decode op as a decode sub-batch
-  (`ForwardBatch.split_rows`), the others to the padded or ragged plan of their own sub-batch.
 - ragged: one SDPA call per request: its new tokens against its prefix K/V (gathered from the
   pool) concatenated with the new K/V of this pass; the causal mask is offset by the prefix
   length, i.e. query i of a request with prefix P sees keys 0..P+i.
@@ -32,6 +38,10 @@ from radixrt.attention.cascade import (
     CASCADE_MIN_SHARED,
     SharedPrefixGroup,
     shared_prefix_groups,
+)
+from radixrt.attention.extend_attention import (
+    ExtendAttentionPlan,
+    extend_kernel_unavailable_reason,
 )
 from radixrt.attention.paged_decode import PagedDecodePlan, paged_decode_unavailable_reason
 from radixrt.core.forward_batch import ForwardBatch
@@ -100,10 +110,15 @@ class TorchNativeBackend(AttentionBackend):
     `decode_kernel`: None (default) decodes with the C++ paged-decode op on CPU when it builds
     and supports the pool (else the torch path, with one warning); False always takes the
     torch path; True requires the op (RuntimeError saying why when it cannot run).
+    `extend_kernel`: the same for extend steps and the C++ extend-attention op
+    (`batch_invariant` steps keep `_extend_invariant`). `extend_kernel_available` says whether
+    the op can run here; `extend_kernel` may be switched off (and back on, when available)
+    between steps.
     """
 
     def __init__(self, kv_pool: TokenToKVPool, device: torch.device | str | None = None,
-                 batch_invariant: bool = False, decode_kernel: bool | None = None):
+                 batch_invariant: bool = False, decode_kernel: bool | None = None,
+                 extend_kernel: bool | None = None):
         super().__init__(kv_pool)
         self.device = torch.device(device) if device is not None else kv_pool.device
         self.batch_invariant = batch_invariant
@@ -118,10 +133,21 @@ class TorchNativeBackend(AttentionBackend):
             elif reason is None:
                 logger.debug("decode attention: C++ paged-decode kernel")
             self.decode_kernel = reason is None
+        self.extend_kernel_available = False
+        if extend_kernel is not False:
+            reason = ("device is not the CPU" if self.device.type != "cpu" else
+                      extend_kernel_unavailable_reason(kv_pool.dtype, kv_pool.head_dim))
+            if reason is not None and extend_kernel:
+                raise RuntimeError(f"extend attention kernel unavailable: {reason}")
+            if reason is not None and self.device.type == "cpu":
+                logger.info("extend attention: torch SDPA path (%s)", reason)
+            self.extend_kernel_available = reason is None
+        self.extend_kernel = self.extend_kernel_available
         # The new K/V go into the pool with one C++ op (strided sources, no copies) when the CPU
         # kernels are loaded; else `kv_pool.set_kv` (index_copy_ of contiguous copies).
         self._kv_store = self.device.type == "cpu" and _kv_store_available()
         self._kernel: PagedDecodePlan | None = None
+        self._extend: ExtendAttentionPlan | None = None
         self._padded: _PaddedPlan | None = None
         self._cascade: _CascadePlan | None = None
         self._ragged: list[_RaggedReq] | None = None
@@ -134,7 +160,7 @@ class TorchNativeBackend(AttentionBackend):
     # -- per step ----------------------------------------------------------------------------
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         self._padded, self._cascade, self._ragged, self._invariant = None, None, None, None
-        self._kernel = None
+        self._kernel, self._extend = None, None
         self._split = None
         self._planned_for = fb
         if fb.is_decode:
@@ -151,6 +177,7 @@ class TorchNativeBackend(AttentionBackend):
         single = [b for b, e in enumerate(fb.extend_lens_cpu) if e == 1]
         if self.decode_kernel and single:
             # A mixed step's decode rows (and any 1-token extend) go to the paged-decode op:
+            # its cascade reads a shared prefix once per group (the extend op reads it per row);
             # padded they would cost Qmax rows each, ragged one SDPA call and gather each.
             dec = fb.split_rows(single, as_decode=True)
             self._kernel = PagedDecodePlan.build(dec, self._decode_groups(dec))
@@ -166,7 +193,14 @@ class TorchNativeBackend(AttentionBackend):
         self._plan_extend(fb)
 
     def _plan_extend(self, fb: ForwardBatch) -> None:
-        """Padded when padding wastes at most `PADDED_WASTE_FACTOR`, else ragged."""
+        """The extend op when on, else padded when padding wastes at most
+        `PADDED_WASTE_FACTOR`, else ragged."""
+        if self.extend_kernel:
+            if not self.extend_kernel_available:
+                raise RuntimeError("extend_kernel is on but the extend attention op is "
+                                   "unavailable here")
+            self._extend = ExtendAttentionPlan.build(fb)
+            return
         ext, pre = fb.extend_lens_cpu, fb.prefix_lens_cpu
         qmax = max(ext)
         kmax = max(p + e for p, e in zip(pre, ext, strict=True))
@@ -339,10 +373,15 @@ class TorchNativeBackend(AttentionBackend):
             return self._decode_cascade(q, layer_id, scaling)
         if self._padded is not None and self._padded.q_rows is None:
             return self._decode(q, layer_id, scaling)
-        return self._extend(q, k, v, layer_id, scaling)
+        return self._run_extend(q, k, v, layer_id, scaling)
 
-    def _extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                scaling: float) -> torch.Tensor:
+    def _run_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                    scaling: float) -> torch.Tensor:
+        """The extend plan (op, padded or ragged) over its batch's tokens `q`/`k`/`v`."""
+        if self._extend is not None:
+            pool = self.kv_pool
+            return self._extend.run(q, pool.k_buffer[layer_id], pool.v_buffer[layer_id],
+                                    scaling)
         if self._padded is not None:
             return self._extend_padded(q, layer_id, scaling)
         assert self._ragged is not None
@@ -358,7 +397,8 @@ class TorchNativeBackend(AttentionBackend):
                                 scaling)
         out[dec_tok] = o
         if ext_tok is not None:
-            out[ext_tok] = self._extend(q[ext_tok], k[ext_tok], v[ext_tok], layer_id, scaling)
+            out[ext_tok] = self._run_extend(q[ext_tok], k[ext_tok], v[ext_tok], layer_id,
+                                            scaling)
         return out
 
     def _gather(

@@ -83,7 +83,8 @@ class ModelRunner:
         self.attn_backend = create_attention_backend(
             args.attention_backend, self.token_to_kv_pool, self.device,
             num_q_heads=cfg.num_heads,
-            decode_kernel=False if args.disable_cpu_decode_kernel else None)
+            decode_kernel=False if args.disable_cpu_decode_kernel else None,
+            extend_kernel=False if args.disable_cpu_extend_kernel else None)
         self.model, _ = load_model(self.model_path, self.attn_backend, self.dtype, self.device,
                                    model_config=cfg, quant=self.quant,
                                    fused_ops=False if args.disable_fused_cpu_ops else None)

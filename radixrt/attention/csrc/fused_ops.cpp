@@ -29,6 +29,8 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "vec_util.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -43,57 +45,8 @@ namespace radixrt_cpu {
 namespace {
 
 using at::Tensor;
-using Vec = at::vec::Vectorized<float>;
-constexpr int64_t kVec = Vec::size();
 // Below this many elements an op runs on the calling thread (waking threads costs more).
 constexpr int64_t kMinParallelElems = 131072;
-
-#define RADIXRT_FUSED_STR2(x) #x
-#define RADIXRT_FUSED_STR(x) RADIXRT_FUSED_STR2(x)
-
-template <typename T>
-inline Vec load_vec(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return Vec::loadu(p);
-  } else if constexpr (std::is_same_v<T, at::BFloat16>) {
-    Vec out;
-    at::vec::load_fp32_from_bf16(p, out);
-    return out;
-  } else {
-    Vec out;
-    at::vec::load_fp32_from_fp16(p, out);
-    return out;
-  }
-}
-
-// Two float vectors rounded to one vector of T (round to nearest even, as torch's conversions).
-template <typename T>
-inline at::vec::Vectorized<T> from_f32(const Vec& a, const Vec& b) {
-  if constexpr (std::is_same_v<T, at::BFloat16>) {
-    return at::vec::convert_float_bfloat16(a, b);
-  } else {
-    return at::vec::convert_float_half(a, b);
-  }
-}
-
-template <typename T>
-inline Vec low_to_f32(const at::vec::Vectorized<T>& v) {
-  if constexpr (std::is_same_v<T, at::BFloat16>) {
-    return std::get<0>(at::vec::convert_bfloat16_float(v));
-  } else {
-    return std::get<0>(at::vec::convert_half_float(v));
-  }
-}
-
-// Round kVec floats to T and store them.
-template <typename T>
-inline void store_vec(T* p, const Vec& v) {
-  if constexpr (std::is_same_v<T, float>) {
-    v.store(p);
-  } else {
-    from_f32<T>(v, v).store(p, kVec);
-  }
-}
 
 // The value `x` takes once stored in T (identity for float).
 template <typename T>
@@ -242,8 +195,8 @@ void add_rms_norm_impl(const Tensor& x, const Tensor* residual, const Tensor& we
         const T* rr = rp + r * rs;
         T* sr = sp + r * d;
         for (; i + kVec <= d; i += kVec) {
-          const Vec s = round_vec<T>(load_vec<T>(xr + i) + load_vec<T>(rr + i));
-          store_vec<T>(sr + i, s);
+          const Vec s = round_vec<T>(load_f32<T>(xr + i) + load_f32<T>(rr + i));
+          store_f32<T>(sr + i, s);
           s.store(f + i);
         }
         for (; i < d; ++i) {
@@ -252,7 +205,7 @@ void add_rms_norm_impl(const Tensor& x, const Tensor* residual, const Tensor& we
           f[i] = s;
         }
       } else {
-        for (; i + kVec <= d; i += kVec) load_vec<T>(xr + i).store(f + i);
+        for (; i + kVec <= d; i += kVec) load_f32<T>(xr + i).store(f + i);
         for (; i < d; ++i) f[i] = static_cast<float>(xr[i]);
       }
       float var = sum_squares_like_aten(f, d) / fd;
@@ -264,7 +217,7 @@ void add_rms_norm_impl(const Tensor& x, const Tensor* residual, const Tensor& we
       for (; i + kVec <= d; i += kVec) {
         // fp32: (r * inv) * w; other dtypes: round(r * inv) to T, then * w rounded to T
         const Vec y = round_vec<T>(Vec::loadu(f + i) * vinv);
-        store_vec<T>(orow + i, y * load_vec<T>(wp + i));
+        store_f32<T>(orow + i, y * load_f32<T>(wp + i));
       }
       for (; i < d; ++i) {
         const float y = round_to<T>(f[i] * inv);
@@ -334,9 +287,9 @@ void silu_mul_impl(const Tensor& gu, Tensor& out) {
       T* o = op + r * inter;
       int64_t i = 0;
       for (; i < vec_end; i += kVec) {
-        const Vec x = load_vec<T>(g + i);
+        const Vec x = load_f32<T>(g + i);
         const Vec s = round_vec<T>(x / (one + x.neg().exp()));
-        store_vec<T>(o + i, s * load_vec<T>(u + i));
+        store_f32<T>(o + i, s * load_f32<T>(u + i));
       }
       for (; i < inter; ++i) {
         const float s = round_to<T>(silu_scalar<T>(static_cast<float>(g[i])));
@@ -365,9 +318,9 @@ inline void rope_head(const T* x, const T* c, const T* s, T* o, int64_t d) {
     const int64_t base = half * h, other = (1 - half) * h;
     int64_t i = 0;
     for (; i + kVec <= h; i += kVec) {
-      const Vec a = round_vec<T>(load_vec<T>(x + base + i) * load_vec<T>(c + base + i));
-      const Vec b = round_vec<T>(load_vec<T>(x + other + i) * load_vec<T>(s + base + i));
-      store_vec<T>(o + base + i, a + b);
+      const Vec a = round_vec<T>(load_f32<T>(x + base + i) * load_f32<T>(c + base + i));
+      const Vec b = round_vec<T>(load_f32<T>(x + other + i) * load_f32<T>(s + base + i));
+      store_f32<T>(o + base + i, a + b);
     }
     for (; i < h; ++i) {
       const float a = round_to<T>(static_cast<float>(x[base + i]) * static_cast<float>(c[base + i]));
@@ -463,7 +416,7 @@ void kv_store(Tensor k_buffer, Tensor v_buffer, const Tensor& loc, const Tensor&
 
 std::string fused_ops_isa() {
 #if defined(CPU_CAPABILITY)
-  return RADIXRT_FUSED_STR(CPU_CAPABILITY);
+  return RADIXRT_STR(CPU_CAPABILITY);
 #else
   return "DEFAULT";
 #endif

@@ -23,6 +23,9 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "vec_util.h"
+#include "work_queue.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -35,9 +38,6 @@ namespace radixrt_cpu {
 namespace {
 
 using at::Tensor;
-using Vec = at::vec::Vectorized<float>;
-
-constexpr int64_t kVec = Vec::size();
 // Keys per online-softmax step: scores of a block are computed, then the running max is
 // updated once per block (not once per key).
 constexpr int64_t kBlock = 32;
@@ -50,60 +50,6 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // the other threads costs more than the work (tens of microseconds at most), and far more when
 // the machine is oversubscribed and a woken thread has to wait for a time slice.
 constexpr int64_t kMinParallelWork = 16384;
-
-#define RADIXRT_STR2(x) #x
-#define RADIXRT_STR(x) RADIXRT_STR2(x)
-
-template <typename T>
-inline Vec load_f32(const T* p);
-template <>
-inline Vec load_f32<float>(const float* p) {
-  return Vec::loadu(p);
-}
-template <>
-inline Vec load_f32<at::BFloat16>(const at::BFloat16* p) {
-  Vec out;
-  at::vec::load_fp32_from_bf16(p, out);
-  return out;
-}
-template <>
-inline Vec load_f32<at::Half>(const at::Half* p) {
-  Vec out;
-  at::vec::load_fp32_from_fp16(p, out);
-  return out;
-}
-
-// Horizontal sum / max (the generic Vectorized's reduce_add / reduce_max do not compile).
-inline float hsum(const Vec& v) {
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-  return v.reduce_add();
-#else
-  alignas(64) float a[kVec];
-  v.store(a);
-  float s = 0.f;
-  for (int64_t i = 0; i < kVec; ++i) s += a[i];
-  return s;
-#endif
-}
-
-inline float hmax(const Vec& v) {
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-  return v.reduce_max();
-#else
-  alignas(64) float a[kVec];
-  v.store(a);
-  float m = a[0];
-  for (int64_t i = 1; i < kVec; ++i) m = std::max(m, a[i]);
-  return m;
-#endif
-}
-
-inline void prefetch_row(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) {
-    __builtin_prefetch(c + off, 0, 1);
-  }
-}
 
 // Online softmax of `nq` fp32 queries (already scaled) over a list of pool slots of one KV head.
 // Keys go in blocks of kBlock; within a block, queries go in tiles of TQ whose accumulators stay
@@ -228,23 +174,6 @@ struct Item {
   int32_t kv_head;
 };
 
-// Runs `items` on the intra-op threads, each thread taking the next item (largest first).
-template <typename F>
-void run_items(std::vector<Item>& items, const F& work) {
-  std::stable_sort(items.begin(), items.end(),  // equal costs keep row-major order
-            [](const Item& a, const Item& b) { return a.cost > b.cost; });
-  const int64_t n = static_cast<int64_t>(items.size());
-  if (n == 0) return;
-  int64_t total = 0;
-  for (const Item& it : items) total += it.cost;
-  std::atomic<int64_t> next{0};
-  const int64_t workers =
-      total < kMinParallelWork ? 1 : std::min<int64_t>(at::get_num_threads(), n);
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    for (int64_t it = next.fetch_add(1); it < n; it = next.fetch_add(1)) work(items[it]);
-  });
-}
-
 template <typename T, int D>
 void paged_decode_impl(const Tensor& q, const Tensor& k_buffer, const Tensor& v_buffer,
                        const Tensor& kv_indices, const Tensor& row_start, const Tensor& row_len,
@@ -315,7 +244,7 @@ void paged_decode_impl(const Tensor& q, const Tensor& k_buffer, const Tensor& v_
         }
       }
     }
-    run_items(items, [&](const Item& it) {
+    run_largest_first(items, kMinParallelWork, [&](const Item& it) {
       thread_local std::vector<float> qbuf, mbuf, lbuf, abuf;
       const int64_t rows = it.last - it.first, nq = rows * G;
       qbuf.resize(nq * D);
@@ -347,7 +276,7 @@ void paged_decode_impl(const Tensor& q, const Tensor& k_buffer, const Tensor& v_
       items.push_back({rl[b] * G, -1, static_cast<int32_t>(b), 0, static_cast<int32_t>(h)});
     }
   }
-  run_items(items, [&](const Item& it) {
+  run_largest_first(items, kMinParallelWork, [&](const Item& it) {
     thread_local std::vector<float> qbuf, mbuf, lbuf, abuf;
     const int64_t b = it.first, h = it.kv_head;
     qbuf.resize(G * D);

@@ -1,0 +1,180 @@
+"""Extend (prefill) steps on the default model: where the time goes, and old vs new attention.
+
+    python bench/extend_steps.py profile [--shapes agent20 agent64 mixed20 mixed64 fresh1 fresh4]
+    python bench/extend_steps.py steps --rounds 5
+
+Shapes (the serving traces' agent waves, `bench/results/2026-11-23-vm-serve-vs-llama-server-c64-raw`):
+`agentN`: N requests x 65 new tokens on an 850-token cached prefix; `mixedN`: the same plus 40
+one-token decode rows at context 900 (the layout of `BatchBuilder.build_mixed`); `freshB`: B
+requests x 512 new tokens, empty cache. The pool holds random K/V (attention's cost does not
+depend on the values). `profile`: torch.profiler table of one step, grouped into weight matmuls,
+attention, K/V store/gather and the rest. `steps`: the extend attention kernel on and off
+(`TorchNativeBackend.extend_kernel`), interleaved `--rounds` times in one process; medians.
+Speed is never asserted in tests; this script is where it is measured.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench import _path
+
+    _path.fix()
+
+import argparse  # noqa: E402
+import os  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from collections import defaultdict  # noqa: E402
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the scheduler runs; before torch loads
+
+import torch  # noqa: E402
+
+from radixrt.config import ServerArgs  # noqa: E402
+from radixrt.core.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from radixrt.model.runner import ModelRunner  # noqa: E402
+
+# name -> (extend rows: (prefix, new) pairs)
+SHAPES: dict[str, list[tuple[int, int]]] = {
+    "agent20": [(850, 65)] * 20,
+    "agent64": [(850, 65)] * 64,
+    "mixed20": [(850, 65)] * 20 + [(899, 1)] * 40,
+    "mixed64": [(850, 65)] * 64 + [(899, 1)] * 40,
+    "fresh1": [(0, 512)],
+    "fresh4": [(0, 512)] * 4,
+}
+
+# Profiler op name -> category (the rest is "other").
+_CATEGORIES = {
+    "matmul": ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "radixrt::qgemv",
+               "aten::bmm", "qgemm", "quant", "aten::_weight_int4pack_mm",
+               "aten::_weight_int8pack_mm"),
+    "attention": ("scaled_dot_product", "_flash_attention", "radixrt::extend_attention",
+                  "radixrt::paged_decode"),
+    "kv gather/store": ("aten::index_select", "radixrt::kv_store", "aten::index_put",
+                        "aten::index_copy", "aten::cat"),
+}
+
+
+def make_runner(threads: int, tokens: int, bs: int, ctx: int, dtype: str) -> ModelRunner:
+    torch.set_num_threads(threads)
+    return ModelRunner(ServerArgs(
+        max_running_requests=bs, max_total_tokens=tokens + 64, max_context_len=ctx + 16,
+        attention_backend="torch", log_level="warning", dtype=dtype, num_threads=threads))
+
+
+class ExtendStep:
+    """One extend step of `rows` ((prefix, new) per request) over random cached K/V; `run()`
+    can be repeated (the step's slots are reused)."""
+
+    def __init__(self, runner: ModelRunner, rows: list[tuple[int, int]]):
+        rp, kp = runner.req_to_token_pool, runner.token_to_kv_pool
+        rp.clear()
+        kp.clear()
+        self.runner = runner
+        self.reqs = [rp.alloc() for _ in rows]
+        pre = [p for p, _ in rows]
+        ext = [e for _, e in rows]
+        slots = kp.alloc(sum(p + e for p, e in rows))
+        rp.write(self.reqs, [0] * len(rows), [p + e for p, e in rows], slots)
+        g = torch.Generator().manual_seed(0)
+        for buf in (*kp.k_buffer, *kp.v_buffer):
+            buf[slots] = torch.randn(slots.numel(), *buf.shape[1:], generator=g).to(buf.dtype)
+        ids = torch.randint(100, 1000, (sum(ext),), generator=g)
+        self.fb = ForwardBatch.build(ForwardMode.EXTEND, ids, self.reqs, pre, ext,
+                                     rp.req_to_token, runner.device)
+
+    def run(self) -> float:
+        t = time.perf_counter()
+        self.runner.forward(self.fb)
+        return time.perf_counter() - t
+
+
+def set_kernel(runner: ModelRunner, on: bool) -> bool:
+    """Turns the extend attention kernel on/off; False when this build has none."""
+    backend = runner.attn_backend
+    if not hasattr(backend, "extend_kernel"):
+        return not on
+    if on and not getattr(backend, "extend_kernel_available", False):
+        return False
+    backend.extend_kernel = on
+    return True
+
+
+def profile(args: argparse.Namespace) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
+
+    for name in args.shapes:
+        rows = SHAPES[name]
+        tokens = sum(p + e for p, e in rows)
+        runner = make_runner(args.threads, tokens, len(rows), max(p + e for p, e in rows),
+                             args.dtype)
+        for kernel in ((False, True) if args.both else (args.kernel,)):
+            if not set_kernel(runner, kernel):
+                continue
+            step = ExtendStep(runner, rows)
+            step.run()
+            with tprofile(activities=[ProfilerActivity.CPU]) as prof:
+                wall = step.run()
+            cats: dict[str, float] = defaultdict(float)
+            for ev in prof.key_averages():
+                # Self CPU time of the ops actually doing the work (children counted once).
+                cat = next((c for c, keys in _CATEGORIES.items()
+                            if any(k in ev.key for k in keys)), "other")
+                cats[cat] += ev.self_cpu_time_total / 1e3
+            total = sum(cats.values())
+            n_new = sum(e for _, e in rows)
+            parts = "  ".join(f"{c} {v:7.1f} ms ({v / total:4.0%})" for c, v in
+                              sorted(cats.items(), key=lambda kv: -kv[1]))
+            print(f"{name:8s} kernel={int(kernel)} wall {wall * 1e3:7.1f} ms "
+                  f"({n_new / wall:5.0f} new tok/s) | {parts}", flush=True)
+            if args.table:
+                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+        del runner
+
+
+def steps(args: argparse.Namespace) -> None:
+    for name in args.shapes:
+        rows = SHAPES[name]
+        tokens = sum(p + e for p, e in rows)
+        runner = make_runner(args.threads, tokens, len(rows), max(p + e for p, e in rows),
+                             args.dtype)
+        step = ExtendStep(runner, rows)
+        times: dict[bool, list[float]] = {False: [], True: []}
+        for _ in range(args.rounds):
+            for kernel in (False, True):
+                if set_kernel(runner, kernel):
+                    step.run()  # warm-up of this path
+                    times[kernel].append(step.run())
+        n_new = sum(e for _, e in rows)
+        old = statistics.median(times[False])
+        line = f"{name:8s} old {old * 1e3:7.1f} ms ({n_new / old:5.0f} tok/s)"
+        if times[True]:
+            new = statistics.median(times[True])
+            line += (f"  kernel {new * 1e3:7.1f} ms ({n_new / new:5.0f} tok/s)"
+                     f"  new/old {new / old:.2f}")
+        print(line, flush=True)
+        del runner
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("mode", choices=("profile", "steps"))
+    ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--kernel", action="store_true", help="profile: with the extend kernel")
+    ap.add_argument("--both", action="store_true", help="profile: without, then with the kernel")
+    ap.add_argument("--table", action="store_true", help="profile: print the op table too")
+    args = ap.parse_args()
+    profile(args) if args.mode == "profile" else steps(args)
+
+
+if __name__ == "__main__":
+    main()

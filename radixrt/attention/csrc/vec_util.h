@@ -1,0 +1,105 @@
+// Vector helpers shared by radixrt's CPU kernels (paged_decode.cpp, fused_ops.cpp,
+// extend_attention.cpp): fp32 loads/stores of float / bfloat16 / half data, horizontal
+// reductions, prefetch. Built on at::vec::Vectorized<float>, whose instruction set is the one
+// the including file is compiled for (CPU_CAPABILITY_AVX512 / _AVX2 / generic).
+//
+// Invariant: every helper reads or writes exactly Vec::size() elements at `p` (no tails).
+
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+namespace radixrt_cpu {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kVec = Vec::size();
+
+#define RADIXRT_STR2(x) #x
+#define RADIXRT_STR(x) RADIXRT_STR2(x)
+
+// Vec::size() elements of T at p, converted to fp32.
+template <typename T>
+inline Vec load_f32(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return Vec::loadu(p);
+  } else if constexpr (std::is_same_v<T, at::BFloat16>) {
+    Vec out;
+    at::vec::load_fp32_from_bf16(p, out);
+    return out;
+  } else {
+    static_assert(std::is_same_v<T, at::Half>, "float, BFloat16 or Half");
+    Vec out;
+    at::vec::load_fp32_from_fp16(p, out);
+    return out;
+  }
+}
+
+// Two float vectors rounded to one vector of T (round to nearest even, as torch's conversions).
+template <typename T>
+inline at::vec::Vectorized<T> from_f32(const Vec& a, const Vec& b) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    return at::vec::convert_float_bfloat16(a, b);
+  } else {
+    return at::vec::convert_float_half(a, b);
+  }
+}
+
+// The first Vec::size() elements of a vector of T, as fp32.
+template <typename T>
+inline Vec low_to_f32(const at::vec::Vectorized<T>& v) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    return std::get<0>(at::vec::convert_bfloat16_float(v));
+  } else {
+    return std::get<0>(at::vec::convert_half_float(v));
+  }
+}
+
+// Round Vec::size() floats to T and store them at p.
+template <typename T>
+inline void store_f32(T* p, const Vec& v) {
+  if constexpr (std::is_same_v<T, float>) {
+    v.store(p);
+  } else {
+    from_f32<T>(v, v).store(p, kVec);
+  }
+}
+
+// Horizontal sum / max (the generic Vectorized's reduce_add / reduce_max do not compile).
+inline float hsum(const Vec& v) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  return v.reduce_add();
+#else
+  alignas(64) float a[kVec];
+  v.store(a);
+  float s = 0.f;
+  for (int64_t i = 0; i < kVec; ++i) s += a[i];
+  return s;
+#endif
+}
+
+inline float hmax(const Vec& v) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  return v.reduce_max();
+#else
+  alignas(64) float a[kVec];
+  v.store(a);
+  float m = a[0];
+  for (int64_t i = 1; i < kVec; ++i) m = std::max(m, a[i]);
+  return m;
+#endif
+}
+
+// Prefetch `bytes` starting at p into the caches, one line at a time.
+inline void prefetch_row(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) {
+    __builtin_prefetch(c + off, 0, 1);
+  }
+}
+
+}  // namespace radixrt_cpu

@@ -1,0 +1,67 @@
+"""Copy-free extend (prefill) attention on CPU: one step's plan for
+`torch.ops.radixrt.extend_attention`.
+
+The C++ op (`csrc/extend_attention.cpp`, built by `cpu_kernels`) reads every key and value
+straight from the pool's per-layer buffers: request b's keys are its prefix slots
+`kv_indices[kv_indptr[b]:kv_indptr[b+1]]` followed by this step's slots
+`loc[qo_indptr[b]:qo_indptr[b+1]]` (whose K/V `forward` stores before attention runs), and
+query i of the request sees keys 0..P_b + i. The plan is built once per step and only converts
+the batch's index tensors; no mask and no gathered K/V exist.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from radixrt.core.forward_batch import ForwardBatch
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def extend_kernel_unavailable_reason(dtype: torch.dtype, head_dim: int,
+                                     build: bool = True) -> str | None:
+    """None when the op can run on a CPU pool of this dtype and head_dim (building it if needed
+    and `build`), else why not."""
+    from radixrt.attention import cpu_kernels  # lazily: `python -m ...cpu_kernels` runs it
+
+    if dtype not in KERNEL_DTYPES:
+        return f"dtype {dtype} not supported"
+    if not cpu_kernels.load_cpu_kernels(build=build):
+        return f"CPU kernels unavailable ({cpu_kernels.unavailable_reason()})"
+    if not hasattr(torch.ops.radixrt, "extend_attention"):
+        return "the loaded CPU kernel library has no extend_attention op"
+    dims = torch.ops.radixrt.extend_attention_head_dims()
+    if head_dim not in dims:
+        return f"head_dim {head_dim} not in {list(dims)}"
+    return None
+
+
+@dataclass
+class ExtendAttentionPlan:
+    kv_indices: torch.Tensor  # int32 [sum P_b]: prefix slots, request by request
+    kv_indptr: torch.Tensor  # int64 [B + 1]
+    loc: torch.Tensor  # int32 [num_tokens]: this step's slots (K/V already stored)
+    qo_indptr: torch.Tensor  # int64 [B + 1]
+
+    @classmethod
+    def build(cls, fb: ForwardBatch) -> ExtendAttentionPlan:
+        """Extend layout (mixed batches included: a decode row is a one-token extend)."""
+        if fb.is_decode:
+            raise ValueError("ExtendAttentionPlan is for extend batches")
+        return cls(
+            kv_indices=fb.kv_indices.to("cpu", torch.int32).contiguous(),
+            kv_indptr=fb.kv_indptr.to("cpu", torch.int64).contiguous(),
+            loc=fb.out_cache_loc.to("cpu", torch.int32).contiguous(),
+            qo_indptr=fb.qo_indptr.to("cpu", torch.int64).contiguous(),
+        )
+
+    def run(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+            scale: float) -> torch.Tensor:
+        """`[num_tokens, H, D]` attention output in q's dtype of the queries `q`
+        `[num_tokens, H, D]` over the pool buffers `[slots, kv_heads, D]`."""
+        out = torch.ops.radixrt.extend_attention(
+            q.to(k_buffer.dtype).contiguous(), k_buffer, v_buffer, self.kv_indices,
+            self.kv_indptr, self.loc, self.qo_indptr, float(scale))
+        return out.to(q.dtype)
