@@ -92,6 +92,11 @@ class ServerArgs:
     disable_radix_cache: bool = _f(False, "turn prefix sharing off")
     chunked_prefill_size: int = _f(2048, "longest prefill chunk per step")
     max_prefill_tokens: int = _f(8192, "tokens computed per prefill step")
+    prefill_step_target_ms: int = _f(500, "aim prefill steps at about this long: the step's "
+                                          "prefill tokens are capped at the measured prefill "
+                                          "rate x this (at least 256, at most "
+                                          "chunked_prefill_size), so a request arriving during "
+                                          "a step waits less for the next; 0: no cap")
     disable_mixed_chunk: bool = _f(False, "run prefill steps alone: by default a step that "
                                           "prefills also advances every decoding request by "
                                           "one token (mixed extend + decode batch)")
@@ -201,6 +206,8 @@ class ServerArgs:
             bad("helper_nice", f"must be in 0..19, got {self.helper_nice}")
         if self.attention_backend not in ("auto", "torch", "flashinfer"):
             bad("attention_backend", f"must be auto|torch|flashinfer, got {self.attention_backend!r}")
+        if self.prefill_step_target_ms < 0:
+            bad("prefill_step_target_ms", f"must be >= 0, got {self.prefill_step_target_ms}")
         for name in ("max_total_tokens", "max_context_len", "num_threads"):
             v = getattr(self, name)
             if v is not None and v <= 0:

@@ -9,6 +9,7 @@ after every step.
 
 from __future__ import annotations
 
+import argparse
 import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from radixrt.cli import add_server_args, args_from_namespace
 from radixrt.config import ServerArgs
 from radixrt.core.forward_batch import ForwardBatch
 from radixrt.core.messages import (
@@ -39,7 +41,12 @@ from radixrt.model.runner import ModelRunner
 from radixrt.sched import schedule_policy
 from radixrt.sched.kv_owner import KVOwner
 from radixrt.sched.req import Req
-from radixrt.sched.schedule_policy import IN_BATCH_SHARE_MIN_TOKENS, PrefillAdder, SchedulePolicy
+from radixrt.sched.schedule_policy import (
+    IN_BATCH_SHARE_MIN_TOKENS,
+    PrefillAdder,
+    PrefillPacer,
+    SchedulePolicy,
+)
 from radixrt.sched.scheduler import Scheduler
 
 POLICIES = ("lpm", "fcfs", "dfs-weight")
@@ -365,6 +372,37 @@ def test_adder_kv_room_counts_free_evictable_and_reserved() -> None:
     p.check(held=[held])
 
 
+def test_prefill_pacer_cap_follows_the_measured_rate() -> None:
+    pacer = PrefillPacer(0.5, ceiling=2048)
+    assert pacer.cap() == 2048  # nothing measured yet
+    pacer.observe(100, 1.0)  # a short step (< half the cap): fixed costs, not a rate
+    assert pacer.rate is None and pacer.cap() == 2048
+    pacer.observe(2048, 2.0)  # 1024 tok/s -> 512 tokens in 0.5 s
+    assert pacer.cap() == 512
+    pacer.observe(512, 0.25)  # 2048 tok/s, weighted in by SMOOTHING
+    rate = PrefillPacer.SMOOTHING * 2048 + (1 - PrefillPacer.SMOOTHING) * 1024
+    assert pacer.rate == pytest.approx(rate) and pacer.cap() == int(rate * 0.5)
+    pacer.observe(1000, 100.0)  # a very slow step: the floor holds
+    pacer.observe(1000, 100.0)
+    pacer.observe(1000, 100.0)
+    assert pacer.cap() == PrefillPacer.MIN_TOKENS
+    fast = PrefillPacer(0.5, ceiling=2048)
+    fast.observe(2048, 0.01)  # a GPU: the ceiling alone applies
+    assert fast.cap() == 2048
+    off = PrefillPacer(0.0, ceiling=2048)
+    off.observe(2048, 10.0)
+    assert off.rate is None and off.cap() == 2048
+
+
+def test_prefill_step_target_is_validated_and_on_the_cli() -> None:
+    with pytest.raises(ValueError, match="ServerArgs.prefill_step_target_ms"):
+        ServerArgs(prefill_step_target_ms=-1)
+    ap = argparse.ArgumentParser()
+    add_server_args(ap)
+    args = args_from_namespace(ap.parse_args(["--prefill-step-target-ms", "0"]))
+    assert args.prefill_step_target_ms == 0 and ServerArgs().prefill_step_target_ms == 500
+
+
 def test_adder_alone_ignores_its_own_decode_reserve() -> None:
     p = make_pools(slots=32)
     held = p.kv_pool.alloc(22)
@@ -673,6 +711,34 @@ def test_chunked_prefill_matches_unchunked(make_sched: Callable[..., Scheduler],
     for rid in jobs:
         assert run.finals[rid].finish_reason == FINISH_LENGTH
         assert run.tokens[rid] == ref[rid], rid
+    assert_clean(sched)
+
+
+def test_paced_prefill_steps_keep_outputs(make_sched: Callable[..., Scheduler]) -> None:
+    """With a measured rate of 120 tok/s and a 100 ms target, no step prefills more than 12
+    tokens (prompts are chunked to fit), and the greedy tokens are unchanged."""
+    rng = random.Random(5)
+    jobs = {f"p{i}": (prompt(rng, rng.randrange(20, 41)), 6) for i in range(4)}
+    ref = reference(make_sched, jobs)
+    sched = make_sched(prefill_step_target_ms=100)
+    sched.pacer = PrefillPacer(0.1, sched.args.chunked_prefill_size, floor=4)
+    sched.pacer.rate = 120.0
+    sched.pacer.observe = lambda tokens, seconds: None  # type: ignore[method-assign]
+    assert sched.pacer.cap() == 12
+    seen: list[int] = []
+    orig = sched.builder.build_extend
+
+    def spy(reqs: list[Req]) -> ForwardBatch:
+        seen.append(sum(r.extend_len for r in reqs if r not in sched.running))
+        return orig(reqs)
+
+    sched.builder.build_extend = spy  # type: ignore[method-assign]
+    submit(sched, jobs)
+    run = Run().drive(sched)
+    assert seen and max(seen) == 12 and len(seen) >= sum(len(i) for i, _ in jobs.values()) // 12
+    for rid in jobs:
+        assert run.tokens[rid] == ref[rid], rid
+    assert sched.stats()["prefill_token_cap"] == 12
     assert_clean(sched)
 
 

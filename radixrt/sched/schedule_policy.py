@@ -118,16 +118,53 @@ class SchedulePolicy:
         return deferred
 
 
+class PrefillPacer:
+    """The pacing budget of `PrefillAdder`: prefill steps should last about `target_s`.
+
+    A request that arrives while a step runs waits for that step to end; with long steps (2048
+    tokens take ~1.8 s on 2 CPU cores) that wait dominates time to first token when requests
+    arrive in waves. The cap (the step's chunk budget) is `rate × target_s`, clamped to [`floor` (`MIN_TOKENS`), `ceiling`]
+    (`chunked_prefill_size`), where `rate` is prefill tokens per second measured on this
+    machine: an exponential average over steps that computed at least half the cap in force
+    (short steps are dominated by fixed costs and would understate it). Until the first such
+    step, and with `target_s == 0`, the cap is `ceiling`. A fast machine (GPU) measures a rate
+    whose cap exceeds the ceiling: the ceiling alone applies.
+    """
+
+    MIN_TOKENS = 256
+    SMOOTHING = 0.3  # weight of the newest measurement
+
+    def __init__(self, target_s: float, ceiling: int, floor: int = MIN_TOKENS):
+        self.target_s = target_s
+        self.ceiling = ceiling
+        self.floor = min(floor, ceiling)
+        self.rate: float | None = None  # prefill tokens per second
+
+    def cap(self) -> int:
+        if self.target_s <= 0 or self.rate is None:
+            return self.ceiling
+        return max(self.floor, min(self.ceiling, int(self.rate * self.target_s)))
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """A step computed `tokens` prefill tokens (its decode rows included) in `seconds`."""
+        if self.target_s <= 0 or seconds <= 0 or 2 * tokens < self.cap():
+            return
+        rate = tokens / seconds
+        self.rate = rate if self.rate is None else (
+            self.SMOOTHING * rate + (1 - self.SMOOTHING) * self.rate)
+
+
 def decode_estimate(req: Req, clip: int) -> int:
     """Decode tokens `req` may still need, for budgeting: its remaining tokens, clipped."""
     return min(req.remaining_new_tokens(), clip)
 
 
 class PrefillAdder:
-    """Admits requests into one extend batch within three budgets.
+    """Admits requests into one extend batch within these budgets.
 
     - tokens computed this step ≤ `max_prefill_tokens`; a request longer than the remaining
-      `chunk_budget` is cut into chunks (at most one chunked request per step);
+      `chunk_budget` (`chunked_prefill_size`, or less when `PrefillPacer` paces steps) is cut
+      into chunks (at most one chunked request per step);
     - running + admitted requests ≤ `max_running_requests` (and free request rows);
     - KV: new tokens + the decode tokens every running and admitted request is still expected to
       need (`min(remaining, clip_max_new_tokens) × new_token_ratio`) ≤ free + evictable slots.

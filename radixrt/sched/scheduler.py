@@ -46,7 +46,12 @@ from radixrt.sched.kv_owner import KVOwner
 from radixrt.sched.output_processor import OutputProcessor
 from radixrt.sched.prompt_scores import record_scores
 from radixrt.sched.req import Req
-from radixrt.sched.schedule_policy import PrefillAdder, SchedulePolicy, decode_estimate
+from radixrt.sched.schedule_policy import (
+    PrefillAdder,
+    PrefillPacer,
+    SchedulePolicy,
+    decode_estimate,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +110,7 @@ class Scheduler:
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
         self.new_token_ratio = args.init_new_token_ratio
+        self.pacer = PrefillPacer(args.prefill_step_target_ms / 1000, args.chunked_prefill_size)
         self.finished_this_step: list[Req] = []
         self.step_times = {"schedule": 0.0, "build": 0.0, "forward": 0.0, "grammar": 0.0,
                            "sample": 0.0, "process": 0.0}
@@ -235,7 +241,7 @@ class Scheduler:
         adder = PrefillAdder(
             self.kv, self.req_pool.available_size(), self.running,
             self.args.max_running_requests, self.args.max_prefill_tokens,
-            self.args.chunked_prefill_size, self.new_token_ratio,
+            self.pacer.cap(), self.new_token_ratio,
             self.args.clip_max_new_tokens_estimation)
         in_flight: tuple[Req, ...] = ()
         if self.chunked_req is not None:
@@ -360,13 +366,15 @@ class Scheduler:
         self.step_times["grammar"] += tg - t2
         self.step_times["sample"] += t3 - tg
         self.step_times["process"] += t4 - t3
+        n_dec = len(reqs) if mode == "decode" else len(reqs) - n_ext
+        if mode != "decode":
+            self.pacer.observe(fb.num_tokens - n_dec, t4 - t0)
         if logger.isEnabledFor(logging.DEBUG):
-            n_dec = len(reqs) if mode == "decode" else len(reqs) - n_ext
             n_pre = 0 if mode == "decode" else n_ext
             logger.debug("step %s: %d prefill rows / %d tokens on %d cached, %d decode rows, "
-                         "%d waiting; %.1f ms (forward %.1f)", mode, n_pre,
+                         "%d waiting; %.1f ms (forward %.1f); prefill cap %d", mode, n_pre,
                          fb.num_tokens - n_dec, sum(fb.prefix_lens_cpu[:n_pre]), n_dec,
-                         len(self.waiting), (t4 - t0) * 1e3, (t2 - t1) * 1e3)
+                         len(self.waiting), (t4 - t0) * 1e3, (t2 - t1) * 1e3, self.pacer.cap())
         if mode == "decode":
             self.decode_totals["steps"] += 1
             self.decode_totals["rows"] += len(reqs)
@@ -436,6 +444,8 @@ class Scheduler:
             "cached_evictable_tokens": self.cache.evictable_size(),
             "cached_locked_tokens": self.cache.protected_size(),
             "new_token_ratio": self.new_token_ratio,
+            "prefill_token_cap": self.pacer.cap(),
+            "prefill_tokens_per_s": self.pacer.rate,
             "step_time_s": dict(self.step_times),
             "decode_totals": dict(self.decode_totals),
             "mixed_totals": dict(self.mixed_totals),
