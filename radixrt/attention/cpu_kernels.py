@@ -282,6 +282,23 @@ def unavailable_reason() -> str | None:
     return _failed
 
 
+def op_unavailable_reason(op: str, dtypes: tuple[torch.dtype, ...], dtype: torch.dtype,
+                          head_dim: int, build: bool = True) -> str | None:
+    """None when `torch.ops.radixrt.<op>` can run on a CPU pool of this dtype and head_dim
+    (building the library if needed and `build`), else why not. The op lists its head dims
+    through `<op>_head_dims`."""
+    if dtype not in dtypes:
+        return f"dtype {dtype} not supported"
+    if not load_cpu_kernels(build=build):
+        return f"CPU kernels unavailable ({unavailable_reason()})"
+    if not hasattr(torch.ops.radixrt, op):
+        return f"the loaded CPU kernel library has no {op} op"
+    dims = getattr(torch.ops.radixrt, f"{op}_head_dims")()
+    if head_dim not in dims:
+        return f"head_dim {head_dim} not in {list(dims)}"
+    return None
+
+
 def loaded_spec() -> BuildSpec | None:
     return _loaded
 

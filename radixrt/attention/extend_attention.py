@@ -26,16 +26,8 @@ def extend_kernel_unavailable_reason(dtype: torch.dtype, head_dim: int,
     and `build`), else why not."""
     from radixrt.attention import cpu_kernels  # lazily: `python -m ...cpu_kernels` runs it
 
-    if dtype not in KERNEL_DTYPES:
-        return f"dtype {dtype} not supported"
-    if not cpu_kernels.load_cpu_kernels(build=build):
-        return f"CPU kernels unavailable ({cpu_kernels.unavailable_reason()})"
-    if not hasattr(torch.ops.radixrt, "extend_attention"):
-        return "the loaded CPU kernel library has no extend_attention op"
-    dims = torch.ops.radixrt.extend_attention_head_dims()
-    if head_dim not in dims:
-        return f"head_dim {head_dim} not in {list(dims)}"
-    return None
+    return cpu_kernels.op_unavailable_reason("extend_attention", KERNEL_DTYPES, dtype, head_dim,
+                                             build)
 
 
 @dataclass

@@ -27,14 +27,8 @@ def paged_decode_unavailable_reason(dtype: torch.dtype, head_dim: int,
     and `build`), else why not."""
     from radixrt.attention import cpu_kernels  # lazily: `python -m ...cpu_kernels` runs it
 
-    if dtype not in KERNEL_DTYPES:
-        return f"dtype {dtype} not supported"
-    if not cpu_kernels.load_cpu_kernels(build=build):
-        return f"CPU kernels unavailable ({cpu_kernels.unavailable_reason()})"
-    dims = torch.ops.radixrt.paged_decode_head_dims()
-    if head_dim not in dims:
-        return f"head_dim {head_dim} not in {list(dims)}"
-    return None
+    return cpu_kernels.op_unavailable_reason("paged_decode", KERNEL_DTYPES, dtype, head_dim,
+                                             build)
 
 
 @dataclass

@@ -28,6 +28,7 @@ dtype (the masks are built in it).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -122,26 +123,11 @@ class TorchNativeBackend(AttentionBackend):
         super().__init__(kv_pool)
         self.device = torch.device(device) if device is not None else kv_pool.device
         self.batch_invariant = batch_invariant
-        self.decode_kernel = False
-        if decode_kernel is not False:
-            reason = ("device is not the CPU" if self.device.type != "cpu" else
-                      paged_decode_unavailable_reason(kv_pool.dtype, kv_pool.head_dim))
-            if reason is not None and decode_kernel:
-                raise RuntimeError(f"paged decode kernel unavailable: {reason}")
-            if reason is not None and self.device.type == "cpu":
-                logger.info("decode attention: torch gather path (%s)", reason)
-            elif reason is None:
-                logger.debug("decode attention: C++ paged-decode kernel")
-            self.decode_kernel = reason is None
-        self.extend_kernel_available = False
-        if extend_kernel is not False:
-            reason = ("device is not the CPU" if self.device.type != "cpu" else
-                      extend_kernel_unavailable_reason(kv_pool.dtype, kv_pool.head_dim))
-            if reason is not None and extend_kernel:
-                raise RuntimeError(f"extend attention kernel unavailable: {reason}")
-            if reason is not None and self.device.type == "cpu":
-                logger.info("extend attention: torch SDPA path (%s)", reason)
-            self.extend_kernel_available = reason is None
+        self.decode_kernel = self._kernel_usable(
+            decode_kernel, "paged decode", "torch gather path", paged_decode_unavailable_reason)
+        self.extend_kernel_available = self._kernel_usable(
+            extend_kernel, "extend attention", "torch SDPA path",
+            extend_kernel_unavailable_reason)
         self.extend_kernel = self.extend_kernel_available
         # The new K/V go into the pool with one C++ op (strided sources, no copies) when the CPU
         # kernels are loaded; else `kv_pool.set_kv` (index_copy_ of contiguous copies).
@@ -153,9 +139,23 @@ class TorchNativeBackend(AttentionBackend):
         self._ragged: list[_RaggedReq] | None = None
         self._invariant: list[_InvariantReq] | None = None
         # Mixed extend step: (token rows of the 1-token rows, run by `_kernel`; token rows of
-        # the others, run by the padded/ragged plan of their sub-batch, or None).
+        # the others, run by the extend plan of their sub-batch, or None).
         self._split: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self._planned_for: ForwardBatch | None = None  # the batch the plan above describes
+
+    def _kernel_usable(self, requested: bool | None, kind: str, fallback: str,
+                       reason_fn: Callable[[torch.dtype, int], str | None]) -> bool:
+        """Whether the C++ `kind` op runs here: None = when it can, False = never, True =
+        required (RuntimeError saying why when it cannot)."""
+        if requested is False:
+            return False
+        reason = ("device is not the CPU" if self.device.type != "cpu" else
+                  reason_fn(self.kv_pool.dtype, self.kv_pool.head_dim))
+        if reason is not None and requested:
+            raise RuntimeError(f"{kind} kernel unavailable: {reason}")
+        if reason is not None and self.device.type == "cpu":
+            logger.info("%s: %s (%s)", kind, fallback, reason)
+        return reason is None
 
     # -- per step ----------------------------------------------------------------------------
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
