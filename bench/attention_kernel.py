@@ -52,6 +52,7 @@ import os  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
@@ -137,15 +138,7 @@ def _attention_case(dname: str, bs: int, ctx: int, prefix: int, reps: int) -> di
     kv = TokenToKVPool(tokens + 8, layers, KV_HEADS, HEAD_DIM, dtype)
     fill_random(kv, tokens + 8)
     fb = decode_batch(ReqToTokenPool(bs, ctx + 1), kv, bs, ctx, prefix)
-    g = torch.Generator().manual_seed(1)
-    q = torch.randn(bs, HEADS, HEAD_DIM, generator=g).to(dtype)
-    k = torch.randn(bs, KV_HEADS, HEAD_DIM, generator=g).to(dtype)
-    v = torch.randn(bs, KV_HEADS, HEAD_DIM, generator=g).to(dtype)
-
-    def step(be: TorchNativeBackend) -> None:
-        be.init_forward_metadata(fb)
-        for layer in range(layers):
-            be.forward(q, k, v, layer, HEAD_DIM**-0.5, fb)
+    step = _layers_step(fb, bs, dtype, layers)
 
     torch_path = TorchNativeBackend(kv, decode_kernel=False)
     kernel = TorchNativeBackend(kv, decode_kernel=True)
@@ -156,6 +149,23 @@ def _attention_case(dname: str, bs: int, ctx: int, prefix: int, reps: int) -> di
             "speedup": med["torch"] / med["kernel"],
             "torch_cpu_ms": med["torch_cpu"] * scale, "kernel_cpu_ms": med["kernel_cpu"] * scale,
             "kv_mb_per_step": per_layer * LAYERS / 2**20}
+
+
+def _layers_step(fb: ForwardBatch, n: int, dtype: torch.dtype, layers: int
+                 ) -> Callable[[TorchNativeBackend], None]:
+    """One step of `fb` on a backend: plan once, attend `layers` layers with seeded random
+    q/k/v for its `n` tokens."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(n, HEADS, HEAD_DIM, generator=g).to(dtype)
+    k = torch.randn(n, KV_HEADS, HEAD_DIM, generator=g).to(dtype)
+    v = torch.randn(n, KV_HEADS, HEAD_DIM, generator=g).to(dtype)
+
+    def step(be: TorchNativeBackend) -> None:
+        be.init_forward_metadata(fb)
+        for layer in range(layers):
+            be.forward(q, k, v, layer, HEAD_DIM**-0.5, fb)
+
+    return step
 
 
 EXTEND_SHAPES: dict[str, list[tuple[int, int]]] = {
@@ -180,16 +190,8 @@ def _extend_case(dname: str, shape: str, reps: int, layers: int = 3) -> dict[str
     ext = [e for _, e in rows]
     fb = ForwardBatch.build(ForwardMode.EXTEND, [100] * sum(ext), reqs, [p for p, _ in rows],
                             ext, rp.req_to_token)
-    g = torch.Generator().manual_seed(1)
     n = sum(ext)
-    q = torch.randn(n, HEADS, HEAD_DIM, generator=g).to(dtype)
-    k = torch.randn(n, KV_HEADS, HEAD_DIM, generator=g).to(dtype)
-    v = torch.randn(n, KV_HEADS, HEAD_DIM, generator=g).to(dtype)
-
-    def step(be: TorchNativeBackend) -> None:
-        be.init_forward_metadata(fb)
-        for layer in range(layers):
-            be.forward(q, k, v, layer, HEAD_DIM**-0.5, fb)
+    step = _layers_step(fb, n, dtype, layers)
 
     def with_dot(be: TorchNativeBackend, dot: bool) -> None:
         previous = torch.ops.radixrt.extend_attention_bf16_dot(dot)

@@ -105,15 +105,19 @@ def set_kernel(runner: ModelRunner, on: bool) -> bool:
     return True
 
 
+def _runner_for(rows: list[tuple[int, int]], args: argparse.Namespace) -> ModelRunner:
+    """A runner whose pools hold every (prefix, new) row of the shape."""
+    return make_runner(args.threads, sum(p + e for p, e in rows), len(rows),
+                       max(p + e for p, e in rows), args.dtype)
+
+
 def profile(args: argparse.Namespace) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as tprofile
 
     for name in args.shapes:
         rows = SHAPES[name]
-        tokens = sum(p + e for p, e in rows)
-        runner = make_runner(args.threads, tokens, len(rows), max(p + e for p, e in rows),
-                             args.dtype)
+        runner = _runner_for(rows, args)
         for kernel in ((False, True) if args.both else (args.kernel,)):
             if not set_kernel(runner, kernel):
                 continue
@@ -141,9 +145,7 @@ def profile(args: argparse.Namespace) -> None:
 def steps(args: argparse.Namespace) -> None:
     for name in args.shapes:
         rows = SHAPES[name]
-        tokens = sum(p + e for p, e in rows)
-        runner = make_runner(args.threads, tokens, len(rows), max(p + e for p, e in rows),
-                             args.dtype)
+        runner = _runner_for(rows, args)
         step = ExtendStep(runner, rows)
         times: dict[bool, list[float]] = {False: [], True: []}
         for _ in range(args.rounds):
