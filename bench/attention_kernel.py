@@ -308,10 +308,20 @@ def load_baseline(rev: str) -> None:
         if f"{macro}radixrt," not in src:
             raise SystemExit(f"{rev}: no {macro}radixrt, ...) in paged_decode.cpp")
         src = src.replace(f"{macro}radixrt,", f"{macro}radixrt_baseline,")
+    # The headers it includes, as of the same revision (absent before they were split out).
+    headers = {}
+    for name in ("vec_util.h", "work_queue.h"):
+        shown = subprocess.run(["git", "show", f"{rev}:radixrt/attention/csrc/{name}"],
+                               cwd=root, capture_output=True, text=True)
+        if shown.returncode == 0:
+            headers[name] = shown.stdout
     spec = cpu_kernels.build_spec()
-    key = hashlib.sha256((src + " ".join(spec.cflags) + torch.__version__).encode()).hexdigest()
+    key = hashlib.sha256((src + "".join(headers.values()) + " ".join(spec.cflags)
+                          + torch.__version__).encode()).hexdigest()
     directory = cpu_kernels.cache_root() / f"baseline-{spec.isa}-{key[:16]}"
     directory.mkdir(parents=True, exist_ok=True)
+    for name, text in headers.items():
+        (directory / name).write_text(text)
     source = directory / "paged_decode_baseline.cpp"
     source.write_text(src)
     os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])
