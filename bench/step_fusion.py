@@ -5,12 +5,15 @@ ops they replace, interleaved in one process on one `ModelRunner` (default SmolL
     python bench/step_fusion.py prefill --input-len 512 4096 --dtype float32 bfloat16 --rounds 3
     python bench/step_fusion.py compile --dtype bfloat16 --batch-size 8 64 --cpu-time
     python bench/step_fusion.py profile --batch-size 8 --input-len 512 [--torch-ops]
+    python bench/step_fusion.py layers --batch-size 1 8 64 --rounds 6
 
 `decode`: bare decode steps over `input-len` random cached tokens per request (random K/V, no
 prefill: no op here depends on the values), `--steps` per block; old (torch ops, KV written by
 `index_copy_`) and new (fused ops, `kv_store`) blocks alternate `--rounds` times; the first step
 of each block is dropped. `prefill`: one request of `input-len` tokens, from an empty cache.
 `compile`: torch ops, fused ops and torch ops under torch.compile (`compile_decode`) in turn.
+`layers`: decode steps with the fused ops, the layers run by the Python loop vs by one
+`radixrt::decode_layers` call (`model/decode_layers.py`), alternating as in `decode`.
 Reported: medians in ms (wall, or with `--cpu-time` the process's CPU time, which contention
 from other processes inflates far less) and new/old. `profile`: `torch.profiler` table of one decode step.
 Speed is never asserted in tests; this script is where it is measured.
@@ -105,6 +108,29 @@ def decode(a: argparse.Namespace) -> None:
         report(res)
 
 
+def layers(a: argparse.Namespace) -> None:
+    for dtype in a.dtype:
+        runner = make_runner(dtype, max(a.batch_size), a.input_len + a.rounds * 2 * a.steps,
+                             a.threads)
+        use(runner, True)
+        stack = runner.model.decode_layers()
+        print(f"dtype {runner.dtype}, quantization {runner.quant.mode}, {a.threads} threads, "
+              f"one-call path: {stack if isinstance(stack, str) else 'available'}", flush=True)
+        res: dict[tuple[Any, ...], list[float]] = {}
+        for bs in a.batch_size:
+            dec = RandomKVDecoder(runner, bs, a.input_len, clock)
+            for r in range(a.rounds):
+                for one_call in ((False, True) if r % 2 == 0 else (True, False)):
+                    runner.model.fused_decode = one_call
+                    dec.step()  # warm-up
+                    for _ in range(a.steps):
+                        res.setdefault((bs, one_call), []).append(dec.step())
+            old, new = (statistics.median(res[(bs, f)]) * 1e3 for f in (False, True))
+            print(f"{dtype} batch {bs:3d}  layer loop {old:8.2f} ms  one call {new:8.2f} ms  "
+                  f"saved {old - new:6.2f} ms  new/old {new / old:.3f}  "
+                  f"(load {os.getloadavg()[0]:.1f})", flush=True)
+
+
 def prefill(a: argparse.Namespace) -> None:
     for dtype in a.dtype:
         runner = make_runner(dtype, 1, max(a.input_len), a.threads)
@@ -178,7 +204,7 @@ def profile(a: argparse.Namespace) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for name in ("decode", "prefill", "compile", "profile"):
+    for name in ("decode", "prefill", "compile", "profile", "layers"):
         p = sub.add_parser(name)
         p.add_argument("--batch-size", type=int, nargs="+", default=[1, 8, 64])
         p.add_argument("--input-len", type=int, nargs="+" if name == "prefill" else None,
@@ -196,7 +222,8 @@ def main() -> None:
     if a.cpu_time:
         global clock
         clock = time.process_time
-    {"decode": decode, "prefill": prefill, "compile": compile_ab, "profile": profile}[a.cmd](a)
+    {"decode": decode, "prefill": prefill, "compile": compile_ab, "profile": profile,
+     "layers": layers}[a.cmd](a)
 
 
 if __name__ == "__main__":

@@ -127,6 +127,11 @@ class ServerArgs:
         False, "run each layer's residual add + RMSNorm, RoPE and SiLU-mul as separate torch "
                "ops instead of the fused C++ CPU ops (built with the decode kernel; used only "
                "where they match the torch ops, bitwise in fp32)")
+    disable_fused_decode: bool = _f(
+        False, "run a decode step's layers as a Python loop of ops instead of one C++ call "
+               "(`radixrt::decode_layers`: the same ops in the same order, bitwise the same "
+               "result, without the per-op Python cost; used when the fused CPU ops and the "
+               "paged-decode kernel both run)")
     num_threads: int | None = _f(None, "torch threads of the scheduler (default: cores "
                                        "available)")
     thread_wait: str = _f("passive", "how the scheduler's OpenMP threads wait between parallel "

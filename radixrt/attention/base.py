@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
 import torch
 
 from radixrt.core.forward_batch import ForwardBatch
 from radixrt.mem.memory_pool import TokenToKVPool
+
+if TYPE_CHECKING:
+    from radixrt.attention.paged_decode import PagedDecodePlan
 
 # Row count below which CPU fp32 GEMMs (MKL) take other kernels: measured on torch 2.13 / MKL
 # (AVX512), rows of `x[:n] @ W.T` equal those of the full product except for n in
@@ -45,3 +49,9 @@ class AttentionBackend(ABC):
         fb: ForwardBatch,
     ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
         ...
+
+    def paged_decode_plan(self, fb: ForwardBatch) -> PagedDecodePlan | None:
+        """The plan of step `fb` when its attention, in every layer, is exactly: store the new
+        K/V with `radixrt::kv_store`, then `radixrt::paged_decode` over this plan on the pool
+        buffers (what a caller running the layers in one C++ call needs); None otherwise."""
+        return None

@@ -343,6 +343,15 @@ class TorchNativeBackend(AttentionBackend):
             kv_start += p
         return reqs
 
+    def paged_decode_plan(self, fb: ForwardBatch) -> PagedDecodePlan | None:
+        if fb is not self._planned_for:
+            raise RuntimeError("init_forward_metadata(fb) was not called for this batch")
+        pool = self.kv_pool
+        if (fb.is_decode and self._kernel is not None and self._split is None
+                and self._kv_store and pool.k_buffer[0].dtype == pool.dtype):
+            return self._kernel
+        return None
+
     # -- per layer ---------------------------------------------------------------------------
     def forward(
         self,

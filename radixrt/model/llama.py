@@ -18,6 +18,7 @@ from torch import nn
 
 from radixrt.attention.base import AttentionBackend
 from radixrt.core.forward_batch import ForwardBatch
+from radixrt.model.decode_layers import DecodeLayers
 from radixrt.model.layer_ops import LayerOps, TorchLayerOps, rms_norm, select_layer_ops
 from radixrt.model.linear import DenseWeight, LinearWeight, QuantizedWeight
 from radixrt.model.model_config import ModelConfig
@@ -154,6 +155,10 @@ class LlamaForCausalLM(nn.Module):
             config.head_dim, config.max_position_embeddings, config.rope, dtype=dtype, device=dev
         )
         self.ops: LayerOps = TorchLayerOps()
+        # Decode steps run all layers in one C++ call where they can (`model.decode_layers`);
+        # False: always the Python layer loop. The call's arguments are built on first use.
+        self.fused_decode = True
+        self._decode_layers: DecodeLayers | str | None = None
         self.set_layer_ops(select_layer_ops(dtype, dev, config.hidden_size,
                                             config.intermediate_size, config.head_dim,
                                             fused_ops))
@@ -163,6 +168,13 @@ class LlamaForCausalLM(nn.Module):
         self.ops = ops
         for layer in self.layers:
             layer.ops = ops
+        self._decode_layers = None
+
+    def decode_layers(self) -> DecodeLayers | str:
+        """The one-call decode path for this model's weights and ops, or why there is none."""
+        if self._decode_layers is None:
+            self._decode_layers = DecodeLayers.build(list(self.layers), self.ops)
+        return self._decode_layers
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
@@ -183,8 +195,15 @@ class LlamaForCausalLM(nn.Module):
         h = F.embedding(fb.input_ids, self.embed_tokens)
         cos, sin = self.rotary.cos_sin(fb.positions)
         residual: torch.Tensor | None = None
-        for layer in self.layers:
-            h, residual = layer(h, residual, cos, sin, fb, attn)
+        stack = self.decode_layers() if self.fused_decode and fb.is_decode else None
+        plan = attn.paged_decode_plan(fb) if isinstance(stack, DecodeLayers) else None
+        if isinstance(stack, DecodeLayers) and plan is not None:
+            pool = attn.kv_pool
+            h, residual = stack.run(h, cos, sin, fb.out_cache_loc, plan, pool.k_buffer,
+                                    pool.v_buffer)
+        else:
+            for layer in self.layers:
+                h, residual = layer(h, residual, cos, sin, fb, attn)
         assert residual is not None
         idx = fb.logits_indices
         b = int(idx.numel())
@@ -251,6 +270,7 @@ class LlamaForCausalLM(nn.Module):
         for (owner, attr), parts in pending.items():
             setattr(owner, attr, self._build_linear(getattr(owner, attr), parts, plan,
                                                     lm_head=attr == "lm_head"))
+        self._decode_layers = None  # the weights it would reference may have been replaced
 
     def _build_linear(self, dense: LinearWeight,
                       parts: list[tuple[int, torch.Tensor | GGUFQuantTensor]],

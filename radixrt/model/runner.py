@@ -88,6 +88,8 @@ class ModelRunner:
         self.model, _ = load_model(self.model_path, self.attn_backend, self.dtype, self.device,
                                    model_config=cfg, quant=self.quant,
                                    fused_ops=False if args.disable_fused_cpu_ops else None)
+        # compiled dense parts replace the layers' Python methods, which the C++ loop skips
+        self.model.fused_decode = not (args.disable_fused_decode or args.compile_decode)
         self.compiled = None
         if args.compile_decode:
             from radixrt.model.compiled_layers import CompiledDense

@@ -1,0 +1,86 @@
+"""`DecodeLayers`: every decoder layer of a decode step in one C++ call.
+
+`torch.ops.radixrt.decode_layers` (radixrt/attention/csrc/decode_layers.cpp) calls the same ops
+as the Python layer loop with `FusedCpuLayerOps` (norms, RoPE, SiLU-mul, the matmuls, `kv_store`,
+`paged_decode`) in the same order, so its result is bitwise the loop's; it only removes the
+per-op Python cost, ~100 us per layer, which is a third of a small decode batch's step here.
+
+It applies when the whole step is of that shape: a decode batch whose attention is the
+paged-decode op (`AttentionBackend.paged_decode_plan`), fused CPU layer ops, and every matmul
+dense or on radixrt's `qgemv` kernel (`build` says why not otherwise, and the model then runs
+its Python loop). The flattened weight list is built once per model and holds references to
+the model's own tensors (no copies).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from radixrt.attention.paged_decode import PagedDecodePlan
+from radixrt.model.layer_ops import FusedCpuLayerOps, LayerOps
+from radixrt.model.linear import DenseWeight, LinearWeight, QuantizedWeight
+from radixrt.model.quant_matmul import TiledQuantMatmul
+
+KIND_DENSE, KIND_QGEMV = 0, 1  # the op's linear kinds (see decode_layers.cpp)
+
+
+def _linear_entry(w: LinearWeight, bias: torch.Tensor | None
+                  ) -> tuple[list[torch.Tensor | None], list[int]] | str:
+    """(5 weight slots, 3 meta ints) of one matmul for the op, or why it cannot run there."""
+    if isinstance(w, DenseWeight):
+        return [w.weight, None, None, None, bias], [KIND_DENSE, 0, 0]
+    if isinstance(w, QuantizedWeight) and isinstance(w.kernel, TiledQuantMatmul):
+        k = w.kernel
+        dense = None if w.dense is None else w.dense.weight
+        return [k.codes, k.scale, k.offset, dense, bias], [KIND_QGEMV, k.bits, w.max_rows]
+    return f"matmul weight {w.describe()} has no C++ path"
+
+
+class DecodeLayers:
+    """The arguments of `radixrt::decode_layers` that do not change from step to step."""
+
+    def __init__(self, norms: list[torch.Tensor], weights: list[torch.Tensor | None],
+                 meta: list[int], num_heads: int, num_kv_heads: int, head_dim: int,
+                 eps: float, scale: float):
+        self.norms, self.weights, self.meta = norms, weights, meta
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.eps, self.scale = eps, scale
+
+    @classmethod
+    def build(cls, layers: Sequence[torch.nn.Module], ops: LayerOps) -> DecodeLayers | str:
+        """From a model's `LlamaDecoderLayer`s, or the reason the op cannot run them."""
+        if not isinstance(ops, FusedCpuLayerOps):
+            return f"layer ops are {ops.name}, not the fused CPU ops"
+        if not hasattr(torch.ops.radixrt, "decode_layers"):
+            return "the CPU kernel library has no decode_layers op"
+        if not layers:
+            return "no layers"
+        norms: list[torch.Tensor] = []
+        weights: list[torch.Tensor | None] = []
+        meta: list[int] = []
+        for layer in layers:
+            norms += [layer.input_layernorm, layer.post_attention_layernorm]
+            for w, b in ((layer.qkv_proj, layer.qkv_bias), (layer.o_proj, layer.o_bias),
+                         (layer.gate_up_proj, layer.gate_up_bias),
+                         (layer.down_proj, layer.down_bias)):
+                entry = _linear_entry(w, b)
+                if isinstance(entry, str):
+                    return entry
+                weights += entry[0]
+                meta += entry[1]
+        first = layers[0]
+        return cls(norms, weights, meta, first.num_heads, first.num_kv_heads, first.head_dim,
+                   first.eps, first.scaling)
+
+    def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, loc: torch.Tensor,
+            plan: PagedDecodePlan, k_buffers: list[torch.Tensor],
+            v_buffers: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """All layers on the embedded tokens `h` (`cos`/`sin` `[rows, 1, head_dim]`, new K/V
+        stored at `loc`): (last layer's MLP output, residual stream), as the layer loop."""
+        return torch.ops.radixrt.decode_layers(
+            h, cos.squeeze(1), sin.squeeze(1), self.norms, self.weights, self.meta, k_buffers,
+            v_buffers, loc, plan.kv_indices, plan.row_start, plan.row_len, plan.group_start,
+            plan.group_len, plan.group_row_ptr, plan.group_rows, self.num_heads,
+            self.num_kv_heads, self.head_dim, self.eps, self.scale)

@@ -1,0 +1,185 @@
+"""`radixrt::decode_layers` (`model/decode_layers.py`): a decode step's layers in one C++ call.
+
+It calls the same ops as the Python layer loop in the same order, so the logits must be bitwise
+the loop's: dense fp32 / bf16 with biases (Qwen2), GGUF Q4_1 + Q8_0 on the qgemv kernel with
+the dense copy taking the calls above `max_rows`, rows sharing a cached prefix (cascade groups
+in the plan) beside an unrelated row. Then: the cases that must fall back to the loop, the
+switch, and bad arguments to the op.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from model_fixtures import PagedRunner, make_tiny_checkpoint, write_tiny_gguf
+
+from radixrt.attention import cpu_kernels
+from radixrt.attention.torch_native import TorchNativeBackend
+from radixrt.config import ServerArgs
+from radixrt.model.decode_layers import DecodeLayers
+from radixrt.model.layer_ops import TorchLayerOps
+from radixrt.model.loader import load_model
+from radixrt.model.model_config import ModelConfig
+from radixrt.model.quant import QuantPlan
+from radixrt.model.quant_matmul import resolve_quant_kernel
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernels() -> None:
+    if not cpu_kernels.load_cpu_kernels():
+        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
+
+
+def _runner(path: Path, dtype: torch.dtype, quant: QuantPlan | None = None) -> PagedRunner:
+    config = ModelConfig.from_path(path)
+    model, _ = load_model(path, None, dtype, "cpu", model_config=config, quant=quant)
+    return PagedRunner.for_model(model)
+
+
+def _decode_run(runner: PagedRunner, fused: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[
+        list[torch.Tensor], int]:
+    """Three requests sharing a 40-token cached prefix plus an unrelated one, then 4 greedy
+    decode steps: (per-step logits, how many steps ran through `DecodeLayers.run`)."""
+    runner.model.fused_decode = fused
+    calls = []
+    real = DecodeLayers.run
+
+    def counted(self: DecodeLayers, *args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append(1)
+        return real(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(DecodeLayers, "run", counted)
+    g = torch.Generator().manual_seed(3)
+    prefix = torch.randint(3, 256, (40,), generator=g).tolist()
+    first = runner.new_request()
+    runner.extend([first], [prefix])
+    rows = [runner.share_prefix(first, 40) for _ in range(3)] + [runner.new_request()]
+    tails = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (3, 6, 1, 9)]
+    logits = [runner.extend(rows, tails)]
+    for _ in range(4):
+        logits.append(runner.decode(rows, logits[-1].argmax(-1).tolist()))
+    monkeypatch.setattr(DecodeLayers, "run", real)
+    return logits[1:], len(calls)
+
+
+CASES = {
+    "qwen2-fp32-dense": ("qwen2", torch.float32, None),
+    "qwen2-bf16-dense": ("qwen2", torch.bfloat16, None),
+    "llama-bf16-gguf": ("llama", torch.bfloat16, "gguf"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_one_call_is_bitwise_the_layer_loop(tmp_path: Path, case: str,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    kind, dtype, quant = CASES[case]
+    hf = make_tiny_checkpoint(tmp_path / "hf", kind, seed=7, num_hidden_layers=3,
+                              tie_word_embeddings=True)
+    path, plan = tmp_path / "hf", None
+    if quant == "gguf":
+        path = write_tiny_gguf(hf, tmp_path / "m.gguf", kind, "Q4_1", "Q8_0")
+        if resolve_quant_kernel("auto") != "radixrt":
+            pytest.skip("radixrt's qgemv kernel unavailable")
+        # 4 decode rows > max_rows_int4: the layers' 4-bit matmuls take the dense copy in the
+        # op as in the loop (qgemv is covered below); the Q8_0 LM head stays on qgemv.
+        plan = QuantPlan("gguf", max_rows_int4=2, max_rows_int8=8, kernel="radixrt")
+    runs = {}
+    for fused in (True, False):
+        runner = _runner(path, dtype, plan)
+        stack = runner.model.decode_layers()
+        assert isinstance(stack, DecodeLayers), stack
+        runs[fused] = _decode_run(runner, fused, monkeypatch)
+    (fused_logits, fused_calls), (loop_logits, loop_calls) = runs[True], runs[False]
+    assert (fused_calls, loop_calls) == (4, 0)
+    for a, b in zip(fused_logits, loop_logits, strict=True):
+        assert torch.equal(a, b), f"max diff {(a - b).abs().max()}"
+
+
+def test_quantized_rows_under_max_rows_run_the_kernel_in_the_op(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every matmul on qgemv (no dense copy): one decode row at a time, bitwise the loop."""
+    if resolve_quant_kernel("auto") != "radixrt":
+        pytest.skip("radixrt's qgemv kernel unavailable")
+    hf = make_tiny_checkpoint(tmp_path / "hf", "llama", seed=9, num_hidden_layers=2)
+    path = write_tiny_gguf(hf, tmp_path / "m.gguf", "llama", "Q4_0", "Q8_0")
+    plan = QuantPlan("gguf", dense_copy=False, kernel="radixrt")
+    out = {}
+    for fused in (True, False):
+        runner = _runner(path, torch.bfloat16, plan)
+        runner.model.fused_decode = fused
+        row = runner.new_request()
+        logits = [runner.extend([row], [[5, 9, 11, 200, 17]])]
+        for _ in range(3):
+            logits.append(runner.decode([row], logits[-1].argmax(-1).tolist()))
+        out[fused] = torch.cat(logits)
+    assert torch.equal(out[True], out[False])
+
+
+def test_steps_the_op_cannot_run_take_the_loop(tmp_path: Path) -> None:
+    make_tiny_checkpoint(tmp_path, "llama", seed=2, num_hidden_layers=2)
+    runner = _runner(tmp_path, torch.float32)
+    model = runner.model
+    assert isinstance(model.decode_layers(), DecodeLayers)
+    # torch's layer ops: no C++ path for them
+    model.set_layer_ops(TorchLayerOps())
+    assert "layer ops are torch" in str(model.decode_layers())
+    # the gather path for decode attention: no paged-decode plan for the op
+    model2 = _runner(tmp_path, torch.float32).model
+    backend = TorchNativeBackend(model2.attn_backend.kv_pool, decode_kernel=False)
+    model2.attn_backend = backend
+    r2 = PagedRunner.for_model(model2)
+    r2.model.attn_backend = backend
+    row = r2.new_request()
+    r2.extend([row], [[4, 5, 6]])
+    called = []
+    real = DecodeLayers.run
+    DecodeLayers.run = lambda self, *a: called.append(1) or real(self, *a)  # type: ignore
+    try:
+        r2.decode([row], [7])
+    finally:
+        DecodeLayers.run = real  # type: ignore[method-assign]
+    assert called == []
+
+
+@pytest.mark.parametrize("disable", [False, True])
+def test_server_args_switch(tmp_path: Path, disable: bool) -> None:
+    from radixrt.model.runner import ModelRunner
+
+    make_tiny_checkpoint(tmp_path, "llama", seed=1, num_hidden_layers=1)
+    runner = ModelRunner(ServerArgs(model_path=str(tmp_path), max_total_tokens=256,
+                                    max_running_requests=4, dtype="float32",
+                                    disable_fused_decode=disable))
+    assert runner.model.fused_decode is (not disable)
+
+
+def test_bad_arguments_raise_naming_them(tmp_path: Path) -> None:
+    make_tiny_checkpoint(tmp_path, "llama", seed=4, num_hidden_layers=2)
+    runner = _runner(tmp_path, torch.float32)
+    stack = runner.model.decode_layers()
+    assert isinstance(stack, DecodeLayers)
+    kv = runner.kv_pool
+    h = torch.zeros(1, runner.model.config.hidden_size)
+    cs = torch.zeros(1, runner.model.config.head_dim)
+    empty = torch.zeros(0, dtype=torch.int64)
+    args = [h, cs, cs, stack.norms, stack.weights, stack.meta, kv.k_buffer, kv.v_buffer,
+            torch.tensor([1]), torch.tensor([1], dtype=torch.int32), torch.tensor([0]),
+            torch.tensor([1]), empty, empty, torch.zeros(1, dtype=torch.int64), empty,
+            stack.num_heads, stack.num_kv_heads, stack.head_dim, stack.eps, stack.scale]
+    op = torch.ops.radixrt.decode_layers
+    bad_norms = list(args)
+    bad_norms[3] = stack.norms[:-1]
+    with pytest.raises(RuntimeError, match="norms must hold 2 weights per layer"):
+        op(*bad_norms)
+    bad_meta = list(args)
+    bad_meta[5] = stack.meta[:-1]
+    with pytest.raises(RuntimeError, match="meta must hold"):
+        op(*bad_meta)
+    bad_kv = list(args)
+    bad_kv[7] = kv.v_buffer[:-1]
+    with pytest.raises(RuntimeError, match="k_buffers and v_buffers"):
+        op(*bad_kv)
+    # well-formed: runs, one row out
+    out, res = op(*args)
+    assert out.shape == h.shape and res.shape == h.shape
