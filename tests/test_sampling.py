@@ -482,3 +482,46 @@ def test_logprobs_from_raw_logits_and_sorted_alternatives() -> None:
             for t, v in zip(lp.top_ids[0], vals, strict=True):
                 assert v == pytest.approx(ref[i, t].item(), abs=1e-5)
             assert all(math.isfinite(v) and v <= 0 for v in vals)
+
+
+def _argmax_op_or_skip() -> None:
+    from radixrt.attention import cpu_kernels
+
+    if not cpu_kernels.load_cpu_kernels() or not hasattr(torch.ops.radixrt, "argmax_rows"):
+        pytest.skip("radixrt's CPU kernel library is unavailable")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows,n", [(1, 1), (3, 7), (2, 16), (4, 17), (5, 33), (64, 49152),
+                                    (300, 1000)])
+def test_row_argmax_is_torchs_argmax(dtype: torch.dtype, rows: int, n: int) -> None:
+    """The C++ op gives torch's index: ties (the first maximum wins, in a vector lane, across
+    lanes and in the scalar tail), whole -inf rows, +inf, NaN (the first NaN); enough rows and
+    columns to run on several threads."""
+    from radixrt.sampling.sampler import row_argmax
+
+    _argmax_op_or_skip()
+    g = torch.Generator().manual_seed(rows * 1000 + n)
+    x = torch.randn(rows, n, generator=g).to(dtype)
+    if n >= 4:
+        x[0, n // 3] = x[0, n - 1] = x[0, n // 2] = 50.0  # ties in different lanes and the tail
+        x[rows - 1, :] = float("-inf")
+    if rows >= 3 and n >= 3:
+        x[1, 2] = float("inf")
+        x[2, n - 1] = float("nan")
+        x[2, 1] = 1e30
+    if rows >= 5:
+        x[4, n - 1] = float("nan")
+        x[4, 0] = float("nan")
+    assert torch.equal(torch.ops.radixrt.argmax_rows(x), x.argmax(-1))
+    assert torch.equal(row_argmax(x), x.argmax(-1))
+
+
+def test_row_argmax_op_rejects_bad_input() -> None:
+    _argmax_op_or_skip()
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        torch.ops.radixrt.argmax_rows(torch.zeros(2, 3, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="2-D"):
+        torch.ops.radixrt.argmax_rows(torch.zeros(3))
+    with pytest.raises(RuntimeError, match="must not be empty"):
+        torch.ops.radixrt.argmax_rows(torch.zeros(2, 0))

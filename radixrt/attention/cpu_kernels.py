@@ -2,8 +2,9 @@
 
 The sources are compiled with `torch.utils.cpp_extension` into one shared library that registers
 `torch.ops.radixrt.*`: decode attention (`csrc/paged_decode.cpp`), extend (prefill) attention (`csrc/extend_attention.cpp`), the
-quantized small-M matmul (`csrc/qgemv.cpp`), the fused layer ops (`csrc/fused_ops.cpp`) and the
-decode step's layer loop over them (`csrc/decode_layers.cpp`);
+quantized small-M matmul (`csrc/qgemv.cpp`), the fused layer ops (`csrc/fused_ops.cpp`), the
+decode step's layer loop over them (`csrc/decode_layers.cpp`) and greedy sampling's row-wise
+argmax (`csrc/argmax.cpp`);
 `csrc/*.h` are their shared headers. The instruction set
 is chosen from this CPU's flags at build time (AVX-512 F/BW/VL/DQ, else AVX2 + FMA + F16C, else
 the compiler's baseline; never `-march=native`), and the library is cached under
@@ -42,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 SOURCES: tuple[str, ...] = ("paged_decode.cpp", "qgemv.cpp", "fused_ops.cpp",
-                           "extend_attention.cpp", "decode_layers.cpp")
+                           "extend_attention.cpp", "decode_layers.cpp", "argmax.cpp")
 LIB_NAME = "radixrt_cpu_kernels"
 ISAS: tuple[str, ...] = ("avx512", "avx2", "default")  # best first
 

