@@ -33,13 +33,14 @@ class RandomKVDecoder:
 
     def step(self) -> float:
         from radixrt.core.forward_batch import ForwardBatch, ForwardMode
+        from radixrt.sampling.sampler import row_argmax
 
         rp, kp, bs = self.runner.req_to_token_pool, self.runner.token_to_kv_pool, self.bs
         rp.write(self.rows, [self.seq] * bs, [1] * bs, kp.alloc(bs))
         fb = ForwardBatch.build(ForwardMode.DECODE, self.nxt, self.rows, [self.seq] * bs,
                                 [1] * bs, rp.req_to_token, self.runner.device)
         t = self.clock()
-        self.nxt = self.runner.forward(fb).argmax(-1).tolist()
+        self.nxt = row_argmax(self.runner.forward(fb)).tolist()  # as the sampler
         dt = self.clock() - t
         self.seq += 1
         return dt

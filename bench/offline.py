@@ -207,6 +207,7 @@ def one_batch(batch_sizes: Sequence[int], input_len: int, output_len: int, threa
     from radixrt.config import ServerArgs
     from radixrt.core.forward_batch import ForwardBatch, ForwardMode
     from radixrt.model.runner import ModelRunner
+    from radixrt.sampling.sampler import row_argmax
 
     torch.set_num_threads(threads)
     max_bs = max(batch_sizes)
@@ -242,7 +243,7 @@ def one_batch(batch_sizes: Sequence[int], input_len: int, output_len: int, threa
             if timed_prefill:
                 fb = ForwardBatch.build(ForwardMode.EXTEND, ids, rows, [0] * bs,
                                         [input_len] * bs, rp.req_to_token, runner.device)
-                nxt = runner.forward(fb).argmax(-1).tolist()
+                nxt = row_argmax(runner.forward(fb)).tolist()  # as the sampler
                 prefill_s.append(time.perf_counter() - t)
             else:
                 for buf in (*kp.k_buffer, *kp.v_buffer):
@@ -256,7 +257,7 @@ def one_batch(batch_sizes: Sequence[int], input_len: int, output_len: int, threa
                 rp.write(rows, [seq] * bs, [1] * bs, kp.alloc(bs))
                 fb = ForwardBatch.build(ForwardMode.DECODE, nxt, rows, [seq] * bs, [1] * bs,
                                         rp.req_to_token, runner.device)
-                nxt = runner.forward(fb).argmax(-1).tolist()
+                nxt = row_argmax(runner.forward(fb)).tolist()  # as the sampler
                 steps.append(time.perf_counter() - t)
                 seq += 1
             if run:
