@@ -3,12 +3,14 @@ forms, behind one call, `weight(x, bias, invariant)`.
 
 - `DenseWeight`: a plain tensor in the model dtype; `F.linear`.
 - `QuantizedWeight`: `Int4Groups` (4-bit or 8-bit) packed for a quantized matmul kernel
-  (`quant_matmul.QuantMatmul`: radixrt's C++ `qgemv`, or torch's `_weight_int4pack_mm_for_cpu`
-  where radixrt's kernel library is unavailable). Weight-only kernels beat dense GEMMs
-  only for a few rows (decode: they read 4-8x fewer weight bytes), and lose for many (prefill:
+  (`quant_matmul.QuantMatmul`: radixrt's C++ `qgemv` or `qgemm_vnni`, or torch's
+  `_weight_int4pack_mm_for_cpu` where radixrt's kernel library is unavailable). Weight-only
+  kernels (qgemv, torch) beat dense GEMMs only for a few rows (decode: they read 4-8x fewer weight bytes), and lose for many (prefill:
   they are compute-bound and dequantize on the fly), so a `QuantizedWeight` may keep a `dense`
   copy of its own dequantized values (model dtype) and run calls of more than `max_rows` rows
-  on it. Both paths compute the same weights up to the rounding of the product.
+  on it. Both paths compute the same weights up to the rounding of the product (the vnni kernel
+also rounds activations to int8; where the probe finds it faster at every row count measured,
+no dense copy is kept).
 """
 
 from __future__ import annotations
