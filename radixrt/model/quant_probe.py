@@ -37,7 +37,7 @@ import torch
 
 from radixrt.model.linear import DenseWeight, LinearWeight, QuantizedWeight
 from radixrt.model.quant import GROUP, QUANTIZATION_MODES, Int4Groups, QuantPlan
-from radixrt.model.quant_matmul import quant_kernel_candidates
+from radixrt.model.quant_matmul import VNNI_CODE_BYTES, VnniQuantMatmul, quant_kernel_candidates
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +131,15 @@ def _random_groups(n: int, k: int, planes: int, g: torch.Generator) -> Int4Group
     return Int4Groups(q, scale, torch.zeros_like(scale))
 
 
+def _random_vnni(n: int, k: int, bits: int, g: torch.Generator) -> VnniQuantMatmul:
+    """A vnni-layout weight of random codes and scales 0.01 (packing real groups costs ~10x
+    more; the timing does not depend on the values)."""
+    cb = VNNI_CODE_BYTES[bits]
+    packed = torch.randint(0, 256, (n // 16, k // GROUP, cb + 64), dtype=torch.uint8, generator=g)
+    packed[..., cb:] = torch.full((32,), 0.01, dtype=torch.float16).view(torch.uint8)
+    return VnniQuantMatmul(packed, bits)
+
+
 def _probe_weights(hidden: int, intermediate: int, dense_dtype: torch.dtype,
                    kernels: tuple[str, ...] = ("auto",)) -> dict[str, list[LinearWeight]]:
     """Model-shaped weights (gate_up `[2i, h]` and down `[h, i]` alternating) of at least
@@ -150,8 +159,9 @@ def _probe_weights(hidden: int, intermediate: int, dense_dtype: torch.dtype,
         for kind, planes in (("int4", 1), ("int8", 2)):
             groups = _random_groups(n, k, planes, g)
             for kernel in kernels:
-                out.setdefault(f"{kind}:{kernel}", []).append(
-                    QuantizedWeight.from_groups(groups, kernel=kernel))
+                qw = (QuantizedWeight(_random_vnni(n, k, 4 * planes, g)) if kernel == "vnni"
+                      else QuantizedWeight.from_groups(groups, kernel=kernel))
+                out.setdefault(f"{kind}:{kernel}", []).append(qw)
     return out
 
 
