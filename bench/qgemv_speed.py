@@ -32,6 +32,7 @@ import json  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
+from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -81,9 +82,9 @@ def run(rows_list: list[int], reps: int, layers: int,
         kernels: tuple[str, ...] = KERNELS) -> dict[str, object]:
     weights = _weights(layers, kernels)
     kinds = sorted({k for k, _ in weights})
-    params = sum(ws[kernels[0]].in_features * ws[kernels[0]].out_features  # type: ignore[union-attr]
-                 if isinstance(ws[kernels[0]], QuantMatmul) else ws[kernels[0]].numel()  # type: ignore[union-attr]
-                 for _, ws in weights)
+    first = [ws[kernels[0]] for _, ws in weights]
+    params = sum(w.in_features * w.out_features if isinstance(w, QuantMatmul)
+                 else w.numel() for w in first)  # type: ignore[union-attr]
     xs = {(r, k): torch.randn(r, k).to(torch.bfloat16) for r in rows_list for k in (576, 1536)}
     results: dict[str, object] = {}
     for rows in rows_list:
@@ -120,8 +121,9 @@ def run(rows_list: list[int], reps: int, layers: int,
             if a in med and b in med:
                 row[f"speedup_{b}_vs_{a}"] = med[a] / med[b]
         results[str(rows)] = row
-        cells = "  ".join(f"{k} {med[k]:7.2f} ms ({row[k]['gflop_per_s']:.0f} GFLOP/s, "  # type: ignore[index]
-                          f"{row[k]['gb_per_s']:.1f} GB/s)" for k in kernels)  # type: ignore[index]
+        stats: dict[str, Any] = {k: row[k] for k in kernels}
+        cells = "  ".join(f"{k} {med[k]:7.2f} ms ({stats[k]['gflop_per_s']:.0f} GFLOP/s, "
+                          f"{stats[k]['gb_per_s']:.1f} GB/s)" for k in kernels)
         print(f"rows {rows:3d}: {cells}", flush=True)
     return results
 

@@ -41,8 +41,9 @@ def _runner(extra: dict[str, object], max_bs: int, ctx: int, prefill: int) -> ob
 
     return ModelRunner(ServerArgs(
         quantization="gguf", dtype="bfloat16", max_running_requests=max_bs,
-        max_total_tokens=max_bs * (ctx + 80) + prefill + 64, max_context_len=max(ctx + 80, prefill + 8),
-        log_level="warning", num_threads=torch.get_num_threads(), **extra))  # type: ignore[arg-type]
+        max_total_tokens=max_bs * (ctx + 80) + prefill + 64,
+        max_context_len=max(ctx + 80, prefill + 8), log_level="warning",
+        num_threads=torch.get_num_threads(), **extra))  # type: ignore[arg-type]
 
 
 def _prefill_step(runner: object, n: int) -> float:
@@ -88,9 +89,9 @@ def main() -> None:
                     ts[n].append(d.step() * 1e3)
             med = {n: statistics.median(v) for n, v in ts.items()}
             out[f"decode_bs{bs}"] = {"ms_median": med, "ms_all": ts}
+            ratio = med["radixrt+dense"] / med["vnni"]
             print(f"decode bs={bs} ctx={a.ctx}: " + "  ".join(f"{n} {m:.1f} ms" for n, m in
-                  med.items()) + f"  (radixrt+dense / vnni = {med['radixrt+dense'] / med['vnni']:.2f}x)",
-                  flush=True)
+                  med.items()) + f"  (radixrt+dense / vnni = {ratio:.2f}x)", flush=True)
             if a.profile:
                 from torch.profiler import ProfilerActivity, profile
 

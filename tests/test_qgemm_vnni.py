@@ -209,7 +209,8 @@ _NO_VNNI_CHECK = textwrap.dedent("""
     except ValueError as e:
         assert "ServerArgs.quant_kernel" in str(e) and "VNNI" in str(e), e
     try:
-        torch.ops.radixrt.qgemm_vnni(torch.zeros(1, 32), torch.zeros(1, 1, 320, dtype=torch.uint8), 4)
+        torch.ops.radixrt.qgemm_vnni(torch.zeros(1, 32),
+                                     torch.zeros(1, 1, 320, dtype=torch.uint8), 4)
         raise SystemExit("the op ran without VNNI")
     except RuntimeError as e:
         assert "without AVX512-VNNI" in str(e), e
@@ -238,7 +239,7 @@ def test_vnni_flag_is_added_only_when_the_cpu_has_it(monkeypatch: pytest.MonkeyP
     assert "-mavx512vnni" not in cpu_kernels.build_spec("avx2").cflags
 
 
-# -- a tiny GGUF model on the kernel ------------------------------------------------------------------
+# -- a tiny GGUF model on the kernel ---------------------------------------------------------------
 # Stated tolerance: max |logit - fp32 logit| over 57 teacher-forced positions of the tiny model
 # (logits in about -3..6) with every matmul on the vnni kernel (bf16 activations, int8 inside),
 # measured 0.025 on this test's model (radixrt's bf16 kernel, same setup: 0.020); asserted with a

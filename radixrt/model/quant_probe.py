@@ -19,7 +19,8 @@ slower with fp32 ones), and bf16 itself is fast only on some CPUs. So:
 The timing runs over a model-shaped weight set of at least PROBE_PARAMS parameters, more than a
 CPU cache holds, so it sees memory bandwidth as a real forward pass does (timing one small
 matrix in a loop measures a cache-resident weight and misjudges decode); row counts from
-LARGE_ROWS on (compute-bound) time the first 1/LARGE_SHARE of it, to stay in budget. Widths and the dense
+LARGE_ROWS on (compute-bound) time the first 1/LARGE_SHARE of it, to stay in budget. Widths and
+the dense
 path alternate call by call and each keeps its best time, so load from other processes hits all
 alike. `RADIXRT_AUTO_QUANTIZATION=none|gguf|int8|int4` forces the `auto` outcome (the test suite
 sets `none`); an explicit `--quantization` bypasses `auto`, `--quant-max-rows` the crossover.
