@@ -38,14 +38,16 @@ import torch  # noqa: E402
 
 from bench.common import common_prefix, cpu_name, markdown_table  # noqa: E402
 
-# (name, dtype, quantization)
-MODES: tuple[tuple[str, str, str], ...] = (
-    ("fp32", "float32", "none"),
-    ("bf16", "bfloat16", "none"),
-    ("gguf (Q4_1 4-bit + Q8_0 head 8-bit), bf16 act", "bfloat16", "gguf"),
-    ("int8 (8-bit groups), bf16 act", "bfloat16", "int8"),
-    ("int4 (4-bit groups, 8-bit head), bf16 act", "bfloat16", "int4"),
-    ("gguf, fp32 act", "float32", "gguf"),
+# (name, dtype, quantization, quant_kernel); "auto" without a probe (quant_max_rows given, or no
+# dense copy) is radixrt's qgemv where its library builds.
+MODES: tuple[tuple[str, str, str, str], ...] = (
+    ("fp32", "float32", "none", "auto"),
+    ("bf16", "bfloat16", "none", "auto"),
+    ("gguf (Q4_1 4-bit + Q8_0 head 8-bit), bf16 act", "bfloat16", "gguf", "auto"),
+    ("int8 (8-bit groups), bf16 act", "bfloat16", "int8", "auto"),
+    ("int4 (4-bit groups, 8-bit head), bf16 act", "bfloat16", "int4", "auto"),
+    ("gguf, fp32 act", "float32", "gguf", "auto"),
+    ("gguf, vnni kernel (int8 act per group of 32)", "bfloat16", "gguf", "vnni"),
 )
 
 SYSTEM = "You are a concise, helpful assistant."
@@ -74,7 +76,8 @@ def cpu_flags() -> list[str]:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
                 have = set(line.split(":", 1)[1].split())
-                return [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in have]
+                return [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16")
+                        if f in have]
     except OSError:
         pass
     return []
@@ -84,12 +87,13 @@ class _Runner:
     """One model over its own pools: extend (all positions' logits) and batched greedy."""
 
     def __init__(self, model_path: str, dtype: str, quantization: str, dense_copy: bool,
-                 max_tokens: int, max_reqs: int):
+                 max_tokens: int, max_reqs: int, quant_kernel: str = "auto"):
         from radixrt.config import ServerArgs
         from radixrt.model.runner import ModelRunner
 
         args = ServerArgs(model_path=model_path, dtype=dtype, quantization=quantization,
                           quant_max_rows=16, disable_quant_dense_copy=not dense_copy,
+                          quant_kernel=quant_kernel,
                           max_total_tokens=max_tokens, max_running_requests=max_reqs,
                           attention_backend="torch", log_level="warning")
         self.runner = ModelRunner(args)
@@ -167,7 +171,10 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None, help="write OUT.json and OUT.md")
+    ap.add_argument("--modes", nargs="+", type=int, default=None,
+                    help="indices into MODES to run (the fp32 reference, 0, always runs)")
     a = ap.parse_args()
+    modes = [m for i, m in enumerate(MODES) if i == 0 or a.modes is None or i in a.modes]
     torch.set_num_threads(a.threads)
     from radixrt.model.loader import default_model_path
     from radixrt.model.tokenizer import load_tokenizer
@@ -186,9 +193,9 @@ def main() -> None:
     max_tokens = sum(len(s) for s in seqs) + 64
     ref: list[torch.Tensor] = []
     results: list[dict[str, Any]] = []
-    for name, dtype, quant in MODES:
+    for name, dtype, quant, kernel in modes:
         t0 = time.perf_counter()
-        kern = _Runner(path, dtype, quant, False, max_tokens, len(prompts))
+        kern = _Runner(path, dtype, quant, False, max_tokens, len(prompts), kernel)
         acc = {"max_abs": 0.0, "kl_sum": 0.0, "kl_max": 0.0, "top1_same": 0, "positions": 0}
         for i, s in enumerate(seqs):
             logits = kern.all_logits(s)
@@ -199,12 +206,13 @@ def main() -> None:
             acc = {k: max(acc[k], c[k]) if k in ("max_abs", "kl_max") else acc[k] + c[k]
                    for k in acc}
         del kern
-        serve = _Runner(path, dtype, quant, True, max_tokens, len(prompts))
+        serve = _Runner(path, dtype, quant, True, max_tokens, len(prompts), kernel)
         ours = serve.greedy(prompts, a.new_tokens)
         del serve
         same = sum(o == h for o, h in zip(ours, hf, strict=True))
         prefix = sum(common_prefix(o, h) for o, h in zip(ours, hf, strict=True)) / len(hf)
         row: dict[str, Any] = {"mode": name, "dtype": dtype, "quantization": quant,
+                               "quant_kernel": kernel,
                                "greedy_identical": same, "greedy_prompts": len(hf),
                                "greedy_mean_common_prefix": prefix}
         if acc["positions"]:

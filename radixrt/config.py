@@ -14,7 +14,7 @@ DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 TOOL_CALL_PARSERS: tuple[str, ...] = ("auto", "hermes", "llama3_json", "mistral")
 ROUTING_POLICIES: tuple[str, ...] = ("cache_aware", "round_robin", "least_load")
 QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "gguf", "int8", "int4")
-QUANT_KERNELS: tuple[str, ...] = ("auto", "radixrt", "torch")
+QUANT_KERNELS: tuple[str, ...] = ("auto", "radixrt", "vnni", "torch")
 
 
 def available_cores() -> int:
@@ -73,9 +73,12 @@ class ServerArgs:
         None, "quantized weights: largest matmul (rows) run on the weight-only kernel; larger "
               "ones (prefill) use a dense copy. Default: the crossover measured at start-up")
     quant_kernel: str = _f(
-        "auto", "quantized weights: the small-M matmul kernel: auto (radixrt's C++ kernel when "
-                "its library builds, else torch) | radixrt (C++ qgemv: GGUF scales exact, "
-                "bf16 dot products on AVX512-BF16 CPUs) | torch (_weight_int4pack_mm_for_cpu)")
+        "auto", "quantized weights: the matmul kernel: auto (vnni where it is built and the "
+                "start-up probe times it faster than radixrt, else radixrt's C++ qgemv when its "
+                "library builds, else torch) | radixrt (C++ qgemv: GGUF scales exact, bf16 dot "
+                "products on AVX512-BF16 CPUs) | vnni (C++ qgemm_vnni, AVX512-VNNI CPUs only: "
+                "activations rounded to int8 per group of 32, int8 dot products, every row "
+                "count) | torch (_weight_int4pack_mm_for_cpu)")
     disable_quant_dense_copy: bool = _f(
         False, "quantized weights: no dense copy (dtype) for matmuls above quant_max_rows: "
                "saves its memory (2 bytes/param in bf16) but runs prefill on the slower kernel")

@@ -1,8 +1,8 @@
 """`radixrt::decode_layers` (`model/decode_layers.py`): a decode step's layers in one C++ call.
 
 It calls the same ops as the Python layer loop in the same order, so the logits must be bitwise
-the loop's: dense fp32 / bf16 with biases (Qwen2), GGUF Q4_1 + Q8_0 on the qgemv kernel with
-the dense copy taking the calls above `max_rows`, rows sharing a cached prefix (cascade groups
+the loop's: dense fp32 / bf16 with biases (Qwen2), GGUF Q4_1 + Q8_0 on the qgemv or the vnni
+kernel with the dense copy taking the calls above `max_rows`, rows sharing a cached prefix (cascade groups
 in the plan) beside an unrelated row. Then: the cases that must fall back to the loop, the
 switch, and bad arguments to the op.
 """
@@ -23,7 +23,7 @@ from radixrt.model.layer_ops import TorchLayerOps
 from radixrt.model.loader import load_model
 from radixrt.model.model_config import ModelConfig
 from radixrt.model.quant import QuantPlan
-from radixrt.model.quant_matmul import resolve_quant_kernel
+from radixrt.model.quant_matmul import resolve_quant_kernel, vnni_kernel_available
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -67,7 +67,8 @@ def _decode_run(runner: PagedRunner, fused: bool, monkeypatch: pytest.MonkeyPatc
 CASES = {
     "qwen2-fp32-dense": ("qwen2", torch.float32, None),
     "qwen2-bf16-dense": ("qwen2", torch.bfloat16, None),
-    "llama-bf16-gguf": ("llama", torch.bfloat16, "gguf"),
+    "llama-bf16-gguf": ("llama", torch.bfloat16, "radixrt"),
+    "llama-bf16-gguf-vnni": ("llama", torch.bfloat16, "vnni"),
 }
 
 
@@ -78,13 +79,16 @@ def test_one_call_is_bitwise_the_layer_loop(tmp_path: Path, case: str,
     hf = make_tiny_checkpoint(tmp_path / "hf", kind, seed=7, num_hidden_layers=3,
                               tie_word_embeddings=True)
     path, plan = tmp_path / "hf", None
-    if quant == "gguf":
+    if quant is not None:
         path = write_tiny_gguf(hf, tmp_path / "m.gguf", kind, "Q4_1", "Q8_0")
         if resolve_quant_kernel("auto") != "radixrt":
             pytest.skip("radixrt's qgemv kernel unavailable")
+        if quant == "vnni" and not vnni_kernel_available():
+            pytest.skip("no AVX512-VNNI here")
         # 4 decode rows > max_rows_int4: the layers' 4-bit matmuls take the dense copy in the
-        # op as in the loop (qgemv is covered below); the Q8_0 LM head stays on qgemv.
-        plan = QuantPlan("gguf", max_rows_int4=2, max_rows_int8=8, kernel="radixrt")
+        # op as in the loop (the kernels alone are covered below); the Q8_0 LM head stays on
+        # the quantized kernel.
+        plan = QuantPlan("gguf", max_rows_int4=2, max_rows_int8=8, kernel=quant)
     runs = {}
     for fused in (True, False):
         runner = _runner(path, dtype, plan)
@@ -97,14 +101,18 @@ def test_one_call_is_bitwise_the_layer_loop(tmp_path: Path, case: str,
         assert torch.equal(a, b), f"max diff {(a - b).abs().max()}"
 
 
-def test_quantized_rows_under_max_rows_run_the_kernel_in_the_op(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every matmul on qgemv (no dense copy): one decode row at a time, bitwise the loop."""
+@pytest.mark.parametrize("kernel", ["radixrt", "vnni"])
+def test_quantized_rows_under_max_rows_run_the_kernel_in_the_op(tmp_path: Path,
+                                                                kernel: str) -> None:
+    """Every matmul on the quantized kernel (no dense copy): one decode row at a time, bitwise
+    the loop."""
     if resolve_quant_kernel("auto") != "radixrt":
         pytest.skip("radixrt's qgemv kernel unavailable")
+    if kernel == "vnni" and not vnni_kernel_available():
+        pytest.skip("no AVX512-VNNI here")
     hf = make_tiny_checkpoint(tmp_path / "hf", "llama", seed=9, num_hidden_layers=2)
     path = write_tiny_gguf(hf, tmp_path / "m.gguf", "llama", "Q4_0", "Q8_0")
-    plan = QuantPlan("gguf", dense_copy=False, kernel="radixrt")
+    plan = QuantPlan("gguf", dense_copy=False, kernel=kernel)
     out = {}
     for fused in (True, False):
         runner = _runner(path, torch.bfloat16, plan)

@@ -420,3 +420,62 @@ def test_server_args_reject_bad_values_and_the_cli_exposes_the_knobs() -> None:
     assert (args.quantization, args.quant_max_rows, args.disable_quant_dense_copy,
             args.quant_kernel) == ("int4", 6, True, "torch")
     assert ServerArgs().quantization == "auto"
+
+
+# -- several candidate kernels (vnni vs radixrt), injected timings ----------------------------------
+def _two_kernel_ms(vnni_factor: float, radixrt_factor: float,
+                   rows: tuple[int, ...]) -> dict[str, dict[int, float]]:
+    """Measure-style keys: dense 10 ms per row count, each kernel a constant factor of it."""
+    ms: dict[str, dict[int, float]] = {"dense": dict.fromkeys(rows, 10.0)}
+    for kernel, f in (("vnni", vnni_factor), ("radixrt", radixrt_factor)):
+        for kind in ("int4", "int8"):
+            ms[f"{kind}:{kernel}"] = dict.fromkeys(rows, 10.0 * f)
+    return ms
+
+
+def test_probe_keeps_the_faster_candidate_and_drops_the_dense_copy_when_it_always_wins(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from radixrt.model import quant_probe
+
+    monkeypatch.setattr(quant_probe, "quant_kernel_candidates",
+                        lambda kernel: ("vnni", "radixrt") if kernel == "auto" else (kernel,))
+    rows = quant_probe.ROWS
+
+    def measured(ms: dict[str, dict[int, float]]) -> QuantProbe:
+        return quant_probe.probe_quant_kernels(576, 1536, measure=lambda r, d: ms)
+
+    fast = measured(_two_kernel_ms(0.5, 0.8, rows))
+    assert fast.kernel == "vnni" and set(fast.others) == {"radixrt"}
+    assert fast.wins_everywhere() and "radixrt kernel" in fast.describe()
+    plan, why = resolve_quantization("gguf", torch.bfloat16, CPU, True, lambda d: fast)
+    assert plan == QuantPlan("gguf", dense_copy=False, kernel="vnni") and "no dense copy" in why
+    # Explicit max rows keep the dense copy; an explicit kernel is never replaced.
+    plan, _ = resolve_quantization("gguf", torch.bfloat16, CPU, True, lambda d: fast, max_rows=9)
+    assert plan == QuantPlan("gguf", 9, 9, kernel="radixrt")  # max_rows given: nothing timed
+    assert resolve_quantization("gguf", torch.bfloat16, CPU, True, lambda d: fast,
+                                kernel="radixrt")[0].kernel == "radixrt"
+    # radixrt faster on average (half dense's time, 1.1x it from 128 rows on): kept, with its
+    # crossover; slower on average (3x dense from 128 rows on): vnni.
+    ms = _two_kernel_ms(0.9, 0.5, rows)
+    for kind in ("int4", "int8"):
+        for r in rows:
+            if r >= 128:
+                ms[f"{kind}:radixrt"][r] = 11.0
+    slow = measured(ms)
+    assert slow.kernel == "radixrt" and slow.crossover("int4") == 64
+    assert resolve_quantization("gguf", torch.bfloat16, CPU, True, lambda d: slow)[0] == (
+        QuantPlan("gguf", 64, 64, kernel="radixrt"))
+    for kind in ("int4", "int8"):
+        for r in rows:
+            if r >= 128:
+                ms[f"{kind}:radixrt"][r] = 30.0
+    assert measured(ms).kernel == "vnni"
+
+
+def test_choose_kernel_compares_only_cells_every_kernel_has() -> None:
+    from radixrt.model.quant_probe import choose_kernel
+
+    a = {"dense": {1: 10.0, 2: 10.0}, "int4": {1: 5.0, 2: 1.0}, "int8": {1: 5.0}}
+    b = {"dense": {1: 10.0, 2: 10.0}, "int4": {1: 4.0}, "int8": {1: 4.0}}
+    assert choose_kernel({"a": a, "b": b}) == "b"  # row 2 (a only) does not count
+    assert choose_kernel({"a": a, "b": {"dense": {}}}) == "a"  # no common cell: the first

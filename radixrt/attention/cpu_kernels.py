@@ -2,7 +2,8 @@
 
 The sources are compiled with `torch.utils.cpp_extension` into one shared library that registers
 `torch.ops.radixrt.*`: decode attention (`csrc/paged_decode.cpp`), extend (prefill) attention (`csrc/extend_attention.cpp`), the
-quantized small-M matmul (`csrc/qgemv.cpp`), the fused layer ops (`csrc/fused_ops.cpp`), the
+quantized small-M matmul (`csrc/qgemv.cpp`), the int8-activation VNNI quantized matmul
+(`csrc/qgemm_vnni.cpp`, AVX512-VNNI CPUs only), the fused layer ops (`csrc/fused_ops.cpp`), the
 decode step's layer loop over them (`csrc/decode_layers.cpp`) and greedy sampling's row-wise
 argmax (`csrc/argmax.cpp`);
 `csrc/*.h` are their shared headers. The instruction set
@@ -42,7 +43,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
-SOURCES: tuple[str, ...] = ("paged_decode.cpp", "qgemv.cpp", "fused_ops.cpp",
+SOURCES: tuple[str, ...] = ("paged_decode.cpp", "qgemv.cpp", "qgemm_vnni.cpp", "fused_ops.cpp",
                            "extend_attention.cpp", "decode_layers.cpp", "argmax.cpp")
 LIB_NAME = "radixrt_cpu_kernels"
 ISAS: tuple[str, ...] = ("avx512", "avx2", "default")  # best first
@@ -63,7 +64,7 @@ _ISA_NEEDS: dict[str, frozenset[str]] = {
 # Extra flags an instruction set adds when the CPU has the named flag (sources guard their use
 # with the matching #ifdef, e.g. __AVX512BF16__).
 _ISA_OPTIONAL: dict[str, tuple[tuple[str, str], ...]] = {
-    "avx512": (("avx512_bf16", "-mavx512bf16"),),
+    "avx512": (("avx512_bf16", "-mavx512bf16"), ("avx512_vnni", "-mavx512vnni")),
 }
 _COMMON_FLAGS: tuple[str, ...] = ("-O3", "-fopenmp")
 
@@ -171,6 +172,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("radixrt::qgemv")
     def _(x, codes, scale, offset, bits):
         return x.new_empty(x.shape[0], codes.shape[0] * 16)
+
+    @torch.library.register_fake("radixrt::qgemm_vnni")
+    def _(x, packed, bits):
+        return x.new_empty(x.shape[0], packed.shape[0] * 16)
 
     @torch.library.register_fake("radixrt::rms_norm")
     def _(x, weight, eps):

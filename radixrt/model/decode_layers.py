@@ -7,8 +7,8 @@ per-op Python cost, ~100 us per layer, which is a third of a small decode batch'
 
 It applies when the whole step is of that shape: a decode batch whose attention is the
 paged-decode op (`AttentionBackend.paged_decode_plan`), fused CPU layer ops, and every matmul
-dense or on radixrt's `qgemv` kernel (`build` says why not otherwise, and the model then runs
-its Python loop). The flattened weight list is built once per model and holds references to
+dense or on radixrt's `qgemv` or `qgemm_vnni` kernel (`build` says why not otherwise, and the
+model then runs its Python loop). The flattened weight list is built once per model and holds references to
 the model's own tensors (no copies).
 """
 
@@ -21,9 +21,9 @@ import torch
 from radixrt.attention.paged_decode import PagedDecodePlan
 from radixrt.model.layer_ops import FusedCpuLayerOps, LayerOps
 from radixrt.model.linear import DenseWeight, LinearWeight, QuantizedWeight
-from radixrt.model.quant_matmul import TiledQuantMatmul
+from radixrt.model.quant_matmul import TiledQuantMatmul, VnniQuantMatmul
 
-KIND_DENSE, KIND_QGEMV = 0, 1  # the op's linear kinds (see decode_layers.cpp)
+KIND_DENSE, KIND_QGEMV, KIND_VNNI = 0, 1, 2  # the op's linear kinds (see decode_layers.cpp)
 
 
 def _linear_entry(w: LinearWeight, bias: torch.Tensor | None
@@ -35,6 +35,9 @@ def _linear_entry(w: LinearWeight, bias: torch.Tensor | None
         k = w.kernel
         dense = None if w.dense is None else w.dense.weight
         return [k.codes, k.scale, k.offset, dense, bias], [KIND_QGEMV, k.bits, w.max_rows]
+    if isinstance(w, QuantizedWeight) and isinstance(w.kernel, VnniQuantMatmul):
+        dense = None if w.dense is None else w.dense.weight
+        return [w.kernel.packed, None, None, dense, bias], [KIND_VNNI, w.kernel.bits, w.max_rows]
     return f"matmul weight {w.describe()} has no C++ path"
 
 

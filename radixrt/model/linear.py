@@ -3,12 +3,15 @@ forms, behind one call, `weight(x, bias, invariant)`.
 
 - `DenseWeight`: a plain tensor in the model dtype; `F.linear`.
 - `QuantizedWeight`: `Int4Groups` (4-bit or 8-bit) packed for a quantized matmul kernel
-  (`quant_matmul.QuantMatmul`: radixrt's C++ `qgemv`, or torch's `_weight_int4pack_mm_for_cpu`
-  where radixrt's kernel library is unavailable). Weight-only kernels beat dense GEMMs
-  only for a few rows (decode: they read 4-8x fewer weight bytes), and lose for many (prefill:
+  (`quant_matmul.QuantMatmul`: radixrt's C++ `qgemv` or `qgemm_vnni`, or torch's
+  `_weight_int4pack_mm_for_cpu` where radixrt's kernel library is unavailable). Weight-only
+  kernels (qgemv, torch) beat dense GEMMs only for a few rows (decode: they read 4-8x fewer
+  weight bytes), and lose for many (prefill:
   they are compute-bound and dequantize on the fly), so a `QuantizedWeight` may keep a `dense`
   copy of its own dequantized values (model dtype) and run calls of more than `max_rows` rows
-  on it. Both paths compute the same weights up to the rounding of the product.
+  on it. Both paths compute the same weights up to the rounding of the product (the vnni kernel
+also rounds activations to int8; where the probe finds it faster at every row count measured,
+no dense copy is kept).
 """
 
 from __future__ import annotations
@@ -87,10 +90,11 @@ class DenseWeight(LinearWeight):
 
 
 class QuantizedWeight(LinearWeight):
-    """A quantized weight run by `kernel` (a `QuantMatmul`: radixrt's C++ kernel or torch's int4
-    one); calls of more than `max_rows` rows, and invariant calls, run on `dense` when given
-    (the caller fills it with `groups.dequantize(kernel.scale_dtype)` in the model dtype so both
-    paths hold the same weights). Without `dense` every call runs on the kernel."""
+    """A quantized weight run by `kernel` (a `QuantMatmul`: radixrt's C++ qgemv or vnni kernel,
+    or torch's int4 one); calls of more than `max_rows` rows, and invariant calls, run on
+    `dense` when given (the caller fills it with `groups.dequantize(kernel.scale_dtype)` in the
+    model dtype so both paths hold the same weights). Without `dense` every call runs on the
+    kernel."""
 
     def __init__(self, kernel: QuantMatmul, dense: torch.Tensor | None = None,
                  max_rows: int = 0):
@@ -104,7 +108,7 @@ class QuantizedWeight(LinearWeight):
     @classmethod
     def from_groups(cls, groups: Int4Groups, dense: torch.Tensor | None = None,
                     max_rows: int = 0, kernel: str = "auto") -> QuantizedWeight:
-        """`groups` packed for `kernel` ("auto" | "radixrt" | "torch", see
+        """`groups` packed for `kernel` ("auto" | "radixrt" | "vnni" | "torch", see
         `quant_matmul.resolve_quant_kernel`)."""
         return cls(make_quant_matmul(groups, kernel), dense, max_rows)
 

@@ -212,8 +212,8 @@ class QuantPlan:
     `int4` keeps the LM head at 8 bits: a 4-bit head alone raised SmolLM2's mean KL to the fp32
     logits from 0.003 to 0.08, see bench/accuracy.py).
     `max_rows_int4` / `max_rows_int8`: the largest call (rows) run on the quantized kernel when
-    `dense_copy` keeps a dense copy for larger ones. `kernel`: "auto" | "radixrt" | "torch", the
-    quantized matmul kernel (see `quant_matmul.resolve_quant_kernel`)."""
+    `dense_copy` keeps a dense copy for larger ones. `kernel`: "auto" | "radixrt" | "vnni" |
+    "torch", the quantized matmul kernel (see `quant_matmul.resolve_quant_kernel`)."""
 
     mode: str = "none"
     max_rows_int4: int = 0

@@ -1,4 +1,4 @@
-"""Quantized matmul kernels: the `QuantMatmul` seam and its two CPU implementations, both built
+"""Quantized matmul kernels: the `QuantMatmul` seam and its three CPU implementations, all built
 from an `Int4Groups` weight and computing `x @ W.T` for `x [M, in]` in x's dtype.
 
 - `TiledQuantMatmul` ("radixrt"): radixrt's C++ kernel `torch.ops.radixrt.qgemv`
@@ -11,8 +11,14 @@ from an `Int4Groups` weight and computing `x @ W.T` for `x [M, in]` in x's dtype
   and zeros rounded to bf16; 8-bit weights run as two 4-bit planes over `[x, x]`). The fallback
   where radixrt's kernel library does not build.
 
+- `VnniQuantMatmul` ("vnni"): radixrt's C++ kernel `torch.ops.radixrt.qgemm_vnni`
+  (radixrt/attention/csrc/qgemm_vnni.cpp) on AVX512-VNNI CPUs: activations quantized to int8
+  per row and group of 32, integer dot products (vpdpbusd) against the exact weight codes, for
+  every row count (decode and prefill), on a layout made once at load time (`pack_vnni`).
+
 `make_quant_matmul(groups, kernel)` picks one: `kernel` is "auto" (radixrt when its library
-loads, else torch), "radixrt" or "torch".
+loads, else torch; the start-up probe may pick vnni instead, see `quant_kernel_candidates`),
+"radixrt", "vnni" or "torch".
 """
 
 from __future__ import annotations
@@ -179,6 +185,105 @@ class TiledQuantMatmul(QuantMatmul):
         return None
 
 
+VNNI_CODE_BYTES = {4: 256, 8: 512}  # codes per (tile, group) blob of the vnni layout
+
+
+def pack_vnni(groups: Int4Groups) -> torch.Tensor:
+    """uint8 `[N/16, K/32, B]` in qgemm_vnni.cpp's layout: per (tile, group) the unsigned codes
+    (4-bit: `u = q` 0..15; 8-bit: `u = q8 + 128`), then the scale d and offset c of
+    `W = d * u + c` for the 16 lanes, float16 when that holds every value exactly (GGUF
+    blocks), else float32. Raises ValueError unless N % 16 == 0 and K % 32 == 0."""
+    n, k = groups.shape
+    if n % TILE or k % GROUP:
+        raise ValueError(f"the vnni quantized kernel needs out_features % {TILE} == 0 and "
+                         f"in_features % {GROUP} == 0, got a [{n}, {k}] weight")
+    q, scale, offset = merged_codes(groups)
+    nt, g = n // TILE, k // GROUP
+    if groups.planes == 1:
+        # [t, n, g, v, h, b] -> [t, g, v, n, b, h]: vector v, lane n, byte b; h = nibble
+        u = q.reshape(nt, TILE, g, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
+        codes = (u[..., 0] | (u[..., 1] << 4)).to(torch.uint8)
+    else:
+        u = (q.to(torch.int16) + 128).to(torch.uint8)
+        offset = offset - 128 * scale  # exact for GGUF Q8_0 (offset 0, scale fp16)
+        codes = u.reshape(nt, TILE, g, 8, 4).permute(0, 2, 3, 1, 4)
+    codes = codes.reshape(nt, g, -1)
+
+    def lanes(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(nt, TILE, g).permute(0, 2, 1).contiguous()
+
+    scale, offset = lanes(scale), lanes(offset)
+    half_s, half_o = scale.half(), offset.half()
+    if torch.equal(half_s.float(), scale) and torch.equal(half_o.float(), offset):
+        scale, offset = half_s, half_o
+    sc = torch.cat([scale, offset], -1).contiguous().view(torch.uint8)
+    return torch.cat([codes, sc], -1).contiguous()
+
+
+def unpack_vnni(packed: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                          torch.Tensor]:
+    """(u float32 `[N, K]`, d, c float32 `[N, K / 32]`) of a vnni layout: `W = d * u + c`."""
+    nt, g, blob = packed.shape
+    cb = VNNI_CODE_BYTES[bits]
+    codes, sc = packed[..., :cb], packed[..., cb:].contiguous()
+    sdt = torch.float16 if blob - cb == 64 else torch.float32
+    sc = sc.view(sdt).float().reshape(nt, g, 2, TILE)
+    if bits == 4:
+        c = codes.reshape(nt, g, 4, TILE, 4)  # [t, g, v, n, b]
+        u = torch.stack([c & 0xF, c >> 4], -2)  # [t, g, v, n, h, b]
+        u = u.permute(0, 3, 1, 2, 4, 5)
+    else:
+        u = codes.reshape(nt, g, 8, TILE, 4).permute(0, 3, 1, 2, 4)
+    u = u.reshape(nt * TILE, g * GROUP).float()
+
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        return t.permute(0, 2, 1).reshape(nt * TILE, g)
+
+    return u, rows(sc[:, :, 0]), rows(sc[:, :, 1])
+
+
+class VnniQuantMatmul(QuantMatmul):
+    """radixrt's int8-activation VNNI kernel `torch.ops.radixrt.qgemm_vnni`
+    (radixrt/attention/csrc/qgemm_vnni.cpp) on the `pack_vnni` layout: each activation row is
+    quantized per group of 32 to int8 (absmax / 127, round to nearest even) and dotted with the
+    unsigned weight codes by vpdpbusd; weights (GGUF scales) are exact, so the result is the
+    exact-weight matmul of the int8-rounded activations (relative error per group <= 1/254 of
+    its absmax), summed in fp32. AVX512-VNNI CPUs only; every row count."""
+
+    name = "vnni"
+
+    def __init__(self, packed: torch.Tensor, bits: int):
+        """`packed` as `pack_vnni` returns it (`bits` 4 or 8)."""
+        super().__init__()
+        self.bits = bits
+        self.out_features = int(packed.shape[0]) * TILE
+        self.in_features = int(packed.shape[1]) * GROUP
+        self.register_buffer("packed", packed)
+
+    @classmethod
+    def from_groups(cls, groups: Int4Groups) -> VnniQuantMatmul:
+        return cls(pack_vnni(groups), groups.bits)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"x has {x.shape[-1]} input features, the weight "
+                             f"{self.in_features}")
+        return torch.ops.radixrt.qgemm_vnni(x.contiguous(), self.packed, self.bits)
+
+    def dequantize(self) -> torch.Tensor:
+        u, d, c = unpack_vnni(self.packed, self.bits)
+        n, k = u.shape
+        w = u.reshape(n, k // GROUP, GROUP) * d[..., None] + c[..., None]
+        return w.reshape(n, k)
+
+    def nbytes(self) -> int:
+        return self.packed.numel()
+
+    @property
+    def scale_dtype(self) -> torch.dtype | None:
+        return None
+
+
 def radixrt_kernel_available() -> bool:
     """Whether `torch.ops.radixrt.qgemv` is usable here (builds the kernel library if needed)."""
     from radixrt.attention.cpu_kernels import load_cpu_kernels
@@ -186,14 +291,31 @@ def radixrt_kernel_available() -> bool:
     return load_cpu_kernels() and hasattr(torch.ops.radixrt, "qgemv")
 
 
+def vnni_kernel_available() -> bool:
+    """Whether `torch.ops.radixrt.qgemm_vnni` is usable here: the library loads and was built
+    with AVX512-VNNI (elsewhere the op exists but refuses)."""
+    return (radixrt_kernel_available() and hasattr(torch.ops.radixrt, "qgemm_vnni_isa")
+            and torch.ops.radixrt.qgemm_vnni_isa() != "none")
+
+
 def resolve_quant_kernel(kernel: str) -> str:
-    """"radixrt" or "torch" for `ServerArgs.quant_kernel` = `kernel`. Raises ValueError naming
-    the field for an unknown name, or "radixrt" where its library is unavailable."""
+    """One kernel for `ServerArgs.quant_kernel` = `kernel` without timing anything: "auto" ->
+    "radixrt" where its library loads, else "torch" (the probe may still pick "vnni", see
+    `quant_kernel_candidates`). Raises ValueError naming the field for an unknown name, or an
+    explicit kernel that is unavailable here."""
     if kernel not in QUANT_KERNELS:
         raise ValueError(f"ServerArgs.quant_kernel: must be one of {QUANT_KERNELS}, got "
                          f"{kernel!r}")
     if kernel == "torch":
         return "torch"
+    if kernel == "vnni":
+        if vnni_kernel_available():
+            return "vnni"
+        from radixrt.attention.cpu_kernels import unavailable_reason
+
+        why = unavailable_reason() or "the library was built without AVX512-VNNI"
+        raise ValueError("ServerArgs.quant_kernel: 'vnni' needs radixrt's CPU kernel library "
+                         f"built for an AVX512-VNNI CPU ({why})")
     if radixrt_kernel_available():
         return "radixrt"
     if kernel == "radixrt":
@@ -204,8 +326,19 @@ def resolve_quant_kernel(kernel: str) -> str:
     return "torch"
 
 
+def quant_kernel_candidates(kernel: str) -> tuple[str, ...]:
+    """The kernels the start-up probe times for `kernel`: "auto" -> ("vnni", "radixrt") where
+    vnni is built, else `resolve_quant_kernel("auto")` alone; an explicit kernel -> itself."""
+    if kernel == "auto" and vnni_kernel_available():
+        return ("vnni", resolve_quant_kernel("auto"))
+    return (resolve_quant_kernel(kernel),)
+
+
 def make_quant_matmul(groups: Int4Groups, kernel: str = "auto") -> QuantMatmul:
     """`groups` packed for `kernel` (see `resolve_quant_kernel`)."""
-    if resolve_quant_kernel(kernel) == "radixrt":
+    resolved = resolve_quant_kernel(kernel)
+    if resolved == "vnni":
+        return VnniQuantMatmul.from_groups(groups)
+    if resolved == "radixrt":
         return TiledQuantMatmul.from_groups(groups)
     return TorchInt4Matmul.from_groups(groups)

@@ -9,11 +9,18 @@ slower with fp32 ones), and bf16 itself is fast only on some CPUs. So:
 - `auto` quantizes only when the model dtype is bfloat16 (itself measured by `dtype_probe`) and
   the quantized kernel is at least MIN_SPEEDUP x faster than the dense matmul at one row;
 - the crossover (`max_rows`: the largest call run on the kernel; larger ones use the dense copy)
-  is the largest of ROWS up to which the kernel stays faster, per width (4-bit, 8-bit).
+  is the largest of ROWS up to which the kernel stays faster, per width (4-bit, 8-bit); a
+  kernel faster at every row count up to ROWS[-1] (a prefill size: the int8-activation vnni
+  kernel) runs every call, and no dense copy is kept.
+- `quant_kernel="auto"` with several candidate kernels (`quant_kernel_candidates`: vnni and
+  radixrt on AVX512-VNNI CPUs) times each and keeps the one with the smallest mean of its
+  time / dense time over the widths and row counts all of them were timed at.
 
 The timing runs over a model-shaped weight set of at least PROBE_PARAMS parameters, more than a
 CPU cache holds, so it sees memory bandwidth as a real forward pass does (timing one small
-matrix in a loop measures a cache-resident weight and misjudges decode). Widths and the dense
+matrix in a loop measures a cache-resident weight and misjudges decode); row counts from
+LARGE_ROWS on (compute-bound) time the first 1/LARGE_SHARE of it, to stay in budget. Widths and
+the dense
 path alternate call by call and each keeps its best time, so load from other processes hits all
 alike. `RADIXRT_AUTO_QUANTIZATION=none|gguf|int8|int4` forces the `auto` outcome (the test suite
 sets `none`); an explicit `--quantization` bypasses `auto`, `--quant-max-rows` the crossover.
@@ -31,20 +38,22 @@ import torch
 
 from radixrt.model.linear import DenseWeight, LinearWeight, QuantizedWeight
 from radixrt.model.quant import GROUP, QUANTIZATION_MODES, Int4Groups, QuantPlan
-from radixrt.model.quant_matmul import resolve_quant_kernel
+from radixrt.model.quant_matmul import VNNI_CODE_BYTES, VnniQuantMatmul, quant_kernel_candidates
 
 logger = logging.getLogger(__name__)
 
 ENV_FORCE = "RADIXRT_AUTO_QUANTIZATION"
 MIN_SPEEDUP = 1.2
-ROWS = (1, 2, 4, 8, 16, 32, 64)
+ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 512)
+LARGE_ROWS, LARGE_SHARE = 128, 8
 PROBE_PARAMS = 24_000_000  # 48 MB of bf16 weights: beyond the caches of the CPUs we run on
 MIN_REPS, MAX_REPS = 2, 6
 ROW_BUDGET_S = 0.15  # timed reps of one row count stop after this long (once MIN_REPS are in)
 BUDGET_S = 1.5  # no further row count is started after this long (a loaded machine)
 KINDS = ("dense", "int4", "int8")
 
-# (rows, dense dtype) -> best seconds per kind for a pass over the probe weights at each of rows.
+# (rows, dense dtype) -> best ms per kind for a pass over the probe weights at each of rows;
+# kinds "dense" and "<int4|int8>:<kernel>" for each kernel timed.
 Measure = Callable[[tuple[int, ...], torch.dtype], dict[str, dict[int, float]]]
 
 
@@ -54,7 +63,12 @@ class QuantProbe:
 
     ms: dict[str, dict[int, float]] = field(default_factory=dict)
     threads: int = 1
-    kernel: str = "torch"  # the quantized kernel timed
+    kernel: str = "torch"  # the quantized kernel timed (the one chosen, when several were)
+    others: dict[str, dict[str, dict[int, float]]] = field(default_factory=dict)  # kernel -> ms
+
+    def wins_everywhere(self) -> bool:
+        """Both widths beat dense at every row count of ROWS (so no dense copy is needed)."""
+        return all(self.crossover(k) == ROWS[-1] for k in ("int4", "int8"))
 
     def crossover(self, kind: str) -> int:
         """Largest row count up to which `kind` beat dense at every measured count (0: never)."""
@@ -77,15 +91,38 @@ class QuantProbe:
             cells = "/".join(f"{self.ms[k][rows]:.2f}" if rows in self.ms.get(k, {}) else "-"
                              for k in KINDS)
             parts.append(f"{rows}: {cells}")
+        others = "".join(f"; {k} kernel: {QuantProbe(ms, self.threads, k).describe()}"
+                         for k, ms in self.others.items())
         return (f"ms dense/int4/int8 per rows ({self.kernel} kernel, {self.threads} threads) "
                 + ", ".join(parts)
                 + f"; kernels win up to {self.crossover('int4')} rows (4-bit), "
-                  f"{self.crossover('int8')} rows (8-bit)")
+                  f"{self.crossover('int8')} rows (8-bit)" + others)
 
     def as_info(self) -> dict[str, object]:
         return {"ms": {k: {str(r): v for r, v in d.items()} for k, d in self.ms.items()},
                 "threads": self.threads, "kernel": self.kernel, "max_rows_int4": self.crossover("int4"),
-                "max_rows_int8": self.crossover("int8")}
+                "max_rows_int8": self.crossover("int8"),
+                "others": {k: QuantProbe(ms, self.threads, k).as_info()
+                           for k, ms in self.others.items()}}
+
+
+def choose_kernel(per_kernel: dict[str, dict[str, dict[int, float]]]) -> str:
+    """The kernel (key of `per_kernel`, each {"dense"|"int4"|"int8": {rows: ms}}) with the
+    smallest mean of kernel / dense time over the (width, rows) cells every kernel has; ties and
+    no common cell keep the first."""
+    names = list(per_kernel)
+    cells = None
+    for ms in per_kernel.values():
+        have = {(k, r) for k in ("int4", "int8") for r in ms.get(k, {}) if r in ms.get("dense", {})}
+        cells = have if cells is None else cells & have
+    if not cells:
+        return names[0]
+
+    def cost(name: str) -> float:
+        ms = per_kernel[name]
+        return sum(ms[k][r] / ms["dense"][r] for k, r in cells) / len(cells)
+
+    return min(names, key=cost)
 
 
 def _random_groups(n: int, k: int, planes: int, g: torch.Generator) -> Int4Groups:
@@ -95,14 +132,23 @@ def _random_groups(n: int, k: int, planes: int, g: torch.Generator) -> Int4Group
     return Int4Groups(q, scale, torch.zeros_like(scale))
 
 
+def _random_vnni(n: int, k: int, bits: int, g: torch.Generator) -> VnniQuantMatmul:
+    """A vnni-layout weight of random codes and scales 0.01 (packing real groups costs ~10x
+    more; the timing does not depend on the values)."""
+    cb = VNNI_CODE_BYTES[bits]
+    packed = torch.randint(0, 256, (n // 16, k // GROUP, cb + 64), dtype=torch.uint8, generator=g)
+    packed[..., cb:] = torch.full((32,), 0.01, dtype=torch.float16).view(torch.uint8)
+    return VnniQuantMatmul(packed, bits)
+
+
 def _probe_weights(hidden: int, intermediate: int, dense_dtype: torch.dtype,
-                   kernel: str = "auto") -> dict[str, list[LinearWeight]]:
+                   kernels: tuple[str, ...] = ("auto",)) -> dict[str, list[LinearWeight]]:
     """Model-shaped weights (gate_up `[2i, h]` and down `[h, i]` alternating) of at least
-    PROBE_PARAMS parameters in each kind, the quantized ones on `kernel`. Values are arbitrary:
-    only timing matters."""
+    PROBE_PARAMS parameters in each kind: "dense", and "int4:<kernel>" / "int8:<kernel>" for
+    each of `kernels`. Values are arbitrary: only timing matters."""
     shapes = [(2 * intermediate, hidden), (hidden, intermediate)]
     shapes = [(n, k) for n, k in shapes if k % GROUP == 0] or [(1536, 576)]
-    out: dict[str, list[LinearWeight]] = {k: [] for k in KINDS}
+    out: dict[str, list[LinearWeight]] = {"dense": []}
     g = torch.Generator().manual_seed(0)
     total = 0
     i = 0
@@ -113,65 +159,76 @@ def _probe_weights(hidden: int, intermediate: int, dense_dtype: torch.dtype,
         out["dense"].append(DenseWeight(torch.full((n, k), 0.01, dtype=dense_dtype)))
         for kind, planes in (("int4", 1), ("int8", 2)):
             groups = _random_groups(n, k, planes, g)
-            out[kind].append(QuantizedWeight.from_groups(groups, kernel=kernel))
+            for kernel in kernels:
+                qw = (QuantizedWeight(_random_vnni(n, k, 4 * planes, g)) if kernel == "vnni"
+                      else QuantizedWeight.from_groups(groups, kernel=kernel))
+                out.setdefault(f"{kind}:{kernel}", []).append(qw)
     return out
 
 
-def measure_kernels(hidden: int, intermediate: int, kernel: str = "auto") -> Measure:
-    """The real measurement for a model of this shape on `kernel` (see the module docstring)."""
+def measure_kernels(hidden: int, intermediate: int, kernels: tuple[str, ...] = ("auto",)
+                    ) -> Measure:
+    """The real measurement for a model of this shape on `kernels` (see the module
+    docstring); keys "dense" and "<width>:<kernel>"."""
 
     def measure(rows_list: tuple[int, ...], dense_dtype: torch.dtype) -> dict[str, dict[int, float]]:
-        weights = _probe_weights(hidden, intermediate, dense_dtype, kernel)
-        inputs = {(kind, r, w.in_features): torch.randn(r, w.in_features).to(
-            dense_dtype if kind == "dense" else torch.bfloat16)
-            for kind, ws in weights.items() for w in ws for r in rows_list}
-        best: dict[str, dict[int, float]] = {k: {} for k in KINDS}
-        losses = dict.fromkeys(KINDS, 0)
+        weights = _probe_weights(hidden, intermediate, dense_dtype, kernels)
+        names = list(weights)
+        best: dict[str, dict[int, float]] = {k: {} for k in names}
+        losses = dict.fromkeys(names, 0)
         start = time.perf_counter()
         for rows in rows_list:
-            kinds = [k for k in KINDS if k == "dense" or losses[k] < 2]
-            if kinds == ["dense"]:
+            kinds = [k for k in names if k == "dense" or losses[k] < 2]
+            if kinds == ["dense"] or time.perf_counter() - start > BUDGET_S:
                 break
+            share = LARGE_SHARE if rows >= LARGE_ROWS else 1
+            widths = {w.in_features for w in weights["dense"]}
+            inputs = {(kind, k): torch.randn(rows, k).to(
+                dense_dtype if kind == "dense" else torch.bfloat16)
+                for kind in kinds for k in widths}
 
-            def run(kind: str, rows: int = rows) -> float:
+            def run(kind: str) -> float:
+                ws = weights[kind][: max(2, len(weights[kind]) // share)]  # noqa: B023
                 t0 = time.perf_counter()
-                for w in weights[kind]:
-                    w(inputs[(kind, rows, w.in_features)])
+                for w in ws:
+                    w(inputs[(kind, w.in_features)])  # noqa: B023
                 return time.perf_counter() - t0
 
-            if time.perf_counter() - start > BUDGET_S:
-                break
             for kind in kinds:  # warm-up (first calls set up kernels)
                 run(kind)
             row_start = time.perf_counter()
             for rep in range(MAX_REPS):
                 for kind in kinds:
-                    t = run(kind)
+                    t = run(kind) * share  # a full pass's time
                     best[kind][rows] = min(best[kind].get(rows, float("inf")), t)
                 if rep + 1 >= MIN_REPS and time.perf_counter() - row_start > ROW_BUDGET_S:
                     break
             for kind in kinds[1:]:
                 if best[kind][rows] >= best["dense"][rows]:
                     losses[kind] += 1
-        return {k: {r: s * 1e3 for r, s in v.items()} for k, v in best.items()}
+        return {k: {r: s * 1e3 for r, s in v.items()} for k, v in best.items() if v}
 
     return measure
 
 
-_cached: dict[tuple[int, int, torch.dtype, str], QuantProbe] = {}
+_cached: dict[tuple[int, int, torch.dtype, tuple[str, ...]], QuantProbe] = {}
 
 
 def probe_quant_kernels(hidden: int, intermediate: int, dense_dtype: torch.dtype = torch.bfloat16,
                         measure: Measure | None = None, kernel: str = "auto") -> QuantProbe:
-    """Time dense vs quantized matmuls (on `kernel`) for this model shape (once per process,
-    shape and kernel unless `measure` is injected)."""
-    kernel = resolve_quant_kernel(kernel)
-    key = (hidden, intermediate, dense_dtype, kernel)
+    """Time dense vs quantized matmuls on each of `quant_kernel_candidates(kernel)` for this
+    model shape, keep the fastest kernel (`choose_kernel`); once per process, shape and kernel
+    unless `measure` is injected."""
+    kernels = quant_kernel_candidates(kernel)
+    key = (hidden, intermediate, dense_dtype, kernels)
     if measure is None and key in _cached:
         return _cached[key]
     with torch.inference_mode():
-        ms = (measure or measure_kernels(hidden, intermediate, kernel))(ROWS, dense_dtype)
-    result = QuantProbe(ms, torch.get_num_threads(), kernel)
+        ms = (measure or measure_kernels(hidden, intermediate, kernels))(ROWS, dense_dtype)
+    per_kernel = {k: {"dense": ms.get("dense", {}), "int4": ms.get(f"int4:{k}", {}),
+                      "int8": ms.get(f"int8:{k}", {})} for k in kernels}
+    chosen = choose_kernel(per_kernel)
+    result = QuantProbe(per_kernel.pop(chosen), torch.get_num_threads(), chosen, per_kernel)
     if measure is None:
         _cached[key] = result
     return result
@@ -208,7 +265,8 @@ def resolve_quantization(requested: str, dtype: torch.dtype, device: torch.devic
         mode = forced or ("gguf" if is_gguf else "int8")
         if mode == "none":
             return QuantPlan(), f"none (forced by {ENV_FORCE})"
-    kernel = resolve_quant_kernel(kernel)
+    candidates = quant_kernel_candidates(kernel)
+    requested_kernel, kernel = kernel, candidates[-1] if kernel == "auto" else candidates[0]
     if mode == "gguf" and not is_gguf:
         raise ValueError("ServerArgs.quantization: 'gguf' keeps a GGUF file's blocks; the model is "
                          "not a .gguf file (use int8 or int4)")
@@ -222,13 +280,19 @@ def resolve_quantization(requested: str, dtype: torch.dtype, device: torch.devic
         return (QuantPlan(mode, max_rows, max_rows, kernel=kernel),
                 f"{mode} ({kernel} kernel, max_rows {max_rows} given)")
     p = probe(dtype)
+    if requested_kernel == "auto" and p.kernel in candidates:
+        kernel = p.kernel  # the probe timed the candidates and kept the fastest
     if requested == "auto" and not forced:
         kind = "int4" if mode == "gguf" else mode
         s = p.speedup(kind)
         if s is None or s < MIN_SPEEDUP:
             return QuantPlan(), (f"none ({kind} kernel at 1 row only {s or 0:.2f}x dense, needs "
                                  f">= {MIN_SPEEDUP}x; {p.describe()})")
+    why = f"forced by {ENV_FORCE}" if forced else "requested" if requested != "auto" else "probe"
+    if max_rows is None and p.wins_everywhere():
+        return (QuantPlan(mode, dense_copy=False, kernel=kernel),
+                f"{mode} ({why}; {kernel} kernel for every call, no dense copy: faster than "
+                f"dense up to {ROWS[-1]} rows; {p.describe()})")
     r4 = max_rows if max_rows is not None else p.crossover("int4")
     r8 = max_rows if max_rows is not None else p.crossover("int8")
-    why = f"forced by {ENV_FORCE}" if forced else "requested" if requested != "auto" else "probe"
     return QuantPlan(mode, r4, r8, kernel=kernel), f"{mode} ({why}; {p.describe()})"

@@ -13,6 +13,7 @@
 //   kind 0 (dense):  y = linear(x, a, bias)
 //   kind 1 (qgemv):  rows > max_rows and a dense copy: y = linear(x, dense, bias); else
 //                    y = qgemv(x, codes a, scale b, offset c, bits) (+ bias)
+//   kind 2 (vnni):   the same rule, with y = qgemm_vnni(x, packed a, bits) (+ bias)
 // The attention of layer l writes this step's K/V at `loc` into k_buffers[l] / v_buffers[l]
 // (kv_store) and runs paged_decode over the plan (radixrt/attention/paged_decode.py).
 // Returns the last layer's (MLP output, residual stream); their sum is the hidden state.
@@ -51,6 +52,7 @@ struct Ops {
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                   int64_t)>
       qgemv;
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t)> qgemm_vnni;
   c10::TypedOperatorHandle<std::tuple<Tensor, Tensor>(
       const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
       const Tensor&, const Tensor&, const Tensor&, const Tensor&, double)>
@@ -74,6 +76,8 @@ struct Ops {
           d.findSchemaOrThrow("radixrt::qgemv", "")
               .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                             int64_t)>(),
+          d.findSchemaOrThrow("radixrt::qgemm_vnni", "")
+              .typed<Tensor(const Tensor&, const Tensor&, int64_t)>(),
           d.findSchemaOrThrow("radixrt::paged_decode", "")
               .typed<std::tuple<Tensor, Tensor>(
                   const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
@@ -105,12 +109,13 @@ Tensor run_linear(const Ops& ops, const Tensor& x, const OptTensors& w, c10::Int
   const int64_t base = i * kSlotsPerLinear;
   const std::optional<Tensor> bias = slot(w, base + 4);
   if (kind == 0) return at::linear(x, required(w, base, i, "weight"), bias);
-  TORCH_CHECK(kind == 1, "decode_layers: linear ", i, " has unknown kind ", kind);
+  TORCH_CHECK(kind == 1 || kind == 2, "decode_layers: linear ", i, " has unknown kind ", kind);
   const std::optional<Tensor> dense = slot(w, base + 3);
   if (dense.has_value() && x.size(0) > max_rows) return at::linear(x, *dense, bias);
-  Tensor y = ops.qgemv.call(x.contiguous(), required(w, base, i, "codes"),
-                            required(w, base + 1, i, "scale"), required(w, base + 2, i, "offset"),
-                            bits);
+  Tensor y = kind == 2 ? ops.qgemm_vnni.call(x.contiguous(), required(w, base, i, "packed"), bits)
+                       : ops.qgemv.call(x.contiguous(), required(w, base, i, "codes"),
+                                        required(w, base + 1, i, "scale"),
+                                        required(w, base + 2, i, "offset"), bits);
   return bias.has_value() ? y + *bias : y;
 }
 
