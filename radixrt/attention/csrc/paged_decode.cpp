@@ -61,6 +61,10 @@ static_assert(kBlock % kVec == 0, "key block must be a whole number of vectors")
 // AVX-512 scan: keys per block (one score lane each), how many blocks ahead rows are
 // prefetched, and whether P V uses bf16 pairs (vdpbf16ps) on bf16 pools with AVX512-BF16.
 constexpr int64_t kBlock16 = 16;
+// Measured on Zen 4 (bench/results/2026-11-24-paged-decode-v2.md): no prefetch is 1.6-1.8x
+// slower from memory, 2 or 3 blocks ahead slower than 1; fp32 P V 1.2x slower than bf16 pairs
+// with K/V in the caches, the same from memory.
+// RADIXRT_PD_* override them for such measurements.
 #ifndef RADIXRT_PD_PREFETCH_BLOCKS
 #define RADIXRT_PD_PREFETCH_BLOCKS 1
 #endif
@@ -231,7 +235,7 @@ struct KeyScan {
       // Padding keys reuse the first row (finite values; their probability is 0).
       for (int jj = nb; jj < kBlock16; ++jj) krow[jj] = krow[0];
       vrow[nb] = vrow[0];
-      if (prefetch) {
+      if (kPrefetchBlocks > 0 && prefetch) {
         // Start fetching the rows kPrefetchBlocks blocks ahead while this one is computed.
         const int64_t pf0 = j0 + kPrefetchBlocks * kBlock16;
         const int64_t pf1 = std::min(n, pf0 + kBlock16);
