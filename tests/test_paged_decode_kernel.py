@@ -99,7 +99,7 @@ LENS = [1, 2, 15, 16, 17, 31, 32, 33, 64, 65, 300]  # around the op's 8- or 16-k
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128), (4, 4, 16), (8, 1, 32),
-                                                (6, 3, 80)])
+                                                (6, 3, 80), (4, 2, 96), (2, 1, 256), (10, 2, 64)])
 def test_op_matches_float64_reference(dtype: torch.dtype, heads: int, kv_heads: int,
                                       dim: int) -> None:
     c = _case(dim + heads, dtype, heads, kv_heads, dim, LENS, [])
@@ -121,10 +121,12 @@ CASCADE_CASES = [
     ([0, 4, 2], [(70, [0, 1])]),  # a row whose keys are all in the shared prefix
     ([1 + i % 5 for i in range(40)], [(100, list(range(40)))]),  # one group, several chunks
     ([2] * 12, [(35, [11, 0, 5]), (300, [1, 2, 3, 4, 6, 7, 8, 9, 10])]),  # unsorted rows
+    ([1, 0, 16, 3], [(1, [0, 1]), (2, [2, 3])]),  # one- and two-key prefixes
+    ([5, 1, 17, 0, 31], [(1037, [0, 1, 2, 3, 4])]),  # a long prefix, not a multiple of 16
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", CASCADE_CASES, ids=lambda c: f"b{len(c[0])}g{len(c[1])}")
 def test_cascade_matches_reference_and_flat(case: tuple[list[int], list[tuple[int, list[int]]]],
                                             dtype: torch.dtype) -> None:
@@ -181,6 +183,44 @@ def test_split_rows_merge_to_the_reference(case: tuple[list[int], list[tuple[int
     torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=2e-5)
     if 0 in own and not any(own.index(0) in rows for _, rows in groups):
         assert (lse[own.index(0)] == -math.inf).all() and (out[own.index(0)] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 2), (8, 1)])
+def test_row_result_does_not_depend_on_the_batch(dtype: torch.dtype, heads: int,
+                                                 kv_heads: int) -> None:
+    """A row's output and LSE are bitwise the same alone and inside a batch, in or out of a
+    cascade group of any size (query tiles then mix heads of several rows)."""
+    own = [1, 7, 16, 40, 3, 129, 2]
+    big = _case(77, dtype, heads, kv_heads, 64, own, [(45, [0, 2, 3, 5, 6])])
+    out, lse = _run(big, 0.125)
+    for b in range(len(own)):
+        s, n = int(big["row_start"][b]), own[b]
+        grouped = b in (0, 2, 3, 5, 6)
+        idx = torch.cat([big["idx"][s: s + n], big["idx"][len(big["idx"]) - 45:]])
+        alone = dict(big, q=big["q"][b: b + 1].clone(), idx=idx, row_start=_i64([0]),
+                     row_len=_i64([n]), g_start=_i64([n] if grouped else []),
+                     g_len=_i64([45] if grouped else []), g_ptr=_i64([0, 1] if grouped else [0]),
+                     g_rows=_i64([0] if grouped else []))
+        one_out, one_lse = _run(alone, 0.125)
+        assert torch.equal(one_out[0], out[b]) and torch.equal(one_lse[0], lse[b]), b
+
+
+def test_large_and_uneven_scores_stay_finite() -> None:
+    """Scores far apart (the running max jumps late in a row) and all-equal keys: softmax
+    weights still match the reference."""
+    c = _case(3, torch.float32, 4, 2, 64, [1, 33, 200], [])
+    c["kb"] = c["kb"] * 6.0
+    c["kb"][c["idx"][-1].long()] *= 4.0  # the last key of the last row dominates
+    out, lse = _run(c, 0.125)
+    ref_out, ref_lse = _reference(c, 0.125)
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=2e-6)
+    same = dict(c, kb=torch.ones_like(c["kb"]))
+    out, lse = _run(same, 0.125)
+    ref_out, ref_lse = _reference(same, 0.125)
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=2e-5)
 
 
 def test_row_without_keys_gives_zero_and_minus_inf() -> None:

@@ -3,20 +3,31 @@
 // One new query token per request row. Row b attends, per KV head, over the keys
 //   [shared prefix of its group, if any]  ++  kv_indices[row_start[b] : row_start[b] + row_len[b]]
 // where every key is a slot of the pool buffers k_buffer / v_buffer [slots, kv_heads, head_dim].
-// Nothing is gathered: each key row is read (and converted to fp32) straight from the pool.
+// Nothing is gathered: each key row is read straight from the pool.
 //
-// Numerics: q is scaled and converted to fp32; scores, the online softmax (running max m, sum l)
-// and the V accumulation are fp32 whatever the pool's dtype. Outputs: the attention output in q's
-// dtype and the natural-log log-sum-exp of the scaled scores (m + log l) in fp32, so callers can
-// merge partial results by log-sum-exp. A row with no key at all gets output 0 and LSE -inf.
+// Numerics: scores, the online softmax (running max m, sum l) and the V accumulation are fp32
+// whatever the pool's dtype. Outputs: the attention output in q's dtype and the natural-log
+// log-sum-exp of the scaled scores (m + log l) in fp32, so callers can merge partial results by
+// log-sum-exp. A row with no key at all gets output 0 and LSE -inf. Every query's arithmetic is
+// the same whatever else is in the batch (batch-invariant, bitwise).
 //
 // Cascade: a group's shared prefix keys are read once per (group chunk, KV head) for all of the
 // chunk's query rows; each row then continues the same online softmax over its own keys.
 // GQA: query head h uses KV head h / (heads / kv_heads); K/V are never expanded.
 //
-// Vectorized with at::vec::Vectorized<float>; the instruction set is the one this file is
-// compiled for (CPU_CAPABILITY_AVX512 / CPU_CAPABILITY_AVX2 / generic), chosen by the builder
-// (radixrt/attention/cpu_kernels.py) from the machine's CPU flags.
+// Two scans (KeyScan), chosen by the instruction set this file is compiled for (by the builder,
+// radixrt/attention/cpu_kernels.py, from the machine's CPU flags):
+// - AVX-512: keys in blocks of 16, one score lane per key. q · k is accumulated per key into a
+//   16-lane partial vector and a transpose-reduce turns a block's 16 partials into the block's
+//   score vector (no horizontal sum per key); the running max is updated once per block and the
+//   state rescaled only when it grows; a query tile's state stays in registers over all keys.
+//   bf16 pools on CPUs with AVX512-BF16 (__AVX512BF16__): Q K^T with vdpbf16ps on q and k as
+//   stored (exact products, fp32 sums, scale applied to the fp32 scores) and P V with vdpbf16ps
+//   over pairs of keys, p rounded to bf16 (as GPU flash attention does: outputs differ from
+//   fp32 P V by about 2^-9 relative). Other pools: fp32 FMA on rows converted to fp32 once per
+//   query tile, q scaled after the dot product.
+// - AVX2 / generic (at::vec::Vectorized<float>): q scaled to fp32, per-key dot products with a
+//   horizontal sum, fp32 P V.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -32,16 +43,36 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
+
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
 
 namespace radixrt_cpu {
 namespace {
 
 using at::Tensor;
-// Keys per online-softmax step: scores of a block are computed, then the running max is
-// updated once per block (not once per key).
+// Keys per online-softmax step (generic scan): scores of a block are computed, then the running
+// max is updated once per block (not once per key).
 constexpr int64_t kBlock = 32;
 static_assert(kBlock % kVec == 0, "key block must be a whole number of vectors");
+// AVX-512 scan: keys per block (one score lane each), how many blocks ahead rows are
+// prefetched, and whether P V uses bf16 pairs (vdpbf16ps) on bf16 pools with AVX512-BF16.
+constexpr int64_t kBlock16 = 16;
+// Measured on Zen 4 (bench/results/2026-11-24-paged-decode-v2.md): no prefetch is 1.6-1.8x
+// slower from memory, 2 or 3 blocks ahead slower than 1; fp32 P V 1.2x slower than bf16 pairs
+// with K/V in the caches, the same from memory.
+// RADIXRT_PD_* override them for such measurements.
+#ifndef RADIXRT_PD_PREFETCH_BLOCKS
+#define RADIXRT_PD_PREFETCH_BLOCKS 1
+#endif
+#ifndef RADIXRT_PD_PV_BF16
+#define RADIXRT_PD_PV_BF16 1
+#endif
+constexpr int64_t kPrefetchBlocks = RADIXRT_PD_PREFETCH_BLOCKS;
+constexpr bool kPvBf16 = RADIXRT_PD_PV_BF16;
 // Most query rows per cascade work item (rows of one group are split into chunks so that
 // there are enough items for every thread).
 constexpr int64_t kMaxChunkRows = 32;
@@ -50,6 +81,338 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // the other threads costs more than the work (tens of microseconds at most), and far more when
 // the machine is oversubscribed and a woken thread has to wait for a time slice.
 constexpr int64_t kMinParallelWork = 16384;
+
+#if defined(CPU_CAPABILITY_AVX512)
+// ---- AVX-512 scan (see the top of the file) ---------------------------------------------
+// Transpose-reduce of 16 partial vectors (keys 0..15) into one score vector: combine_pairs on
+// keys (2i, 2i + 1), combine_quads on two pairs, combine_lanes twice: 15 combines per block.
+
+// Lane i of the result: lanes {i, i + 2} summed for a (i even) / b (i odd), per 128-bit lane.
+inline __m512 combine_pairs(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+}
+// Two combine_pairs results -> per 128-bit lane, position k holds key k's partial sum.
+inline __m512 combine_quads(__m512 a, __m512 b) {
+  const __m512d x = _mm512_castps_pd(a), y = _mm512_castps_pd(b);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                       _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+}
+// Sums 128-bit lanes pairwise: [a0+a1, a2+a3, b0+b1, b2+b3].
+inline __m512 combine_lanes(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+}
+
+// How a key row is held for the dot products with the tile's queries.
+template <typename T, int D, bool kDot>
+struct RowDot;
+
+// fp32 FMA: the row converted to fp32, D / 16 vectors; q fp32.
+template <typename T, int D>
+struct RowDot<T, D, false> {
+  static constexpr int N = D / 16;
+  using QType = float;
+  __m512 c[N];
+  inline void load(const T* row) {
+#pragma GCC unroll 16
+    for (int i = 0; i < N; ++i) c[i] = __m512(load_f32<T>(row + i * 16));
+  }
+  inline __m512 dot(const QType* q) const {
+    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q), c[0]);
+#pragma GCC unroll 16
+    for (int i = 1; i < N; ++i) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + i * 16), c[i], a);
+    return a;
+  }
+};
+
+#if defined(__AVX512BF16__)
+// vdpbf16ps: bf16 row and query as they are (exact products, fp32 sums), 32 elements per
+// instruction; a last chunk of 16 is loaded zero-padded.
+template <int D>
+struct RowDot<at::BFloat16, D, true> {
+  static constexpr int N = (D + 31) / 32;
+  using QType = at::BFloat16;
+  __m512i c[N];
+  static inline __m512i chunk(const at::BFloat16* p, int i) {
+    if (i * 32 + 32 <= D) return _mm512_loadu_si512(p + i * 32);
+    return _mm512_maskz_loadu_epi16(0xFFFFu, p + i * 32);
+  }
+  inline void load(const at::BFloat16* row) {
+#pragma GCC unroll 16
+    for (int i = 0; i < N; ++i) c[i] = chunk(row, i);
+  }
+  inline __m512 dot(const QType* q) const {
+    __m512 a = _mm512_setzero_ps();
+#pragma GCC unroll 16
+    for (int i = 0; i < N; ++i) {
+      a = _mm512_dpbf16_ps(a, (__m512bh)chunk(q, i), (__m512bh)c[i]);
+    }
+    return a;
+  }
+};
+constexpr bool kHaveBf16Dot = true;
+#else
+constexpr bool kHaveBf16Dot = false;
+#endif
+
+// Calls f(std::integral_constant<int, r>) for a runtime 1 <= r <= R.
+template <int R, typename F>
+inline void with_rows(int r, const F& f) {
+  if constexpr (R > 1) {
+    if (r < R) return with_rows<R - 1>(r, f);
+  }
+  f(std::integral_constant<int, R>{});
+}
+
+template <typename T, int D>
+struct KeyScan {
+  static_assert(D % 16 == 0, "head_dim must be a multiple of 16");
+  static constexpr int NV = D / 16;
+  // The bf16 dot path: a bf16 pool on a CPU with AVX512-BF16.
+  static constexpr bool kDot = kHaveBf16Dot && std::is_same_v<T, at::BFloat16>;
+  // P V in bf16 pairs (vdpbf16ps) needs whole 32-element chunks.
+  static constexpr bool kPairPV = kDot && kPvBf16 && D % 32 == 0;
+  // Queries per tile: their P V accumulators (TQ x NV vectors) stay in registers.
+  static constexpr int TQ = std::max(1, std::min(4, 12 / NV));
+  using Dot = RowDot<T, D, kDot>;
+  using QType = typename Dot::QType;
+
+  const T* kbase;  // k_buffer + kv_head * D
+  const T* vbase;  // v_buffer + kv_head * D
+  int64_t stride;  // elements per slot: kv_heads * D
+  float scale;
+
+  // Queries as the dot products take them: bf16 as given for the dot path, else fp32 (unscaled;
+  // the scores are scaled in fp32).
+  static void load_queries(const T* src, int64_t n, float /*scale*/, QType* dst) {
+    for (int64_t e = 0; e < n * D; ++e) dst[e] = static_cast<QType>(src[e]);
+  }
+
+  // Runs keys idx[0..n) (valid slots) through the state (m[i], l[i], acc[i, :]) of each query
+  // q[i, :]. Queries go in tiles of TQ whose state stays in registers over all the keys; the
+  // first tile prefetches rows ahead, later tiles find them in the caches.
+  void run(const QType* q, int64_t nq, const int32_t* idx, int64_t n, float* m, float* l,
+           float* acc) const {
+    if (n == 0) return;
+    for (int64_t t0 = 0; t0 < nq; t0 += TQ) {
+      const int tq = static_cast<int>(std::min<int64_t>(TQ, nq - t0));
+      with_rows<TQ>(tq, [&](auto rows) {
+        constexpr int R = decltype(rows)::value;
+        scan<R>(q + t0 * D, idx, n, m + t0, l + t0, acc + t0 * D, t0 == 0);
+      });
+    }
+  }
+
+  // Accumulators of R queries: natural order (fp32 FMA P V) or the pair layout (see below).
+  template <int R>
+  struct Acc {
+    __m512 v[R][NV];
+  };
+
+  template <int R>
+  inline void scan(const QType* q, const int32_t* idx, int64_t n, float* m, float* l,
+                   float* acc, bool prefetch) const {
+    Acc<R> a;
+    load_acc<R>(acc, a);
+    float mx[R];
+    __m512 lv[R];  // per-lane partial sums of p; lane 0 starts from l
+#pragma GCC unroll 4
+    for (int t = 0; t < R; ++t) {
+      mx[t] = m[t];
+      lv[t] = _mm512_castps128_ps512(_mm_set_ss(l[t]));
+      lv[t] = _mm512_maskz_mov_ps(1, lv[t]);
+    }
+    const T* krow[kBlock16];
+    const T* vrow[kBlock16 + 1];
+    const __m512 vscale = _mm512_set1_ps(scale);
+    const __m512 neg_inf = _mm512_set1_ps(kNegInf);
+    for (int64_t j0 = 0; j0 < n; j0 += kBlock16) {
+      const int nb = static_cast<int>(std::min<int64_t>(kBlock16, n - j0));
+      for (int jj = 0; jj < nb; ++jj) {
+        const int64_t off = static_cast<int64_t>(idx[j0 + jj]) * stride;
+        krow[jj] = kbase + off;
+        vrow[jj] = vbase + off;
+      }
+      // Padding keys reuse the first row (finite values; their probability is 0).
+      for (int jj = nb; jj < kBlock16; ++jj) krow[jj] = krow[0];
+      vrow[nb] = vrow[0];
+      if (kPrefetchBlocks > 0 && prefetch) {
+        // Start fetching the rows kPrefetchBlocks blocks ahead while this one is computed.
+        const int64_t pf0 = j0 + kPrefetchBlocks * kBlock16;
+        const int64_t pf1 = std::min(n, pf0 + kBlock16);
+        for (int64_t j = pf0; j < pf1; ++j) {
+          const int64_t off = static_cast<int64_t>(idx[j]) * stride;
+          prefetch_row(kbase + off, D * sizeof(T));
+          prefetch_row(vbase + off, D * sizeof(T));
+        }
+      }
+      __m512 s[R];
+      scores<R>(q, krow, s);
+      const __mmask16 valid = static_cast<__mmask16>((1u << nb) - 1u);
+      alignas(64) float p[R][kBlock16];
+#pragma GCC unroll 4
+      for (int t = 0; t < R; ++t) {
+        const __m512 st = _mm512_mask_mul_ps(neg_inf, valid, s[t], vscale);
+        // Online softmax: the running max only moves up; the state is rescaled when it does.
+        const float bmax = _mm512_reduce_max_ps(st);
+        if (bmax > mx[t]) {
+          const float alpha = std::exp(mx[t] - bmax);  // 0 while mx is -inf
+          const __m512 va = _mm512_set1_ps(alpha);
+          lv[t] = _mm512_mul_ps(lv[t], va);
+#pragma GCC unroll 16
+          for (int c = 0; c < NV; ++c) a.v[t][c] = _mm512_mul_ps(a.v[t][c], va);
+          mx[t] = bmax;
+        }
+        const __m512 pv = __m512(Vec(_mm512_sub_ps(st, _mm512_set1_ps(mx[t]))).exp_u20());
+        _mm512_store_ps(p[t], pv);  // exp(-inf) = 0 for padding
+        lv[t] = _mm512_add_ps(lv[t], pv);
+      }
+      if constexpr (kPairPV) {
+        accumulate_pairs<R>(p, vrow, nb, a);
+      } else {
+        accumulate_fma<R>(p, vrow, nb, a);
+      }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < R; ++t) {
+      m[t] = mx[t];
+      l[t] = _mm512_reduce_add_ps(lv[t]);
+    }
+    store_acc<R>(a, acc);
+  }
+
+  // s[t] lane j = q[t] · k[j] for the 16 keys (unscaled): per key and query a 16-lane partial
+  // vector, reduced by combine_pairs / combine_quads / combine_lanes.
+  template <int R>
+  inline void scores(const QType* q, const T* const* krow, __m512* s) const {
+    __m512 half[R][2];
+#pragma GCC unroll 2
+    for (int g2 = 0; g2 < 2; ++g2) {
+      __m512 quad[R][2];
+#pragma GCC unroll 2
+      for (int g = 0; g < 2; ++g) {
+        __m512 pair[R][2];
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          const int j = 8 * g2 + 4 * g + 2 * h;
+          Dot ka, kb;
+          ka.load(krow[j]);
+          kb.load(krow[j + 1]);
+#pragma GCC unroll 4
+          for (int t = 0; t < R; ++t) {
+            pair[t][h] = combine_pairs(ka.dot(q + t * D), kb.dot(q + t * D));
+          }
+        }
+#pragma GCC unroll 4
+        for (int t = 0; t < R; ++t) quad[t][g] = combine_quads(pair[t][0], pair[t][1]);
+      }
+#pragma GCC unroll 4
+      for (int t = 0; t < R; ++t) half[t][g2] = combine_lanes(quad[t][0], quad[t][1]);
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < R; ++t) s[t] = combine_lanes(half[t][0], half[t][1]);
+  }
+
+  template <int R>
+  inline void load_acc(const float* acc, Acc<R>& a) const {
+#pragma GCC unroll 4
+    for (int t = 0; t < R; ++t) {
+      if constexpr (kPairPV) {
+        // The pair layout: of each 32-dim chunk c, v[2c] holds dims 8L + 0..3 in 128-bit lane
+        // L, v[2c + 1] dims 8L + 4..7 (what unpacklo / unpackhi_epi16 of two rows give).
+        const __m512i to_lo =
+            _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+        const __m512i to_hi =
+            _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+#pragma GCC unroll 8
+        for (int c = 0; c < NV / 2; ++c) {
+          const __m512 n0 = _mm512_loadu_ps(acc + t * D + c * 32);
+          const __m512 n1 = _mm512_loadu_ps(acc + t * D + c * 32 + 16);
+          a.v[t][2 * c] = _mm512_permutex2var_ps(n0, to_lo, n1);
+          a.v[t][2 * c + 1] = _mm512_permutex2var_ps(n0, to_hi, n1);
+        }
+      } else {
+#pragma GCC unroll 16
+        for (int c = 0; c < NV; ++c) a.v[t][c] = _mm512_loadu_ps(acc + t * D + c * 16);
+      }
+    }
+  }
+
+  template <int R>
+  inline void store_acc(const Acc<R>& a, float* acc) const {
+#pragma GCC unroll 4
+    for (int t = 0; t < R; ++t) {
+      if constexpr (kPairPV) {
+        const __m512i to_n0 =
+            _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+        const __m512i to_n1 =
+            _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+#pragma GCC unroll 8
+        for (int c = 0; c < NV / 2; ++c) {
+          const __m512 lo = a.v[t][2 * c], hi = a.v[t][2 * c + 1];
+          _mm512_storeu_ps(acc + t * D + c * 32, _mm512_permutex2var_ps(lo, to_n0, hi));
+          _mm512_storeu_ps(acc + t * D + c * 32 + 16, _mm512_permutex2var_ps(lo, to_n1, hi));
+        }
+      } else {
+#pragma GCC unroll 16
+        for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + t * D + c * 16, a.v[t][c]);
+      }
+    }
+  }
+
+  // acc += p @ V in fp32, each V row converted once for the R queries.
+  template <int R>
+  inline void accumulate_fma(const float (*p)[kBlock16], const T* const* vrow, int nb,
+                             Acc<R>& a) const {
+    for (int jj = 0; jj < nb; ++jj) {
+      __m512 vv[NV];
+#pragma GCC unroll 16
+      for (int c = 0; c < NV; ++c) vv[c] = __m512(load_f32<T>(vrow[jj] + c * 16));
+#pragma GCC unroll 4
+      for (int t = 0; t < R; ++t) {
+        const __m512 pj = _mm512_set1_ps(p[t][jj]);
+#pragma GCC unroll 16
+        for (int c = 0; c < NV; ++c) a.v[t][c] = _mm512_fmadd_ps(pj, vv[c], a.v[t][c]);
+      }
+    }
+  }
+
+#if defined(__AVX512BF16__)
+  // acc += p @ V with vdpbf16ps over pairs of keys: p rounded to bf16, the V rows of keys j and
+  // j + 1 interleaved by unpacklo / unpackhi_epi16 (accumulated in the pair layout).
+  template <int R>
+  inline void accumulate_pairs(const float (*p)[kBlock16], const T* const* vrow, int nb,
+                               Acc<R>& a) const {
+    alignas(64) uint32_t pp[R][kBlock16 / 2];  // bf16 pairs (p_j, p_j+1), p_j in the low half
+#pragma GCC unroll 4
+    for (int t = 0; t < R; ++t) {
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pp[t]),
+                         (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(p[t])));
+    }
+    for (int jj = 0; jj < nb; jj += 2) {
+      const T* va = vrow[jj];
+      const T* vb = vrow[jj + 1];  // vrow[nb] is a padding row when nb is odd (p = 0)
+#pragma GCC unroll 8
+      for (int c = 0; c < NV / 2; ++c) {
+        const __m512i x = _mm512_loadu_si512(va + c * 32);
+        const __m512i y = _mm512_loadu_si512(vb + c * 32);
+        const __m512bh vl = (__m512bh)_mm512_unpacklo_epi16(x, y);
+        const __m512bh vh = (__m512bh)_mm512_unpackhi_epi16(x, y);
+#pragma GCC unroll 4
+        for (int t = 0; t < R; ++t) {
+          const __m512bh pj = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[t][jj / 2]));
+          a.v[t][2 * c] = _mm512_dpbf16_ps(a.v[t][2 * c], pj, vl);
+          a.v[t][2 * c + 1] = _mm512_dpbf16_ps(a.v[t][2 * c + 1], pj, vh);
+        }
+      }
+    }
+  }
+#else
+  template <int R>
+  inline void accumulate_pairs(const float (*)[kBlock16], const T* const*, int, Acc<R>&) const {}
+#endif
+};
+
+#else  // not AVX-512
 
 // Online softmax of `nq` fp32 queries (already scaled) over a list of pool slots of one KV head.
 // Keys go in blocks of kBlock; within a block, queries go in tiles of TQ whose accumulators stay
@@ -60,10 +423,17 @@ struct KeyScan {
   static constexpr int NV = D / kVec;
   static constexpr int TQ = std::max(1, std::min(4, 12 / NV));
 
+  using QType = float;
+
   const T* kbase;  // k_buffer + kv_head * D
   const T* vbase;  // v_buffer + kv_head * D
   int64_t stride;  // elements per slot: kv_heads * D
-  int64_t num_slots;
+  float scale;
+
+  // Queries scaled and converted to fp32.
+  static void load_queries(const T* src, int64_t n, float scale, QType* dst) {
+    for (int64_t e = 0; e < n * D; ++e) dst[e] = static_cast<float>(src[e]) * scale;
+  }
 
   // Runs keys idx[0..n) through the state (m[i], l[i], acc[i, :]) of each query q[i, :].
   void run(const float* q, int64_t nq, const int32_t* idx, int64_t n, float* m, float* l,
@@ -75,8 +445,6 @@ struct KeyScan {
       const int64_t nb = std::min(kBlock, n - j0);
       for (int64_t jj = 0; jj < nb; ++jj) {
         const int64_t slot = idx[j0 + jj];
-        TORCH_CHECK(slot >= 0 && slot < num_slots, "paged_decode: kv slot ", slot,
-                    " out of range [0, ", num_slots, ")");
         krow[jj] = kbase + slot * stride;
         vrow[jj] = vbase + slot * stride;
       }
@@ -84,10 +452,8 @@ struct KeyScan {
       const int64_t next_end = std::min(n, j0 + 2 * kBlock);
       for (int64_t j = j0 + nb; j < next_end; ++j) {
         const int64_t slot = idx[j];
-        if (slot >= 0 && slot < num_slots) {
-          prefetch_row(kbase + slot * stride, D * sizeof(T));
-          prefetch_row(vbase + slot * stride, D * sizeof(T));
-        }
+        prefetch_row(kbase + slot * stride, D * sizeof(T));
+        prefetch_row(vbase + slot * stride, D * sizeof(T));
       }
       for (int64_t t0 = 0; t0 < nq; t0 += TQ) {
         const int64_t tq = std::min<int64_t>(TQ, nq - t0);
@@ -164,6 +530,8 @@ struct KeyScan {
   }
 };
 
+#endif  // CPU_CAPABILITY_AVX512
+
 // One unit of parallel work: either a request row's own keys (for one KV head), or a chunk of a
 // group's rows against the group's shared prefix (for one KV head).
 struct Item {
@@ -197,13 +565,28 @@ void paged_decode_impl(const Tensor& q, const Tensor& k_buffer, const Tensor& v_
 
   const T* kb = k_buffer.data_ptr<T>();
   const T* vb = v_buffer.data_ptr<T>();
+  // Every slot is checked once here, so the scans read rows without checks.
+  {
+    const int32_t* ip = kv_indices.data_ptr<int32_t>();
+    const int64_t n = kv_indices.numel(), slots = k_buffer.size(0);
+    int32_t lo = std::numeric_limits<int32_t>::max(), hi = std::numeric_limits<int32_t>::min();
+    for (int64_t i = 0; i < n; ++i) {
+      lo = std::min(lo, ip[i]);
+      hi = std::max(hi, ip[i]);
+    }
+    if (n > 0 && (lo < 0 || hi >= slots)) {
+      const int32_t bad = lo < 0 ? lo : hi;
+      TORCH_CHECK(false, "paged_decode: kv slot ", bad, " out of range [0, ", slots, ")");
+    }
+  }
+  using Scan = KeyScan<T, D>;
+  using QType = typename Scan::QType;
   auto scan_for = [&](int64_t h) {
-    return KeyScan<T, D>{kb + h * D, vb + h * D, Hkv * D, k_buffer.size(0)};
+    return Scan{kb + h * D, vb + h * D, Hkv * D, scale};
   };
-  // Query i of a (row, kv head) pair is query head h * G + i, scaled to fp32.
-  auto load_queries = [&](int64_t b, int64_t h, float* dst) {
-    const T* src = qp + (b * H + h * G) * D;
-    for (int64_t e = 0; e < G * D; ++e) dst[e] = static_cast<float>(src[e]) * scale;
+  // Query i of a (row, kv head) pair is query head h * G + i, as the scan takes it.
+  auto load_queries = [&](int64_t b, int64_t h, QType* dst) {
+    Scan::load_queries(qp + (b * H + h * G) * D, G, scale, dst);
   };
 
   // Phase 1: shared prefixes. State of (row b, head) saved for the row's own pass.
@@ -245,7 +628,8 @@ void paged_decode_impl(const Tensor& q, const Tensor& k_buffer, const Tensor& v_
       }
     }
     run_largest_first(items, kMinParallelWork, [&](const Item& it) {
-      thread_local std::vector<float> qbuf, mbuf, lbuf, abuf;
+      thread_local std::vector<QType> qbuf;
+      thread_local std::vector<float> mbuf, lbuf, abuf;
       const int64_t rows = it.last - it.first, nq = rows * G;
       qbuf.resize(nq * D);
       mbuf.assign(nq, kNegInf);
@@ -277,7 +661,8 @@ void paged_decode_impl(const Tensor& q, const Tensor& k_buffer, const Tensor& v_
     }
   }
   run_largest_first(items, kMinParallelWork, [&](const Item& it) {
-    thread_local std::vector<float> qbuf, mbuf, lbuf, abuf;
+    thread_local std::vector<QType> qbuf;
+    thread_local std::vector<float> mbuf, lbuf, abuf;
     const int64_t b = it.first, h = it.kv_head;
     qbuf.resize(G * D);
     load_queries(b, h, qbuf.data());
