@@ -380,7 +380,7 @@ def main() -> None:
     ob.add_argument("--quant-max-rows", type=int, default=None,
                     help="ServerArgs.quant_max_rows")
     ob.add_argument("--quant-kernel", default="auto", help="ServerArgs.quant_kernel")
-    ob.add_argument("--thread-wait", default="passive", choices=("passive", "spin"),
+    ob.add_argument("--thread-wait", default="brief", choices=("brief", "passive", "spin"),
                     help="ServerArgs.thread_wait: how this process's OpenMP threads wait (an "
                          "OMP_WAIT_POLICY / GOMP_SPINCOUNT already in the environment wins)")
     ob.add_argument("--compile-decode", action="store_true",

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 SCHEDULE_POLICIES: tuple[str, ...] = ("lpm", "fcfs", "dfs-weight")
-THREAD_WAITS: tuple[str, ...] = ("passive", "spin")
+THREAD_WAITS: tuple[str, ...] = ("brief", "passive", "spin")
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 # The names of radixrt.server.tool_parsers.TOOL_PARSERS, plus "auto" (a test keeps them equal).
 TOOL_CALL_PARSERS: tuple[str, ...] = ("auto", "hermes", "llama3_json", "mistral")
@@ -137,10 +137,11 @@ class ServerArgs:
                "paged-decode kernel both run)")
     num_threads: int | None = _f(None, "torch threads of the scheduler (default: cores "
                                        "available)")
-    thread_wait: str = _f("passive", "how the scheduler's OpenMP threads wait between parallel "
-                                     "regions: passive (sleep at once: robust when other "
-                                     "processes share the cores) | spin (the OpenMP runtime's "
-                                     "default: spin a while first)")
+    thread_wait: str = _f("brief", "how the scheduler's OpenMP threads wait between parallel "
+                                   "regions: brief (spin ~a few tens of us, then sleep: the "
+                                   "next op of a step finds them awake, a preempted peer costs "
+                                   "little) | passive (sleep at once) | spin (the OpenMP "
+                                   "runtime's default: spin up to ~0.1-1 ms first)")
     helper_nice: int = _f(10, "niceness added to the processes that do no tensor work (the "
                               "detokenizer; the HTTP server's process under `radixrt serve`), "
                               "so they yield to the scheduler; 0 = leave them alone")

@@ -18,6 +18,10 @@ def test_passive_and_spin_environments():
     assert p["OMP_WAIT_POLICY"] == "PASSIVE" and p["KMP_BLOCKTIME"] == "0"
     s = cpu_policy.omp_env(3, "spin")
     assert s == {"OMP_NUM_THREADS": "3", "MKL_NUM_THREADS": "3"}  # the runtime's own default
+    b = cpu_policy.omp_env(2, "brief")  # the default: a bounded spin, then sleep
+    assert ServerArgs().thread_wait == "brief"
+    assert "OMP_WAIT_POLICY" not in b  # else libgomp's PASSIVE / ACTIVE override the count
+    assert 0 < int(b["GOMP_SPINCOUNT"]) <= 100_000 and int(b["KMP_BLOCKTIME"]) >= 1
     with pytest.raises(ValueError, match="thread_wait"):
         cpu_policy.omp_env(2, "busy")
     h = cpu_policy.helper_env()

@@ -8,7 +8,9 @@ tick: on the shared 2-core machine a bare batch-8 decode step took 2.0-2.7 s wit
 default spinning against 0.37-0.59 s with passive waiting (bench/results/*-step-overhead.md).
 So:
 
-- the scheduler's OpenMP threads wait passively by default (`ServerArgs.thread_wait`), set
+- the scheduler's OpenMP threads spin only briefly at a barrier, then sleep (`ServerArgs.
+  thread_wait` "brief"; "passive" sleeps at once, which made every one of a decode step's few
+  hundred regions pay a futex wake-up: a batch-1 step 13.6 ms passive vs 7.6 ms brief), set
   through the environment of the child *before* it loads the OpenMP runtime (GNU libgomp reads
   `OMP_WAIT_POLICY` / `GOMP_SPINCOUNT`, Intel's libiomp `KMP_BLOCKTIME`, once, at load);
 - helper processes (the detokenizer; the HTTP server's own process under `radixrt serve`) do no
@@ -29,15 +31,26 @@ from radixrt.config import THREAD_WAITS
 logger = logging.getLogger(__name__)
 
 
+# "brief": spin iterations of libgomp's wait loop before sleeping (each a `pause`, tens of ns:
+# ~tens of us in all), and Intel libiomp's equivalent (ms, its smallest non-zero value).
+BRIEF_SPINCOUNT = 3000
+BRIEF_BLOCKTIME_MS = 1
+
+
 def omp_env(threads: int, wait: str) -> dict[str, str]:
     """Environment for a process whose torch runs `threads` OpenMP threads waiting per `wait`:
-    "passive" sleeps at once at a barrier; "spin" keeps the OpenMP runtime's default (spin a
-    while, then sleep)."""
+    "brief" spins BRIEF_SPINCOUNT iterations at a barrier, then sleeps (a decode step's next
+    parallel region, microseconds later, finds its threads awake; a peer preempted by another
+    process costs at most that spin); "passive" sleeps at once (every region pays a futex wake);
+    "spin" keeps the OpenMP runtime's default (spin up to ~0.1-1 ms, then sleep)."""
     if wait not in THREAD_WAITS:
         raise ValueError(f"thread_wait must be one of {THREAD_WAITS}, got {wait!r}")
     env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     if wait == "passive":
         env.update({"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0", "KMP_BLOCKTIME": "0"})
+    elif wait == "brief":
+        env.update({"GOMP_SPINCOUNT": str(BRIEF_SPINCOUNT),
+                    "KMP_BLOCKTIME": str(BRIEF_BLOCKTIME_MS)})
     return env
 
 
