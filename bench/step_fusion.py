@@ -34,6 +34,7 @@ import argparse  # noqa: E402
 import os  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 from typing import Any  # noqa: E402
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the scheduler runs; before torch loads
@@ -89,6 +90,19 @@ def report(res: dict[tuple[Any, ...], list[float]], unit: str = "ms") -> None:
               f"  new/old {new / old:.3f}  (n={len(res[(*k, True)])})", flush=True)
 
 
+def alternate(dec: RandomKVDecoder, rounds: int, steps: int,
+              switch: Callable[[bool], None]) -> dict[bool, list[float]]:
+    """Decode steps with `switch(False)` (old) and `switch(True)` (new) in alternating blocks
+    of `steps` (order flipped every round; each block's first step is a dropped warm-up)."""
+    out: dict[bool, list[float]] = {False: [], True: []}
+    for r in range(rounds):
+        for new in ((False, True) if r % 2 == 0 else (True, False)):
+            switch(new)
+            dec.step()  # warm-up
+            out[new] += [dec.step() for _ in range(steps)]
+    return out
+
+
 def decode(a: argparse.Namespace) -> None:
     for dtype in a.dtype:
         runner = make_runner(dtype, max(a.batch_size), a.input_len + a.rounds * 2 * a.steps,
@@ -98,12 +112,10 @@ def decode(a: argparse.Namespace) -> None:
         res: dict[tuple[Any, ...], list[float]] = {}
         for bs in a.batch_size:
             dec = RandomKVDecoder(runner, bs, a.input_len, clock)
-            for r in range(a.rounds):
-                for fused in ((False, True) if r % 2 == 0 else (True, False)):
-                    use(runner, fused)
-                    dec.step()  # warm-up
-                    for _ in range(a.steps):
-                        res.setdefault((dtype, f"batch {bs}", fused), []).append(dec.step())
+            times = alternate(dec, a.rounds, a.steps,
+                              lambda fused, r=runner: use(r, fused))  # type: ignore[misc]
+            for fused, ts in times.items():
+                res[(dtype, f"batch {bs}", fused)] = ts
             print(f"  (load {os.getloadavg()[0]:.1f})", flush=True)
         report(res)
 
@@ -116,16 +128,12 @@ def layers(a: argparse.Namespace) -> None:
         stack = runner.model.decode_layers()
         print(f"dtype {runner.dtype}, quantization {runner.quant.mode}, {a.threads} threads, "
               f"one-call path: {stack if isinstance(stack, str) else 'available'}", flush=True)
-        res: dict[tuple[Any, ...], list[float]] = {}
         for bs in a.batch_size:
             dec = RandomKVDecoder(runner, bs, a.input_len, clock)
-            for r in range(a.rounds):
-                for one_call in ((False, True) if r % 2 == 0 else (True, False)):
-                    runner.model.fused_decode = one_call
-                    dec.step()  # warm-up
-                    for _ in range(a.steps):
-                        res.setdefault((bs, one_call), []).append(dec.step())
-            old, new = (statistics.median(res[(bs, f)]) * 1e3 for f in (False, True))
+            times = alternate(dec, a.rounds, a.steps,
+                              lambda one_call, r=runner: setattr(  # type: ignore[misc]
+                                  r.model, "fused_decode", one_call))
+            old, new = (statistics.median(times[f]) * 1e3 for f in (False, True))
             print(f"{dtype} batch {bs:3d}  layer loop {old:8.2f} ms  one call {new:8.2f} ms  "
                   f"saved {old - new:6.2f} ms  new/old {new / old:.3f}  "
                   f"(load {os.getloadavg()[0]:.1f})", flush=True)

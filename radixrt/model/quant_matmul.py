@@ -105,23 +105,22 @@ def merged_codes(groups: Int4Groups) -> tuple[torch.Tensor, torch.Tensor, torch.
     return q8.to(torch.int8), s[1], z[0] + z[1] - 8 * s[1]
 
 
-def pack_tiles(groups: Int4Groups) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(codes uint8 `[N/16, K/32, 64 * bits]`, scale, offset `[N/16, K/32, 16]`) in qgemv.cpp's
-    layout; scale and offset are float16 when that holds every value exactly (GGUF blocks),
-    else float32. Raises ValueError unless N % 16 == 0 and K % 32 == 0."""
+def _tile_codes(groups: Int4Groups, kernel: str
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    """`merged_codes` of a weight a tiled kernel can take, with (tiles, groups): raises
+    ValueError naming `kernel` unless N % 16 == 0 and K % 32 == 0."""
     n, k = groups.shape
     if n % TILE or k % GROUP:
-        raise ValueError(f"the radixrt quantized kernel needs out_features % {TILE} == 0 and "
+        raise ValueError(f"the {kernel} quantized kernel needs out_features % {TILE} == 0 and "
                          f"in_features % {GROUP} == 0, got a [{n}, {k}] weight")
     q, scale, offset = merged_codes(groups)
-    nt, g = n // TILE, k // GROUP
-    # [t, n, g, j, h] -> [t, g, j, n, h]: pair j of group g, lane n, element h (k = 32g + 2j + h)
-    q = q.reshape(nt, TILE, g, GROUP // 2, 2).permute(0, 2, 3, 1, 4)
-    if groups.planes == 1:
-        codes = (q[..., 0] | (q[..., 1] << 4)).to(torch.uint8)
-    else:
-        codes = q.contiguous().view(torch.uint8)
-    codes = codes.reshape(nt, g, -1).contiguous()
+    return q, scale, offset, n // TILE, k // GROUP
+
+
+def _lane_scales(scale: torch.Tensor, offset: torch.Tensor, nt: int, g: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[N, K/32]` scale and offset as `[N/16, K/32, 16]` (lanes last), float16 when that holds
+    every value of both exactly (GGUF blocks), else float32."""
 
     def lanes(t: torch.Tensor) -> torch.Tensor:
         return t.reshape(nt, TILE, g).permute(0, 2, 1).contiguous()
@@ -129,8 +128,23 @@ def pack_tiles(groups: Int4Groups) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     scale, offset = lanes(scale), lanes(offset)
     half_s, half_o = scale.half(), offset.half()
     if torch.equal(half_s.float(), scale) and torch.equal(half_o.float(), offset):
-        return codes, half_s, half_o  # exact in fp16 (GGUF's d and m are fp16)
-    return codes, scale, offset
+        return half_s, half_o
+    return scale, offset
+
+
+def pack_tiles(groups: Int4Groups) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes uint8 `[N/16, K/32, 64 * bits]`, scale, offset `[N/16, K/32, 16]`) in qgemv.cpp's
+    layout; scale and offset are float16 when that holds every value exactly (GGUF blocks),
+    else float32. Raises ValueError unless N % 16 == 0 and K % 32 == 0."""
+    q, scale, offset, nt, g = _tile_codes(groups, "radixrt")
+    # [t, n, g, j, h] -> [t, g, j, n, h]: pair j of group g, lane n, element h (k = 32g + 2j + h)
+    q = q.reshape(nt, TILE, g, GROUP // 2, 2).permute(0, 2, 3, 1, 4)
+    if groups.planes == 1:
+        codes = (q[..., 0] | (q[..., 1] << 4)).to(torch.uint8)
+    else:
+        codes = q.contiguous().view(torch.uint8)
+    codes = codes.reshape(nt, g, -1).contiguous()
+    return (codes, *_lane_scales(scale, offset, nt, g))
 
 
 def unpack_tiles(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
@@ -193,12 +207,7 @@ def pack_vnni(groups: Int4Groups) -> torch.Tensor:
     (4-bit: `u = q` 0..15; 8-bit: `u = q8 + 128`), then the scale d and offset c of
     `W = d * u + c` for the 16 lanes, float16 when that holds every value exactly (GGUF
     blocks), else float32. Raises ValueError unless N % 16 == 0 and K % 32 == 0."""
-    n, k = groups.shape
-    if n % TILE or k % GROUP:
-        raise ValueError(f"the vnni quantized kernel needs out_features % {TILE} == 0 and "
-                         f"in_features % {GROUP} == 0, got a [{n}, {k}] weight")
-    q, scale, offset = merged_codes(groups)
-    nt, g = n // TILE, k // GROUP
+    q, scale, offset, nt, g = _tile_codes(groups, "vnni")
     if groups.planes == 1:
         # [t, n, g, v, h, b] -> [t, g, v, n, b, h]: vector v, lane n, byte b; h = nibble
         u = q.reshape(nt, TILE, g, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
@@ -208,14 +217,7 @@ def pack_vnni(groups: Int4Groups) -> torch.Tensor:
         offset = offset - 128 * scale  # exact for GGUF Q8_0 (offset 0, scale fp16)
         codes = u.reshape(nt, TILE, g, 8, 4).permute(0, 2, 3, 1, 4)
     codes = codes.reshape(nt, g, -1)
-
-    def lanes(t: torch.Tensor) -> torch.Tensor:
-        return t.reshape(nt, TILE, g).permute(0, 2, 1).contiguous()
-
-    scale, offset = lanes(scale), lanes(offset)
-    half_s, half_o = scale.half(), offset.half()
-    if torch.equal(half_s.float(), scale) and torch.equal(half_o.float(), offset):
-        scale, offset = half_s, half_o
+    scale, offset = _lane_scales(scale, offset, nt, g)
     sc = torch.cat([scale, offset], -1).contiguous().view(torch.uint8)
     return torch.cat([codes, sc], -1).contiguous()
 
