@@ -398,7 +398,8 @@ def main() -> None:
         from radixrt.core.cpu_policy import omp_env
 
         for k, v in omp_env(a.threads, a.thread_wait).items():  # before torch loads OpenMP
-            os.environ.setdefault(k, v)
+            if v is not None:
+                os.environ.setdefault(k, v)
         res = one_batch(a.batch_size, a.input_len, a.output_len, a.threads, a.runs, a.model,
                         a.dtype, a.with_ceiling, a.prefill_max_tokens, a.compile_decode,
                         a.quantization, a.quant_max_rows, a.quant_kernel)

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from radixrt import Engine, SamplingParams
+from radixrt.core import cpu_policy
 from radixrt.core.errors import EngineDeadError
 
 
@@ -201,14 +202,17 @@ def _environ(pid: int) -> dict[str, str]:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/environ"), reason="needs Linux /proc")
-def test_scheduler_waits_passively_and_the_detokenizer_yields(engine):
+def test_scheduler_waits_briefly_and_the_detokenizer_yields(engine):
     """ServerArgs.thread_wait reaches the scheduler through its environment (OpenMP reads it
-    once, at load); the detokenizer runs `helper_nice` below us, the scheduler at our priority."""
+    once, at load), no OMP_WAIT_POLICY overriding the spin count; the detokenizer runs
+    `helper_nice` below us and waits passively, the scheduler at our priority."""
     sched, detok = engine.launcher.scheduler.pid, engine.launcher.detokenizer.pid
     env = _environ(sched)
-    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and env["OMP_NUM_THREADS"] == "1"
+    assert env["GOMP_SPINCOUNT"] == str(cpu_policy.BRIEF_SPINCOUNT)
+    assert "OMP_WAIT_POLICY" not in env and env["OMP_NUM_THREADS"] == "1"
+    assert _environ(detok)["OMP_WAIT_POLICY"] == "PASSIVE"
     assert _environ(detok)["OMP_NUM_THREADS"] == "1"
     me = os.getpriority(os.PRIO_PROCESS, 0)
     assert os.getpriority(os.PRIO_PROCESS, sched) == me
     assert os.getpriority(os.PRIO_PROCESS, detok) == min(19, me + engine.args.helper_nice)
-    assert engine.info["thread_wait"] == "passive" and engine.info["num_threads"] == 1
+    assert engine.info["thread_wait"] == "brief" and engine.info["num_threads"] == 1

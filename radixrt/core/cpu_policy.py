@@ -37,27 +37,29 @@ BRIEF_SPINCOUNT = 3000
 BRIEF_BLOCKTIME_MS = 1
 
 
-def omp_env(threads: int, wait: str) -> dict[str, str]:
+def omp_env(threads: int, wait: str) -> dict[str, str | None]:
     """Environment for a process whose torch runs `threads` OpenMP threads waiting per `wait`:
     "brief" spins BRIEF_SPINCOUNT iterations at a barrier, then sleeps (a decode step's next
     parallel region, microseconds later, finds its threads awake; a peer preempted by another
     process costs at most that spin); "passive" sleeps at once (every region pays a futex wake);
-    "spin" keeps the OpenMP runtime's default (spin up to ~0.1-1 ms, then sleep)."""
+    "spin" keeps the OpenMP runtime's default (spin up to ~0.1-1 ms, then sleep). A None value
+    means "unset": an inherited OMP_WAIT_POLICY would override "brief"'s spin count."""
     if wait not in THREAD_WAITS:
         raise ValueError(f"thread_wait must be one of {THREAD_WAITS}, got {wait!r}")
-    env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    env: dict[str, str | None] = {"OMP_NUM_THREADS": str(threads),
+                                  "MKL_NUM_THREADS": str(threads)}
     if wait == "passive":
         env.update({"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0", "KMP_BLOCKTIME": "0"})
     elif wait == "brief":
-        env.update({"GOMP_SPINCOUNT": str(BRIEF_SPINCOUNT),
+        env.update({"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": str(BRIEF_SPINCOUNT),
                     "KMP_BLOCKTIME": str(BRIEF_BLOCKTIME_MS)})
     return env
 
 
 def helper_env() -> dict[str, str]:
     """Environment of a helper process: one thread everywhere, never spinning."""
-    return {**omp_env(1, "passive"), "OPENBLAS_NUM_THREADS": "1",
-            "TOKENIZERS_PARALLELISM": "false"}
+    env = {k: v for k, v in omp_env(1, "passive").items() if v is not None}
+    return {**env, "OPENBLAS_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
 def become_helper(nice: int) -> None:

@@ -105,14 +105,19 @@ def entry_point_name(target: Callable[..., object]) -> str:
 
 
 def spawn_child(name: str, target: Callable[..., object], kwargs: dict, workdir: str,
-                env: dict[str, str] | None = None,
+                env: dict[str, str | None] | None = None,
                 cpus: list[int] | None = None) -> subprocess.Popen:
     """Start `target(**kwargs)` in a fresh interpreter (`python -m radixrt.core.child_main`),
-    pinned to `cpus` (before it imports anything) when given."""
+    pinned to `cpus` (before it imports anything) when given. `env` is laid over this
+    process's environment; a None value removes that variable from the child's."""
     path = os.path.join(workdir, f"{name}.pkl")
     with open(path, "wb") as f:
         pickle.dump({"target": entry_point_name(target), "kwargs": kwargs, "cpus": cpus}, f)
     child_env = dict(os.environ)
-    child_env.update(env or {})
+    for key, value in (env or {}).items():
+        if value is None:
+            child_env.pop(key, None)
+        else:
+            child_env[key] = value
     return subprocess.Popen([sys.executable, "-m", "radixrt.core.child_main", path],
                             env=child_env)
