@@ -1,7 +1,9 @@
-"""Run a check script against the C++ kernel library built for a lower instruction set.
+"""Checks shared by the C++ kernel tests.
 
+`run_isa_check`: a check script against the kernel library built for a lower instruction set.
 One kernel library is loaded per process, so each ISA is checked in a fresh interpreter with
-`RADIXRT_CPU_ISA` set; the build is cached after the first run.
+`RADIXRT_CPU_ISA` set; the build is cached after the first run. `assert_rows_independent`:
+batch invariance of a row-wise op. `assert_flag_only_with`: an ISA's extra compiler flag.
 """
 
 from __future__ import annotations
@@ -9,8 +11,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Iterable
 
 import pytest
+import torch
 
 from radixrt.attention import cpu_kernels
 
@@ -25,3 +29,33 @@ def run_isa_check(isa: str, script: str, timeout: int = 900) -> str:
                          text=True, timeout=timeout)
     assert res.returncode == 0, res.stderr[-3000:]
     return res.stdout
+
+
+def assert_rows_independent(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+                            counts: Iterable[int]) -> None:
+    """Each output row of `fn` is bitwise the same whatever the row count (the first m rows, and
+    row m - 1 alone, for each m in `counts`) and whatever the thread count (1 vs the current)."""
+    full = fn(x)
+    for m in counts:
+        assert torch.equal(fn(x[:m]), full[:m])
+        assert torch.equal(fn(x[m - 1 : m]), full[m - 1 : m])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(fn(x), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def assert_flag_only_with(monkeypatch: pytest.MonkeyPatch, cache: str, cpu_flag: str,
+                          cflag: str) -> None:
+    """The avx512 build adds `cflag` exactly when /proc/cpuinfo lists `cpu_flag`; avx2 never."""
+    monkeypatch.setenv("RADIXRT_KERNEL_CACHE", cache)
+    monkeypatch.delenv("RADIXRT_CPU_ISA", raising=False)
+    monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: "x86_64")
+    base = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"})
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: base)
+    assert cflag not in cpu_kernels.build_spec().cflags
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: base | {cpu_flag})
+    assert cflag in cpu_kernels.build_spec().cflags
+    assert cflag not in cpu_kernels.build_spec("avx2").cflags

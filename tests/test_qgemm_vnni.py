@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_isa import run_isa_check
+from kernel_isa import assert_flag_only_with, assert_rows_independent, run_isa_check
 from model_fixtures import PagedRunner, make_tiny_checkpoint, write_tiny_gguf
 
 from radixrt.attention import cpu_kernels
@@ -157,16 +157,7 @@ def test_op_matches_float64_of_its_quantized_activations(qtype: str, rows: int) 
 def test_rows_are_independent_of_the_row_count_and_threads(qtype: str) -> None:
     vm = VnniQuantMatmul.from_groups(_gguf_groups(16 * 37, 96, qtype, seed=7))
     x = torch.randn(300, 96, generator=torch.Generator().manual_seed(8)).bfloat16()
-    full = vm(x)
-    for m in (1, 2, 3, 4, 5, 7, 8, 9, 63, 64, 65, 97, 200):
-        assert torch.equal(vm(x[:m]), full[:m])
-        assert torch.equal(vm(x[m - 1 : m]), full[m - 1 : m])
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(vm(x), full)
-    finally:
-        torch.set_num_threads(threads)
+    assert_rows_independent(vm, x, (1, 2, 3, 4, 5, 7, 8, 9, 63, 64, 65, 97, 200))
 
 
 def test_zero_rows_zero_groups_and_bad_input() -> None:
@@ -228,15 +219,7 @@ def test_builds_without_vnni_refuse_cleanly(isa: str) -> None:
 
 def test_vnni_flag_is_added_only_when_the_cpu_has_it(monkeypatch: pytest.MonkeyPatch,
                                                      tmp_path: Path) -> None:
-    monkeypatch.setenv("RADIXRT_KERNEL_CACHE", str(tmp_path))
-    monkeypatch.delenv("RADIXRT_CPU_ISA", raising=False)
-    monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: "x86_64")
-    base = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"})
-    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: base)
-    assert "-mavx512vnni" not in cpu_kernels.build_spec().cflags
-    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: base | {"avx512_vnni"})
-    assert "-mavx512vnni" in cpu_kernels.build_spec().cflags
-    assert "-mavx512vnni" not in cpu_kernels.build_spec("avx2").cflags
+    assert_flag_only_with(monkeypatch, str(tmp_path), "avx512_vnni", "-mavx512vnni")
 
 
 # -- a tiny GGUF model on the kernel ---------------------------------------------------------------

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kernel_isa import run_isa_check
+from kernel_isa import assert_flag_only_with, assert_rows_independent, run_isa_check
 
 from radixrt.attention import cpu_kernels
 from radixrt.model.quant import Int4Groups, quantize_int4, quantize_int8
@@ -115,16 +115,7 @@ def test_rows_are_independent_of_the_row_count(bits: int) -> None:
     thread count."""
     tm = TiledQuantMatmul.from_groups(_groups(16 * 37, 96, bits, seed=7))
     x = torch.randn(70, 96, generator=torch.Generator().manual_seed(8)).bfloat16()
-    full = tm(x)
-    for m in (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 64):
-        assert torch.equal(tm(x[:m]), full[:m])
-        assert torch.equal(tm(x[m - 1 : m]), full[m - 1 : m])
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(tm(x), full)
-    finally:
-        torch.set_num_threads(threads)
+    assert_rows_independent(tm, x, (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 64))
 
 
 def test_agrees_with_torch_int4_kernel_on_the_same_groups() -> None:
@@ -191,12 +182,4 @@ def test_other_instruction_sets_build_and_agree(isa: str, path: str) -> None:
 
 def test_isa_table_adds_bf16_only_when_the_cpu_has_it(monkeypatch: pytest.MonkeyPatch,
                                                       tmp_path: Path) -> None:
-    monkeypatch.setenv("RADIXRT_KERNEL_CACHE", str(tmp_path))
-    monkeypatch.delenv("RADIXRT_CPU_ISA", raising=False)
-    monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: "x86_64")
-    base = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"})
-    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: base)
-    assert "-mavx512bf16" not in cpu_kernels.build_spec().cflags
-    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: base | {"avx512_bf16"})
-    assert "-mavx512bf16" in cpu_kernels.build_spec().cflags
-    assert "-mavx512bf16" not in cpu_kernels.build_spec("avx2").cflags
+    assert_flag_only_with(monkeypatch, str(tmp_path), "avx512_bf16", "-mavx512bf16")
