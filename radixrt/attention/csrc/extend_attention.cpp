@@ -207,7 +207,8 @@ constexpr float kLog2e = 1.4426950408889634f;
 #endif
 
 // 2^x for x <= 0 (x < -126 gives 2^-126, not 0; callers mask what must be 0): x = n + f,
-// |f| <= 1/2, 2^f by a degree-5 polynomial (relative error 1.1e-7), scaled by 2^n.
+// |f| <= 1/2, 2^f by a degree-5 polynomial (relative error 1.1e-7), scaled by 2^n. Used for
+// alpha, whose x is -inf while a row has seen no key.
 inline __m512 exp2_neg(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -217,6 +218,20 @@ inline __m512 exp2_neg(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5503272e-2f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022107e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// 2^x for finite x (large negative x underflows to 0; +-inf or NaN give NaN: callers mask
+// those lanes): degree-4 polynomial, relative error 3.6e-6, far below the bf16 rounding of P
+// (2^-9). The probabilities of a block, 2-3% faster than exp2_neg on the agent shapes.
+inline __m512 exp2_finite(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(9.6760374e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5922035e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022107e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9312102e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001f));
   return _mm512_scalef_ps(p, n);
 }
@@ -390,7 +405,10 @@ struct Plan {
 constexpr int64_t kMinShared = kKeyBlock;
 // Query rows per group work item, about: larger items read each shared key block for more rows,
 // smaller ones balance the threads better.
-constexpr int64_t kGroupItemRows = 768;
+#ifndef RADIXRT_EXT_GROUP_ROWS
+#define RADIXRT_EXT_GROUP_ROWS 768
+#endif
+constexpr int64_t kGroupItemRows = RADIXRT_EXT_GROUP_ROWS;
 
 // Splits the batch into work items. Requests' query tokens go in blocks of at most `max_block`
 // tokens (fewer, down to kMinBlockTokens, until there are a few items per thread). With
@@ -676,9 +694,9 @@ void extend_impl(const Tensor& q, const Tensor& k_buffer, const Tensor& v_buffer
           __m512 sum = _mm512_setzero_ps();
           for (int64_t jp = 0; jp < np; ++jp) {
             const int64_t j = 2 * jp;
-            __m512 p0 = exp2_neg(_mm512_fmsub_ps(_mm512_loadu_ps(sv + j * kTileRows), c_log2,
+            __m512 p0 = exp2_finite(_mm512_fmsub_ps(_mm512_loadu_ps(sv + j * kTileRows), c_log2,
                                                  m_new));
-            __m512 p1 = j + 1 < nb ? exp2_neg(_mm512_fmsub_ps(
+            __m512 p1 = j + 1 < nb ? exp2_finite(_mm512_fmsub_ps(
                                          _mm512_loadu_ps(sv + (j + 1) * kTileRows), c_log2, m_new))
                                    : _mm512_setzero_ps();
             if (masked) {
