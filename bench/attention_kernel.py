@@ -5,11 +5,17 @@
     python bench/attention_kernel.py step --batch 1 8 64 --ctx 512 2048 --dtype bfloat16
     python bench/attention_kernel.py kernel --baseline 1e7a68f --batch 8 64 --ctx 512 2048
     python bench/attention_kernel.py extend-kernel --baseline bad92c2 --dtype bfloat16 --reps 7
+    python bench/attention_kernel.py extend-phases --threads 1 --reps 9
 
 `extend-kernel`: the extend op alone (`torch.ops.radixrt.extend_attention` on 4 layers, reported per
 layer) against the same op compiled from `extend_attention.cpp` at `--baseline` (default HEAD), and
 with its shared-prefix groups off, on `EXTEND_KERNEL_SHAPES` (agent waves with own or 700-token
 shared prefixes, a mixed batch, fresh prefills).
+
+`extend-phases`: where the bf16 (vdpbf16ps) extend kernel's time goes on those shapes: the current
+`extend_attention.cpp` built whole and without each phase (`RADIXRT_EXT_SKIP_PHASES`: scores,
+softmax, P V, V packing; results wrong), interleaved on one layer's K/V; a phase's cost is the
+difference.
 
 `kernel`: the op alone (`PagedDecodePlan.run` on every layer, plan built once) against the same op
 compiled from `paged_decode.cpp` at git revision `--baseline` (built beside the current one with
@@ -297,6 +303,51 @@ def markdown_extend_kernel(rows: list[dict[str, Any]], baseline: str) -> str:
             f"{table}")
 
 
+# extend-phases: phase -> RADIXRT_EXT_SKIP_PHASES bit of extend_attention.cpp.
+EXTEND_PHASES = {"scores": 1, "softmax": 2, "P V": 4, "V packing": 8}
+
+
+def bench_extend_phases(shapes: list[str], reps: int) -> list[dict[str, Any]]:
+    """The bf16 vdpbf16ps path's phases: this `extend_attention.cpp` built once whole and once
+    without each phase (wrong results), interleaved on one layer's K/V (hot); a phase's cost is
+    the whole's time minus the time without it."""
+    csrc = Path(cpu_kernels.__file__).resolve().parent / "csrc"
+    src = (csrc / "extend_attention.cpp").read_text()
+    headers = {h: (csrc / h).read_text() for h in ("vec_util.h", "work_queue.h")}
+    ops = {"whole": None, **dict.fromkeys(EXTEND_PHASES)}
+    for name in ops:
+        namespace = "radixrt_phases" + ("" if name == "whole" else str(EXTEND_PHASES[name]))
+        build_op_library(src, "extend_attention.cpp", namespace, headers,
+                         (f"RADIXRT_EXT_SKIP_PHASES={EXTEND_PHASES.get(name, 0)}",))
+        ops[name] = getattr(torch.ops, namespace).extend_attention
+    out = []
+    for shape in shapes:
+        rows, shared = EXTEND_KERNEL_SHAPES[shape]
+        kv, (kvi, kptr, loc, qptr), n = _extend_op_args(torch.bfloat16, rows, shared, 1)
+        q = torch.randn(n, HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(1))
+        args = (q.bfloat16(), kv.k_buffer[0], kv.v_buffer[0], kvi, kptr, loc, qptr,
+                HEAD_DIM**-0.5)
+        med = interleaved({k: (lambda op=op, args=args: op(*args)) for k, op in ops.items()},
+                          reps)
+        row: dict[str, Any] = {"shape": shape, "whole_ms": med["whole"] * 1e3}
+        for name in EXTEND_PHASES:
+            row[f"{name}_ms"] = (med["whole"] - med[name]) * 1e3
+        row["rest_ms"] = row["whole_ms"] - sum(row[f"{k}_ms"] for k in EXTEND_PHASES)
+        print(json.dumps(row), flush=True)
+        out.append(row)
+    return out
+
+
+def markdown_extend_phases(rows: list[dict[str, Any]]) -> str:
+    names = [*EXTEND_PHASES, "rest"]
+    table = markdown_table(
+        ["shape", "whole ms", *(f"{k} ms (share)" for k in names)],
+        ([r["shape"], f"{r['whole_ms']:.2f}",
+          *(f"{r[f'{k}_ms']:.2f} ({r[f'{k}_ms'] / r['whole_ms']:.0%})" for k in names)]
+         for r in rows))
+    return f"bf16 extend attention by phase, one layer, ms (medians)\n\n{table}"
+
+
 def bench_extend(dtypes: list[str], reps: int) -> list[dict[str, Any]]:
     out = []
     for dname in dtypes:
@@ -377,19 +428,43 @@ def bench_step(batches: list[int], ctxs: list[int], prefixes: list[int], dtypes:
     return out
 
 
-def load_baseline(rev: str, source: str = "paged_decode.cpp") -> None:
-    """Builds `radixrt/attention/csrc/<source>` as of git `rev` under the op namespace
-    `radixrt_baseline` (same compiler flags as the current build) and loads it."""
+def build_op_library(src: str, source: str, namespace: str, headers: dict[str, str],
+                     defines: tuple[str, ...] = ()) -> None:
+    """Compiles the kernel source text `src` (file name `source`) with its ops registered under
+    `namespace` instead of `radixrt` (same compiler flags as the current build, plus `-D`
+    `defines`) beside the cached builds, and loads it; `headers` (name -> text) are the ones it
+    includes."""
     from torch.utils import cpp_extension
 
+    for macros in (("TORCH_LIBRARY(", "TORCH_LIBRARY_FRAGMENT("), ("TORCH_LIBRARY_IMPL(",)):
+        if not any(f"{m}radixrt," in src for m in macros):
+            raise SystemExit(f"no {macros[0]}radixrt, ...) in {source}")
+        for m in macros:
+            src = src.replace(f"{m}radixrt,", f"{m}{namespace},")
+    spec = cpu_kernels.build_spec()
+    cflags = [*spec.cflags, *(f"-D{d}" for d in defines)]
+    key = hashlib.sha256((src + "".join(headers.values()) + " ".join(cflags)
+                          + torch.__version__).encode()).hexdigest()
+    directory = cpu_kernels.cache_root() / f"{namespace}-{spec.isa}-{key[:16]}"
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, text in headers.items():
+        if not (directory / name).exists():
+            (directory / name).write_text(text)
+    target = directory / source.replace(".cpp", f"_{namespace}.cpp")
+    if not target.exists() or target.read_text() != src:  # an unchanged file is not rebuilt
+        target.write_text(src)
+    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])
+    cpp_extension.load(name=f"{namespace}_{key[:16]}", sources=[str(target)],
+                       extra_cflags=cflags, extra_ldflags=["-fopenmp"],
+                       build_directory=str(directory), is_python_module=False)
+
+
+def load_baseline(rev: str, source: str = "paged_decode.cpp") -> None:
+    """Builds `radixrt/attention/csrc/<source>` as of git `rev` under the op namespace
+    `radixrt_baseline` and loads it."""
     root = Path(__file__).resolve().parents[1]
     src = subprocess.run(["git", "show", f"{rev}:radixrt/attention/csrc/{source}"],
                          cwd=root, check=True, capture_output=True, text=True).stdout
-    for macros in (("TORCH_LIBRARY(", "TORCH_LIBRARY_FRAGMENT("), ("TORCH_LIBRARY_IMPL(",)):
-        if not any(f"{m}radixrt," in src for m in macros):
-            raise SystemExit(f"{rev}: no {macros[0]}radixrt, ...) in {source}")
-        for m in macros:
-            src = src.replace(f"{m}radixrt,", f"{m}radixrt_baseline,")
     # The headers it includes, as of the same revision (absent before they were split out).
     headers = {}
     for name in ("vec_util.h", "work_queue.h"):
@@ -397,20 +472,7 @@ def load_baseline(rev: str, source: str = "paged_decode.cpp") -> None:
                                cwd=root, capture_output=True, text=True)
         if shown.returncode == 0:
             headers[name] = shown.stdout
-    spec = cpu_kernels.build_spec()
-    key = hashlib.sha256((src + "".join(headers.values()) + " ".join(spec.cflags)
-                          + torch.__version__).encode()).hexdigest()
-    directory = cpu_kernels.cache_root() / f"baseline-{spec.isa}-{key[:16]}"
-    directory.mkdir(parents=True, exist_ok=True)
-    for name, text in headers.items():
-        (directory / name).write_text(text)
-    target = directory / source.replace(".cpp", "_baseline.cpp")
-    if not target.exists() or target.read_text() != src:  # an unchanged file is not rebuilt
-        target.write_text(src)
-    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])
-    cpp_extension.load(name=f"radixrt_baseline_{key[:16]}", sources=[str(target)],
-                       extra_cflags=list(spec.cflags), extra_ldflags=["-fopenmp"],
-                       build_directory=str(directory), is_python_module=False)
+    build_op_library(src, source, "radixrt_baseline", headers)
 
 
 def _kernel_case(dname: str, bs: int, ctx: int, prefix: int, reps: int,
@@ -491,7 +553,8 @@ def markdown(rows: list[dict[str, Any]], what: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=("attention", "step", "kernel", "extend", "extend-kernel"))
+    ap.add_argument("what", choices=("attention", "step", "kernel", "extend", "extend-kernel",
+                                     "extend-phases"))
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--ctx", type=int, nargs="+", default=[512, 2048])
     ap.add_argument("--prefix", type=int, nargs="+", default=[0, 400])
@@ -511,6 +574,13 @@ def main() -> None:
         raise SystemExit(f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
     info = machine()
     print(json.dumps(info), flush=True)
+    if a.what == "extend-phases":
+        with torch.inference_mode():
+            rows = bench_extend_phases(list(EXTEND_KERNEL_SHAPES), a.reps)
+        print(markdown_extend_phases(rows))
+        if a.out:
+            Path(a.out).write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
+        return
     if a.what == "extend-kernel":
         baseline = a.baseline or "HEAD"
         load_baseline(baseline, "extend_attention.cpp")

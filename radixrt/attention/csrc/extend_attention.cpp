@@ -205,6 +205,13 @@ constexpr float kLog2e = 1.4426950408889634f;
 #ifndef RADIXRT_EXT_PREFETCH
 #define RADIXRT_EXT_PREFETCH 1
 #endif
+// Phase costs (`bench/attention_kernel.py extend-phases`): RADIXRT_EXT_SKIP_PHASES compiles the
+// phases of this bit mask out of the path, leaving wrong results and the time of the rest.
+#ifndef RADIXRT_EXT_SKIP_PHASES
+#define RADIXRT_EXT_SKIP_PHASES 0
+#endif
+constexpr int kSkipScores = 1, kSkipSoftmax = 2, kSkipPV = 4, kSkipVPack = 8;
+constexpr int kSkipPhases = RADIXRT_EXT_SKIP_PHASES;
 
 // 2^x for x <= 0 (x < -126 gives 2^-126, not 0; callers mask what must be 0): x = n + f,
 // |f| <= 1/2, 2^f by a degree-5 polynomial (relative error 1.1e-7), scaled by 2^n. Used for
@@ -650,7 +657,7 @@ void extend_impl(const Tensor& q, const Tensor& k_buffer, const Tensor& v_buffer
     // Keys j0 .. j0 + nb - 1 (rows in krow / vrow) for rows [r_lo, r_end).
     auto block = [&](int64_t j0, int64_t nb, int64_t r_lo, int64_t r_end) {
       const int64_t np = (nb + 1) / 2;
-      for (int64_t i = 0; i < np; ++i) {
+      for (int64_t i = 0; i < np && !(kSkipPhases & kSkipVPack); ++i) {
         const auto* va = static_cast<const at::BFloat16*>(vrow[2 * i]);
         const auto* vbb =
             2 * i + 1 < nb ? static_cast<const at::BFloat16*>(vrow[2 * i + 1]) : nullptr;
@@ -661,14 +668,14 @@ void extend_impl(const Tensor& q, const Tensor& k_buffer, const Tensor& v_buffer
       const __m512i last_key = _mm512_set1_epi32(static_cast<int32_t>(j0 + nb - 1));
       for (int64_t r0 = r_lo; r0 < r_end; r0 += kTileRows) {
         const int nv = static_cast<int>(std::min<int64_t>(kRowVecs, (r_end - r0 + 15) / 16));
-        with_vecs(nv, [&](auto vv) {
+        if (!(kSkipPhases & kSkipScores)) with_vecs(nv, [&](auto vv) {
           for (int64_t jj = 0; jj < nk; jj += kTileKeys) {
             Lt::template scores<decltype(vv)::value>(qt + r0, ld, krow + jj,
                                                      st + jj * kTileRows);
           }
         });
         // Online softmax, 16 rows per vector, over the block's keys.
-        for (int v = 0; v < nv; ++v) {
+        for (int v = 0; v < nv && !(kSkipPhases & kSkipSoftmax); ++v) {
           const int64_t r = r0 + 16 * v;
           const __mmask16 valid = r_end - r >= 16 ? __mmask16(0xFFFF)
                                                   : __mmask16((1u << (r_end - r)) - 1);
@@ -719,7 +726,7 @@ void extend_impl(const Tensor& q, const Tensor& k_buffer, const Tensor& v_buffer
           _mm512_storeu_ps(alpha_t + 16 * v, alpha);
         }
         const int64_t r1 = std::min(r_end, r0 + kTileRows);
-        for (int64_t ra = r0; ra < r1; ra += Lt::R_O) {
+        for (int64_t ra = r0; ra < r1 && !(kSkipPhases & kSkipPV); ra += Lt::R_O) {
           const int64_t rr = ra - r0;
           const int n = static_cast<int>(std::min<int64_t>(Lt::R_O, r1 - ra));
           bool rescale = false;
