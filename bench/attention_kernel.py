@@ -4,6 +4,18 @@
     python bench/attention_kernel.py extend --dtype bfloat16 float32 --reps 5
     python bench/attention_kernel.py step --batch 1 8 64 --ctx 512 2048 --dtype bfloat16
     python bench/attention_kernel.py kernel --baseline 1e7a68f --batch 8 64 --ctx 512 2048
+    python bench/attention_kernel.py extend-kernel --baseline bad92c2 --dtype bfloat16 --reps 7
+    python bench/attention_kernel.py extend-phases --threads 1 --reps 9
+
+`extend-kernel`: the extend op alone (`torch.ops.radixrt.extend_attention` on 4 layers, reported per
+layer) against the same op compiled from `extend_attention.cpp` at `--baseline` (default HEAD), and
+with its shared-prefix groups off, on `EXTEND_KERNEL_SHAPES` (agent waves with own or 700-token
+shared prefixes, a mixed batch, fresh prefills).
+
+`extend-phases`: where the bf16 (vdpbf16ps) extend kernel's time goes on those shapes: the current
+`extend_attention.cpp` built whole and without each phase (`RADIXRT_EXT_SKIP_PHASES`: scores,
+softmax, P V, V packing; results wrong), interleaved on one layer's K/V; a phase's cost is the
+difference.
 
 `kernel`: the op alone (`PagedDecodePlan.run` on every layer, plan built once) against the same op
 compiled from `paged_decode.cpp` at git revision `--baseline` (built beside the current one with
@@ -216,6 +228,126 @@ def _extend_case(dname: str, shape: str, reps: int, layers: int = 3) -> dict[str
     return row
 
 
+# Op-alone shapes of `extend-kernel`: name -> (rows, shared prefix slots of every row).
+EXTEND_KERNEL_SHAPES: dict[str, tuple[list[tuple[int, int]], int]] = {
+    "agent 20x(850+65), own prefixes": ([(850, 65)] * 20, 0),
+    "agent 20x(850+65), 700 shared": ([(850, 65)] * 20, 700),
+    "agent 64x(850+65), 700 shared": ([(850, 65)] * 64, 700),
+    "mixed 20x(850+65) + 40x(899+1), 700 shared": ([(850, 65)] * 20 + [(899, 1)] * 40, 700),
+    "fresh 1x512": ([(0, 512)], 0),
+    "fresh 4x512": ([(0, 512)] * 4, 0),
+    "fresh 1x2048": ([(0, 2048)], 0),
+}
+
+
+def _extend_op_args(dtype: torch.dtype, rows: list[tuple[int, int]], shared: int,
+                    layers: int) -> tuple[TokenToKVPool, list[torch.Tensor], int]:
+    """Pool (random K/V, `layers` layers), the op's index tensors and the query count: each
+    row's prefix starts with the same `shared` slots, then its own run of slots."""
+    own = [p + e - shared for p, e in rows]
+    kv = TokenToKVPool(shared + sum(own) + 8, layers, KV_HEADS, HEAD_DIM, dtype)
+    fill_random(kv, shared + sum(own) + 8)
+    common = kv.alloc(shared) if shared else torch.zeros(0, dtype=torch.int64)
+    parts = kv.alloc(sum(own)).split(own)
+    pre = [torch.cat([common, part[: p - shared]]) for (p, _), part in zip(rows, parts,
+                                                                          strict=True)]
+    new = [part[p - shared:] for (p, _), part in zip(rows, parts, strict=True)]
+    kptr = torch.tensor([0] + [p for p, _ in rows]).cumsum(0)
+    qptr = torch.tensor([0] + [e for _, e in rows]).cumsum(0)
+    index = [torch.cat(pre).to(torch.int32), kptr, torch.cat(new).to(torch.int32), qptr]
+    return kv, index, int(qptr[-1])
+
+
+def _extend_kernel_case(dname: str, shape: str, reps: int, layers: int = 4) -> dict[str, Any]:
+    """The op alone on `layers` layers (K/V of each layer read in turn): `--baseline` build vs
+    this one, and this one with shared-prefix groups off."""
+    dtype = DTYPES[dname]
+    rows, shared = EXTEND_KERNEL_SHAPES[shape]
+    kv, (kvi, kptr, loc, qptr), n = _extend_op_args(dtype, rows, shared, layers)
+    q = torch.randn(n, HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(1)).to(dtype)
+    scale = HEAD_DIM**-0.5
+
+    def step(op: Any, groups: bool = True) -> None:
+        previous = torch.ops.radixrt.extend_attention_groups(groups)
+        try:
+            for layer in range(layers):
+                op(q, kv.k_buffer[layer], kv.v_buffer[layer], kvi, kptr, loc, qptr, scale)
+        finally:
+            torch.ops.radixrt.extend_attention_groups(previous)
+
+    new, old = torch.ops.radixrt.extend_attention, torch.ops.radixrt_baseline.extend_attention
+    args = (q, kv.k_buffer[0], kv.v_buffer[0], kvi, kptr, loc, qptr, scale)
+    max_diff = float((new(*args).float() - old(*args).float()).abs().max())
+    med = interleaved({"baseline": lambda: step(old), "kernel": lambda: step(new),
+                       "no_groups": lambda: step(new, False)}, reps)
+    flops = sum(4 * HEAD_DIM * HEADS * e * (p + (e + 1) / 2) for p, e in rows)
+    row: dict[str, Any] = {"dtype": dname, "shape": shape, "gflop_per_layer": flops / 1e9,
+                           "max_abs_diff": max_diff}
+    for name in ("baseline", "kernel", "no_groups"):
+        row[f"{name}_ms"] = med[name] / layers * 1e3
+        row[f"{name}_cpu_ms"] = med[f"{name}_cpu"] / layers * 1e3
+        row[f"{name}_gflops"] = flops / (med[name] / layers) / 1e9
+    row["speedup"] = med["baseline"] / med["kernel"]
+    return row
+
+
+def markdown_extend_kernel(rows: list[dict[str, Any]], baseline: str) -> str:
+    table = markdown_table(
+        ["dtype", "shape", "baseline ms (GFLOP/s)", "kernel ms (GFLOP/s)", "speedup",
+         "groups off ms", "baseline CPU ms", "kernel CPU ms", "max abs diff"],
+        ([r["dtype"], r["shape"], f"{r['baseline_ms']:.2f} ({r['baseline_gflops']:.0f})",
+          f"{r['kernel_ms']:.2f} ({r['kernel_gflops']:.0f})", f"{r['speedup']:.2f}x",
+          f"{r['no_groups_ms']:.2f}", f"{r['baseline_cpu_ms']:.2f}",
+          f"{r['kernel_cpu_ms']:.2f}", f"{r['max_abs_diff']:.1e}"] for r in rows))
+    return (f"Extend attention op alone, ms per layer (medians); baseline = `{baseline}`\n\n"
+            f"{table}")
+
+
+# extend-phases: phase -> RADIXRT_EXT_SKIP_PHASES bit of extend_attention.cpp.
+EXTEND_PHASES = {"scores": 1, "softmax": 2, "P V": 4, "V packing": 8}
+
+
+def bench_extend_phases(shapes: list[str], reps: int) -> list[dict[str, Any]]:
+    """The bf16 vdpbf16ps path's phases: this `extend_attention.cpp` built once whole and once
+    without each phase (wrong results), interleaved on one layer's K/V (hot); a phase's cost is
+    the whole's time minus the time without it."""
+    csrc = Path(cpu_kernels.__file__).resolve().parent / "csrc"
+    src = (csrc / "extend_attention.cpp").read_text()
+    headers = {h: (csrc / h).read_text() for h in ("vec_util.h", "work_queue.h")}
+    ops = {"whole": None, **dict.fromkeys(EXTEND_PHASES)}
+    for name in ops:
+        namespace = "radixrt_phases" + ("" if name == "whole" else str(EXTEND_PHASES[name]))
+        build_op_library(src, "extend_attention.cpp", namespace, headers,
+                         (f"RADIXRT_EXT_SKIP_PHASES={EXTEND_PHASES.get(name, 0)}",))
+        ops[name] = getattr(torch.ops, namespace).extend_attention
+    out = []
+    for shape in shapes:
+        rows, shared = EXTEND_KERNEL_SHAPES[shape]
+        kv, (kvi, kptr, loc, qptr), n = _extend_op_args(torch.bfloat16, rows, shared, 1)
+        q = torch.randn(n, HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(1))
+        args = (q.bfloat16(), kv.k_buffer[0], kv.v_buffer[0], kvi, kptr, loc, qptr,
+                HEAD_DIM**-0.5)
+        med = interleaved({k: (lambda op=op, args=args: op(*args)) for k, op in ops.items()},
+                          reps)
+        row: dict[str, Any] = {"shape": shape, "whole_ms": med["whole"] * 1e3}
+        for name in EXTEND_PHASES:
+            row[f"{name}_ms"] = (med["whole"] - med[name]) * 1e3
+        row["rest_ms"] = row["whole_ms"] - sum(row[f"{k}_ms"] for k in EXTEND_PHASES)
+        print(json.dumps(row), flush=True)
+        out.append(row)
+    return out
+
+
+def markdown_extend_phases(rows: list[dict[str, Any]]) -> str:
+    names = [*EXTEND_PHASES, "rest"]
+    table = markdown_table(
+        ["shape", "whole ms", *(f"{k} ms (share)" for k in names)],
+        ([r["shape"], f"{r['whole_ms']:.2f}",
+          *(f"{r[f'{k}_ms']:.2f} ({r[f'{k}_ms'] / r['whole_ms']:.0%})" for k in names)]
+         for r in rows))
+    return f"bf16 extend attention by phase, one layer, ms (medians)\n\n{table}"
+
+
 def bench_extend(dtypes: list[str], reps: int) -> list[dict[str, Any]]:
     out = []
     for dname in dtypes:
@@ -296,18 +428,43 @@ def bench_step(batches: list[int], ctxs: list[int], prefixes: list[int], dtypes:
     return out
 
 
-def load_baseline(rev: str) -> None:
-    """Builds `radixrt/attention/csrc/paged_decode.cpp` as of git `rev` under the op namespace
-    `radixrt_baseline` (same compiler flags as the current build) and loads it."""
+def build_op_library(src: str, source: str, namespace: str, headers: dict[str, str],
+                     defines: tuple[str, ...] = ()) -> None:
+    """Compiles the kernel source text `src` (file name `source`) with its ops registered under
+    `namespace` instead of `radixrt` (same compiler flags as the current build, plus `-D`
+    `defines`) beside the cached builds, and loads it; `headers` (name -> text) are the ones it
+    includes."""
     from torch.utils import cpp_extension
 
+    for macros in (("TORCH_LIBRARY(", "TORCH_LIBRARY_FRAGMENT("), ("TORCH_LIBRARY_IMPL(",)):
+        if not any(f"{m}radixrt," in src for m in macros):
+            raise SystemExit(f"no {macros[0]}radixrt, ...) in {source}")
+        for m in macros:
+            src = src.replace(f"{m}radixrt,", f"{m}{namespace},")
+    spec = cpu_kernels.build_spec()
+    cflags = [*spec.cflags, *(f"-D{d}" for d in defines)]
+    key = hashlib.sha256((src + "".join(headers.values()) + " ".join(cflags)
+                          + torch.__version__).encode()).hexdigest()
+    directory = cpu_kernels.cache_root() / f"{namespace}-{spec.isa}-{key[:16]}"
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, text in headers.items():
+        if not (directory / name).exists():
+            (directory / name).write_text(text)
+    target = directory / source.replace(".cpp", f"_{namespace}.cpp")
+    if not target.exists() or target.read_text() != src:  # an unchanged file is not rebuilt
+        target.write_text(src)
+    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])
+    cpp_extension.load(name=f"{namespace}_{key[:16]}", sources=[str(target)],
+                       extra_cflags=cflags, extra_ldflags=["-fopenmp"],
+                       build_directory=str(directory), is_python_module=False)
+
+
+def load_baseline(rev: str, source: str = "paged_decode.cpp") -> None:
+    """Builds `radixrt/attention/csrc/<source>` as of git `rev` under the op namespace
+    `radixrt_baseline` and loads it."""
     root = Path(__file__).resolve().parents[1]
-    src = subprocess.run(["git", "show", f"{rev}:radixrt/attention/csrc/paged_decode.cpp"],
+    src = subprocess.run(["git", "show", f"{rev}:radixrt/attention/csrc/{source}"],
                          cwd=root, check=True, capture_output=True, text=True).stdout
-    for macro in ("TORCH_LIBRARY(", "TORCH_LIBRARY_IMPL("):
-        if f"{macro}radixrt," not in src:
-            raise SystemExit(f"{rev}: no {macro}radixrt, ...) in paged_decode.cpp")
-        src = src.replace(f"{macro}radixrt,", f"{macro}radixrt_baseline,")
     # The headers it includes, as of the same revision (absent before they were split out).
     headers = {}
     for name in ("vec_util.h", "work_queue.h"):
@@ -315,19 +472,7 @@ def load_baseline(rev: str) -> None:
                                cwd=root, capture_output=True, text=True)
         if shown.returncode == 0:
             headers[name] = shown.stdout
-    spec = cpu_kernels.build_spec()
-    key = hashlib.sha256((src + "".join(headers.values()) + " ".join(spec.cflags)
-                          + torch.__version__).encode()).hexdigest()
-    directory = cpu_kernels.cache_root() / f"baseline-{spec.isa}-{key[:16]}"
-    directory.mkdir(parents=True, exist_ok=True)
-    for name, text in headers.items():
-        (directory / name).write_text(text)
-    source = directory / "paged_decode_baseline.cpp"
-    source.write_text(src)
-    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])
-    cpp_extension.load(name=f"radixrt_baseline_{key[:16]}", sources=[str(source)],
-                       extra_cflags=list(spec.cflags), extra_ldflags=["-fopenmp"],
-                       build_directory=str(directory), is_python_module=False)
+    build_op_library(src, source, "radixrt_baseline", headers)
 
 
 def _kernel_case(dname: str, bs: int, ctx: int, prefix: int, reps: int,
@@ -408,7 +553,8 @@ def markdown(rows: list[dict[str, Any]], what: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=("attention", "step", "kernel", "extend"))
+    ap.add_argument("what", choices=("attention", "step", "kernel", "extend", "extend-kernel",
+                                     "extend-phases"))
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--ctx", type=int, nargs="+", default=[512, 2048])
     ap.add_argument("--prefix", type=int, nargs="+", default=[0, 400])
@@ -416,8 +562,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", default=None)
-    ap.add_argument("--baseline", default="1e7a68f",
-                    help="kernel: git revision of the paged_decode.cpp to compare against")
+    ap.add_argument("--baseline", default=None,
+                    help="kernel / extend-kernel: git revision of paged_decode.cpp / "
+                         "extend_attention.cpp to compare against (default 1e7a68f / HEAD)")
     ap.add_argument("--hot", action="store_true",
                     help="kernel: one layer's K/V attended 30 times (cache-resident where it fits)")
     ap.add_argument("--out", default=None, help="write rows + machine info as JSON here")
@@ -427,7 +574,28 @@ def main() -> None:
         raise SystemExit(f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
     info = machine()
     print(json.dumps(info), flush=True)
+    if a.what == "extend-phases":
+        with torch.inference_mode():
+            rows = bench_extend_phases(list(EXTEND_KERNEL_SHAPES), a.reps)
+        print(markdown_extend_phases(rows))
+        if a.out:
+            Path(a.out).write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
+        return
+    if a.what == "extend-kernel":
+        baseline = a.baseline or "HEAD"
+        load_baseline(baseline, "extend_attention.cpp")
+        rows = []
+        with torch.inference_mode():
+            for dname in a.dtype:
+                for shape in EXTEND_KERNEL_SHAPES:
+                    rows.append(_extend_kernel_case(dname, shape, a.reps))
+                    print(json.dumps(rows[-1]), flush=True)
+        print(markdown_extend_kernel(rows, baseline))
+        if a.out:
+            Path(a.out).write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
+        return
     if a.what == "kernel":
+        a.baseline = a.baseline or "1e7a68f"
         load_baseline(a.baseline)
         with torch.inference_mode():
             rows = bench_kernel(a.batch, a.ctx, a.prefix, a.dtype, a.reps, a.hot)

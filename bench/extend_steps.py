@@ -2,14 +2,20 @@
 
     python bench/extend_steps.py profile [--shapes agent20 agent64 mixed20 mixed64 fresh1 fresh4]
     python bench/extend_steps.py steps --rounds 5
+    python bench/extend_steps.py steps --baseline bad92c2 --shapes agentshared20 fresh4
+
+OpenMP threads wait as the scheduler's do by default (`ServerArgs.thread_wait`).
 
 Shapes (the serving traces' agent waves, `bench/results/2026-11-23-vm-serve-vs-llama-server-c64-raw`):
-`agentN`: N requests x 65 new tokens on an 850-token cached prefix; `mixedN`: the same plus 40
-one-token decode rows at context 900 (the layout of `BatchBuilder.build_mixed`); `freshB`: B
+`agentN`: N requests x 65 new tokens on an 850-token cached prefix of their own;
+`agentsharedN`: the same, the first 700 prefix slots shared by all (the tool preamble);
+`mixedN`: `agentN` plus 40 one-token decode rows at context 900 (the layout of `BatchBuilder.build_mixed`); `freshB`: B
 requests x 512 new tokens, empty cache. The pool holds random K/V (attention's cost does not
 depend on the values). `profile`: torch.profiler table of one step, grouped into weight matmuls,
 attention, K/V store/gather and the rest. `steps`: the extend attention kernel on and off
-(`TorchNativeBackend.extend_kernel`), interleaved `--rounds` times in one process; medians.
+(`TorchNativeBackend.extend_kernel`), or with `--baseline REV` the kernel as of REV against this
+one (and with its shared-prefix groups off), interleaved `--rounds` times in one process;
+medians, and each variant's time over the first's.
 Speed is never asserted in tests; this script is where it is measured.
 """
 
@@ -29,12 +35,22 @@ import os  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from collections import defaultdict  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
+from typing import Any  # noqa: E402
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the scheduler runs; before torch loads
+from radixrt.config import ServerArgs  # noqa: E402  (imports no torch)
+from radixrt.core.cpu_policy import omp_env  # noqa: E402
+
+# OpenMP threads wait as the scheduler's do by default (ServerArgs.thread_wait, "brief": spin
+# GOMP_SPINCOUNT=3000 / KMP_BLOCKTIME=1, then sleep); set before torch loads OpenMP. A wait
+# variable already in the environment wins.
+for _var, _val in omp_env(1, ServerArgs.__dataclass_fields__["thread_wait"].default).items():
+    if _val is not None and _var in ("GOMP_SPINCOUNT", "KMP_BLOCKTIME", "OMP_WAIT_POLICY"):
+        os.environ.setdefault(_var, _val)
 
 import torch  # noqa: E402
 
-from radixrt.config import ServerArgs  # noqa: E402
 from radixrt.core.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from radixrt.model.runner import ModelRunner  # noqa: E402
 
@@ -42,11 +58,17 @@ from radixrt.model.runner import ModelRunner  # noqa: E402
 SHAPES: dict[str, list[tuple[int, int]]] = {
     "agent20": [(850, 65)] * 20,
     "agent64": [(850, 65)] * 64,
+    "agentshared20": [(850, 65)] * 20,
+    "agentshared64": [(850, 65)] * 64,
     "mixed20": [(850, 65)] * 20 + [(899, 1)] * 40,
     "mixed64": [(850, 65)] * 64 + [(899, 1)] * 40,
     "fresh1": [(0, 512)],
     "fresh4": [(0, 512)] * 4,
 }
+
+# Shapes whose requests' prefixes start with the same cached slots (the radix cache's hit on the
+# agent's tool preamble): name -> shared prefix tokens.
+SHARED: dict[str, int] = {"agentshared20": 700, "agentshared64": 700}
 
 # Profiler op name -> category (the rest is "other").
 _CATEGORIES = {
@@ -71,7 +93,7 @@ class ExtendStep:
     """One extend step of `rows` ((prefix, new) per request) over random cached K/V; `run()`
     can be repeated (the step's slots are reused)."""
 
-    def __init__(self, runner: ModelRunner, rows: list[tuple[int, int]]):
+    def __init__(self, runner: ModelRunner, rows: list[tuple[int, int]], shared: int = 0):
         rp, kp = runner.req_to_token_pool, runner.token_to_kv_pool
         rp.clear()
         kp.clear()
@@ -79,7 +101,10 @@ class ExtendStep:
         self.reqs = [rp.alloc() for _ in rows]
         pre = [p for p, _ in rows]
         ext = [e for _, e in rows]
-        slots = kp.alloc(sum(p + e for p, e in rows))
+        common = kp.alloc(shared)  # the first `shared` slots of every row
+        own = kp.alloc(sum(p + e - shared for p, e in rows))
+        slots = torch.cat([torch.cat([common, part]) for part in
+                           own.split([p + e - shared for p, e in rows])])
         rp.write(self.reqs, [0] * len(rows), [p + e for p, e in rows], slots)
         g = torch.Generator().manual_seed(0)
         for buf in (*kp.k_buffer, *kp.v_buffer):
@@ -105,9 +130,10 @@ def set_kernel(runner: ModelRunner, on: bool) -> bool:
     return True
 
 
-def _runner_for(rows: list[tuple[int, int]], args: argparse.Namespace) -> ModelRunner:
+def _runner_for(rows: list[tuple[int, int]], args: argparse.Namespace,
+                shared: int = 0) -> ModelRunner:
     """A runner whose pools hold every (prefix, new) row of the shape."""
-    return make_runner(args.threads, sum(p + e for p, e in rows), len(rows),
+    return make_runner(args.threads, shared + sum(p + e - shared for p, e in rows), len(rows),
                        max(p + e for p, e in rows), args.dtype)
 
 
@@ -116,12 +142,12 @@ def profile(args: argparse.Namespace) -> None:
     from torch.profiler import profile as tprofile
 
     for name in args.shapes:
-        rows = SHAPES[name]
-        runner = _runner_for(rows, args)
+        rows, shared = SHAPES[name], SHARED.get(name, 0)
+        runner = _runner_for(rows, args, shared)
         for kernel in ((False, True) if args.both else (args.kernel,)):
             if not set_kernel(runner, kernel):
                 continue
-            step = ExtendStep(runner, rows)
+            step = ExtendStep(runner, rows, shared)
             step.run()
             with tprofile(activities=[ProfilerActivity.CPU]) as prof:
                 wall = step.run()
@@ -142,25 +168,52 @@ def profile(args: argparse.Namespace) -> None:
         del runner
 
 
+@contextmanager
+def extend_op(op: Any, groups: bool = True) -> Iterator[None]:
+    """Steps run `op` as `torch.ops.radixrt.extend_attention` (what `ExtendAttentionPlan.run`
+    calls), with the kernel's shared-prefix groups on or off."""
+    ns = torch.ops.radixrt
+    saved = ns.extend_attention
+    previous = ns.extend_attention_groups(groups)
+    setattr(ns, "extend_attention", op)  # noqa: B010 - the namespace caches ops as attributes
+    try:
+        yield
+    finally:
+        setattr(ns, "extend_attention", saved)  # noqa: B010
+        ns.extend_attention_groups(previous)
+
+
 def steps(args: argparse.Namespace) -> None:
+    """Without `--baseline`: the torch path vs the kernel. With it: the kernel built from
+    `extend_attention.cpp` at that revision vs this one (groups on and off)."""
+    if args.baseline:
+        from bench.attention_kernel import load_baseline
+
+        load_baseline(args.baseline, "extend_attention.cpp")
     for name in args.shapes:
-        rows = SHAPES[name]
-        runner = _runner_for(rows, args)
-        step = ExtendStep(runner, rows)
-        times: dict[bool, list[float]] = {False: [], True: []}
+        rows, shared = SHAPES[name], SHARED.get(name, 0)
+        runner = _runner_for(rows, args, shared)
+        step = ExtendStep(runner, rows, shared)
+        if args.baseline:
+            new = torch.ops.radixrt.extend_attention
+            old = torch.ops.radixrt_baseline.extend_attention
+            variants = {"baseline": (True, old, True), "kernel": (True, new, True),
+                        "groups off": (True, new, False)}
+        else:
+            variants = {"torch path": (False, None, True), "kernel": (True, None, True)}
+        times: dict[str, list[float]] = {k: [] for k in variants}
         for _ in range(args.rounds):
-            for kernel in (False, True):
-                if set_kernel(runner, kernel):
+            for label, (kernel, op, groups) in variants.items():
+                if not set_kernel(runner, kernel):
+                    continue
+                with extend_op(op or torch.ops.radixrt.extend_attention, groups):
                     step.run()  # warm-up of this path
-                    times[kernel].append(step.run())
+                    times[label].append(step.run())
         n_new = sum(e for _, e in rows)
-        old = statistics.median(times[False])
-        line = f"{name:8s} old {old * 1e3:7.1f} ms ({n_new / old:5.0f} tok/s)"
-        if times[True]:
-            new = statistics.median(times[True])
-            line += (f"  kernel {new * 1e3:7.1f} ms ({n_new / new:5.0f} tok/s)"
-                     f"  new/old {new / old:.2f}")
-        print(line, flush=True)
+        first = statistics.median(times[next(iter(variants))])
+        parts = [f"{label} {med * 1e3:7.1f} ms ({n_new / med:5.0f} tok/s, {med / first:.2f})"
+                 for label, med in ((k, statistics.median(v)) for k, v in times.items() if v)]
+        print(f"{name:13s} " + "  ".join(parts), flush=True)
         del runner
 
 
@@ -174,6 +227,9 @@ def main() -> None:
     ap.add_argument("--kernel", action="store_true", help="profile: with the extend kernel")
     ap.add_argument("--both", action="store_true", help="profile: without, then with the kernel")
     ap.add_argument("--table", action="store_true", help="profile: print the op table too")
+    ap.add_argument("--baseline", default=None,
+                    help="steps: git revision of extend_attention.cpp to compare the kernel "
+                         "against (instead of the torch path)")
     args = ap.parse_args()
     profile(args) if args.mode == "profile" else steps(args)
 

@@ -3,7 +3,10 @@
 The op against a float64 reference (softmax over each request's prefix + new keys, query i of
 a request with prefix P seeing keys 0..P+i) over random pools: prefixes 0 / 1 / many, one new
 token, lengths off the 64-key and query blocks, many requests, GQA 1 and 3, head_dim 16 / 32 / 64 / 96 / 128,
-fp32 / bf16 / fp16 pools, slots scattered and shared between requests; thread-count invariance;
+fp32 / bf16 / fp16 pools, slots scattered and shared between requests; shared-prefix groups (the
+bf16 vdpbf16ps path attends a prefix several requests share once per group): groups of several
+sizes, of one, two groups, shared lengths on and off the key block, bitwise the same as each
+request alone and as with groups off; thread-count invariance;
 bad input; the backend's plan choice and switch; mixed batches through the backend against the
 torch SDPA path; other instruction sets built in a subprocess; a tiny model's extend steps with
 the kernel on vs HF (fp32 greedy tokens identical).
@@ -116,12 +119,14 @@ def test_bf16_paths_match_reference(shape: str, bf16_dot: bool) -> None:
     torch.testing.assert_close(out.double(), _reference(case, 0.125), atol=2e-2, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"),
                          [(4, 4, 64), (6, 2, 128), (8, 2, 32), (4, 2, 16), (6, 3, 96)])
-def test_gqa_and_head_dims(heads: int, kv_heads: int, dim: int) -> None:
-    case = _case(2, torch.float32, heads, kv_heads, dim, SHAPES["ragged"])
+def test_gqa_and_head_dims(heads: int, kv_heads: int, dim: int, dtype: torch.dtype) -> None:
+    case = _case(2, dtype, heads, kv_heads, dim, SHAPES["ragged"], shared=40)
     out = torch.ops.radixrt.extend_attention(*case, dim ** -0.5)
-    torch.testing.assert_close(out.double(), _reference(case, dim ** -0.5), atol=2e-5, rtol=0)
+    torch.testing.assert_close(out.double(), _reference(case, dim ** -0.5), atol=TOL[dtype],
+                               rtol=0)
 
 
 def test_shared_prefix_slots() -> None:
@@ -130,6 +135,103 @@ def test_shared_prefix_slots() -> None:
     assert torch.equal(case[3][:150], case[3][200:350])
     out = torch.ops.radixrt.extend_attention(*case, 0.125)
     torch.testing.assert_close(out.double(), _reference(case, 0.125), atol=2e-2, rtol=0)
+
+
+def _grouped_case(seed: int, dtype: torch.dtype,
+                  groups: list[tuple[int, list[tuple[int, int]]]], kv_heads: int = 3,
+                  heads: int = 9, dim: int = 64) -> Case:
+    """Like `_case`, with several prefix groups: `groups` = (shared, rows) pairs, each group's
+    requests starting with the same `shared` slots (their own slots after that). Requests are
+    interleaved across groups in the batch, as a scheduler's batch may order them."""
+    g = torch.Generator().manual_seed(seed)
+    need = sum(s + sum(p - s + e for p, e in rows) for s, rows in groups)
+    kb = torch.randn(need + 1, kv_heads, dim, generator=g).to(dtype)
+    vb = torch.randn(need + 1, kv_heads, dim, generator=g).to(dtype)
+    free = iter((torch.randperm(need, generator=g) + 1).tolist())  # slot 0 stays unused
+    reqs: list[tuple[list[int], list[int]]] = []
+    for shared, rows in groups:
+        common = [next(free) for _ in range(shared)]
+        for p, e in rows:
+            assert p >= shared
+            own = [next(free) for _ in range(p - shared + e)]
+            reqs.append((common + own[: p - shared], own[p - shared:]))
+    order = sorted(range(len(reqs)), key=lambda i: (i * 7919) % len(reqs))
+    pre, new, kptr, qptr = [], [], [0], [0]
+    for i in order:
+        p_slots, n_slots = reqs[i]
+        pre += p_slots
+        new += n_slots
+        kptr.append(kptr[-1] + len(p_slots))
+        qptr.append(qptr[-1] + len(n_slots))
+    q = torch.randn(qptr[-1], heads, dim, generator=g).to(dtype)
+    return (q, kb, vb, torch.tensor(pre, dtype=torch.int32), torch.tensor(kptr),
+            torch.tensor(new, dtype=torch.int32), torch.tensor(qptr))
+
+
+def _request_alone(case: Case, b: int) -> Case:
+    """Request b of a batch as a batch of its own (same pool)."""
+    q, kb, vb, kvi, kptr, loc, qptr = case
+    k0, k1, q0, q1 = int(kptr[b]), int(kptr[b + 1]), int(qptr[b]), int(qptr[b + 1])
+    return (q[q0:q1].contiguous(), kb, vb, kvi[k0:k1].contiguous(), torch.tensor([0, k1 - k0]),
+            loc[q0:q1].contiguous(), torch.tensor([0, q1 - q0]))
+
+
+def _bf16_dot_compiled() -> bool:
+    """Whether this build has the vdpbf16ps path (its switch reads back False otherwise)."""
+    op = torch.ops.radixrt.extend_attention_bf16_dot
+    previous = op(True)
+    compiled = op(previous)
+    return compiled
+
+
+GROUPS = {
+    # agent wave: a 700-token preamble (off the 64-key block), own histories, 65 new tokens
+    "agent-wave": [(700, [(850, 65), (760, 65), (910, 65), (700, 65), (851, 64)])],
+    "two-groups-and-loners": [(128, [(128, 5), (200, 33), (129, 1)]),
+                              (300, [(310, 20), (300, 17)]), (0, [(90, 40), (0, 70)])],
+    "group-of-one": [(500, [(520, 30)]), (0, [(64, 12), (65, 9)])],
+    "shared-below-a-block": [(63, [(63, 10), (100, 10), (63, 1)])],
+    "shared-one-block": [(64, [(64, 3), (65, 3), (200, 50)])],
+    "many-small": [(192, [(192 + i, 1 + i % 7) for i in range(24)])],
+    "long-extends": [(256, [(256, 300), (300, 140)])],
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("groups", list(GROUPS))
+def test_shared_prefix_groups_match_reference(groups: str, dtype: torch.dtype) -> None:
+    case = _grouped_case(11, dtype, GROUPS[groups])
+    out = torch.ops.radixrt.extend_attention(*case, 0.125)
+    torch.testing.assert_close(out.double(), _reference(case, 0.125), atol=TOL[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("groups", ["agent-wave", "two-groups-and-loners", "long-extends"])
+def test_groups_do_not_change_results(groups: str) -> None:
+    """bf16 vdpbf16ps path: each request's rows are bitwise the same with shared-prefix groups on
+    or off, at 1 or more threads, and run alone (a row's arithmetic depends only on its keys)."""
+    if not _bf16_dot_compiled():
+        pytest.skip("this build has no vdpbf16ps path (no AVX512-BF16)")
+    case = _grouped_case(12, torch.bfloat16, GROUPS[groups])
+    op = torch.ops.radixrt.extend_attention
+    toggle = torch.ops.radixrt.extend_attention_groups
+    threads = torch.get_num_threads()
+    previous = toggle(True)
+    try:
+        grouped = op(*case, 0.125)
+        assert toggle(False) is True  # the switch reads back the previous setting
+        alone_batch = op(*case, 0.125)
+        toggle(True)
+        torch.set_num_threads(1)
+        one_thread = op(*case, 0.125)
+        torch.set_num_threads(max(2, threads))
+        qptr = case[6]
+        alone = torch.cat([op(*_request_alone(case, b), 0.125) for b in range(qptr.numel() - 1)])
+    finally:
+        toggle(previous)
+        torch.set_num_threads(threads)
+    assert torch.equal(grouped, alone_batch)
+    assert torch.equal(grouped, one_thread)
+    assert torch.equal(grouped, alone)
 
 
 def test_thread_count_does_not_change_results() -> None:

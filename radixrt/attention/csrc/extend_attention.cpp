@@ -7,15 +7,21 @@
 // 0..P_b + i: the causal limit is offset by the prefix length. Nothing is gathered and no mask
 // tensor exists: the limit is applied per row inside the key blocks that cross it.
 //
-// Flash-style: a work item is (request, KV head, block of query tokens); its queries are the
-// block's tokens x the G query heads of the KV head (GQA folded: every K/V read serves G heads).
-// Keys go in blocks of kKeyBlock: a block is converted to fp32 once per item (K transposed to
-// [D][kKeyBlock], V as [kKeyBlock][D]), then register-tiled micro-kernels compute the scores
-// S = Q Kᵀ and accumulate O += P V. Online softmax (running max m, sum l) and accumulation are fp32
-// whatever the pool's dtype; the output is rounded to q's dtype once at the end.
-// bf16 pools on CPUs with AVX512-BF16 (__AVX512BF16__, added by the builder when the CPU has it)
-// keep Q and K in bf16 pairs and use vdpbf16ps for S and for P V (P rounded to bf16): twice the
-// multiply-adds per instruction; prefill is compute-bound, so it pays (decode does not).
+// Flash-style, keys in blocks of kKeyBlock starting at key 0 for every request. Online softmax
+// (running max m, sum l) and accumulation are fp32 whatever the pool's dtype; the output is
+// rounded to q's dtype once at the end. Two paths:
+// - bf16 pools on CPUs with AVX512-BF16 (__AVX512BF16__, added by the builder when the CPU has
+//   it): vdpbf16ps for S = Q Kᵀ and for P V (P rounded to bf16), twice the multiply-adds per
+//   instruction of fp32 FMA; prefill is compute-bound, so it pays (decode does not). Query rows
+//   sit in vector lanes (LaneTiles): K is read straight from the pool, the softmax runs over keys
+//   for 16 rows at once. Requests whose prefixes start with the same slots (a radix-cache hit)
+//   are grouped (make_plan): a group item attends the shared key blocks once for all its rows,
+//   then each request's own keys. A row's arithmetic depends only on its own keys, so grouping,
+//   query blocking and threads never change a result bit.
+// - every other pool / CPU: a work item is (request, KV head, block of query tokens), its rows
+//   the block's tokens x the G query heads of the KV head (GQA folded); a key block is converted
+//   to fp32 once per item (K transposed, V row-major) and register-tiled fp32 FMA micro-kernels
+//   compute S and O += P V, a row at a time softmax in between.
 // Items are run largest first over the intra-op threads, so both one long request (many query
 // blocks) and many short ones keep every thread busy.
 
@@ -28,6 +34,7 @@
 #include "work_queue.h"
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -61,6 +68,8 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Most query tokens per work item; fewer when that leaves too few items for the threads.
 constexpr int64_t kMaxBlockTokens = 64;
 constexpr int64_t kMinBlockTokens = 16;
+// The same on the rows-in-lanes path (its per-item cost, packing V, is amortized over more rows).
+constexpr int64_t kMaxLaneBlockTokens = 128;
 // Below this many (query, key) pairs in the whole call, it runs on the calling thread.
 constexpr int64_t kMinParallelWork = 16384;
 
@@ -154,15 +163,10 @@ struct Tiles {
 
 
 // Online-softmax step of one score row (kKeyBlock entries, `visible` >= 1 of them real):
-// s = s * score_scale, masked past `visible`; new running max m, alpha = exp(m_old - m), s
-// becomes the probabilities exp(s - m), l = l * alpha + Σ s.
-inline void softmax_row(float* s, int64_t visible, float score_scale, float& m, float& l,
-                        float& alpha) {
+// s masked past `visible`; new running max m, alpha = exp(m_old - m), s becomes the
+// probabilities exp(s - m), l = l * alpha + Σ s.
+inline void softmax_row(float* s, int64_t visible, float& m, float& l, float& alpha) {
   for (int64_t jj = visible; jj < kKeyBlock; ++jj) s[jj] = kNegInf;
-  if (score_scale != 1.f) {
-    const Vec sc(score_scale);
-    for (int64_t c = 0; c < kKeyBlock; c += kVec) (Vec::loadu(s + c) * sc).store(s + c);
-  }
   Vec mx = Vec::loadu(s);
   for (int64_t c = kVec; c < kKeyBlock; c += kVec) mx = at::vec::maximum(mx, Vec::loadu(s + c));
   const float m_new = std::max(m, hmax(mx));
@@ -182,59 +186,120 @@ inline void softmax_row(float* s, int64_t visible, float score_scale, float& m, 
 // bf16 pools on CPUs with AVX512-BF16: scores and P·V by vdpbf16ps (products of bf16 pairs
 // summed into fp32), twice the multiply-adds per instruction of fp32 FMA. Q and K stay bf16
 // (as in the pool); P is rounded to bf16 for P·V (as torch's bf16 flash attention does).
-// Layouts (uint32 = one bf16 pair): q [rows][D/2] pairs along d; kp [D/2][kKeyBlock] pairs
-// along d per key; vp [kKeyBlock/2][D] pairs of consecutive keys per d; pp [rows][kKeyBlock/2].
+//
+// Query rows in vector lanes: a score vector holds one key's scores for 16 query rows, so
+// - K is never converted: S = Q Kᵀ multiplies Qᵀ (packed once per work item: qt [D/2][rows],
+//   bf16 pairs along d) by one key's d-pair broadcast straight from its pool row;
+// - the online softmax is vertical: the block's max, exp and sum run over keys for 16 rows at
+//   once (no per-row horizontal reduction); running max m, sum l and alpha are per lane;
+// - P is stored as bf16 pairs of consecutive keys per row (pp [keys/2][tile rows]) and
+//   P V broadcasts a row's pair against V packed in key pairs (vp [keys/2][D]), one item's rows
+//   x D per register tile as before.
+// Every lane's arithmetic depends only on its own row and keys (key blocks start at multiples
+// of kKeyBlock): outputs do not depend on which rows share a vector, an item or a thread.
+constexpr int kRowVecs = 3;                // 16-row vectors per score tile
+constexpr int64_t kTileRows = kRowVecs * 16;  // query rows per softmax / P V tile
+constexpr int kTileKeys = 8;               // keys per score register tile (3 x 8 accumulators)
+static_assert(kKeyBlock % kTileKeys == 0 && kKeyBlock % 2 == 0, "key tiles split a key block");
+constexpr float kLog2e = 1.4426950408889634f;
+#ifndef RADIXRT_EXT_PREFETCH
+#define RADIXRT_EXT_PREFETCH 1
+#endif
+// Phase costs (`bench/attention_kernel.py extend-phases`): RADIXRT_EXT_SKIP_PHASES compiles the
+// phases of this bit mask out of the path, leaving wrong results and the time of the rest.
+#ifndef RADIXRT_EXT_SKIP_PHASES
+#define RADIXRT_EXT_SKIP_PHASES 0
+#endif
+constexpr int kSkipScores = 1, kSkipSoftmax = 2, kSkipPV = 4, kSkipVPack = 8;
+constexpr int kSkipPhases = RADIXRT_EXT_SKIP_PHASES;
+
+// 2^x for x <= 0 (x < -126 gives 2^-126, not 0; callers mask what must be 0): x = n + f,
+// |f| <= 1/2, 2^f by a degree-5 polynomial (relative error 1.1e-7), scaled by 2^n. Used for
+// alpha, whose x is -inf while a row has seen no key.
+inline __m512 exp2_neg(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.3400433e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6760374e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5503272e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022107e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// 2^x for finite x (large negative x underflows to 0; +-inf or NaN give NaN: callers mask
+// those lanes): degree-4 polynomial, relative error 3.6e-6, far below the bf16 rounding of P
+// (2^-9). The probabilities of a block, 2-3% faster than exp2_neg on the agent shapes.
+inline __m512 exp2_finite(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(9.6760374e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5922035e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022107e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9312102e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Rows in lanes (see above). Layouts (uint32 = one bf16 pair): qt [D/2][ld] pairs along d;
+// key rows as in the pool ([D/2] pairs); st [kKeyBlock][kTileRows] fp32 scores; pp
+// [kKeyBlock/2][kTileRows] pairs of consecutive keys; vp [kKeyBlock/2][D] pairs of consecutive
+// keys per d.
 template <int D>
-struct Bf16Tiles {
+struct LaneTiles {
   static_assert(D % 16 == 0, "head_dim must be a multiple of 16");
-  static constexpr int NK = kKeyBlock / 16;  // key vectors per score row
-  static constexpr int C_S = largest_divisor(NK, 4);
-  static constexpr int R_S = kAcc / C_S;
+  static constexpr int DP = D / 2;
   static constexpr int C_O = largest_divisor(D / 16, 4);
   static constexpr int R_O = kAcc / C_O;
 
-  template <int R>
-  static inline void scores(const uint32_t* q, const uint32_t* kp, float* s) {
-    for (int64_t c0 = 0; c0 < kKeyBlock; c0 += C_S * 16) {
-      __m512 acc[R][C_S];
-#pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) {
+  // st[j][v * 16 + lane] = Σ_d q[row v * 16 + lane][d] k_j[d] for kTileKeys keys, V vectors.
+  template <int V>
+  static inline void scores(const uint32_t* qt, int64_t ld, const uint32_t* const* krow,
+                            float* st) {
+    __m512 acc[kTileKeys][V];
+#pragma GCC unroll 8
+    for (int j = 0; j < kTileKeys; ++j) {
 #pragma GCC unroll 4
-        for (int c = 0; c < C_S; ++c) acc[r][c] = _mm512_setzero_ps();
+      for (int v = 0; v < V; ++v) acc[j][v] = _mm512_setzero_ps();
+    }
+    for (int dp = 0; dp < DP; ++dp) {
+      __m512bh qv[V];
+#pragma GCC unroll 4
+      for (int v = 0; v < V; ++v) qv[v] = (__m512bh)_mm512_loadu_si512(qt + dp * ld + v * 16);
+#pragma GCC unroll 8
+      for (int j = 0; j < kTileKeys; ++j) {
+        const __m512bh kv = (__m512bh)_mm512_set1_epi32(static_cast<int>(krow[j][dp]));
+#pragma GCC unroll 4
+        for (int v = 0; v < V; ++v) acc[j][v] = _mm512_dpbf16_ps(acc[j][v], kv, qv[v]);
       }
-      for (int dp = 0; dp < D / 2; ++dp) {
-        __m512bh kv[C_S];
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < kTileKeys; ++j) {
 #pragma GCC unroll 4
-        for (int c = 0; c < C_S; ++c) {
-          kv[c] = (__m512bh)_mm512_loadu_si512(kp + dp * kKeyBlock + c0 + c * 16);
-        }
-#pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) {
-          const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r * (D / 2) + dp]));
-#pragma GCC unroll 4
-          for (int c = 0; c < C_S; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], qb, kv[c]);
-        }
-      }
-#pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 4
-        for (int c = 0; c < C_S; ++c) _mm512_storeu_ps(s + r * kKeyBlock + c0 + c * 16, acc[r][c]);
-      }
+      for (int v = 0; v < V; ++v) _mm512_storeu_ps(st + j * kTileRows + v * 16, acc[j][v]);
     }
   }
 
-  // o[r][:] = o[r][:] * alpha[r] + Σ_{pairs jp < np} pp[r][jp] · vp[jp][:].
+  // o[r][:] = o[r][:] * alpha[r] (only when `rescale`) + Σ_{jp < np} pp[jp][r] · vp[jp][:] for
+  // R rows; pp and alpha are indexed from this tile's first row, pp rows stride kTileRows.
   template <int R>
   static inline void accumulate(const uint32_t* pp, const uint32_t* vp, int64_t np,
-                                const float* alpha, float* o) {
+                                const float* alpha, bool rescale, float* o) {
     for (int64_t c0 = 0; c0 < D; c0 += C_O * 16) {
       __m512 acc[R][C_O];
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
-        const __m512 a = _mm512_set1_ps(alpha[r]);
 #pragma GCC unroll 4
-        for (int c = 0; c < C_O; ++c) {
-          acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + r * D + c0 + c * 16), a);
+        for (int c = 0; c < C_O; ++c) acc[r][c] = _mm512_loadu_ps(o + r * D + c0 + c * 16);
+      }
+      if (rescale) {
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+          const __m512 a = _mm512_set1_ps(alpha[r]);
+#pragma GCC unroll 4
+          for (int c = 0; c < C_O; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], a);
         }
       }
       for (int64_t jp = 0; jp < np; ++jp) {
@@ -246,7 +311,7 @@ struct Bf16Tiles {
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
           const __m512bh pb =
-              (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[r * (kKeyBlock / 2) + jp]));
+              (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[jp * kTileRows + r]));
 #pragma GCC unroll 4
           for (int c = 0; c < C_O; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pb, vv[c]);
         }
@@ -284,10 +349,34 @@ struct Bf16Tiles {
     }
   }
 };
+
+// Calls f(std::integral_constant<int, v>) for a runtime 1 <= v <= kRowVecs.
+template <typename F>
+inline void with_vecs(int v, const F& f) {
+  if (v == 1) return f(std::integral_constant<int, 1>{});
+  if (v == 2) return f(std::integral_constant<int, 2>{});
+  f(std::integral_constant<int, kRowVecs>{});
+}
+static_assert(kRowVecs == 3, "with_vecs covers 1..3 vectors");
+
+// A pool row of zeros: the keys that pad a block's last score tile read it.
+alignas(64) constexpr uint32_t kZeroKeyRow[64] = {};
 #endif
 
 // Whether bf16 pools use the vdpbf16ps path (when compiled in); benchmarks switch it.
 std::atomic<bool> g_bf16_dot{true};
+
+// Whether the vdpbf16ps path attends shared prefixes once per group (Plan); benchmarks switch it.
+std::atomic<bool> g_groups{true};
+
+bool extend_attention_groups(bool enable) {
+#ifdef RADIXRT_EXTEND_BF16_DOT
+  return g_groups.exchange(enable);
+#else
+  (void)enable;
+  return false;
+#endif
+}
 
 bool extend_attention_bf16_dot(bool enable) {
 #ifdef RADIXRT_EXTEND_BF16_DOT
@@ -298,17 +387,153 @@ bool extend_attention_bf16_dot(bool enable) {
 #endif
 }
 
-struct Item {
-  int64_t cost;  // (query, key) pairs, for ordering (largest first)
-  int32_t req;
-  int32_t kv_head;
-  int32_t t0, t1;  // the request's query tokens [t0, t1)
+// A run of one request's query tokens [t0, t1) inside a work item. Its query rows are the item's
+// rows row0 .. row0 + (t1 - t0) * G - 1: row row0 + t * G + g = token t0 + t, query head g of
+// the item's KV head.
+struct Part {
+  int32_t req, t0, t1, row0;
 };
+
+// One KV head's parts [p_begin, p_end) of the plan. With shared > 0 (vdpbf16ps path only), every
+// part's request starts with the same `shared` prefix slots (a multiple of kKeyBlock): those
+// keys are attended once for all the item's rows, then each part continues over its own keys.
+struct Item {
+  int64_t cost;  // (query row, key) pairs, for ordering (largest first)
+  int32_t kv_head, shared, p_begin, p_end;
+};
+
+struct Plan {
+  std::vector<Part> parts;
+  std::vector<Item> items;
+};
+
+// Shared-prefix groups: requests with at least this many identical leading prefix slots are
+// attended together (a multiple of kKeyBlock).
+constexpr int64_t kMinShared = kKeyBlock;
+// Query rows per group work item, about: larger items read each shared key block for more rows,
+// smaller ones balance the threads better.
+#ifndef RADIXRT_EXT_GROUP_ROWS
+#define RADIXRT_EXT_GROUP_ROWS 768
+#endif
+constexpr int64_t kGroupItemRows = RADIXRT_EXT_GROUP_ROWS;
+
+// Splits the batch into work items. Requests' query tokens go in blocks of at most `max_block`
+// tokens (fewer, down to kMinBlockTokens, until there are a few items per thread). With
+// `group`, requests whose prefixes start with the same >= kMinShared slots (the radix cache
+// hands every request that matched a prefix the same slots; the slots are compared here, not
+// assumed) form groups; a group's blocks are cut into items of about kGroupItemRows rows.
+Plan make_plan(int64_t B, const int64_t* kptr, const int64_t* qptr, const int32_t* pre_idx,
+               int64_t G, int64_t Hkv, bool group, int64_t max_block) {
+  Plan plan;
+  int64_t total_tokens = 0;
+  for (int64_t b = 0; b < B; ++b) total_tokens += qptr[b + 1] - qptr[b];
+  const int64_t threads = at::get_num_threads();
+  int64_t block = max_block;
+  while (block > kMinBlockTokens && Hkv * ((total_tokens + block - 1) / block) < 4 * threads) {
+    block /= 2;
+  }
+  auto add_blocks = [&](int64_t b, int32_t& row0) {  // appends b's token blocks as parts
+    const int64_t e = qptr[b + 1] - qptr[b];
+    const int64_t nblk = (e + block - 1) / block, per = (e + nblk - 1) / nblk;
+    for (int64_t t0 = 0; t0 < e; t0 += per) {
+      const int64_t t1 = std::min(e, t0 + per);
+      plan.parts.push_back({static_cast<int32_t>(b), static_cast<int32_t>(t0),
+                            static_cast<int32_t>(t1), row0});
+      row0 += static_cast<int32_t>((t1 - t0) * G);
+    }
+  };
+  auto part_cost = [&](const Part& p) {
+    return (p.t1 - p.t0) * G * (kptr[p.req + 1] - kptr[p.req] + (p.t0 + p.t1) / 2 + 1);
+  };
+  auto add_items = [&](int32_t p_begin, int32_t p_end, int64_t shared) {
+    int64_t cost = 0;
+    for (int32_t i = p_begin; i < p_end; ++i) cost += part_cost(plan.parts[i]);
+    for (int64_t h = 0; h < Hkv; ++h) {
+      plan.items.push_back({cost, static_cast<int32_t>(h), static_cast<int32_t>(shared), p_begin,
+                            p_end});
+    }
+  };
+
+  std::vector<char> grouped(B, 0);
+  if (group) {
+    // Candidates keyed by the slot at position kMinShared - 1 (slot 0, the pool's dummy, never
+    // groups); each candidate's common prefix with the bucket's first request is then counted.
+    std::vector<std::pair<int32_t, int32_t>> cand;
+    for (int64_t b = 0; b < B; ++b) {
+      if (qptr[b + 1] > qptr[b] && kptr[b + 1] - kptr[b] >= kMinShared) {
+        const int32_t slot = pre_idx[kptr[b] + kMinShared - 1];
+        if (slot != 0) cand.push_back({slot, static_cast<int32_t>(b)});
+      }
+    }
+    std::sort(cand.begin(), cand.end());
+    for (size_t i = 0; i < cand.size();) {
+      size_t j = i;
+      while (j < cand.size() && cand[j].first == cand[i].first) ++j;
+      if (j - i >= 2) {
+        const int64_t first = cand[i].second;
+        const int32_t* a = pre_idx + kptr[first];
+        std::vector<int32_t> members;
+        int64_t shared = kptr[first + 1] - kptr[first];
+        for (size_t c = i; c < j; ++c) {
+          const int64_t b = cand[c].second;
+          const int32_t* s = pre_idx + kptr[b];
+          const int64_t lim = std::min(kptr[b + 1] - kptr[b], kptr[first + 1] - kptr[first]);
+          int64_t n = 0;
+          while (n < lim && s[n] == a[n]) ++n;
+          n -= n % kKeyBlock;
+          if (n >= kMinShared) {
+            members.push_back(static_cast<int32_t>(b));
+            shared = std::min(shared, n);
+          }
+        }
+        if (members.size() >= 2) {
+          const int32_t p0 = static_cast<int32_t>(plan.parts.size());
+          int32_t rows = 0;
+          for (int32_t b : members) {
+            grouped[b] = 1;
+            add_blocks(b, rows);
+          }
+          const int32_t p1 = static_cast<int32_t>(plan.parts.size());
+          // Items of about kGroupItemRows rows (whole parts, consecutive).
+          const int64_t n_items =
+              std::clamp<int64_t>((rows + kGroupItemRows - 1) / kGroupItemRows, 1, p1 - p0);
+          int32_t begin = p0, row_base = 0;
+          for (int64_t k = 1; k <= n_items; ++k) {
+            const int64_t target = rows * k / n_items;
+            int32_t end = begin + 1;
+            while (end < p1 && (k == n_items || plan.parts[end].row0 < target)) ++end;
+            for (int32_t p = begin; p < end; ++p) plan.parts[p].row0 -= row_base;
+            add_items(begin, end, shared);
+            if (end < p1) row_base = plan.parts[end].row0;
+            begin = end;
+            if (begin >= p1) break;
+          }
+        }
+      }
+      i = j;
+    }
+  }
+  for (int64_t b = 0; b < B; ++b) {
+    if (grouped[b] || qptr[b + 1] == qptr[b]) continue;
+    const int32_t p0 = static_cast<int32_t>(plan.parts.size());
+    int32_t rows = 0;
+    add_blocks(b, rows);
+    for (int32_t p = p0; p < static_cast<int32_t>(plan.parts.size()); ++p) {
+      plan.parts[p].row0 = 0;
+      add_items(p, p + 1, 0);
+    }
+  }
+  return plan;
+}
 
 // Per-thread scratch of one work item.
 struct Scratch {
   std::vector<float> q, o, s, kt, vp, m, l, alpha;
-  std::vector<uint32_t> q2, k2, v2, p2;  // bf16-pair buffers of the vdpbf16ps path
+  // vdpbf16ps path: qt / pp / vp pairs, per-row causal limits, key and value row pointers.
+  std::vector<uint32_t> qt, pp, vp2;
+  std::vector<int32_t> lim;
+  std::vector<const uint32_t*> krow;
+  std::vector<const void*> vrow;
 };
 
 template <typename T, int D>
@@ -328,38 +553,29 @@ void extend_impl(const Tensor& q, const Tensor& k_buffer, const Tensor& v_buffer
   const int64_t* kptr = kv_indptr.data_ptr<int64_t>();
   const int64_t* qptr = qo_indptr.data_ptr<int64_t>();
 
-  // Query blocks: at most kMaxBlockTokens tokens, fewer (down to kMinBlockTokens) until there
-  // are a few items per thread; a request's blocks are of (nearly) equal size.
-  int64_t total_tokens = 0;
-  for (int64_t b = 0; b < B; ++b) total_tokens += qptr[b + 1] - qptr[b];
-  const int64_t threads = at::get_num_threads();
-  int64_t block = kMaxBlockTokens;
-  while (block > kMinBlockTokens && Hkv * ((total_tokens + block - 1) / block) < 4 * threads) {
-    block /= 2;
-  }
-  std::vector<Item> items;
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t e = qptr[b + 1] - qptr[b], p = kptr[b + 1] - kptr[b];
-    if (e == 0) continue;
-    const int64_t nblk = (e + block - 1) / block, per = (e + nblk - 1) / nblk;
-    for (int64_t t0 = 0; t0 < e; t0 += per) {
-      const int64_t t1 = std::min(e, t0 + per);
-      const int64_t cost = (t1 - t0) * (p + (t0 + t1) / 2 + 1) * G;
-      for (int64_t h = 0; h < Hkv; ++h) {
-        items.push_back({cost, static_cast<int32_t>(b), static_cast<int32_t>(h),
-                         static_cast<int32_t>(t0), static_cast<int32_t>(t1)});
-      }
-    }
-  }
+  bool lanes = false;  // rows-in-lanes vdpbf16ps path
+#ifdef RADIXRT_EXTEND_BF16_DOT
+  lanes = std::is_same_v<T, at::BFloat16> && g_bf16_dot.load(std::memory_order_relaxed);
+  const bool group = lanes && g_groups.load(std::memory_order_relaxed);
+#else
+  const bool group = false;
+#endif
+  const Plan plan = make_plan(B, kptr, qptr, pre_idx, G, Hkv, group,
+                              lanes ? kMaxLaneBlockTokens : kMaxBlockTokens);
 
-  // Row r of the item = token (t0 + r / G), query head h * G + r % G: o / l in T.
-  auto write_out = [&](const Item& it, Scratch& sc, int64_t nq) {
-    const int64_t b = it.req, h = it.kv_head;
-    for (int64_t r = 0; r < nq; ++r) {
+  auto check_slot = [&](int64_t slot) {
+    TORCH_CHECK(slot >= 0 && slot < num_slots, "extend_attention: kv slot ", slot,
+                " out of range [0, ", num_slots, ")");
+    return slot;
+  };
+  // Part rows (row = row0 + t * G + g) from o [rows][D] / l [rows] into out, in T.
+  auto write_out = [&](const Part& pt, int64_t h, const float* o, const float* l) {
+    const int64_t nt = pt.t1 - pt.t0;
+    for (int64_t r = 0; r < nt * G; ++r) {
       const int64_t t = r / G, g = r % G;
-      T* dst = op + ((qptr[b] + it.t0 + t) * H + h * G + g) * D;
-      const Vec inv(1.f / sc.l[r]);  // l >= 1: the row's maximum contributes exp(0)
-      const float* src = sc.o.data() + r * D;
+      T* dst = op + ((qptr[pt.req] + pt.t0 + t) * H + h * G + g) * D;
+      const Vec inv(1.f / l[pt.row0 + r]);  // l >= 1: the row's maximum contributes exp(0)
+      const float* src = o + (pt.row0 + r) * D;
       if constexpr (std::is_same_v<T, float>) {
         for (int64_t c = 0; c < D; c += kVec) (Vec::loadu(src + c) * inv).store(dst + c);
       } else {
@@ -375,76 +591,211 @@ void extend_impl(const Tensor& q, const Tensor& k_buffer, const Tensor& v_buffer
   };
 
 #ifdef RADIXRT_EXTEND_BF16_DOT
-  const bool bf16_dot = g_bf16_dot.load(std::memory_order_relaxed);
-  // Same block structure as the fp32 path, in bf16 pairs (layouts in Bf16Tiles).
-  auto run_bf16_dot = [&](const Item& it, Scratch& sc, int64_t nq, int64_t p_len,
-                          int64_t key_end, const auto& slot_of) {
+  // Rows-in-lanes path (LaneTiles): one item = shared-prefix phase over all its rows, then each
+  // part over its own keys.
+  auto work_lanes = [&](const Item& it, Scratch& sc) {
     if constexpr (std::is_same_v<T, at::BFloat16>) {
-    using Bt = Bf16Tiles<D>;
-    const int64_t b = it.req, h = it.kv_head;
+    using Lt = LaneTiles<D>;
     constexpr int64_t DP = D / 2, KP = kKeyBlock / 2;
-    sc.q2.resize(nq * DP);
-    sc.k2.assign(DP * kKeyBlock, 0u);
-    sc.v2.resize(KP * D);
-    sc.p2.resize(nq * KP);
-    const int64_t nt = it.t1 - it.t0;
-    for (int64_t t = 0; t < nt; ++t) {
-      std::memcpy(sc.q2.data() + t * G * DP, qp + ((qptr[b] + it.t0 + t) * H + h * G) * D,
-                  G * D * sizeof(T));
-    }
-    for (int64_t j0 = 0; j0 < key_end; j0 += kKeyBlock) {
-      const int64_t nb = std::min(kKeyBlock, key_end - j0), np = (nb + 1) / 2;
-      for (int64_t jj = 0; jj < nb; ++jj) {
-        const uint32_t* kr =
-            reinterpret_cast<const uint32_t*>(kb + slot_of(j0 + jj) * stride + h * D);
-        for (int64_t dp = 0; dp < DP; ++dp) sc.k2[dp * kKeyBlock + jj] = kr[dp];
-      }
-      for (int64_t jj = nb; jj < kKeyBlock; ++jj) {
-        for (int64_t dp = 0; dp < DP; ++dp) sc.k2[dp * kKeyBlock + jj] = 0u;
-      }
-      for (int64_t i = 0; i < np; ++i) {
-        const T* va = vb + slot_of(j0 + 2 * i) * stride + h * D;
-        const T* vbb = 2 * i + 1 < nb ? vb + slot_of(j0 + 2 * i + 1) * stride + h * D : nullptr;
-        Bt::pack_v_pair(va, vbb, sc.v2.data() + i * D);
-      }
-      const int64_t t_lo = std::max<int64_t>(0, j0 - p_len - it.t0);
-      const int64_t r_lo = t_lo * G;
-      if (r_lo >= nq) continue;
-      for (int64_t r0 = r_lo; r0 < nq; r0 += Bt::R_S) {
-        with_rows<Bt::R_S>(static_cast<int>(std::min<int64_t>(Bt::R_S, nq - r0)), [&](auto rr) {
-          Bt::template scores<decltype(rr)::value>(sc.q2.data() + r0 * DP, sc.k2.data(),
-                                                   sc.s.data() + r0 * kKeyBlock);
-        });
-      }
-      for (int64_t r = r_lo; r < nq; ++r) {
-        float* srow = sc.s.data() + r * kKeyBlock;
-        const int64_t visible = std::min(nb, p_len + it.t0 + r / G - j0 + 1);  // >= 1
-        softmax_row(srow, visible, scale, sc.m[r], sc.l[r], sc.alpha[r]);
-        uint32_t* prow = sc.p2.data() + r * KP;
-        for (int64_t c = 0; c < kKeyBlock; c += 32) {
-          const __m512bh pb =
-              _mm512_cvtne2ps_pbh(_mm512_loadu_ps(srow + c + 16), _mm512_loadu_ps(srow + c));
-          _mm512_storeu_si512(prow + c / 2, (__m512i)pb);
+    const int64_t h = it.kv_head;
+    const Part* parts = plan.parts.data() + it.p_begin;
+    const int64_t nparts = it.p_end - it.p_begin;
+    const Part& last = parts[nparts - 1];
+    const int64_t nr = last.row0 + (last.t1 - last.t0) * G;
+    // Row tiles start anywhere below nr and read kTileRows rows of qt / lim.
+    const int64_t ld = (nr + 15) / 16 * 16 + kTileRows;
+    sc.qt.assign(DP * ld, 0u);
+    sc.o.assign(nr * D, 0.f);
+    sc.m.assign(ld, kNegInf);
+    sc.l.assign(ld, 0.f);
+    sc.lim.assign(ld + 16, -1);
+    sc.alpha.resize(kTileRows);
+    sc.s.resize(kKeyBlock * kTileRows);
+    sc.pp.resize(KP * kTileRows);
+    sc.vp2.resize(KP * D);
+    sc.krow.resize(kKeyBlock);
+    sc.vrow.resize(kKeyBlock);
+    // Raw pointers from here on (sc may be a thread_local: its address is not recomputed).
+    uint32_t* const qt = sc.qt.data();
+    uint32_t* const pp = sc.pp.data();
+    uint32_t* const vp = sc.vp2.data();
+    float* const o = sc.o.data();
+    float* const m = sc.m.data();
+    float* const l = sc.l.data();
+    float* const alpha_t = sc.alpha.data();
+    float* const st = sc.s.data();
+    int32_t* const lim = sc.lim.data();
+    const uint32_t** const krow = sc.krow.data();
+    const void** const vrow = sc.vrow.data();
+    // qt[dp][row]: the rows' query pairs, 16 rows at a time (each store fills a cache line);
+    // lim[row]: the last key index its token sees.
+    std::array<const uint32_t*, 16> qsrc{};
+    for (int64_t p = 0; p < nparts; ++p) {
+      const Part& pt = parts[p];
+      const int64_t p_len = kptr[pt.req + 1] - kptr[pt.req];
+      const int64_t rows = (pt.t1 - pt.t0) * G;
+      for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+        const int64_t n = std::min<int64_t>(16, rows - r0);
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t t = (r0 + i) / G, g = (r0 + i) % G;
+          qsrc[i] = reinterpret_cast<const uint32_t*>(
+              qp + ((qptr[pt.req] + pt.t0 + t) * H + h * G + g) * D);
+          lim[pt.row0 + r0 + i] = static_cast<int32_t>(p_len + pt.t0 + t);
+        }
+        uint32_t* dst = qt + pt.row0 + r0;
+        for (int64_t dp = 0; dp < DP; ++dp) {
+          for (int64_t i = 0; i < n; ++i) dst[dp * ld + i] = qsrc[i][dp];
         }
       }
-      for (int64_t r0 = r_lo; r0 < nq; r0 += Bt::R_O) {
-        with_rows<Bt::R_O>(static_cast<int>(std::min<int64_t>(Bt::R_O, nq - r0)), [&](auto rr) {
-          Bt::template accumulate<decltype(rr)::value>(
-              sc.p2.data() + r0 * KP, sc.v2.data(), np, sc.alpha.data() + r0,
-              sc.o.data() + r0 * D);
+    }
+    const __m512 c_log2 = _mm512_set1_ps(scale * kLog2e);
+    alignas(64) static const uint16_t kInterleave[32] = {
+        0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+        8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i interleave = _mm512_load_si512(kInterleave);
+
+    // Keys j0 .. j0 + nb - 1 (rows in krow / vrow) for rows [r_lo, r_end).
+    auto block = [&](int64_t j0, int64_t nb, int64_t r_lo, int64_t r_end) {
+      const int64_t np = (nb + 1) / 2;
+      for (int64_t i = 0; i < np && !(kSkipPhases & kSkipVPack); ++i) {
+        const auto* va = static_cast<const at::BFloat16*>(vrow[2 * i]);
+        const auto* vbb =
+            2 * i + 1 < nb ? static_cast<const at::BFloat16*>(vrow[2 * i + 1]) : nullptr;
+        Lt::pack_v_pair(va, vbb, vp + i * D);
+      }
+      for (int64_t jj = nb; jj < kKeyBlock; ++jj) krow[jj] = kZeroKeyRow;
+      const int64_t nk = (nb + kTileKeys - 1) / kTileKeys * kTileKeys;
+      const __m512i last_key = _mm512_set1_epi32(static_cast<int32_t>(j0 + nb - 1));
+      for (int64_t r0 = r_lo; r0 < r_end; r0 += kTileRows) {
+        const int nv = static_cast<int>(std::min<int64_t>(kRowVecs, (r_end - r0 + 15) / 16));
+        if (!(kSkipPhases & kSkipScores)) with_vecs(nv, [&](auto vv) {
+          for (int64_t jj = 0; jj < nk; jj += kTileKeys) {
+            Lt::template scores<decltype(vv)::value>(qt + r0, ld, krow + jj,
+                                                     st + jj * kTileRows);
+          }
         });
+        // Online softmax, 16 rows per vector, over the block's keys.
+        for (int v = 0; v < nv && !(kSkipPhases & kSkipSoftmax); ++v) {
+          const int64_t r = r0 + 16 * v;
+          const __mmask16 valid = r_end - r >= 16 ? __mmask16(0xFFFF)
+                                                  : __mmask16((1u << (r_end - r)) - 1);
+          const __m512i limv = _mm512_loadu_si512(lim + r);
+          // Causal limit inside this block for some valid row?
+          const bool masked = _mm512_mask_cmplt_epi32_mask(valid, limv, last_key) != 0;
+          const float* sv = st + 16 * v;
+          __m512 mx = _mm512_set1_ps(kNegInf);
+          if (!masked) {
+            for (int64_t jj = 0; jj < nb; ++jj) {
+              mx = _mm512_max_ps(mx, _mm512_loadu_ps(sv + jj * kTileRows));
+            }
+          } else {
+            for (int64_t jj = 0; jj < nb; ++jj) {
+              const __mmask16 see = _mm512_cmpge_epi32_mask(
+                  limv, _mm512_set1_epi32(static_cast<int32_t>(j0 + jj)));
+              mx = _mm512_mask_max_ps(mx, see, mx, _mm512_loadu_ps(sv + jj * kTileRows));
+            }
+          }
+          const __m512 m_old = _mm512_loadu_ps(m + r);
+          const __m512 m_new = _mm512_max_ps(m_old, _mm512_mul_ps(mx, c_log2));
+          const __m512 alpha = exp2_neg(_mm512_sub_ps(m_old, m_new));  // ~0 while m was -inf
+          __m512 sum = _mm512_setzero_ps();
+          for (int64_t jp = 0; jp < np; ++jp) {
+            const int64_t j = 2 * jp;
+            __m512 p0 = exp2_finite(_mm512_fmsub_ps(_mm512_loadu_ps(sv + j * kTileRows), c_log2,
+                                                 m_new));
+            __m512 p1 = j + 1 < nb ? exp2_finite(_mm512_fmsub_ps(
+                                         _mm512_loadu_ps(sv + (j + 1) * kTileRows), c_log2, m_new))
+                                   : _mm512_setzero_ps();
+            if (masked) {
+              p0 = _mm512_maskz_mov_ps(
+                  _mm512_cmpge_epi32_mask(limv, _mm512_set1_epi32(static_cast<int32_t>(j0 + j))),
+                  p0);
+              p1 = _mm512_maskz_mov_ps(
+                  _mm512_cmpge_epi32_mask(limv,
+                                          _mm512_set1_epi32(static_cast<int32_t>(j0 + j + 1))),
+                  p1);
+            }
+            sum = _mm512_add_ps(_mm512_add_ps(sum, p0), p1);
+            const __m512i pair = _mm512_permutexvar_epi16(
+                interleave, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+            _mm512_storeu_si512(pp + jp * kTileRows + 16 * v, pair);
+          }
+          const __m512 l_new = _mm512_fmadd_ps(_mm512_loadu_ps(l + r), alpha, sum);
+          _mm512_mask_storeu_ps(m + r, valid, m_new);
+          _mm512_mask_storeu_ps(l + r, valid, l_new);
+          _mm512_storeu_ps(alpha_t + 16 * v, alpha);
+        }
+        const int64_t r1 = std::min(r_end, r0 + kTileRows);
+        for (int64_t ra = r0; ra < r1 && !(kSkipPhases & kSkipPV); ra += Lt::R_O) {
+          const int64_t rr = ra - r0;
+          const int n = static_cast<int>(std::min<int64_t>(Lt::R_O, r1 - ra));
+          bool rescale = false;
+          for (int i = 0; i < n; ++i) rescale |= alpha_t[rr + i] != 1.f;
+          with_rows<Lt::R_O>(n, [&](auto rows) {
+            Lt::template accumulate<decltype(rows)::value>(
+                pp + rr, vp, np, alpha_t + rr, rescale,
+                o + ra * D);
+          });
+        }
+      }
+    };
+    auto set_rows = [&](int64_t jj, int64_t slot) {
+      check_slot(slot);
+      krow[jj] = reinterpret_cast<const uint32_t*>(kb + slot * stride + h * D);
+      vrow[jj] = vb + slot * stride + h * D;
+    };
+    // The K and V rows of a later block, into the caches while this one is computed.
+    auto prefetch = [&](int64_t slot) {
+      if (slot >= 0 && slot < num_slots) {
+        prefetch_row(kb + slot * stride + h * D, D * sizeof(T));
+        prefetch_row(vb + slot * stride + h * D, D * sizeof(T));
+      }
+    };
+    // Shared prefix: keys [0, shared) of every part's request, all rows.
+    const int32_t* shared_idx = pre_idx + kptr[parts[0].req];
+    for (int64_t j0 = 0; j0 < it.shared; j0 += kKeyBlock) {
+      for (int64_t jj = 0; jj < kKeyBlock; ++jj) set_rows(jj, shared_idx[j0 + jj]);
+      if (RADIXRT_EXT_PREFETCH && j0 + kKeyBlock < it.shared) {
+        for (int64_t jj = 0; jj < kKeyBlock; ++jj) prefetch(shared_idx[j0 + kKeyBlock + jj]);
+      }
+      block(j0, kKeyBlock, 0, nr);
+    }
+    // Each part over its own keys [shared, p_len + t1): the rest of its prefix, then new keys.
+    for (int64_t p = 0; p < nparts; ++p) {
+      const Part& pt = parts[p];
+      const int64_t p_len = kptr[pt.req + 1] - kptr[pt.req], key_end = p_len + pt.t1;
+      const int32_t* pidx = pre_idx + kptr[pt.req];
+      const int32_t* nidx = new_idx + qptr[pt.req];
+      const int64_t row_end = pt.row0 + (pt.t1 - pt.t0) * G;
+      for (int64_t j0 = it.shared; j0 < key_end; j0 += kKeyBlock) {
+        const int64_t nb = std::min(kKeyBlock, key_end - j0);
+        for (int64_t jj = 0; jj < nb; ++jj) {
+          const int64_t j = j0 + jj;
+          set_rows(jj, j < p_len ? pidx[j] : nidx[j - p_len]);
+        }
+        if (RADIXRT_EXT_PREFETCH) {
+          for (int64_t j = j0 + kKeyBlock; j < std::min(key_end, j0 + 2 * kKeyBlock); ++j) {
+            prefetch(j < p_len ? pidx[j] : nidx[j - p_len]);
+          }
+        }
+        // Rows whose token sees no key of this block are skipped (a suffix of tokens is active).
+        const int64_t r_lo = pt.row0 + std::max<int64_t>(0, j0 - p_len - pt.t0) * G;
+        if (r_lo < row_end) block(j0, nb, r_lo, row_end);
       }
     }
+    for (int64_t p = 0; p < nparts; ++p) write_out(parts[p], h, o, l);
     }  // T is BFloat16
   };
 #endif
 
+  // fp32 FMA path: one part per item, keys converted to fp32 per block.
   auto work = [&](const Item& it, Scratch& sc) {
-    const int64_t b = it.req, h = it.kv_head;
+    const Part& pt = plan.parts[it.p_begin];
+    const int64_t b = pt.req, h = it.kv_head;
     const int64_t p_len = kptr[b + 1] - kptr[b];
     const int32_t* pidx = pre_idx + kptr[b];
     const int32_t* nidx = new_idx + qptr[b];
-    const int64_t nt = it.t1 - it.t0, nq = nt * G;
+    const int64_t nt = pt.t1 - pt.t0, nq = nt * G;
     sc.q.resize(nq * D);
     sc.o.assign(nq * D, 0.f);
     sc.s.resize(nq * kKeyBlock);
@@ -453,77 +804,64 @@ void extend_impl(const Tensor& q, const Tensor& k_buffer, const Tensor& v_buffer
     sc.m.assign(nq, kNegInf);
     sc.l.assign(nq, 0.f);
     sc.alpha.resize(nq);
-    const int64_t key_end = p_len + it.t1;  // keys of the last token: 0..p_len + t1 - 1
-    auto slot_of = [&](int64_t j) {
-      const int64_t slot = j < p_len ? pidx[j] : nidx[j - p_len];
-      TORCH_CHECK(slot >= 0 && slot < num_slots, "extend_attention: kv slot ", slot,
-                  " out of range [0, ", num_slots, ")");
-      return slot;
-    };
-#ifdef RADIXRT_EXTEND_BF16_DOT
-    if constexpr (std::is_same_v<T, at::BFloat16>) {
-      if (bf16_dot) {
-        run_bf16_dot(it, sc, nq, p_len, key_end, slot_of);
-        write_out(it, sc, nq);
-        return;
+    const int64_t key_end = p_len + pt.t1;  // keys of the last token: 0..p_len + t1 - 1
+    auto slot_of = [&](int64_t j) { return check_slot(j < p_len ? pidx[j] : nidx[j - p_len]); };
+    // Row r = token (t0 + r / G), query head h * G + r % G; scaled, fp32.
+    for (int64_t t = 0; t < nt; ++t) {
+      const T* src = qp + ((qptr[b] + pt.t0 + t) * H + h * G) * D;
+      float* dst = sc.q.data() + t * G * D;
+      const Vec vs(scale);
+      for (int64_t e = 0; e < G * D; e += kVec) (load_f32<T>(src + e) * vs).store(dst + e);
+    }
+    alignas(64) float krow[D];
+    for (int64_t j0 = 0; j0 < key_end; j0 += kKeyBlock) {
+      const int64_t nb = std::min(kKeyBlock, key_end - j0);
+      // Convert the block to fp32: K transposed, V row-major.
+      for (int64_t jj = 0; jj < nb; ++jj) {
+        const int64_t slot = slot_of(j0 + jj);
+        const T* kr = kb + slot * stride + h * D;
+        const T* vr = vb + slot * stride + h * D;
+        for (int64_t c = 0; c < D; c += kVec) {
+          load_f32<T>(kr + c).store(krow + c);
+          load_f32<T>(vr + c).store(sc.vp.data() + jj * D + c);
+        }
+        for (int64_t d = 0; d < D; ++d) sc.kt[d * kKeyBlock + jj] = krow[d];
+      }
+      for (int64_t jj = nb; jj < kKeyBlock; ++jj) {
+        for (int64_t d = 0; d < D; ++d) sc.kt[d * kKeyBlock + jj] = 0.f;
+      }
+      // Rows whose token sees no key of this block are skipped (a suffix of tokens is active).
+      const int64_t t_lo = std::max<int64_t>(0, j0 - p_len - pt.t0);
+      const int64_t r_lo = t_lo * G;
+      if (r_lo >= nq) continue;
+      for (int64_t r0 = r_lo; r0 < nq; r0 += Tl::R_S) {
+        with_rows<Tl::R_S>(static_cast<int>(std::min<int64_t>(Tl::R_S, nq - r0)), [&](auto rr) {
+          Tl::template scores<decltype(rr)::value>(sc.q.data() + r0 * D, sc.kt.data(),
+                                                   sc.s.data() + r0 * kKeyBlock);
+        });
+      }
+      // Causal limit, online softmax: probabilities in place, alpha rescales the old rows.
+      for (int64_t r = r_lo; r < nq; ++r) {
+        const int64_t visible = std::min(nb, p_len + pt.t0 + r / G - j0 + 1);  // >= 1
+        softmax_row(sc.s.data() + r * kKeyBlock, visible, sc.m[r], sc.l[r], sc.alpha[r]);
+      }
+      for (int64_t r0 = r_lo; r0 < nq; r0 += Tl::R_O) {
+        with_rows<Tl::R_O>(static_cast<int>(std::min<int64_t>(Tl::R_O, nq - r0)), [&](auto rr) {
+          Tl::template accumulate<decltype(rr)::value>(
+              sc.s.data() + r0 * kKeyBlock, sc.vp.data(), nb, sc.alpha.data() + r0,
+              sc.o.data() + r0 * D);
+        });
       }
     }
-#endif
-    {
-      // Row r = token (t0 + r / G), query head h * G + r % G; scaled, fp32.
-      for (int64_t t = 0; t < nt; ++t) {
-        const T* src = qp + ((qptr[b] + it.t0 + t) * H + h * G) * D;
-        float* dst = sc.q.data() + t * G * D;
-        const Vec vs(scale);
-        for (int64_t e = 0; e < G * D; e += kVec) (load_f32<T>(src + e) * vs).store(dst + e);
-      }
-      alignas(64) float krow[D];
-      for (int64_t j0 = 0; j0 < key_end; j0 += kKeyBlock) {
-        const int64_t nb = std::min(kKeyBlock, key_end - j0);
-        // Convert the block to fp32: K transposed, V row-major.
-        for (int64_t jj = 0; jj < nb; ++jj) {
-          const int64_t j = j0 + jj;
-          const int64_t slot = slot_of(j);
-          const T* kr = kb + slot * stride + h * D;
-          const T* vr = vb + slot * stride + h * D;
-          for (int64_t c = 0; c < D; c += kVec) {
-            load_f32<T>(kr + c).store(krow + c);
-            load_f32<T>(vr + c).store(sc.vp.data() + jj * D + c);
-          }
-          for (int64_t d = 0; d < D; ++d) sc.kt[d * kKeyBlock + jj] = krow[d];
-        }
-        for (int64_t jj = nb; jj < kKeyBlock; ++jj) {
-          for (int64_t d = 0; d < D; ++d) sc.kt[d * kKeyBlock + jj] = 0.f;
-        }
-        // Rows whose token sees no key of this block are skipped (a suffix of tokens is active).
-        const int64_t t_lo = std::max<int64_t>(0, j0 - p_len - it.t0);
-        const int64_t r_lo = t_lo * G;
-        if (r_lo >= nq) continue;
-        for (int64_t r0 = r_lo; r0 < nq; r0 += Tl::R_S) {
-          with_rows<Tl::R_S>(static_cast<int>(std::min<int64_t>(Tl::R_S, nq - r0)), [&](auto rr) {
-            Tl::template scores<decltype(rr)::value>(sc.q.data() + r0 * D, sc.kt.data(),
-                                                     sc.s.data() + r0 * kKeyBlock);
-          });
-        }
-        // Causal limit, online softmax: probabilities in place, alpha rescales the old rows.
-        for (int64_t r = r_lo; r < nq; ++r) {
-          const int64_t visible = std::min(nb, p_len + it.t0 + r / G - j0 + 1);  // >= 1
-          softmax_row(sc.s.data() + r * kKeyBlock, visible, 1.f, sc.m[r], sc.l[r], sc.alpha[r]);
-        }
-        for (int64_t r0 = r_lo; r0 < nq; r0 += Tl::R_O) {
-          with_rows<Tl::R_O>(static_cast<int>(std::min<int64_t>(Tl::R_O, nq - r0)), [&](auto rr) {
-            Tl::template accumulate<decltype(rr)::value>(
-                sc.s.data() + r0 * kKeyBlock, sc.vp.data(), nb, sc.alpha.data() + r0,
-                sc.o.data() + r0 * D);
-          });
-        }
-      }
-    }
-    write_out(it, sc, nq);
+    write_out(Part{pt.req, pt.t0, pt.t1, 0}, h, sc.o.data(), sc.l.data());
   };
 
+  std::vector<Item> items = plan.items;
   run_largest_first(items, kMinParallelWork, [&](const Item& it) {
     thread_local Scratch sc;  // grows to the largest item a thread has run
+#ifdef RADIXRT_EXTEND_BF16_DOT
+    if (lanes) return work_lanes(it, sc);
+#endif
     work(it, sc);
   });
 }
@@ -626,6 +964,9 @@ TORCH_LIBRARY_FRAGMENT(radixrt, m) {
   // fp32 FMA; returns the previous setting (always false without AVX512-BF16).
   m.def("extend_attention_bf16_dot(bool enable) -> bool",
         &radixrt_cpu::extend_attention_bf16_dot);
+  // Benchmarks / tests: shared-prefix groups on the vdpbf16ps path (true, the default) or every
+  // request alone; returns the previous setting (always false without AVX512-BF16).
+  m.def("extend_attention_groups(bool enable) -> bool", &radixrt_cpu::extend_attention_groups);
 }
 
 TORCH_LIBRARY_IMPL(radixrt, CPU, m) {
