@@ -268,15 +268,18 @@ inline void load_group(const In* src, __m512& a, __m512& b) {
   }
 }
 
-// The quantized activations of x (see the header), blocked as `Acts` describes.
+// The quantized activations of x (see the header), blocked as `Acts` describes, in one buffer
+// (one allocation per call): xq int8 [B, G, 8, 32], then sx, S float32 and corr int32
+// [B, G, 8] each; B = ceil(M / 8).
 struct QuantizedActs {
-  Tensor xq;    // int8 [B, G, 8, 32], B = ceil(M / 8)
-  Tensor sx;    // float32 [B, G, 8]
-  Tensor xs;    // float32 [B, G, 8]
-  Tensor corr;  // int32 [B, G, 8]
+  int64_t blocks, groups;
+  Tensor buf;
   Acts acts() const {
-    return {xq.data_ptr<int8_t>(), sx.data_ptr<float>(), xs.data_ptr<float>(),
-            corr.data_ptr<int32_t>()};
+    const int64_t n = blocks * groups * kRowBlock;
+    uint8_t* base = buf.data_ptr<uint8_t>();
+    const float* sx = reinterpret_cast<const float*>(base + n * kGroup);
+    return {reinterpret_cast<const int8_t*>(base), sx, sx + n,
+            reinterpret_cast<const int32_t*>(sx + 2 * n)};
   }
 };
 
@@ -324,11 +327,8 @@ void quantize_rows(const In* x, int64_t r0, int64_t r1, int64_t k, int32_t code_
 QuantizedActs quantize_blocked(const Tensor& xc, int64_t bits) {
   const int64_t m = xc.size(0), k = xc.size(1), groups = k / kGroup;
   const int64_t blocks = (m + kRowBlock - 1) / kRowBlock;
-  const auto f32 = xc.options().dtype(at::kFloat);
-  QuantizedActs q{at::empty({blocks, groups, kRowBlock, kGroup}, xc.options().dtype(at::kChar)),
-                  at::empty({blocks, groups, kRowBlock}, f32),
-                  at::empty({blocks, groups, kRowBlock}, f32),
-                  at::empty({blocks, groups, kRowBlock}, xc.options().dtype(at::kInt))};
+  const int64_t bytes = blocks * groups * kRowBlock * (kGroup + 3 * 4);
+  QuantizedActs q{blocks, groups, at::empty({bytes}, xc.options().dtype(at::kByte))};
   const Acts a = q.acts();
   const int32_t code_offset = 1 << (bits - 1);
   auto work = [&](int64_t r0, int64_t r1) {
@@ -363,10 +363,16 @@ std::tuple<Tensor, Tensor, Tensor> qgemm_vnni_quantize(const Tensor& x) {
 #if defined(RADIXRT_QGEMM_VNNI)
   const int64_t m = xc.size(0), k = xc.size(1), groups = k / kGroup;
   const QuantizedActs q = quantize_blocked(xc, 4);
-  const int64_t rows = q.xq.size(0) * kRowBlock;
-  return {q.xq.permute({0, 2, 1, 3}).reshape({rows, k}).narrow(0, 0, m).contiguous(),
-          q.sx.permute({0, 2, 1}).reshape({rows, groups}).narrow(0, 0, m).contiguous(),
-          q.xs.permute({0, 2, 1}).reshape({rows, groups}).narrow(0, 0, m).contiguous()};
+  const int64_t rows = q.blocks * kRowBlock, n = q.blocks * groups * kRowBlock;
+  const Tensor xq = q.buf.narrow(0, 0, n * kGroup).view(at::kChar);
+  const Tensor sxs = q.buf.narrow(0, n * kGroup, 2 * n * 4).view(at::kFloat);
+  auto rows_first = [&](const Tensor& t) {  // [B, G, 8] -> [M, G]
+    return t.view({q.blocks, groups, kRowBlock}).permute({0, 2, 1}).reshape({rows, groups})
+        .narrow(0, 0, m).contiguous();
+  };
+  return {xq.view({q.blocks, groups, kRowBlock, kGroup}).permute({0, 2, 1, 3})
+              .reshape({rows, k}).narrow(0, 0, m).contiguous(),
+          rows_first(sxs.narrow(0, 0, n)), rows_first(sxs.narrow(0, n, n))};
 #else
   TORCH_CHECK(false, "qgemm_vnni: this kernel library was built without AVX512-VNNI");
 #endif
