@@ -1,13 +1,14 @@
 """radixrt's int8-activation VNNI quantized matmul (`torch.ops.radixrt.qgemm_vnni`,
 radixrt/attention/csrc/qgemm_vnni.cpp) and its layout (`quant_matmul.pack_vnni`): packing round
 trip, the activation quantization against a torch reference, results against float64 for GGUF
-Q4_0 / Q4_1 / Q8_0 blocks and 1..300 rows, row-count invariance, edge cases and bad input, the
-builds without VNNI (subprocess), and a GGUF tiny model on the kernel.
+Q4_0 / Q4_1 / Q8_0 blocks (symmetric Q4_0 / Q8_0 also in the general scale-and-offset layout)
+and row counts hitting every row blocking and its tails, row-count invariance, edge cases and
+bad input, the builds without VNNI (subprocess), and a GGUF tiny model on the kernel.
 
 Tolerances (derived, not fitted):
 - Against float64 from the *same* quantized activations (xq * sx) and the exact weights: the
-  per-group integer dot is exact, then each group adds two fp32 products (a few ulps) and the
-  fp32 sum over K / 32 groups rounds: |y - ref| <= 1e-5 * (|xq * sx| @ |W|.T) for an fp32
+  per-group integer dot is exact (symmetric layouts fold the code offset into it), then each
+  group adds one or two fp32 products (a few ulps) and the fp32 sum over K / 32 groups rounds: |y - ref| <= 1e-5 * (|xq * sx| @ |W|.T) for an fp32
   output; a bf16 output adds its own rounding (2^-8 relative).
 - Against the dequantized weight's fp32 F.linear on the unrounded x (what the int8 activations
   cost): each activation moves by at most half a step, sx / 2 = absmax(group) / 254, so
@@ -37,11 +38,17 @@ from radixrt.model.quant_matmul import (
     resolve_quant_kernel,
     unpack_vnni,
     vnni_kernel_available,
+    vnni_symmetric,
 )
 
 SUM_EPS = 1e-5
 BF16_EPS = 2.0**-8
 QTYPES = ["Q4_0", "Q4_1", "Q8_0"]
+# Every layout the kernel runs: "<qtype>-affine" is a symmetric weight stored with its offsets.
+LAYOUTS = [*QTYPES, "Q4_0-affine", "Q8_0-affine"]
+# Row counts hitting each row blocking (1 x 4 tiles, 2 x 3, 3 x 2, 4 x 2, 5..8 x 1), 8-row blocks
+# with each tail, several row chunks (100, 300).
+ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 14, 15, 16, 63, 64, 65, 100, 300]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -61,6 +68,25 @@ def _gguf_groups(n: int, k: int, qtype: str, seed: int) -> Int4Groups:
     w = (rng.standard_normal((n, k)) * rng.uniform(0.01, 2.0, (n, 1))).astype(np.float32)
     raw = quantize(w, GGMLQuantizationType[qtype])
     return GGUFQuantTensor(qtype, raw, (n, k)).to_groups()
+
+
+def _affine(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """A symmetric `pack_vnni` layout rewritten with explicit fp16 offsets `c = -2^(bits-1) d`."""
+    assert vnni_symmetric(packed, bits)
+    cb = 64 * bits
+    d = packed[..., cb:].contiguous().view(torch.float16)
+    c = (-(2.0 ** (bits - 1)) * d.float()).half()
+    sc = torch.cat([d, c], -1).contiguous().view(torch.uint8)
+    return torch.cat([packed[..., :cb], sc], -1).contiguous()
+
+
+def _layout(layout: str, n: int, k: int, seed: int) -> VnniQuantMatmul:
+    qtype, _, form = layout.partition("-")
+    vm = VnniQuantMatmul.from_groups(_gguf_groups(n, k, qtype, seed))
+    if form == "affine":
+        vm = VnniQuantMatmul(_affine(vm.packed, vm.bits), vm.bits)
+        assert not vnni_symmetric(vm.packed, vm.bits)
+    return vm
 
 
 def _quantize_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -90,9 +116,15 @@ def test_packing_holds_the_files_weights_exactly(qtype: str) -> None:
     groups = _gguf_groups(48, 96, qtype, seed=1)
     packed = pack_vnni(groups)
     bits = 8 if qtype == "Q8_0" else 4
-    assert packed.dtype == torch.uint8 and packed.shape == (3, 3, 64 * bits + 64)  # fp16 d, c
+    symmetric = qtype != "Q4_1"  # Q4_0: c = -8d, Q8_0: c = -128d: fp16 d alone
+    assert packed.dtype == torch.uint8
+    assert packed.shape == (3, 3, 64 * bits + (32 if symmetric else 64))  # fp16 d (, c)
+    assert vnni_symmetric(packed, bits) == symmetric
     vm = VnniQuantMatmul(packed, bits)
     assert torch.equal(vm.dequantize(), groups.dequantize(scale_dtype=None))
+    if symmetric:
+        assert torch.equal(VnniQuantMatmul(_affine(packed, bits), bits).dequantize(),
+                           vm.dequantize())
     u, _, _ = unpack_vnni(packed, bits)
     assert u.min() >= 0 and u.max() <= (15 if bits == 4 else 255)
 
@@ -128,12 +160,11 @@ def test_activation_quantization_matches_its_definition() -> None:
 
 
 # -- the op ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("qtype", QTYPES)
-@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 63, 64, 65, 300])
-def test_op_matches_float64_of_its_quantized_activations(qtype: str, rows: int) -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("rows", ROWS)
+def test_op_matches_float64_of_its_quantized_activations(layout: str, rows: int) -> None:
     # 7 tiles (not a multiple of the 2- to 4-tile blocks), 5 groups of 32.
-    groups = _gguf_groups(16 * 7, 32 * 5, qtype, seed=rows)
-    vm = VnniQuantMatmul.from_groups(groups)
+    vm = _layout(layout, 16 * 7, 32 * 5, seed=rows)
     g = torch.Generator().manual_seed(100 + rows)
     x = torch.randn(rows, 160, generator=g)
     ref, mag = _mm_ref(x, vm)
@@ -153,11 +184,11 @@ def test_op_matches_float64_of_its_quantized_activations(qtype: str, rows: int) 
     assert ((y.double() - lin).abs() <= bound + 1e-12).all()
 
 
-@pytest.mark.parametrize("qtype", QTYPES)
-def test_rows_are_independent_of_the_row_count_and_threads(qtype: str) -> None:
-    vm = VnniQuantMatmul.from_groups(_gguf_groups(16 * 37, 96, qtype, seed=7))
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_rows_are_independent_of_the_row_count_and_threads(layout: str) -> None:
+    vm = _layout(layout, 16 * 37, 96, seed=7)
     x = torch.randn(300, 96, generator=torch.Generator().manual_seed(8)).bfloat16()
-    assert_rows_independent(vm, x, (1, 2, 3, 4, 5, 7, 8, 9, 63, 64, 65, 97, 200))
+    assert_rows_independent(vm, x, (*range(1, 18), 24, 63, 64, 65, 97, 100, 200))
 
 
 def test_zero_rows_zero_groups_and_bad_input() -> None:
@@ -174,6 +205,8 @@ def test_zero_rows_zero_groups_and_bad_input() -> None:
         op(torch.zeros(2, 64), vm.packed, 5)
     with pytest.raises(RuntimeError, match="last dim"):
         op(torch.zeros(2, 64), vm.packed, 8)  # a 4-bit blob read as 8-bit
+    with pytest.raises(RuntimeError, match="last dim"):
+        op(torch.zeros(2, 64), vm.packed[..., :-16].contiguous(), 4)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         torch.ops.radixrt.qgemm_vnni_quantize(torch.zeros(2, 40))
 

@@ -205,8 +205,11 @@ VNNI_CODE_BYTES = {4: 256, 8: 512}  # codes per (tile, group) blob of the vnni l
 def pack_vnni(groups: Int4Groups) -> torch.Tensor:
     """uint8 `[N/16, K/32, B]` in qgemm_vnni.cpp's layout: per (tile, group) the unsigned codes
     (4-bit: `u = q` 0..15; 8-bit: `u = q8 + 128`), then the scale d and offset c of
-    `W = d * u + c` for the 16 lanes, float16 when that holds every value exactly (GGUF
-    blocks), else float32. Raises ValueError unless N % 16 == 0 and K % 32 == 0."""
+    `W = d * u + c` for the 16 lanes: float16 when that holds every value exactly (GGUF
+    blocks), else float32. A *symmetric* weight (`c = -2^(bits-1) d` in every group, i.e. GGUF
+    Q4_0 and Q8_0) with float16-exact scales stores d alone (B = 64 * bits + 32); the kernel then
+    folds the offset into its integer dot products. Raises ValueError unless N % 16 == 0 and
+    K % 32 == 0."""
     q, scale, offset, nt, g = _tile_codes(groups, "vnni")
     if groups.planes == 1:
         # [t, n, g, v, h, b] -> [t, g, v, n, b, h]: vector v, lane n, byte b; h = nibble
@@ -217,9 +220,18 @@ def pack_vnni(groups: Int4Groups) -> torch.Tensor:
         offset = offset - 128 * scale  # exact for GGUF Q8_0 (offset 0, scale fp16)
         codes = u.reshape(nt, TILE, g, 8, 4).permute(0, 2, 3, 1, 4)
     codes = codes.reshape(nt, g, -1)
+    symmetric = torch.equal(offset, -(2.0 ** (groups.bits - 1)) * scale)
     scale, offset = _lane_scales(scale, offset, nt, g)
-    sc = torch.cat([scale, offset], -1).contiguous().view(torch.uint8)
+    if symmetric and scale.dtype == torch.float16:
+        sc = scale.contiguous().view(torch.uint8)
+    else:
+        sc = torch.cat([scale, offset], -1).contiguous().view(torch.uint8)
     return torch.cat([codes, sc], -1).contiguous()
+
+
+def vnni_symmetric(packed: torch.Tensor, bits: int) -> bool:
+    """Whether a `pack_vnni` layout holds a symmetric weight (scales only, see `pack_vnni`)."""
+    return int(packed.shape[2]) == VNNI_CODE_BYTES[bits] + 2 * TILE
 
 
 def unpack_vnni(packed: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor,
@@ -228,8 +240,12 @@ def unpack_vnni(packed: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Te
     nt, g, blob = packed.shape
     cb = VNNI_CODE_BYTES[bits]
     codes, sc = packed[..., :cb], packed[..., cb:].contiguous()
-    sdt = torch.float16 if blob - cb == 64 else torch.float32
-    sc = sc.view(sdt).float().reshape(nt, g, 2, TILE)
+    if vnni_symmetric(packed, bits):
+        d = sc.view(torch.float16).float().reshape(nt, g, 1, TILE)
+        sc = torch.cat([d, -(2.0 ** (bits - 1)) * d], 2)
+    else:
+        sdt = torch.float16 if blob - cb == 64 else torch.float32
+        sc = sc.view(sdt).float().reshape(nt, g, 2, TILE)
     if bits == 4:
         c = codes.reshape(nt, g, 4, TILE, 4)  # [t, g, v, n, b]
         u = torch.stack([c & 0xF, c >> 4], -2)  # [t, g, v, n, h, b]

@@ -9,24 +9,36 @@
 //   sx = absmax / 127 (fp32), xq = round_half_even(x / sx) in -127..127 (sx = 0, xq = 0 for an
 //   all-zero group), S = sx * sum(xq) (the offset term uses the quantized activations' sum).
 // So every output is the dot product of the exact weights with the dequantized activations
-// xq * sx:  y[m, n] = sum_g  (d * (sx * dot_i32(u, xq))) + c * S, accumulated in fp32 in group
-// order. The i32 dot of one group is exact; the same instruction sequence computes each output
-// whatever M or the blocking, so results are independent of the row count (batch-invariant).
+// xq * sx, accumulated in fp32 in group order:
+//   affine layout:     y[m, n] = sum_g  d * (sx * dot_i32(u, xq)) + c * S
+//   symmetric layout:  y[m, n] = sum_g  d * (sx * (dot_i32(u, xq) - 2^(bits-1) * sum(xq)))
+// (symmetric: c = -2^(bits-1) d, GGUF Q4_0 and Q8_0; the offset is folded into the exact integer
+// dot, one fp32 product per group instead of two). The integer dot of one group is exact; the
+// same instruction sequence computes each output whatever M, the blocking or the thread count,
+// so results are independent of the row count (batch-invariant).
 //
 // Layout (made once at load time by radixrt/model/quant_matmul.py `pack_vnni`): output features
 // in tiles of 16 (vector lanes), one blob per (tile, group), uint8 [N/16, K/32, B]:
 //   4-bit: 4 vectors of 64 bytes; vector v, lane n, byte b: low nibble u[n, 32g + 8v + b],
 //          high nibble u[n, 32g + 8v + 4 + b]   (two k-quads per vector)
 //   8-bit: 8 vectors of 64 bytes; vector v, lane n, byte b: u[n, 32g + 4v + b]
-//   then d[16], c[16] as float16 (when exact: GGUF's d and m are fp16) or float32;
-//   B = 64 * bits + 64 (fp16) or + 128 (fp32).
+//   then d[16], c[16] as float16 (when exact: GGUF's d and m are fp16) or float32, or d[16]
+//   alone as float16 for a symmetric weight: B = 64 * bits + 64 (fp16), + 128 (fp32) or + 32
+//   (symmetric, fp16).
 // One blob stream per tile keeps decode (M = 1) a few sequential streams.
 //
-// Blocking: MT rows x TT tiles per pass (MT * TT i32 dot and fp32 accumulators in registers);
-// work items are (row chunk, tile chunk) pairs, tile-chunk weights reused from L1/L2 by every
-// row block of the chunk. Built only where the compiler has __AVX512VNNI__ (the builder adds
-// -mavx512vnni when /proc/cpuinfo lists avx512_vnni); elsewhere the op refuses with an error
-// and qgemm_vnni_isa() returns "none".
+// Cost model (Zen 4, measured): one vpdpbusd zmm per cycle, and vmulps / vfmadd231ps take the
+// same two FMA pipes, while loads, broadcasts, the nibble unpack (and, shift), vcvtdq2ps and
+// vcvtph2ps run beside them. Per (row, tile, group) there are 8 vpdpbusd and 3 (affine) or 2
+// (symmetric) fp32 multiplies, so 73% / 80% of the vpdpbusd peak is the ceiling.
+//
+// Blocking: MT rows x TT tiles per pass, MT * TT i32 dot and fp32 accumulators in registers:
+// 8 x 1 for full 8-row blocks (each unpacked weight vector serves 8 rows), 1 x 4, 2 x 3, 3 x 2,
+// 4 x 2, 5..7 x 1 for fewer rows. The activations are quantized into blocks of 8 rows (one
+// pointer and fixed offsets per group). Work items are (row chunk, tile chunk) pairs, balanced
+// across threads; in an item, panels of a few tiles are passed by every row block. Built only
+// where the compiler has __AVX512VNNI__ (the builder adds -mavx512vnni when /proc/cpuinfo lists
+// avx512_vnni); elsewhere the op refuses with an error and qgemm_vnni_isa() returns "none".
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -54,17 +66,31 @@ constexpr int64_t kTile = 16;
 constexpr int64_t kGroup = 32;
 
 #if defined(RADIXRT_QGEMM_VNNI)
-// Rows per work item (a multiple of every MT below) and weights per item at least.
+// Activation rows per block of the quantized layout (and the main pass's MT).
+constexpr int64_t kRowBlock = 8;
+// Rows per work item at most (a multiple of kRowBlock) and weights per item at least.
 constexpr int64_t kRowChunk = 96;
 constexpr int64_t kMinWeightsPerTask = 1 << 16;
+// Tiles per panel when several row blocks pass over the same tiles (see `item`).
+constexpr int64_t kPanelTiles = 4;
+
+// The quantized activations, in row blocks of kRowBlock: for block b, group g, row r of the
+// block: xq at ((b * groups + g) * kRowBlock + r) * 32 (32 bytes), sx and xs at
+// (b * groups + g) * kRowBlock + r. A pass over rows [8b, 8b + MT) then reads each group's
+// activations at fixed offsets from one pointer. Rows past M in the last block are not written
+// nor read.
+struct Acts {
+  const int8_t* xq;
+  const float* sx;
+  const float* xs;      // sx * sum(xq): the offset term's factor (affine weights)
+  const int32_t* corr;  // -2^(bits-1) * sum(xq): the code offset's dot (symmetric weights)
+};
 
 struct Problem {
-  int64_t m, n_tiles, groups, k, bits, blob;
-  bool half;
-  const uint8_t* w;    // [n_tiles, groups, blob]
-  const int8_t* xq;    // [m, k]
-  const float* sx;     // [m, groups]
-  const float* xs;     // [m, groups]: sx * sum(xq)
+  int64_t m, n_tiles, groups, bits, blob;
+  bool half;  // scales are float16 (else float32)
+  const uint8_t* w;  // [n_tiles, groups, blob]
+  Acts a;
   int64_t code_bytes() const { return 64 * bits; }
 };
 
@@ -73,37 +99,61 @@ inline __m512 load_scale(const uint8_t* p, bool half) {
   return _mm512_loadu_ps(reinterpret_cast<const float*>(p));
 }
 
+// 16 fp32 lanes to dst; bfloat16 rounds to nearest even (NaN -> 0x7FC0), as c10::BFloat16.
 template <typename Out>
 inline void store16(Out* dst, __m512 v) {
   if constexpr (std::is_same_v<Out, float>) {
     _mm512_storeu_ps(dst, v);
   } else {
-    alignas(64) float tmp[kTile];
-    _mm512_store_ps(tmp, v);
-    for (int64_t i = 0; i < kTile; ++i) dst[i] = static_cast<Out>(tmp[i]);
+    const __m512i b = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                              _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(r));
   }
 }
 
-// One pass: rows [m0, m0 + MT), tiles [t, t + TT), all groups.
-template <int MT, int TT, int BITS, typename Out>
+// acc + the dot products of w's 16 lanes with the 4 activation bytes at x, broadcast by the
+// instruction's memory operand (GCC does not fold _mm512_set1_epi32 into vpdpbusd: a separate
+// vpbroadcastd per product, measured 1-3% slower).
+inline __m512i dpbusd_x(__m512i acc, __m512i w, const int8_t* x) {
+  __asm__("vpdpbusd %2%{1to16%}, %1, %0"
+          : "+v"(acc)
+          : "v"(w), "m"(*reinterpret_cast<const int32_t*>(x)));
+  return acc;
+}
+
+// One pass: rows [m0, m0 + MT) (m0 a multiple of kRowBlock, MT <= kRowBlock), tiles
+// [t, t + TT), all groups. Per (row, tile, group): 8 vpdpbusd, then cvt, mul, 2 fma (on Zen 4
+// vpdpbusd, vmulps and vfmadd share the two FMA pipes; loads, broadcasts, the nibble unpack and
+// the conversions run beside them).
+template <int MT, int TT, int BITS, bool AFFINE, typename Out>
 inline void block(const Problem& p, int64_t m0, int64_t t, Out* y, int64_t ldy) {
+  static_assert(MT <= kRowBlock);
   __m512 acc[MT][TT];
 #pragma GCC unroll 8
   for (int m = 0; m < MT; ++m)
 #pragma GCC unroll 4
     for (int tt = 0; tt < TT; ++tt) acc[m][tt] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0F);
-  const int8_t* xrow = p.xq + m0 * p.k;
-  for (int64_t g = 0; g < p.groups; ++g) {
-    const uint8_t* wb[TT];
+  const int64_t b0 = m0 / kRowBlock * p.groups;
+  const int8_t* xg = p.a.xq + b0 * kRowBlock * kGroup;
+  const float* sxg = p.a.sx + b0 * kRowBlock;
+  const float* xsg = p.a.xs + b0 * kRowBlock;
+  const int32_t* corrg = p.a.corr + b0 * kRowBlock;
+  const uint8_t* wb[TT];
 #pragma GCC unroll 4
-    for (int tt = 0; tt < TT; ++tt) wb[tt] = p.w + ((t + tt) * p.groups + g) * p.blob;
+  for (int tt = 0; tt < TT; ++tt) wb[tt] = p.w + (t + tt) * p.groups * p.blob;
+  const int64_t sbytes = p.half ? 2 : 4;
+  for (int64_t g = 0; g < p.groups; ++g) {
     __m512i dot[MT][TT];
 #pragma GCC unroll 8
     for (int m = 0; m < MT; ++m)
 #pragma GCC unroll 4
-      for (int tt = 0; tt < TT; ++tt) dot[m][tt] = _mm512_setzero_si512();
-    const int8_t* xg = xrow + g * kGroup;
+      for (int tt = 0; tt < TT; ++tt)
+        dot[m][tt] = AFFINE ? _mm512_setzero_si512() : _mm512_set1_epi32(corrg[m]);
     if constexpr (BITS == 4) {
 #pragma GCC unroll 4
       for (int v = 0; v < 4; ++v) {
@@ -115,17 +165,12 @@ inline void block(const Problem& p, int64_t m0, int64_t t, Out* y, int64_t ldy) 
           hi[tt] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
         }
 #pragma GCC unroll 8
-        for (int m = 0; m < MT; ++m) {
-          const __m512i x0 = _mm512_set1_epi32(
-              *reinterpret_cast<const int32_t*>(xg + m * p.k + 8 * v));
-          const __m512i x1 = _mm512_set1_epi32(
-              *reinterpret_cast<const int32_t*>(xg + m * p.k + 8 * v + 4));
+        for (int m = 0; m < MT; ++m)
 #pragma GCC unroll 4
           for (int tt = 0; tt < TT; ++tt) {
-            dot[m][tt] = _mm512_dpbusd_epi32(dot[m][tt], lo[tt], x0);
-            dot[m][tt] = _mm512_dpbusd_epi32(dot[m][tt], hi[tt], x1);
+            dot[m][tt] = dpbusd_x(dot[m][tt], lo[tt], xg + m * kGroup + 8 * v);
+            dot[m][tt] = dpbusd_x(dot[m][tt], hi[tt], xg + m * kGroup + 8 * v + 4);
           }
-        }
       }
     } else {
 #pragma GCC unroll 8
@@ -134,28 +179,34 @@ inline void block(const Problem& p, int64_t m0, int64_t t, Out* y, int64_t ldy) 
 #pragma GCC unroll 4
         for (int tt = 0; tt < TT; ++tt) u[tt] = _mm512_loadu_si512(wb[tt] + 64 * v);
 #pragma GCC unroll 8
-        for (int m = 0; m < MT; ++m) {
-          const __m512i xv = _mm512_set1_epi32(
-              *reinterpret_cast<const int32_t*>(xg + m * p.k + 4 * v));
+        for (int m = 0; m < MT; ++m)
 #pragma GCC unroll 4
-          for (int tt = 0; tt < TT; ++tt) dot[m][tt] = _mm512_dpbusd_epi32(dot[m][tt], u[tt], xv);
-        }
+          for (int tt = 0; tt < TT; ++tt)
+            dot[m][tt] = dpbusd_x(dot[m][tt], u[tt], xg + m * kGroup + 4 * v);
       }
     }
-    const int64_t sbytes = p.half ? 2 : 4;
 #pragma GCC unroll 4
     for (int tt = 0; tt < TT; ++tt) {
       const uint8_t* sc = wb[tt] + p.code_bytes();
       const __m512 d = load_scale(sc, p.half);
-      const __m512 c = load_scale(sc + kTile * sbytes, p.half);
 #pragma GCC unroll 8
       for (int m = 0; m < MT; ++m) {
-        const int64_t i = (m0 + m) * p.groups + g;
-        const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[m][tt]), _mm512_set1_ps(p.sx[i]));
+        const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[m][tt]), _mm512_set1_ps(sxg[m]));
         acc[m][tt] = _mm512_fmadd_ps(f, d, acc[m][tt]);
-        acc[m][tt] = _mm512_fmadd_ps(c, _mm512_set1_ps(p.xs[i]), acc[m][tt]);
+      }
+      if constexpr (AFFINE) {
+        const __m512 c = load_scale(sc + kTile * sbytes, p.half);
+#pragma GCC unroll 8
+        for (int m = 0; m < MT; ++m)
+          acc[m][tt] = _mm512_fmadd_ps(c, _mm512_set1_ps(xsg[m]), acc[m][tt]);
       }
     }
+#pragma GCC unroll 4
+    for (int tt = 0; tt < TT; ++tt) wb[tt] += p.blob;
+    xg += kRowBlock * kGroup;
+    sxg += kRowBlock;
+    xsg += kRowBlock;
+    corrg += kRowBlock;
   }
 #pragma GCC unroll 8
   for (int m = 0; m < MT; ++m)
@@ -164,72 +215,127 @@ inline void block(const Problem& p, int64_t m0, int64_t t, Out* y, int64_t ldy) 
 }
 
 // Tiles [t0, t1) for MT rows at m0: TT tiles per pass, the rest one by one.
-template <int MT, int TT, int BITS, typename Out>
+template <int MT, int TT, int BITS, bool AFFINE, typename Out>
 inline void rows_pass(const Problem& p, int64_t m0, int64_t t0, int64_t t1, Out* y, int64_t ldy) {
   int64_t t = t0;
-  for (; t + TT <= t1; t += TT) block<MT, TT, BITS>(p, m0, t, y, ldy);
-  for (; t < t1; ++t) block<MT, 1, BITS>(p, m0, t, y, ldy);
+  for (; t + TT <= t1; t += TT) block<MT, TT, BITS, AFFINE>(p, m0, t, y, ldy);
+  for (; t < t1; ++t) block<MT, 1, BITS, AFFINE>(p, m0, t, y, ldy);
 }
 
-#ifndef VNNI_MT
-#define VNNI_MT 4
-#define VNNI_TT 2
-#endif
-constexpr int kRows = VNNI_MT;  // MT of the main pass
-constexpr int kCols = VNNI_TT;  // TT of the main pass
-
-// Rows [r0, r1) x tiles [t0, t1): the tile chunk stays in cache while the row blocks pass.
-template <int BITS, typename Out>
-void item(const Problem& p, int64_t r0, int64_t r1, int64_t t0, int64_t t1, Out* y, int64_t ldy) {
-  const int64_t rows = r1 - r0;
-  if (rows == 1) return rows_pass<1, 4, BITS>(p, r0, t0, t1, y, ldy);
-  if (rows == 2) return rows_pass<2, 3, BITS>(p, r0, t0, t1, y, ldy);
-  if (rows == 3) return rows_pass<3, 2, BITS>(p, r0, t0, t1, y, ldy);
-  // Several tiles wide, rows inner: each tile pair is read from cache by every row block.
-  constexpr int64_t kTilesPerPanel = kCols;
-  for (int64_t ts = t0; ts < t1; ts += kTilesPerPanel) {
-    const int64_t te = std::min(t1, ts + kTilesPerPanel);
-    int64_t m = r0;
-    for (; m + kRows <= r1; m += kRows) rows_pass<kRows, kCols, BITS>(p, m, ts, te, y, ldy);
-    for (; m + 4 <= r1; m += 4) rows_pass<4, 1, BITS>(p, m, ts, te, y, ldy);
-    switch (r1 - m) {
-      case 1: rows_pass<1, kCols, BITS>(p, m, ts, te, y, ldy); break;
-      case 2: rows_pass<2, kCols, BITS>(p, m, ts, te, y, ldy); break;
-      case 3: rows_pass<3, kCols, BITS>(p, m, ts, te, y, ldy); break;
-      default: break;
-    }
+// `rows` (1 .. kRowBlock) rows at m over tiles [t0, t1): few rows take several tiles per pass
+// (each activation broadcast serves them all), more rows one tile.
+template <int BITS, bool AFFINE, typename Out>
+inline void rows_any(const Problem& p, int64_t rows, int64_t m, int64_t t0, int64_t t1, Out* y,
+                     int64_t ldy) {
+  switch (rows) {
+    case 1: return rows_pass<1, 4, BITS, AFFINE>(p, m, t0, t1, y, ldy);
+    case 2: return rows_pass<2, 3, BITS, AFFINE>(p, m, t0, t1, y, ldy);
+    case 3: return rows_pass<3, 2, BITS, AFFINE>(p, m, t0, t1, y, ldy);
+    case 4: return rows_pass<4, 2, BITS, AFFINE>(p, m, t0, t1, y, ldy);
+    case 5: return rows_pass<5, 1, BITS, AFFINE>(p, m, t0, t1, y, ldy);
+    case 6: return rows_pass<6, 1, BITS, AFFINE>(p, m, t0, t1, y, ldy);
+    case 7: return rows_pass<7, 1, BITS, AFFINE>(p, m, t0, t1, y, ldy);
+    case 8: return rows_pass<8, 1, BITS, AFFINE>(p, m, t0, t1, y, ldy);
+    default: break;
   }
 }
 
-// Per row and group: sx, xq, S (see the header). x is float32 or bfloat16, contiguous.
+// Rows [r0, r1) x tiles [t0, t1) (r0 a multiple of kRowBlock): panels of kPanelTiles tiles, row
+// blocks inner (a panel's weights come from memory once, from cache for the other blocks; an
+// 8-row block's activations stay in L1 across the panel: 1.05x over 1-tile panels at 64 rows).
+template <int BITS, bool AFFINE, typename Out>
+void item(const Problem& p, int64_t r0, int64_t r1, int64_t t0, int64_t t1, Out* y, int64_t ldy) {
+  if (r1 - r0 <= kRowBlock) return rows_any<BITS, AFFINE>(p, r1 - r0, r0, t0, t1, y, ldy);
+  for (int64_t ts = t0; ts < t1; ts += kPanelTiles) {
+    const int64_t te = std::min(t1, ts + kPanelTiles);
+    for (int64_t m = r0; m < r1; m += kRowBlock)
+      rows_any<BITS, AFFINE>(p, std::min(kRowBlock, r1 - m), m, ts, te, y, ldy);
+  }
+}
+
+// Activations of one group of 32 (float32 or bfloat16) as two fp32 vectors.
 template <typename In>
-void quantize_rows(const In* x, int64_t m, int64_t k, int8_t* xq, float* sx, float* xs) {
+inline void load_group(const In* src, __m512& a, __m512& b) {
+  if constexpr (std::is_same_v<In, float>) {
+    a = _mm512_loadu_ps(src);
+    b = _mm512_loadu_ps(src + 16);
+  } else {  // bfloat16: the high half of an fp32 (exact)
+    const __m512i raw = _mm512_loadu_si512(src);
+    a = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16));
+    b = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1)), 16));
+  }
+}
+
+// The quantized activations of x (see the header), blocked as `Acts` describes, in one buffer
+// (one allocation per call): xq int8 [B, G, 8, 32], then sx, S float32 and corr int32
+// [B, G, 8] each; B = ceil(M / 8).
+struct QuantizedActs {
+  int64_t blocks, groups;
+  Tensor buf;
+  Acts acts() const {
+    const int64_t n = blocks * groups * kRowBlock;
+    uint8_t* base = buf.data_ptr<uint8_t>();
+    const float* sx = reinterpret_cast<const float*>(base + n * kGroup);
+    return {reinterpret_cast<const int8_t*>(base), sx, sx + n,
+            reinterpret_cast<const int32_t*>(sx + 2 * n)};
+  }
+};
+
+// Rows [r0, r1) of x [m, k] (float32 or bfloat16, contiguous) into `a`'s layout; `code_offset`
+// is 2^(bits-1), the symmetric weights' code offset.
+template <typename In>
+void quantize_rows(const In* x, int64_t r0, int64_t r1, int64_t k, int32_t code_offset,
+                   const Acts& a) {
   const int64_t groups = k / kGroup;
-  auto work = [&](int64_t r0, int64_t r1) {
-    alignas(64) float buf[kGroup];
-    for (int64_t i = r0 * groups; i < r1 * groups; ++i) {
-      const In* src = x + i * kGroup;
-      for (int64_t e = 0; e < kGroup; ++e) buf[e] = static_cast<float>(src[e]);
-      const __m512 a = _mm512_load_ps(buf), b = _mm512_load_ps(buf + 16);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  int8_t* xq = const_cast<int8_t*>(a.xq);
+  float* sx = const_cast<float*>(a.sx);
+  float* xs = const_cast<float*>(a.xs);
+  int32_t* corr = const_cast<int32_t*>(a.corr);
+  for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t i = ((r / kRowBlock) * groups + g) * kRowBlock + r % kRowBlock;
+      __m512 lo, hi;
+      load_group(x + r * k + g * kGroup, lo, hi);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
       const float s = amax / 127.f;
       int8_t* dst = xq + i * kGroup;
       if (s == 0.f) {  // all-zero group (or one too small for a normal scale: rounds to 0)
         std::fill(dst, dst + kGroup, 0);
         sx[i] = 0.f;
         xs[i] = 0.f;
+        corr[i] = 0;
         continue;
       }
       const __m512 vs = _mm512_set1_ps(s);
-      const __m512i qa = _mm512_cvt_roundps_epi32(_mm512_div_ps(a, vs),
+      const __m512i qa = _mm512_cvt_roundps_epi32(_mm512_div_ps(lo, vs),
                                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      const __m512i qb = _mm512_cvt_roundps_epi32(_mm512_div_ps(b, vs),
+      const __m512i qb = _mm512_cvt_roundps_epi32(_mm512_div_ps(hi, vs),
                                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(qa));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(qb));
       const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
       sx[i] = s;
       xs[i] = s * static_cast<float>(sum);
+      corr[i] = -code_offset * sum;
+    }
+  }
+}
+
+// x [M, K] quantized into the blocked layout, in parallel for large M.
+QuantizedActs quantize_blocked(const Tensor& xc, int64_t bits) {
+  const int64_t m = xc.size(0), k = xc.size(1), groups = k / kGroup;
+  const int64_t blocks = (m + kRowBlock - 1) / kRowBlock;
+  const int64_t bytes = blocks * groups * kRowBlock * (kGroup + 3 * 4);
+  QuantizedActs q{blocks, groups, at::empty({bytes}, xc.options().dtype(at::kByte))};
+  const Acts a = q.acts();
+  const int32_t code_offset = 1 << (bits - 1);
+  auto work = [&](int64_t r0, int64_t r1) {
+    if (xc.scalar_type() == at::kFloat) {
+      quantize_rows(xc.data_ptr<float>(), r0, r1, k, code_offset, a);
+    } else {
+      quantize_rows(xc.data_ptr<at::BFloat16>(), r0, r1, k, code_offset, a);
     }
   };
   if (m * k < (1 << 15)) {
@@ -237,40 +343,39 @@ void quantize_rows(const In* x, int64_t m, int64_t k, int8_t* xq, float* sx, flo
   } else {
     at::parallel_for(0, m, 16, work);
   }
+  return q;
 }
 #endif  // RADIXRT_QGEMM_VNNI
 
-std::tuple<Tensor, Tensor, Tensor> quantize_checked(const Tensor& x) {
+const Tensor checked_x(const Tensor& x) {
   TORCH_CHECK(x.dim() == 2, "qgemm_vnni: x must be [M, K], got ", x.sizes());
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "qgemm_vnni: x must be float32 or bfloat16, got ", x.scalar_type());
   TORCH_CHECK(x.size(1) % kGroup == 0, "qgemm_vnni: x's input features (", x.size(1),
               ") must be a multiple of ", kGroup);
-#if defined(RADIXRT_QGEMM_VNNI)
-  const Tensor xc = x.contiguous();
-  const int64_t m = xc.size(0), k = xc.size(1), groups = k / kGroup;
-  Tensor xq = at::empty({m, k}, xc.options().dtype(at::kChar));
-  Tensor sx = at::empty({m, groups}, xc.options().dtype(at::kFloat));
-  Tensor xs = at::empty({m, groups}, xc.options().dtype(at::kFloat));
-  if (m * k > 0) {
-    if (xc.scalar_type() == at::kFloat) {
-      quantize_rows(xc.data_ptr<float>(), m, k, xq.data_ptr<int8_t>(), sx.data_ptr<float>(),
-                    xs.data_ptr<float>());
-    } else {
-      quantize_rows(xc.data_ptr<at::BFloat16>(), m, k, xq.data_ptr<int8_t>(),
-                    sx.data_ptr<float>(), xs.data_ptr<float>());
-    }
-  }
-  return {xq, sx, xs};
-#else
-  TORCH_CHECK(false, "qgemm_vnni: this kernel library was built without AVX512-VNNI");
-#endif
+  return x.contiguous();
 }
 
 // (xq int8 [M, K], sx float32 [M, K/32], S = sx * sum(xq) float32 [M, K/32]): the activation
 // quantization qgemm_vnni applies (exposed for tests and references).
 std::tuple<Tensor, Tensor, Tensor> qgemm_vnni_quantize(const Tensor& x) {
-  return quantize_checked(x);
+  const Tensor xc = checked_x(x);
+#if defined(RADIXRT_QGEMM_VNNI)
+  const int64_t m = xc.size(0), k = xc.size(1), groups = k / kGroup;
+  const QuantizedActs q = quantize_blocked(xc, 4);
+  const int64_t rows = q.blocks * kRowBlock, n = q.blocks * groups * kRowBlock;
+  const Tensor xq = q.buf.narrow(0, 0, n * kGroup).view(at::kChar);
+  const Tensor sxs = q.buf.narrow(0, n * kGroup, 2 * n * 4).view(at::kFloat);
+  auto rows_first = [&](const Tensor& t) {  // [B, G, 8] -> [M, G]
+    return t.view({q.blocks, groups, kRowBlock}).permute({0, 2, 1}).reshape({rows, groups})
+        .narrow(0, 0, m).contiguous();
+  };
+  return {xq.view({q.blocks, groups, kRowBlock, kGroup}).permute({0, 2, 1, 3})
+              .reshape({rows, k}).narrow(0, 0, m).contiguous(),
+          rows_first(sxs.narrow(0, 0, n)), rows_first(sxs.narrow(0, n, n))};
+#else
+  TORCH_CHECK(false, "qgemm_vnni: this kernel library was built without AVX512-VNNI");
+#endif
 }
 
 Tensor qgemm_vnni(const Tensor& x, const Tensor& packed, int64_t bits) {
@@ -279,38 +384,48 @@ Tensor qgemm_vnni(const Tensor& x, const Tensor& packed, int64_t bits) {
               "qgemm_vnni: packed must be contiguous uint8 [N/16, K/32, bytes], got ",
               packed.sizes(), " ", packed.scalar_type());
   const int64_t code_bytes = 64 * bits, blob = packed.size(2);
-  TORCH_CHECK(blob == code_bytes + 64 || blob == code_bytes + 128, "qgemm_vnni: packed's last "
-              "dim must be ", code_bytes + 64, " (fp16 scales) or ", code_bytes + 128,
+  TORCH_CHECK(blob == code_bytes + 32 || blob == code_bytes + 64 || blob == code_bytes + 128,
+              "qgemm_vnni: packed's last dim must be ", code_bytes + 32, " (symmetric, fp16 "
+              "scales), ", code_bytes + 64, " (fp16 scales and offsets) or ", code_bytes + 128,
               " (fp32) for ", bits, "-bit codes, got ", blob);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == packed.size(1) * kGroup, "qgemm_vnni: x must be [M, ",
               packed.size(1) * kGroup, "] for this weight, got ", x.sizes());
+  const Tensor xc = checked_x(x);
 #if defined(RADIXRT_QGEMM_VNNI)
-  const int64_t m = x.size(0), k = x.size(1), n_tiles = packed.size(0), n = n_tiles * kTile;
-  Tensor y = at::empty({m, n}, x.options());
+  const int64_t m = xc.size(0), k = xc.size(1), n_tiles = packed.size(0), n = n_tiles * kTile;
+  Tensor y = at::empty({m, n}, xc.options());
   if (m == 0 || n == 0) return y;
   if (k == 0) return y.zero_();
-  auto [xq, sx, xs] = quantize_checked(x);
-  Problem p{m, n_tiles, k / kGroup, k, bits, blob, blob == code_bytes + 64,
-            packed.data_ptr<uint8_t>(), xq.data_ptr<int8_t>(), sx.data_ptr<float>(),
-            xs.data_ptr<float>()};
+  const QuantizedActs q = quantize_blocked(xc, bits);
+  const bool affine = blob != code_bytes + 32;
+  const Problem p{m, n_tiles, k / kGroup, bits, blob, blob != code_bytes + 128,
+                  packed.data_ptr<uint8_t>(), q.acts()};
   // Work items: row chunks x tile chunks, row-chunk-major (a thread's consecutive items share
-  // activations). Tile chunks hold at least kMinWeightsPerTask weight-rows of work.
+  // activations). Row chunks: equal shares of at most kRowChunk rows, in whole row blocks. Tile
+  // chunks: at least kMinWeightsPerTask weight-rows of work each, sizes within one tile of each
+  // other, and as many as a multiple of the thread count when the row chunks are not (torch's
+  // parallel_for gives each thread an equal contiguous run of items).
   const int64_t row_chunks = (m + kRowChunk - 1) / kRowChunk;
-  const int64_t rows_in_chunk = std::min(m, kRowChunk);
+  const int64_t row_chunk =
+      ((m + row_chunks - 1) / row_chunks + kRowBlock - 1) / kRowBlock * kRowBlock;
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const int64_t tiles_per_item = std::clamp<int64_t>(
-      kMinWeightsPerTask / std::max<int64_t>(1, kTile * k * rows_in_chunk), 4, 64);
-  const int64_t tile_chunks = (n_tiles + tiles_per_item - 1) / tiles_per_item;
+      kMinWeightsPerTask / std::max<int64_t>(1, kTile * k * std::min(m, row_chunk)), 4, 64);
+  int64_t tile_chunks = (n_tiles + tiles_per_item - 1) / tiles_per_item;
+  if (row_chunks % threads) tile_chunks = (tile_chunks + threads - 1) / threads * threads;
+  tile_chunks = std::min(tile_chunks, n_tiles);
   const int64_t items = row_chunks * tile_chunks;
   auto run = [&](auto* yp) {
     auto work = [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t rc = i / tile_chunks, tc = i % tile_chunks;
-        const int64_t r0 = rc * kRowChunk, r1 = std::min(m, r0 + kRowChunk);
-        const int64_t t0 = tc * tiles_per_item, t1 = std::min(n_tiles, t0 + tiles_per_item);
+        const int64_t r0 = rc * row_chunk, r1 = std::min(m, r0 + row_chunk);
+        const int64_t t0 = tc * n_tiles / tile_chunks, t1 = (tc + 1) * n_tiles / tile_chunks;
+        if (r0 >= r1) continue;
         if (bits == 4) {
-          item<4>(p, r0, r1, t0, t1, yp, n);
+          affine ? item<4, true>(p, r0, r1, t0, t1, yp, n) : item<4, false>(p, r0, r1, t0, t1, yp, n);
         } else {
-          item<8>(p, r0, r1, t0, t1, yp, n);
+          affine ? item<8, true>(p, r0, r1, t0, t1, yp, n) : item<8, false>(p, r0, r1, t0, t1, yp, n);
         }
       }
     };
@@ -320,7 +435,7 @@ Tensor qgemm_vnni(const Tensor& x, const Tensor& packed, int64_t bits) {
       at::parallel_for(0, items, 1, work);
     }
   };
-  if (x.scalar_type() == at::kBFloat16) {
+  if (xc.scalar_type() == at::kBFloat16) {
     run(y.data_ptr<at::BFloat16>());
   } else {
     run(y.data_ptr<float>());
