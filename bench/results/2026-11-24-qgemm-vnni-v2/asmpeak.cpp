@@ -21,5 +21,18 @@ int main(){
   RUN("gf2p8 x4", X4("vgf2p8affineqb $0, %%zmm30, %%zmm31, "))
   RUN("bcastld x4", X4("vpbroadcastd (%%rsp), "))
   RUN("ld512 x4", X4("vmovdqu64 -128(%%rsp), "))
+  RUN("maddubsw x4", X4("vpmaddubsw %%zmm30, %%zmm31, "))
+  RUN("maddwd x4", X4("vpmaddwd %%zmm30, %%zmm31, "))
+  RUN("mulld x4", X4("vpmulld %%zmm30, %%zmm31, "))
+  RUN("mullw x4", X4("vpmullw %%zmm30, %%zmm31, "))
+  RUN("dpwssd x4", X4("vpdpwssd %%zmm30, %%zmm31, "))
+  RUN("dpbf16 x4", X4("vdpbf16ps %%zmm30, %%zmm31, "))
+  RUN("sadbw x4", X4("vpsadbw %%zmm30, %%zmm31, "))
+  RUN("permb x4", X4("vpermb %%zmm30, %%zmm31, "))
+  RUN("pshufb x4", X4("vpshufb %%zmm30, %%zmm31, "))
+  RUN("scalef x4", X4("vscalefps %%zmm30, %%zmm31, "))
+  RUN("addps x8", X4("vaddps %%zmm30, %%zmm31, ") X4("vaddps %%zmm29, %%zmm31, "))
+  RUN("cvtdq x8", X4("vcvtdq2ps %%zmm30, ") X4("vcvtdq2ps %%zmm29, "))
+  RUN("ymmfma x4", "vfmadd231ps %%ymm30, %%ymm31, %%ymm12\n vfmadd231ps %%ymm30, %%ymm31, %%ymm13\n vfmadd231ps %%ymm30, %%ymm31, %%ymm14\n vfmadd231ps %%ymm30, %%ymm31, %%ymm15\n")
   }
 }
