@@ -1,6 +1,6 @@
 """The vnni kernel (`torch.ops.radixrt.qgemm_vnni`) of this checkout against the same file at
 another git revision, interleaved in one process: the old `qgemm_vnni.cpp` is built on its own
-under another op namespace (same compiler flags as radixrt's library).
+under another op namespace (`bench/attention_kernel.py` `load_baseline`, same compiler flags).
 
     python bench/vnni_ab.py --rev ae7d27c~1 --rows 1 8 64 --mode pass
     python bench/vnni_ab.py --rev ae7d27c~1 --rows 8 64 --mode shapes
@@ -27,8 +27,6 @@ if __package__ in (None, ""):
 
 import argparse  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 
@@ -36,31 +34,18 @@ import torch  # noqa: E402
 
 from radixrt.attention import cpu_kernels  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-SRC = "radixrt/attention/csrc/qgemm_vnni.cpp"
 SHAPES = {"qkv": (960, 576, 4, 30), "o": (576, 576, 4, 30), "gate_up": (3072, 576, 4, 30),
           "down": (576, 1536, 4, 30), "lm_head": (49152, 576, 8, 1)}
 Op = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
 def build_rev(rev: str) -> Op:
-    """qgemm_vnni.cpp at `rev`, registered as torch.ops.vnni_<hash>.qgemm_vnni."""
-    from torch.utils.cpp_extension import load
+    """qgemm_vnni.cpp at `rev`, built by attention_kernel's `load_baseline` (same flags, op
+    namespace radixrt_baseline)."""
+    from bench.attention_kernel import load_baseline
 
-    sha = subprocess.check_output(["git", "rev-parse", "--short", rev], cwd=ROOT, text=True).strip()
-    text = subprocess.check_output(["git", "show", f"{sha}:{SRC}"], cwd=ROOT, text=True)
-    ns = f"vnni_{sha}"
-    text = text.replace("TORCH_LIBRARY_FRAGMENT(radixrt,", f"TORCH_LIBRARY_FRAGMENT({ns},")
-    text = text.replace("TORCH_LIBRARY_IMPL(radixrt,", f"TORCH_LIBRARY_IMPL({ns},")
-    d = Path(tempfile.gettempdir()) / f"radixrt-vnni-ab-{sha}"
-    d.mkdir(exist_ok=True)
-    src = d / f"{ns}.cpp"
-    if not src.exists() or src.read_text() != text:
-        src.write_text(text)
-    flags = list(cpu_kernels.build_spec().cflags)
-    load(name=ns, sources=[str(src)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-         build_directory=str(d), is_python_module=False)
-    return getattr(torch.ops, ns).qgemm_vnni
+    load_baseline(rev, "qgemm_vnni.cpp")
+    return torch.ops.radixrt_baseline.qgemm_vnni
 
 
 def random_packed(n: int, k: int, bits: int, symmetric: bool, seed: int) -> torch.Tensor:
