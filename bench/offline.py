@@ -193,7 +193,8 @@ def one_batch(batch_sizes: Sequence[int], input_len: int, output_len: int, threa
               runs: int = 3, model_path: str | None = None, dtype: str = "auto",
               with_ceiling: bool = False, prefill_max_tokens: int = 8192,
               compile_decode: bool = False, quantization: str = "auto",
-              quant_max_rows: int | None = None, quant_kernel: str = "auto") -> dict[str, Any]:
+              quant_max_rows: int | None = None, quant_kernel: str = "auto",
+              huge_pages: bool = True) -> dict[str, Any]:
     """Per batch size: one prefill of `batch x input_len` tokens (timed when it is at most
     `prefill_max_tokens` tokens; larger batches get random K/V written straight into the pool,
     which costs a decode step the same), then `output_len` decode steps, each timed from
@@ -216,7 +217,8 @@ def one_batch(batch_sizes: Sequence[int], input_len: int, output_len: int, threa
                       max_total_tokens=max_bs * ctx + 64, max_context_len=ctx,
                       attention_backend="torch", log_level="warning", dtype=dtype,
                       compile_decode=compile_decode, quantization=quantization,
-                      quant_max_rows=quant_max_rows, quant_kernel=quant_kernel)
+                      quant_max_rows=quant_max_rows, quant_kernel=quant_kernel,
+                      disable_huge_pages=not huge_pages)
     runner = ModelRunner(args)
     cfg = runner.model_config
     rp, kp = runner.req_to_token_pool, runner.token_to_kv_pool
@@ -383,6 +385,8 @@ def main() -> None:
     ob.add_argument("--thread-wait", default="brief", choices=("brief", "passive", "spin"),
                     help="ServerArgs.thread_wait: how this process's OpenMP threads wait (an "
                          "OMP_WAIT_POLICY / GOMP_SPINCOUNT already in the environment wins)")
+    ob.add_argument("--disable-huge-pages", action="store_true",
+                    help="ServerArgs.disable_huge_pages")
     ob.add_argument("--compile-decode", action="store_true",
                     help="ServerArgs.compile_decode (torch.compile the decode step)")
     ob.add_argument("--prefill-max-tokens", type=int, default=8192,
@@ -402,7 +406,8 @@ def main() -> None:
                 os.environ.setdefault(k, v)
         res = one_batch(a.batch_size, a.input_len, a.output_len, a.threads, a.runs, a.model,
                         a.dtype, a.with_ceiling, a.prefill_max_tokens, a.compile_decode,
-                        a.quantization, a.quant_max_rows, a.quant_kernel)
+                        a.quantization, a.quant_max_rows, a.quant_kernel,
+                        huge_pages=not a.disable_huge_pages)
         print_one_batch(res)
         text = json.dumps(res, indent=1)
         print(text)

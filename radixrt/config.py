@@ -145,6 +145,10 @@ class ServerArgs:
     helper_nice: int = _f(10, "niceness added to the processes that do no tensor work (the "
                               "detokenizer; the HTTP server's process under `radixrt serve`), "
                               "so they yield to the scheduler; 0 = leave them alone")
+    disable_huge_pages: bool = _f(
+        False, "keep the model's tensors and the KV pool on the allocator's default pages "
+               "instead of 2 MiB-aligned buffers advised for transparent huge pages (CPU; "
+               "effective where the kernel's THP mode is madvise or always)")
     compile_decode: bool = _f(False, "torch.compile (inductor, CPU: needs a C++ compiler) each "
                                      "layer's dense part (everything but attention) for decode "
                                      "steps; costs compile time at start-up")

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from radixrt.core.errors import InvariantError
+from radixrt.mem.huge_pages import huge_page_buffer
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +86,10 @@ class TokenToKVPool:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        huge_pages: bool = True,
     ):
+        """`huge_pages` (CPU only): every buffer lives in one 2 MiB-aligned allocation advised
+        for transparent huge pages (`mem/huge_pages.py`)."""
         self.size = size
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
@@ -95,8 +99,16 @@ class TokenToKVPool:
         shape = (size + 1, num_kv_heads, head_dim)
         # `empty`: pages are committed only when first written. Only slot 0 is ever read before
         # being written (padding), so only it must hold finite values.
-        self.k_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        if huge_pages and self.device.type == "cpu":
+            per = (size + 1) * num_kv_heads * head_dim
+            arena = huge_page_buffer(2 * num_layers * per * dtype.itemsize).view(dtype)
+            bufs = [arena[i * per:(i + 1) * per].view(shape) for i in range(2 * num_layers)]
+            self.k_buffer, self.v_buffer = bufs[:num_layers], bufs[num_layers:]
+        else:
+            self.k_buffer = [torch.empty(shape, dtype=dtype, device=device)
+                             for _ in range(num_layers)]
+            self.v_buffer = [torch.empty(shape, dtype=dtype, device=device)
+                             for _ in range(num_layers)]
         for buf in (*self.k_buffer, *self.v_buffer):
             buf[0].zero_()
         self._free = torch.arange(1, size + 1, dtype=torch.int64)

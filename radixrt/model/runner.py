@@ -13,6 +13,7 @@ from radixrt.attention import create_attention_backend
 from radixrt.attention.flashinfer import FlashInferBackend
 from radixrt.config import ServerArgs
 from radixrt.core.forward_batch import ForwardBatch
+from radixrt.mem.huge_pages import move_to_huge_pages
 from radixrt.mem.memory_pool import ReqToTokenPool, TokenToKVPool, kv_bytes_per_token
 from radixrt.model.dtype_probe import DtypeProbe, probe_cpu_dtype
 from radixrt.model.loader import default_model_path, load_model, resolve_device, resolve_dtype
@@ -79,7 +80,7 @@ class ModelRunner:
             self.sizes.max_running_requests, self.sizes.max_context_len, self.device)
         self.token_to_kv_pool = TokenToKVPool(
             self.sizes.max_total_tokens, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-            self.dtype, self.device)
+            self.dtype, self.device, huge_pages=not args.disable_huge_pages)
         self.attn_backend = create_attention_backend(
             args.attention_backend, self.token_to_kv_pool, self.device,
             num_q_heads=cfg.num_heads,
@@ -88,6 +89,9 @@ class ModelRunner:
         self.model, _ = load_model(self.model_path, self.attn_backend, self.dtype, self.device,
                                    model_config=cfg, quant=self.quant,
                                    fused_ops=False if args.disable_fused_cpu_ops else None)
+        if not args.disable_huge_pages and self.device.type == "cpu":
+            moved = move_to_huge_pages([*self.model.parameters(), *self.model.buffers()])
+            logger.info("model tensors: %.1f MiB moved to huge-page buffers", moved / 2**20)
         # compiled dense parts replace the layers' Python methods, which the C++ loop skips
         self.model.fused_decode = not (args.disable_fused_decode or args.compile_decode)
         self.compiled = None

@@ -36,6 +36,7 @@ from radixrt.core.validation import check_context_length
 from radixrt.grammar import GrammarBackend, GrammarCompiler, LLGuidanceBackend
 from radixrt.mem.base_prefix_cache import BasePrefixCache
 from radixrt.mem.chunk_cache import NoPrefixCache
+from radixrt.mem.huge_pages import huge_page_info
 from radixrt.mem.radix_cache import RadixCache
 from radixrt.model.runner import ModelRunner
 from radixrt.model.tokenizer import load_tokenizer
@@ -518,7 +519,11 @@ def run_scheduler(args: ServerArgs, paths: ipc.IpcPaths, parent_pid: int,
         "quant_probe": runner.quant_probe.as_info() if runner.quant_probe else None,
         "num_threads": torch.get_num_threads(),
         "thread_wait": args.thread_wait,
+        # How much of the model and pools sits on transparent huge pages (ServerArgs.
+        # disable_huge_pages), measured after they were allocated.
+        "huge_pages": {"enabled": not args.disable_huge_pages, **huge_page_info()},
     }
+    logger.info("huge pages: %s", info["huge_pages"])
     ipc.send(to_tok, ReadyMsg(True, info=info))
     poller = zmq.Poller()
     poller.register(recv, zmq.POLLIN)
