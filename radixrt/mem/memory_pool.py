@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from radixrt.core.errors import InvariantError
@@ -48,12 +49,26 @@ class ReqToTokenPool:
               slots: torch.Tensor) -> None:
         """Row `rows[b]` gets the next `lens[b]` of `slots` at columns `starts[b]`, ... (one
         scatter for the whole batch; `slots` is the concatenation in batch order)."""
-        lens_t = torch.tensor(list(lens), dtype=torch.int64)
-        n = int(lens_t.sum())
+        lens = list(lens)
+        n = sum(lens)
         if int(slots.numel()) != n:
             raise ValueError(f"write: {slots.numel()} slots for {n} positions")
         if n == 0:
             return
+        if self.req_to_token.device.type == "cpu" and slots.device.type == "cpu":
+            # numpy views: a decode step's one slot per row in microseconds
+            table = self.req_to_token.numpy()
+            src = slots.reshape(-1).numpy()
+            if all(ln == 1 for ln in lens):
+                table[np.asarray(list(rows), dtype=np.int64),
+                      np.asarray(list(starts), dtype=np.int64)] = src
+                return
+            off = 0
+            for r, st, ln in zip(rows, starts, lens, strict=True):
+                table[r, st:st + ln] = src[off:off + ln]
+                off += ln
+            return
+        lens_t = torch.tensor(lens, dtype=torch.int64)
         bs = len(lens_t)
         which = torch.repeat_interleave(torch.arange(bs), lens_t)
         first = torch.zeros(bs, dtype=torch.int64)

@@ -1,0 +1,61 @@
+"""`ForwardBatch.build`'s CPU decode path and `ReqToTokenPool.write`'s numpy path give exactly
+what the general batched-torch code gives (values and dtypes)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from radixrt.core.forward_batch import ForwardBatch, ForwardMode
+from radixrt.mem.memory_pool import ReqToTokenPool
+
+FIELDS = ("input_ids", "positions", "req_pool_indices", "seq_lens", "prefix_lens",
+          "extend_lens", "out_cache_loc", "qo_indptr", "kv_indptr", "kv_indices",
+          "kv_last_page_len", "logits_indices")
+
+
+@pytest.mark.parametrize("bs", [0, 1, 3, 17])
+def test_cpu_decode_build_equals_the_general_build(bs: int) -> None:
+    rng = random.Random(bs)
+    table = torch.randint(0, 10_000, (24, 300), dtype=torch.int32,
+                          generator=torch.Generator().manual_seed(bs))
+    rows = rng.sample(range(24), bs)
+    prefix = [rng.randrange(0, 299) for _ in range(bs)]
+    ids = [rng.randrange(50_000) for _ in range(bs)]
+    fast = ForwardBatch.build(ForwardMode.DECODE, ids, rows, prefix, [1] * bs, table)
+    ref = ForwardBatch._build_general(ForwardMode.DECODE, ids, rows, prefix, [1] * bs, table,
+                                      "cpu")
+    for name in FIELDS:
+        a, b = getattr(fast, name), getattr(ref, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert fast.seq_lens_cpu == ref.seq_lens_cpu and fast.prefix_lens_cpu == prefix
+    assert fast.extend_lens_cpu == [1] * bs and fast.batch_size == bs and fast.is_decode
+    # the batch does not alias the table: later writes to the table leave it unchanged
+    before = fast.kv_indices.clone()
+    table.fill_(-1)
+    assert torch.equal(fast.kv_indices, before)
+
+
+def _reference_write(table: torch.Tensor, rows: list[int], starts: list[int], lens: list[int],
+                     slots: torch.Tensor) -> None:
+    off = 0
+    for r, s, n in zip(rows, starts, lens, strict=True):
+        for j in range(n):
+            table[r, s + j] = int(slots[off + j])
+        off += n
+
+
+@pytest.mark.parametrize("lens", [[1, 1, 1, 1], [3, 0, 5, 1], [7]])
+def test_write_fills_the_table_as_the_reference(lens: list[int]) -> None:
+    pool = ReqToTokenPool(6, 40)
+    expect = pool.req_to_token.clone()
+    rows = [5, 0, 3, 2][: len(lens)]
+    starts = [4, 0, 30, 12][: len(lens)]
+    slots = torch.arange(100, 100 + sum(lens), dtype=torch.int64)
+    pool.write(rows, starts, lens, slots)
+    _reference_write(expect, rows, starts, lens, slots)
+    assert torch.equal(pool.req_to_token, expect)
+    with pytest.raises(ValueError, match="slots for"):
+        pool.write(rows, starts, lens, slots[:-1])
