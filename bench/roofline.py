@@ -95,9 +95,11 @@ def prefill_cost(cfg: Any, batch: int, input_len: int, weight_bytes_read: int,
 
 
 def weight_bytes(model: Any) -> int:
-    """Bytes a step reads in full from a built model: every parameter and buffer (each storage
-    counted once, so a tied LM head counts once), except rotary tables and an untied embedding
-    table (both only gathered by row)."""
+    """Bytes a step reads in full from a built model: every parameter and buffer (each tensor's
+    own bytes, a tensor starting where another does counted once, so a tied LM head counts
+    once), except rotary tables and an untied embedding table (both only gathered by row).
+    Counted per tensor, not per storage: the runner moves all of them into one huge-page
+    buffer (radixrt/mem/huge_pages.py)."""
     seen: set[int] = set()
     lm_head = getattr(model, "lm_head", None)
     embed = getattr(model, "embed_tokens", None)
@@ -106,11 +108,11 @@ def weight_bytes(model: Any) -> int:
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         if "rotary" in name or (untied_embed and t is embed):
             continue
-        key = t.untyped_storage().data_ptr()
+        key = t.data_ptr()
         if key in seen:
             continue
         seen.add(key)
-        total += t.untyped_storage().nbytes()
+        total += t.numel() * t.element_size()
     return total
 
 

@@ -338,6 +338,11 @@ def test_weight_bytes_of_a_built_model_match_the_formula(tiny_llama_dir, dtype):
     assert R.weight_bytes(model) == R.dense_params_read(cfg) * elem
     model.lm_head = model.embed_tokens  # tied: one table, counted once
     assert R.weight_bytes(model) == R.dense_params_read(cfg) * elem
+    # all tensors in one buffer (as the runner holds them on huge pages): the same count
+    from radixrt.mem.huge_pages import move_to_huge_pages
+
+    move_to_huge_pages([*model.parameters(), *model.buffers()])
+    assert R.weight_bytes(model) == R.dense_params_read(cfg) * elem
 
 
 # -- compare.py smoke run -------------------------------------------------------------------------------
