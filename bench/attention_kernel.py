@@ -465,13 +465,15 @@ def load_baseline(rev: str, source: str = "paged_decode.cpp") -> None:
     root = Path(__file__).resolve().parents[1]
     src = subprocess.run(["git", "show", f"{rev}:radixrt/attention/csrc/{source}"],
                          cwd=root, check=True, capture_output=True, text=True).stdout
-    # The headers it includes, as of the same revision (absent before they were split out).
+    # The shared headers (csrc/*.h) as of the same revision.
+    listed = subprocess.run(["git", "ls-tree", "--name-only", rev, "radixrt/attention/csrc/"],
+                            cwd=root, check=True, capture_output=True, text=True).stdout
     headers = {}
-    for name in ("vec_util.h", "work_queue.h"):
-        shown = subprocess.run(["git", "show", f"{rev}:radixrt/attention/csrc/{name}"],
-                               cwd=root, capture_output=True, text=True)
-        if shown.returncode == 0:
-            headers[name] = shown.stdout
+    for path in listed.split():
+        if path.endswith(".h"):
+            headers[Path(path).name] = subprocess.run(
+                ["git", "show", f"{rev}:{path}"], cwd=root, check=True, capture_output=True,
+                text=True).stdout
     build_op_library(src, source, "radixrt_baseline", headers)
 
 
