@@ -264,7 +264,11 @@ void silu_mul_impl(const Tensor& gu, Tensor& out) {
       const T* u = g + inter;
       T* o = op + r * inter;
       int64_t i = 0;
-      for (; i < vec_end; i += kVec) store_f32<T>(o + i, silu_times_up<T>(g + i, u + i));
+      for (; i < vec_end; i += 2 * kVec) {
+        Vec lo, hi;
+        silu_times_up<T>(g + i, u + i, lo, hi);
+        store_pair<T>(o + i, lo, hi);
+      }
       for (; i < inter; ++i) o[i] = static_cast<T>(silu_times_up_scalar<T>(g[i], u[i]));
     }
   });

@@ -6,7 +6,8 @@
 // up, rounded to T. ATen's cpu_kernel_vec runs the vectorised silu (at::vec's exp) over whole
 // chunks of 2 * Vectorized<T>::size() elements of a row and the scalar one (std::exp) on the
 // rest, so which path an element takes depends on its index and the row width `inter`:
-// elements [0, silu_mul_vec_end<T>(inter)) the vector one, kVec at a time from index 0.
+// elements [0, silu_mul_vec_end<T>(inter)) the vector one, 2 * kVec at a time from index 0 (each
+// element's value depends on the path only, not on how many lanes are converted at once).
 //
 // There is no a * b + c here, so FP contraction (on in qgemm_vnni.cpp, off in fused_ops.cpp)
 // cannot change a result.
@@ -24,16 +25,21 @@ namespace radixrt_cpu {
 template <typename T>
 inline int64_t silu_mul_vec_end(int64_t inter) {
   const int64_t chunk = 2 * at::vec::Vectorized<T>::size();
+  static_assert(2 * at::vec::Vectorized<T>::size() % (2 * kVec) == 0);
   return inter / chunk * chunk;
 }
 
-// kVec elements from gate / up (vector path): silu(gate) rounded to T, times up; the product
-// is not yet rounded to T (store_f32<T> or round_vec<T> does that).
+// 2 * kVec elements from gate / up (vector path): silu(gate) rounded to T, times up, as lo
+// (the first kVec) and hi; the products are not yet rounded to T (store_pair<T> or
+// round_pair<T> does that).
 template <typename T>
-inline Vec silu_times_up(const T* gate, const T* up) {
-  const Vec x = load_f32<T>(gate);
-  const Vec s = round_vec<T>(x / (Vec(1.f) + x.neg().exp()));
-  return s * load_f32<T>(up);
+inline void silu_times_up(const T* gate, const T* up, Vec& lo, Vec& hi) {
+  const Vec x0 = load_f32<T>(gate), x1 = load_f32<T>(gate + kVec);
+  Vec s0 = x0 / (Vec(1.f) + x0.neg().exp());
+  Vec s1 = x1 / (Vec(1.f) + x1.neg().exp());
+  round_pair<T>(s0, s1);
+  lo = s0 * load_f32<T>(up);
+  hi = s1 * load_f32<T>(up + kVec);
 }
 
 // One element (scalar path), likewise not yet rounded to T.

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <tuple>
 #include <type_traits>
 
 namespace radixrt_cpu {
@@ -82,6 +83,31 @@ inline Vec round_vec(const Vec& v) {
     return v;
   } else {
     return low_to_f32<T>(from_f32<T>(v, v));
+  }
+}
+
+// Two vectors rounded to T, in one conversion (both halves of a vector of T): the same values
+// as round_vec on each (rounding is per element).
+template <typename T>
+inline void round_pair(Vec& a, Vec& b) {
+  if constexpr (!std::is_same_v<T, float>) {
+    const at::vec::Vectorized<T> t = from_f32<T>(a, b);
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      std::tie(a, b) = at::vec::convert_bfloat16_float(t);
+    } else {
+      std::tie(a, b) = at::vec::convert_half_float(t);
+    }
+  }
+}
+
+// 2 * kVec floats rounded to T and stored at p (a, then b): store_f32 of each, one conversion.
+template <typename T>
+inline void store_pair(T* p, const Vec& a, const Vec& b) {
+  if constexpr (std::is_same_v<T, float>) {
+    a.store(p);
+    b.store(p + kVec);
+  } else {
+    from_f32<T>(a, b).store(p);
   }
 }
 
