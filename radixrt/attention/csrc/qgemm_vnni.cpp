@@ -36,7 +36,14 @@
 // 8 x 1 for full 8-row blocks (each unpacked weight vector serves 8 rows), 1 x 4, 2 x 3, 3 x 2,
 // 4 x 2, 5..7 x 1 for fewer rows. The activations are quantized into blocks of 8 rows (one
 // pointer and fixed offsets per group). Work items are (row chunk, tile chunk) pairs, balanced
-// across threads; in an item, panels of a few tiles are passed by every row block. Built only
+// across threads; in an item, panels of a few tiles are passed by every row block.
+//
+// One parallel region per call: its threads quantize the activations (shares of the layout
+// claimed from a counter), meet at a barrier, then run their work items; a call too small for
+// the region quantizes and multiplies on the calling thread. The quantized activations live in
+// a per-thread scratch buffer. qgemm_vnni_silu(gate_up [M, 2K]) quantizes silu(gate) * up
+// instead of x, computed as radixrt::silu_mul computes it (silu_mul.h), so its result is bitwise
+// qgemm_vnni(silu_mul(gate_up)): the one-call decode step's down projections use it. Built only
 // where the compiler has __AVX512VNNI__ (the builder adds -mavx512vnni when /proc/cpuinfo lists
 // avx512_vnni); elsewhere the op refuses with an error and qgemm_vnni_isa() returns "none".
 
@@ -81,11 +88,13 @@ constexpr int64_t kMinWeightsPerTask = 1 << 16;
 // Tiles per panel when several row blocks pass over the same tiles (see `item`).
 constexpr int64_t kPanelTiles = 4;
 // Activation quantization (~10 ns per group of 32 on Zen 4): inside the matmul's parallel
-// region, shares of at least kMinGroupsPerShare groups, at most kSharesPerThread per thread
-// (a late-waking thread leaves its shares to the others); a call without a parallel matmul
-// quantizes on the calling thread below kParallelQuantElems activations.
+// region, one lane of shares per thread (at most kMaxLanes), shares of at least
+// kMinGroupsPerShare groups, at most kSharesPerThread per lane (a late-waking thread leaves its
+// shares to the others); a call without a parallel matmul quantizes on the calling thread below
+// kParallelQuantElems activations.
 constexpr int64_t kMinGroupsPerShare = 32;
 constexpr int64_t kSharesPerThread = 8;
+constexpr int64_t kMaxLanes = 64;
 constexpr int64_t kParallelQuantElems = 1 << 15;
 // Barrier: pause-spins before yielding the core (~20 ns each on Zen 4: ~40 us).
 constexpr int64_t kSpinsBeforeYield = 2000;
@@ -469,23 +478,41 @@ inline void wait_for(const std::atomic<int64_t>& done, int64_t target) {
   }
 }
 
-// One parallel region for a call: the activation quantization, in shares of the layout's units
-// that the region's threads claim from a counter, a barrier (all shares done), then work(i0, i1)
-// on this thread's equal run of the `items` work items (`slots` runs). A thread waits only for
-// shares another thread has claimed and is quantizing, so the barrier holds however torch runs
-// the region: one thread per slot, fewer threads than slots (a nested region runs the whole
-// range on the caller: it claims every share and waits for nothing), or one.
+// A share counter on its own cache line.
+struct alignas(64) ShareCounter {
+  std::atomic<int64_t> next;
+};
+
+// One parallel region for a call: the activation quantization, a barrier (every share done),
+// then work(i0, i1) on this thread's equal run of the `items` work items (`slots` runs).
+// The layout's units are split into `lanes` contiguous ranges (one per slot, at most
+// kMaxLanes), each into shares claimed from the lane's counter: a thread takes its own lane's
+// shares first (the rows its own work items read, so they stay in its cache), then helps the
+// others. A thread waits only for shares another thread has claimed and is quantizing, so the
+// barrier holds however torch runs the region: one thread per slot, fewer threads than slots
+// (a nested region runs the whole range on the caller: it claims every share and waits for
+// nothing), or one.
 template <typename W>
 void quantize_then_work(const ActInput& in, int64_t items, int64_t slots, const W& work) {
-  const int64_t units = in.units();
-  const int64_t shares = std::clamp<int64_t>(in.m * in.groups / kMinGroupsPerShare, 1,
-                                             std::min(units, kSharesPerThread * slots));
-  std::atomic<int64_t> next{0}, done{0};
+  const int64_t units = in.units(), groups = in.m * in.groups;
+  const int64_t lanes =
+      std::clamp<int64_t>(groups / kMinGroupsPerShare, 1, std::min(slots, kMaxLanes));
+  const int64_t per_lane =
+      std::clamp<int64_t>(groups / kMinGroupsPerShare / lanes, 1, kSharesPerThread);
+  const int64_t shares = lanes * per_lane;
+  ShareCounter lane_next[kMaxLanes];
+  for (int64_t l = 0; l < lanes; ++l) lane_next[l].next.store(0, std::memory_order_relaxed);
+  std::atomic<int64_t> done{0};
   at::parallel_for(0, slots, 1, [&](int64_t s0, int64_t s1) {
-    for (int64_t s = next.fetch_add(1, std::memory_order_relaxed); s < shares;
-         s = next.fetch_add(1, std::memory_order_relaxed)) {
-      in.quantize(s * units / shares, (s + 1) * units / shares);
-      done.fetch_add(1, std::memory_order_release);
+    const int64_t own = s0 * lanes / slots;
+    for (int64_t o = 0; o < lanes; ++o) {
+      std::atomic<int64_t>& next = lane_next[(own + o) % lanes].next;
+      const int64_t base = (own + o) % lanes * per_lane;
+      for (int64_t j = next.fetch_add(1, std::memory_order_relaxed); j < per_lane;
+           j = next.fetch_add(1, std::memory_order_relaxed)) {
+        in.quantize((base + j) * units / shares, (base + j + 1) * units / shares);
+        done.fetch_add(1, std::memory_order_release);
+      }
     }
     wait_for(done, shares);
     work(s0 * items / slots, s1 * items / slots);
