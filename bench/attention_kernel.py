@@ -434,45 +434,62 @@ def build_op_library(src: str, source: str, namespace: str, headers: dict[str, s
     `namespace` instead of `radixrt` (same compiler flags as the current build, plus `-D`
     `defines`) beside the cached builds, and loads it; `headers` (name -> text) are the ones it
     includes."""
+    build_op_sources({source: src}, namespace, headers, defines)
+
+
+def build_op_sources(sources: dict[str, str], namespace: str, headers: dict[str, str],
+                     defines: tuple[str, ...] = ()) -> None:
+    """`build_op_library` for several kernel sources (file name -> text) in one library."""
     from torch.utils import cpp_extension
 
-    for macros in (("TORCH_LIBRARY(", "TORCH_LIBRARY_FRAGMENT("), ("TORCH_LIBRARY_IMPL(",)):
-        if not any(f"{m}radixrt," in src for m in macros):
-            raise SystemExit(f"no {macros[0]}radixrt, ...) in {source}")
-        for m in macros:
-            src = src.replace(f"{m}radixrt,", f"{m}{namespace},")
+    renamed = {}
+    for source, src in sources.items():
+        for macros in (("TORCH_LIBRARY(", "TORCH_LIBRARY_FRAGMENT("), ("TORCH_LIBRARY_IMPL(",)):
+            if not any(f"{m}radixrt," in src for m in macros):
+                raise SystemExit(f"no {macros[0]}radixrt, ...) in {source}")
+            for m in macros:
+                src = src.replace(f"{m}radixrt,", f"{m}{namespace},")
+        renamed[source] = src
     spec = cpu_kernels.build_spec()
     cflags = [*spec.cflags, *(f"-D{d}" for d in defines)]
-    key = hashlib.sha256((src + "".join(headers.values()) + " ".join(cflags)
-                          + torch.__version__).encode()).hexdigest()
+    key = hashlib.sha256(("".join(renamed.values()) + "".join(headers.values())
+                          + " ".join(cflags) + torch.__version__).encode()).hexdigest()
     directory = cpu_kernels.cache_root() / f"{namespace}-{spec.isa}-{key[:16]}"
     directory.mkdir(parents=True, exist_ok=True)
     for name, text in headers.items():
         if not (directory / name).exists():
             (directory / name).write_text(text)
-    target = directory / source.replace(".cpp", f"_{namespace}.cpp")
-    if not target.exists() or target.read_text() != src:  # an unchanged file is not rebuilt
-        target.write_text(src)
+    targets = []
+    for source, src in renamed.items():
+        target = directory / source.replace(".cpp", f"_{namespace}.cpp")
+        if not target.exists() or target.read_text() != src:  # an unchanged file is not rebuilt
+            target.write_text(src)
+        targets.append(str(target))
     os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])
-    cpp_extension.load(name=f"{namespace}_{key[:16]}", sources=[str(target)],
+    cpp_extension.load(name=f"{namespace}_{key[:16]}", sources=targets,
                        extra_cflags=cflags, extra_ldflags=["-fopenmp"],
                        build_directory=str(directory), is_python_module=False)
+
+
+def revision_sources(rev: str, names: tuple[str, ...]) -> tuple[dict[str, str], dict[str, str]]:
+    """(`radixrt/attention/csrc/<name>` for each name, every csrc/*.h) as of git `rev`."""
+    root = Path(__file__).resolve().parents[1]
+
+    def show(path: str) -> str:
+        return subprocess.run(["git", "show", f"{rev}:{path}"], cwd=root, check=True,
+                              capture_output=True, text=True).stdout
+
+    listed = subprocess.run(["git", "ls-tree", "--name-only", rev, "radixrt/attention/csrc/"],
+                            cwd=root, check=True, capture_output=True, text=True).stdout
+    headers = {Path(p).name: show(p) for p in listed.split() if p.endswith(".h")}
+    return {n: show(f"radixrt/attention/csrc/{n}") for n in names}, headers
 
 
 def load_baseline(rev: str, source: str = "paged_decode.cpp") -> None:
     """Builds `radixrt/attention/csrc/<source>` as of git `rev` under the op namespace
     `radixrt_baseline` and loads it."""
-    root = Path(__file__).resolve().parents[1]
-    src = subprocess.run(["git", "show", f"{rev}:radixrt/attention/csrc/{source}"],
-                         cwd=root, check=True, capture_output=True, text=True).stdout
-    # The headers it includes, as of the same revision (absent before they were split out).
-    headers = {}
-    for name in ("vec_util.h", "work_queue.h"):
-        shown = subprocess.run(["git", "show", f"{rev}:radixrt/attention/csrc/{name}"],
-                               cwd=root, capture_output=True, text=True)
-        if shown.returncode == 0:
-            headers[name] = shown.stdout
-    build_op_library(src, source, "radixrt_baseline", headers)
+    sources, headers = revision_sources(rev, (source,))
+    build_op_library(sources[source], source, "radixrt_baseline", headers)
 
 
 def _kernel_case(dname: str, bs: int, ctx: int, prefix: int, reps: int,

@@ -4,12 +4,15 @@ under another op namespace (`bench/attention_kernel.py` `load_baseline`, same co
 
     python bench/vnni_ab.py --rev ae7d27c~1 --rows 1 8 64 --mode pass
     python bench/vnni_ab.py --rev ae7d27c~1 --rows 8 64 --mode shapes
+    python bench/vnni_ab.py --rev da3ea05 --rows 1 8 64 --mode pass --silu
 
 `pass`: every matmul of one SmolLM2 decode step, each layer its own random weights (30 x qkv
 [960, 576], o [576, 576], gate_up [3072, 576], down [576, 1536] 4-bit with offsets, as GGUF
 Q4_1; the LM head [49152, 576] 8-bit, as Q8_0: symmetric where the kernel takes that layout),
-~98 MB read from memory per pass as in a real step. `shapes`: each shape alone, its weights hot
-in cache. The machine is shared: a rep is kept only if this process had both cores (its CPU
+~98 MB read from memory per pass as in a real step; `--silu`: each down projection takes the
+gate_up output [M, 3072] as the one-call decode step does: the old build through
+`silu_mul` then its op, the new one through `qgemm_vnni_silu` where it has it (SiLU-mul fused into
+the activation quantization). `shapes`: each shape alone, its weights hot in cache. The machine is shared: a rep is kept only if this process had both cores (its CPU
 time >= 1.85 x wall at 2 threads), and each row count starts once the CPUs have been idle for
 3 s. Prints medians and old / new ratios.
 """
@@ -113,6 +116,8 @@ def main() -> None:
     ap.add_argument("--mode", choices=["pass", "shapes"], default="pass")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--silu", action="store_true",
+                    help="pass mode: down projections on silu_mul(gate_up) (or the fused op)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     assert cpu_kernels.load_cpu_kernels(), cpu_kernels.unavailable_reason()
@@ -130,10 +135,20 @@ def main() -> None:
         print(f"weights per pass: {mb + head[True].numel() / 1e6:.1f} MB (symmetric head)")
         for m in a.rows:
             xs = {k: torch.randn(m, k).bfloat16() for k in (576, 1536)}
+            gu = torch.randn(m, 2 * 1536).bfloat16()
+
+            def down(t: str, p: torch.Tensor, bits: int, gu: torch.Tensor = gu) -> None:
+                if t == "new" and hasattr(torch.ops.radixrt, "qgemm_vnni_silu"):
+                    torch.ops.radixrt.qgemm_vnni_silu(gu, p, bits)
+                else:
+                    ops[t](torch.ops.radixrt.silu_mul(gu), p, bits)
 
             def one(t: str, xs: dict[int, torch.Tensor] = xs) -> None:
                 for p, bits, k in layers:
-                    ops[t](xs[k], p, bits)
+                    if a.silu and k == 1536:
+                        down(t, p, bits)
+                    else:
+                        ops[t](xs[k], p, bits)
                 ops[t](xs[576], head[sym[t]], 8)
 
             wait_idle()

@@ -3,7 +3,7 @@
 It calls the same ops as the Python layer loop in the same order, so the logits must be bitwise
 the loop's: dense fp32 / bf16 with biases (Qwen2), GGUF Q4_1 + Q8_0 on the qgemv or the vnni
 kernel with the dense copy taking the calls above `max_rows`, rows sharing a cached prefix (cascade groups
-in the plan) beside an unrelated row. Then: the cases that must fall back to the loop, the
+in the plan) beside an unrelated row, the vnni down projection fused with SiLU-mul in the op. Then: the cases that must fall back to the loop, the
 switch, and bad arguments to the op.
 """
 
@@ -123,6 +123,33 @@ def test_quantized_rows_under_max_rows_run_the_kernel_in_the_op(tmp_path: Path,
             logits.append(runner.decode([row], logits[-1].argmax(-1).tolist()))
         out[fused] = torch.cat(logits)
     assert torch.equal(out[True], out[False])
+
+
+def test_vnni_down_projection_takes_the_silu_input_bitwise_the_loop(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every matmul on the vnni kernel at 4 decode rows (Q4_1 layers, Q8_0 head): in the op the
+    down projection runs `qgemm_vnni_silu` on gate_up (no `silu_mul`), the loop `silu_mul` then
+    `qgemm_vnni`; the logits are bitwise equal."""
+    if not vnni_kernel_available():
+        pytest.skip("no AVX512-VNNI here")
+    hf = make_tiny_checkpoint(tmp_path / "hf", "llama", seed=5, num_hidden_layers=3,
+                              tie_word_embeddings=True)
+    path = write_tiny_gguf(hf, tmp_path / "m.gguf", "llama", "Q4_1", "Q8_0")
+    plan = QuantPlan("gguf", dense_copy=False, kernel="vnni")
+    runs, ops = {}, {}
+    for fused in (True, False):
+        runner = _runner(path, torch.bfloat16, plan)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            runs[fused] = _decode_run(runner, fused, monkeypatch)
+        ops[fused] = {e.key: e.count for e in prof.key_averages()}
+    (fused_logits, fused_calls), (loop_logits, loop_calls) = runs[True], runs[False]
+    assert (fused_calls, loop_calls) == (4, 0)
+    # 4 decode steps x 3 layers fused; the extend steps (Python loop) call silu_mul in both runs
+    fused_silu = ops[True].get("radixrt::qgemm_vnni_silu", 0)
+    assert (fused_silu, ops[False].get("radixrt::qgemm_vnni_silu", 0)) == (12, 0)
+    assert ops[True].get("radixrt::silu_mul", 0) == ops[False]["radixrt::silu_mul"] - 12
+    for a, b in zip(fused_logits, loop_logits, strict=True):
+        assert torch.equal(a, b), f"max diff {(a - b).abs().max()}"
 
 
 def test_steps_the_op_cannot_run_take_the_loop(tmp_path: Path) -> None:

@@ -3,7 +3,9 @@ radixrt/attention/csrc/qgemm_vnni.cpp) and its layout (`quant_matmul.pack_vnni`)
 trip, the activation quantization against a torch reference, results against float64 for GGUF
 Q4_0 / Q4_1 / Q8_0 blocks (symmetric Q4_0 / Q8_0 also in the general scale-and-offset layout)
 and row counts hitting every row blocking and its tails, row-count invariance, edge cases and
-bad input, the builds without VNNI (subprocess), and a GGUF tiny model on the kernel.
+bad input, the builds without VNNI (subprocess), and a GGUF tiny model on the kernel. The
+activation quantization inside the parallel region (split over the threads, or run whole by one)
+is bitwise the single-threaded path; `qgemm_vnni_silu` is bitwise `qgemm_vnni(silu_mul(.))`.
 
 Tolerances (derived, not fitted):
 - Against float64 from the *same* quantized activations (xq * sx) and the exact weights: the
@@ -17,6 +19,9 @@ Tolerances (derived, not fitted):
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -209,6 +214,116 @@ def test_zero_rows_zero_groups_and_bad_input() -> None:
         op(torch.zeros(2, 64), vm.packed[..., :-16].contiguous(), 4)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         torch.ops.radixrt.qgemm_vnni_quantize(torch.zeros(2, 40))
+
+
+# -- the quantization inside the parallel region, and the SiLU-mul input ---------------------------
+# (rows, N, K): every one takes the parallel region at 2 threads (m * n * k >= 2^17, several work
+# items), with one to eight quantization shares, partial row blocks, and K with a SiLU tail (160:
+# bf16 silu_mul's vector path ends at 128).
+REGION_SHAPES = [(1, 1024, 160), (1, 960, 576), (3, 576, 576), (8, 576, 1536), (9, 320, 576),
+                 (64, 576, 1536), (100, 320, 160), (300, 64, 96)]
+
+
+def _with_threads(n: int, fn: object) -> torch.Tensor:
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(n)
+        return fn()  # type: ignore[operator]
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _region_case(rows: int, n: int, k: int, layout: str, dtype: torch.dtype
+                 ) -> tuple[VnniQuantMatmul, torch.Tensor]:
+    vm = _layout(layout, n, k, seed=rows + k)
+    g = torch.Generator().manual_seed(rows * 7 + n)
+    x = torch.randn(rows, k, generator=g) * torch.rand(rows, 1, generator=g) * 5
+    x[0, :32] = 0.0  # an all-zero group
+    return vm, x.to(dtype)
+
+
+@pytest.mark.parametrize("layout", ["Q4_1", "Q4_0", "Q8_0"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", REGION_SHAPES)
+def test_parallel_quantization_is_bitwise_the_single_threaded_path(
+        shape: tuple[int, int, int], dtype: torch.dtype, layout: str) -> None:
+    """2 threads quantize inside the matmul's region, split into shares; 1 thread quantizes
+    everything first, then multiplies: the same bits."""
+    vm, x = _region_case(*shape, layout, dtype)
+    one = _with_threads(1, lambda: vm(x))
+    two = _with_threads(2, lambda: vm(x))
+    assert torch.equal(one, two)
+    ref, mag = _mm_ref(x, vm)  # the float64 product of the documented quantization
+    tol = SUM_EPS * mag + (BF16_EPS * ref.abs() if dtype == torch.bfloat16 else 0) + 1e-12
+    assert ((two.double() - ref).abs() <= tol).all()
+
+
+@pytest.mark.parametrize("layout", ["Q4_1", "Q4_0", "Q8_0"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", REGION_SHAPES)
+def test_silu_input_is_bitwise_silu_mul_then_the_op(shape: tuple[int, int, int],
+                                                    dtype: torch.dtype, layout: str) -> None:
+    rows, n, k = shape
+    vm = _layout(layout, n, k, seed=k)
+    g = torch.Generator().manual_seed(rows + n)
+    gate_up = (torch.randn(rows, 2 * k, generator=g) * 4).to(dtype)
+    gate_up[0, k : k + 32] = 0.0  # up all zero in one group: a zero group after the product
+    for threads in (1, 2):
+        fused = _with_threads(threads, lambda: torch.ops.radixrt.qgemm_vnni_silu(
+            gate_up, vm.packed, vm.bits))
+        two_ops = _with_threads(threads, lambda: vm(torch.ops.radixrt.silu_mul(gate_up)))
+        assert fused.dtype == dtype and torch.equal(fused, two_ops), threads
+    # and silu_mul is torch's F.silu(gate) * up in the dtype (so the fused op is that, quantized)
+    gate, up = gate_up.chunk(2, dim=1)
+    assert torch.equal(torch.ops.radixrt.silu_mul(gate_up), F.silu(gate) * up)
+
+
+def test_silu_input_rejects_bad_shapes_naming_gate_up() -> None:
+    vm = VnniQuantMatmul.from_groups(_gguf_groups(32, 64, "Q4_1", seed=0))
+    op = torch.ops.radixrt.qgemm_vnni_silu
+    with pytest.raises(RuntimeError, match=r"gate_up must be \[M, 128\]"):
+        op(torch.zeros(2, 64), vm.packed, 4)  # gate only
+    with pytest.raises(RuntimeError, match="gate_up must be float32 or bfloat16"):
+        op(torch.zeros(2, 128, dtype=torch.float16), vm.packed, 4)
+    with pytest.raises(RuntimeError, match="qgemm_vnni_silu: bits"):
+        op(torch.zeros(2, 128), vm.packed, 3)
+    assert op(torch.zeros(0, 128), vm.packed, 4).shape == (0, 32)
+
+
+_FEWER_THREADS_CHECK = textwrap.dedent("""
+    import sys
+    import torch
+    from radixrt.attention import cpu_kernels
+    assert cpu_kernels.load_cpu_kernels(), cpu_kernels.unavailable_reason()
+    torch.set_num_threads(2)
+    assert torch.get_num_threads() == 2  # asked for 2; OMP_THREAD_LIMIT=1 gives a team of 1
+    cases = torch.load(sys.argv[1])
+    for x, packed, bits, silu, want in cases:
+        op = torch.ops.radixrt.qgemm_vnni_silu if silu else torch.ops.radixrt.qgemm_vnni
+        assert torch.equal(op(x, packed, bits), want)
+    print("ok", len(cases))
+""")
+
+
+def test_region_run_by_fewer_threads_than_it_asked_for(tmp_path: Path) -> None:
+    """torch asks OpenMP for 2 threads and gets 1 (OMP_THREAD_LIMIT=1, as in a nested region):
+    the region's function then runs once over both slots, quantizes every share itself and
+    must not wait for the missing thread. Same bits as 2 real threads."""
+    cases = []
+    for (rows, n, k), layout in zip(REGION_SHAPES, ["Q4_1", "Q4_0", "Q8_0"] * 3, strict=False):
+        vm, x = _region_case(rows, n, k, layout, torch.bfloat16)
+        gate_up = torch.cat([x, x.flip(1)], 1)
+        for silu, inp in ((False, x), (True, gate_up)):
+            op = torch.ops.radixrt.qgemm_vnni_silu if silu else torch.ops.radixrt.qgemm_vnni
+            want = _with_threads(2, lambda: op(inp, vm.packed, vm.bits))  # noqa: B023
+            cases.append((inp, vm.packed, vm.bits, silu, want))
+    path = tmp_path / "cases.pt"
+    torch.save(cases, path)
+    env = dict(os.environ, OMP_THREAD_LIMIT="1")
+    res = subprocess.run([sys.executable, "-c", _FEWER_THREADS_CHECK, str(path)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split() == ["ok", str(len(cases))]
 
 
 def test_kernel_choice() -> None:

@@ -2,8 +2,10 @@
 
 `torch.ops.radixrt.decode_layers` (radixrt/attention/csrc/decode_layers.cpp) calls the same ops
 as the Python layer loop with `FusedCpuLayerOps` (norms, RoPE, SiLU-mul, the matmuls, `kv_store`,
-`paged_decode`) in the same order, so its result is bitwise the loop's; it only removes the
-per-op Python cost, ~100 us per layer, which is a third of a small decode batch's step here.
+`paged_decode`) in the same order, so its result is bitwise the loop's; it removes the per-op
+Python cost, ~100 us per layer, which is a third of a small decode batch's step here. One op
+differs: a down projection on the vnni kernel takes gate_up through `qgemm_vnni_silu` (SiLU-mul
+inside its activation quantization), bitwise the loop's `silu_mul` then `qgemm_vnni`.
 
 It applies when the whole step is of that shape: a decode batch whose attention is the
 paged-decode op (`AttentionBackend.paged_decode_plan`), fused CPU layer ops, and every matmul

@@ -14,6 +14,9 @@
 //   kind 1 (qgemv):  rows > max_rows and a dense copy: y = linear(x, dense, bias); else
 //                    y = qgemv(x, codes a, scale b, offset c, bits) (+ bias)
 //   kind 2 (vnni):   the same rule, with y = qgemm_vnni(x, packed a, bits) (+ bias)
+// The MLP's down projection takes silu_mul(gate_up); on a vnni linear running its kernel, that
+// is qgemm_vnni_silu(gate_up, ...) instead: the SiLU-mul computed while quantizing the
+// activations, bitwise qgemm_vnni(silu_mul(gate_up)) (one op and one intermediate fewer).
 // The attention of layer l writes this step's K/V at `loc` into k_buffers[l] / v_buffers[l]
 // (kv_store) and runs paged_decode over the plan (radixrt/attention/paged_decode.py).
 // Returns the last layer's (MLP output, residual stream); their sum is the hidden state.
@@ -53,6 +56,7 @@ struct Ops {
                                   int64_t)>
       qgemv;
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t)> qgemm_vnni;
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t)> qgemm_vnni_silu;
   c10::TypedOperatorHandle<std::tuple<Tensor, Tensor>(
       const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
       const Tensor&, const Tensor&, const Tensor&, const Tensor&, double)>
@@ -78,6 +82,8 @@ struct Ops {
                             int64_t)>(),
           d.findSchemaOrThrow("radixrt::qgemm_vnni", "")
               .typed<Tensor(const Tensor&, const Tensor&, int64_t)>(),
+          d.findSchemaOrThrow("radixrt::qgemm_vnni_silu", "")
+              .typed<Tensor(const Tensor&, const Tensor&, int64_t)>(),
           d.findSchemaOrThrow("radixrt::paged_decode", "")
               .typed<std::tuple<Tensor, Tensor>(
                   const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
@@ -101,19 +107,26 @@ Tensor required(const OptTensors& w, int64_t i, int64_t linear, const char* what
   return *t;
 }
 
-// Linear `i` of the flattened weights on x (the rules of radixrt/model/linear.py).
+// Linear `i` of the flattened weights on x (the rules of radixrt/model/linear.py); `silu`: on
+// silu_mul(x) (x = gate_up), fused into qgemm_vnni's quantization where the vnni kernel runs.
 Tensor run_linear(const Ops& ops, const Tensor& x, const OptTensors& w, c10::IntArrayRef meta,
-                  int64_t i) {
+                  int64_t i, bool silu = false) {
   const int64_t kind = meta[i * kMetaPerLinear], bits = meta[i * kMetaPerLinear + 1];
   const int64_t max_rows = meta[i * kMetaPerLinear + 2];
   const int64_t base = i * kSlotsPerLinear;
   const std::optional<Tensor> bias = slot(w, base + 4);
-  if (kind == 0) return at::linear(x, required(w, base, i, "weight"), bias);
-  TORCH_CHECK(kind == 1 || kind == 2, "decode_layers: linear ", i, " has unknown kind ", kind);
-  const std::optional<Tensor> dense = slot(w, base + 3);
-  if (dense.has_value() && x.size(0) > max_rows) return at::linear(x, *dense, bias);
-  Tensor y = kind == 2 ? ops.qgemm_vnni.call(x.contiguous(), required(w, base, i, "packed"), bits)
-                       : ops.qgemv.call(x.contiguous(), required(w, base, i, "codes"),
+  TORCH_CHECK(kind >= 0 && kind <= 2, "decode_layers: linear ", i, " has unknown kind ", kind);
+  const std::optional<Tensor> dense = kind == 0 ? std::nullopt : slot(w, base + 3);
+  const bool on_kernel = kind != 0 && !(dense.has_value() && x.size(0) > max_rows);
+  if (silu && kind == 2 && on_kernel) {
+    const Tensor y = ops.qgemm_vnni_silu.call(x.contiguous(), required(w, base, i, "packed"), bits);
+    return bias.has_value() ? y + *bias : y;
+  }
+  const Tensor a = silu ? ops.silu_mul.call(x) : x;
+  if (kind == 0) return at::linear(a, required(w, base, i, "weight"), bias);
+  if (!on_kernel) return at::linear(a, *dense, bias);
+  Tensor y = kind == 2 ? ops.qgemm_vnni.call(a.contiguous(), required(w, base, i, "packed"), bits)
+                       : ops.qgemv.call(a.contiguous(), required(w, base, i, "codes"),
                                         required(w, base + 1, i, "scale"),
                                         required(w, base + 2, i, "offset"), bits);
   return bias.has_value() ? y + *bias : y;
@@ -169,7 +182,7 @@ std::tuple<Tensor, Tensor> decode_layers(
     const Tensor attn_out = run_linear(ops, o, weights, meta, lin + 1);
     std::tie(x, residual) = ops.add_rms_norm.call(attn_out, residual, norms[2 * l + 1], eps);
     const Tensor gate_up = run_linear(ops, x, weights, meta, lin + 2);
-    h = run_linear(ops, ops.silu_mul.call(gate_up), weights, meta, lin + 3);
+    h = run_linear(ops, gate_up, weights, meta, lin + 3, /*silu=*/true);
   }
   return {h, residual};
 }

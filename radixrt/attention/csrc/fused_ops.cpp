@@ -13,7 +13,8 @@
 // Numerics: every op reproduces the rounding of the torch code it replaces (radixrt/model/llama.py,
 // rope.py): the same intermediate roundings to the model dtype, the sum of squares in the order of
 // ATen's vectorised inner sum (see sum_squares_like_aten), silu as x / (1 + exp(-x)) with at::vec's exp on the
-// vectorised part and std::exp on the loop remainder, as ATen's cpu_kernel_vec does. Compiled for
+// vectorised part and std::exp on the loop remainder, as ATen's cpu_kernel_vec does (silu_mul.h,
+// shared with qgemm_vnni.cpp's SiLU-mul input). Compiled for
 // the same instruction set as torch's dispatch (torch.backends.cpu.get_cpu_capability()), results
 // are bitwise those of the torch path; `fused_ops_isa()` says which one this build is, so callers
 // can tell. FP contraction is off in this file: an a*b+c contracted to an fma would round once
@@ -29,6 +30,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "silu_mul.h"
 #include "vec_util.h"
 
 #include <algorithm>
@@ -47,21 +49,6 @@ namespace {
 using at::Tensor;
 // Below this many elements an op runs on the calling thread (waking threads costs more).
 constexpr int64_t kMinParallelElems = 131072;
-
-// The value `x` takes once stored in T (identity for float).
-template <typename T>
-inline float round_to(float x) {
-  return static_cast<float>(static_cast<T>(x));
-}
-
-template <typename T>
-inline Vec round_vec(const Vec& v) {
-  if constexpr (std::is_same_v<T, float>) {
-    return v;
-  } else {
-    return low_to_f32<T>(from_f32<T>(v, v));
-  }
-}
 
 inline int64_t ceil_log2(int64_t x) {
   if (x <= 2) return 1;
@@ -265,36 +252,24 @@ std::tuple<Tensor, Tensor> add_rms_norm(const Tensor& x, const Tensor& residual,
 // silu_mul
 
 template <typename T>
-inline float silu_scalar(float x) {
-  // ATen's scalar silu: float x / (1 + exp(-x)) (T = float: the same in float)
-  return x / (1.0f + std::exp(-x));
-}
-
-template <typename T>
 void silu_mul_impl(const Tensor& gu, Tensor& out) {
   const int64_t n = gu.size(0), inter = gu.size(1) / 2;
   const T* gp = gu.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const int64_t gs = gu.stride(0);
-  // ATen's cpu_kernel_vec: vectorised in chunks of 2 * Vectorized<T>::size(), remainder scalar.
-  const int64_t chunk = 2 * at::vec::Vectorized<T>::size();
-  const int64_t vec_end = (inter / chunk) * chunk;
-  const Vec one(1.f);
+  const int64_t vec_end = silu_mul_vec_end<T>(inter);  // see silu_mul.h
   for_rows(n, 3 * inter, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* g = gp + r * gs;
       const T* u = g + inter;
       T* o = op + r * inter;
       int64_t i = 0;
-      for (; i < vec_end; i += kVec) {
-        const Vec x = load_f32<T>(g + i);
-        const Vec s = round_vec<T>(x / (one + x.neg().exp()));
-        store_f32<T>(o + i, s * load_f32<T>(u + i));
+      for (; i < vec_end; i += 2 * kVec) {
+        Vec lo, hi;
+        silu_times_up<T>(g + i, u + i, lo, hi);
+        store_pair<T>(o + i, lo, hi);
       }
-      for (; i < inter; ++i) {
-        const float s = round_to<T>(silu_scalar<T>(static_cast<float>(g[i])));
-        o[i] = static_cast<T>(s * static_cast<float>(u[i]));
-      }
+      for (; i < inter; ++i) o[i] = static_cast<T>(silu_times_up_scalar<T>(g[i], u[i]));
     }
   });
 }

@@ -1,6 +1,6 @@
 // Vector helpers shared by radixrt's CPU kernels (paged_decode.cpp, fused_ops.cpp,
-// extend_attention.cpp): fp32 loads/stores of float / bfloat16 / half data, horizontal
-// reductions, prefetch. Built on at::vec::Vectorized<float>, whose instruction set is the one
+// extend_attention.cpp, qgemm_vnni.cpp): fp32 loads/stores of float / bfloat16 / half data,
+// rounding to them, horizontal reductions, prefetch. Built on at::vec::Vectorized<float>, whose instruction set is the one
 // the including file is compiled for (CPU_CAPABILITY_AVX512 / _AVX2 / generic).
 //
 // Invariant: every helper reads or writes exactly Vec::size() elements at `p` (no tails).
@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <tuple>
 #include <type_traits>
 
 namespace radixrt_cpu {
@@ -66,6 +67,47 @@ inline void store_f32(T* p, const Vec& v) {
     v.store(p);
   } else {
     from_f32<T>(v, v).store(p, kVec);
+  }
+}
+
+// The value `x` takes once stored in T (identity for float).
+template <typename T>
+inline float round_to(float x) {
+  return static_cast<float>(static_cast<T>(x));
+}
+
+// The values `v` takes once stored in T (identity for float): load_f32(store_f32(v)).
+template <typename T>
+inline Vec round_vec(const Vec& v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    return low_to_f32<T>(from_f32<T>(v, v));
+  }
+}
+
+// Two vectors rounded to T, in one conversion (both halves of a vector of T): the same values
+// as round_vec on each (rounding is per element).
+template <typename T>
+inline void round_pair(Vec& a, Vec& b) {
+  if constexpr (!std::is_same_v<T, float>) {
+    const at::vec::Vectorized<T> t = from_f32<T>(a, b);
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      std::tie(a, b) = at::vec::convert_bfloat16_float(t);
+    } else {
+      std::tie(a, b) = at::vec::convert_half_float(t);
+    }
+  }
+}
+
+// 2 * kVec floats rounded to T and stored at p (a, then b): store_f32 of each, one conversion.
+template <typename T>
+inline void store_pair(T* p, const Vec& a, const Vec& b) {
+  if constexpr (std::is_same_v<T, float>) {
+    a.store(p);
+    b.store(p + kVec);
+  } else {
+    from_f32<T>(a, b).store(p);
   }
 }
 

@@ -1,0 +1,157 @@
+"""Whole decode steps of this checkout's one-call decode op against another git revision's, in
+one process, step by step alternating (the machine is shared: separate processes differed more
+between runs than the change being measured).
+
+    python bench/decode_step_ab.py --rev da3ea05 --batch-sizes 1 8 64
+
+The revision's `decode_layers.cpp`, `qgemm_vnni.cpp` and `fused_ops.cpp` (the ops a change to
+the step's matmuls and element-wise ops touches) are built into one library under the op
+namespace `radixrt_baseline`, its `decode_layers` calling those; the ops of other files
+(`paged_decode`, `qgemv`) come from the current library in both. The default model, a
+`ModelRunner` as the server builds it, `bs` requests over `--ctx` random cached tokens
+(bench/decode_steps.py); each round starts fresh and alternates old / new every step (in ABBA
+order), so both see the same context lengths. A step counts only if this process had both cores (CPU time >=
+1.85 x wall at 2 threads). Before timing, one step's logits are compared: the two ops must
+agree bitwise. Prints medians per batch size, old / new of the medians, and the median of the
+old / new ratios of adjacent step pairs (both kept), which cancels slow drifts of the machine.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench import _path
+
+    _path.fix()
+
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+
+from radixrt.model.decode_layers import DecodeLayers  # noqa: E402
+
+NAMESPACE = "radixrt_baseline"
+SOURCES = ("decode_layers.cpp", "qgemm_vnni.cpp", "fused_ops.cpp")
+# Ops decode_layers.cpp looks up that the rebuilt files register (the rest stay radixrt's).
+REBUILT_OPS = ("rms_norm", "add_rms_norm", "silu_mul", "rope_qk", "kv_store", "qgemm_vnni",
+               "qgemm_vnni_silu")
+
+
+def build_rev(rev: str) -> None:
+    """The revision's SOURCES as one library under NAMESPACE (bench/attention_kernel.py)."""
+    from bench.attention_kernel import build_op_sources, revision_sources
+
+    sources, headers = revision_sources(rev, SOURCES)
+    src = sources["decode_layers.cpp"]
+    for op in REBUILT_OPS:
+        src = src.replace(f'"radixrt::{op}"', f'"{NAMESPACE}::{op}"')
+    sources["decode_layers.cpp"] = src
+    build_op_sources(sources, NAMESPACE, headers)
+
+
+def use(op: object) -> None:
+    """Make `DecodeLayers.run` call `op` (same arguments as radixrt::decode_layers)."""
+
+    def run(self: DecodeLayers, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            loc: torch.Tensor, plan: object, k_buffers: list[torch.Tensor],
+            v_buffers: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        p = plan
+        return op(h, cos.squeeze(1), sin.squeeze(1), self.norms, self.weights,  # type: ignore
+                  self.meta, k_buffers, v_buffers, loc, p.kv_indices, p.row_start,  # type: ignore
+                  p.row_len, p.group_start, p.group_len, p.group_row_ptr,  # type: ignore
+                  p.group_rows, self.num_heads, self.num_kv_heads, self.head_dim, self.eps,
+                  self.scale)
+
+    DecodeLayers.run = run  # type: ignore[method-assign]
+
+
+def same_logits(runner: object, decoder: object, ops: dict[str, object]) -> bool:
+    """One decode step's logits through each op (the step's K/V written twice, identically)."""
+    from radixrt.core.forward_batch import ForwardBatch, ForwardMode
+
+    d = decoder
+    rp, kp, bs = d.runner.req_to_token_pool, d.runner.token_to_kv_pool, d.bs  # type: ignore
+    rp.write(d.rows, [d.seq] * bs, [1] * bs, kp.alloc(bs))  # type: ignore
+    fb = ForwardBatch.build(ForwardMode.DECODE, d.nxt, d.rows, [d.seq] * bs,  # type: ignore
+                            [1] * bs, rp.req_to_token, d.runner.device)  # type: ignore
+    out = []
+    for op in ops.values():
+        use(op)
+        out.append(d.runner.forward(fb))  # type: ignore
+    d.seq += 1  # type: ignore
+    return all(torch.equal(out[0], o) for o in out[1:])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rev", required=True, help="git revision of the old kernels")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=30, help="steps per op per round")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--control", action="store_true",
+                    help="A/A control: the old op on both sides (shows the method's own bias)")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    from bench.decode_steps import RandomKVDecoder
+    from radixrt.config import ServerArgs
+    from radixrt.model.runner import ModelRunner
+
+    bs_max = max(a.batch_sizes)
+    ctx_max = a.ctx + 2 * a.steps + 8
+    runner = ModelRunner(ServerArgs(max_running_requests=bs_max,
+                                    max_total_tokens=bs_max * ctx_max + 64,
+                                    max_context_len=ctx_max, log_level="warning",
+                                    num_threads=a.threads))
+    build_rev(a.rev)
+    ops = {"old": getattr(torch.ops, NAMESPACE).decode_layers,
+           "new": torch.ops.radixrt.decode_layers}
+    if a.control:
+        ops["new"] = ops["old"]
+    real_run = DecodeLayers.run
+    print(f"old = {a.rev}, new = working tree; dtype {runner.dtype}, quant {runner.quant}; "
+          f"{a.threads} threads; ctx {a.ctx}", flush=True)
+    try:
+        for bs in a.batch_sizes:
+            times: dict[str, list[float]] = {t: [] for t in ops}
+            pairs: list[float] = []
+            for r in range(a.rounds):
+                d = RandomKVDecoder(runner, bs, a.ctx)
+                if r == 0 and not same_logits(runner, d, ops):
+                    raise SystemExit(f"batch {bs}: the two ops' logits differ")
+                for t in ops:  # warm-up
+                    use(ops[t])
+                    d.step()
+                for i in range(a.steps):
+                    pair = {}
+                    order = list(ops) if i % 2 == 0 else list(ops)[::-1]  # ABBA: no order bias
+                    for t in order:
+                        op = ops[t]
+                        use(op)
+                        c0, w0 = time.process_time(), time.perf_counter()
+                        dt = d.step()
+                        if (time.process_time() - c0) / (time.perf_counter() - w0) >= (
+                                0.925 * a.threads):
+                            times[t].append(dt)
+                            pair[t] = dt
+                    if len(pair) == len(ops):
+                        pairs.append(pair["old"] / pair["new"])
+            med = {t: statistics.median(v) * 1e3 if v else float("nan")
+                   for t, v in times.items()}
+            kept = " ".join(f"{t} {len(v)}" for t, v in times.items())
+            print(f"batch {bs:3d}: " + "  ".join(f"{t} {med[t]:7.2f} ms" for t in ops)
+                  + f"  old/new {med['old'] / med['new']:.3f}x, paired "
+                  f"{statistics.median(pairs) if pairs else float('nan'):.3f}x  (steps kept: {kept} of "
+                  f"{a.rounds * a.steps} each; logits bitwise equal)", flush=True)
+    finally:
+        DecodeLayers.run = real_run  # type: ignore[method-assign]
+
+
+if __name__ == "__main__":
+    main()
