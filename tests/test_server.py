@@ -457,8 +457,19 @@ def test_non_streaming_request_aborted_when_client_disconnects(server):
     max_tokens = 1000
     body = {"model": "default", "prompt": "Once upon a time", "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True, "n": 2}
-    with pytest.raises(httpx.ReadTimeout):  # hang up while the request is running
-        httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.5)
+    # Send it on a raw connection and hang up once tokens are being generated (a fixed client
+    # timeout raced the tiny model: at ~2000 tokens/s both samples could all but finish first).
+    payload = json.dumps(body).encode()
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    conn = socket.create_connection((host, int(port)))
+    conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: "
+                 b"application/json\r\nContent-Length: %d\r\n\r\n" % len(payload) + payload)
+    deadline = time.monotonic() + 30
+    while (server.get("/debug/stats").json()["generated_tokens_total"]
+           - before["generated_tokens_total"]) < 4:
+        assert time.monotonic() < deadline, "the request never started generating"
+        time.sleep(0.005)
+    conn.close()
     deadline = time.monotonic() + 10
     while server.get("/debug/stats").json()["num_running"] != 0:
         assert time.monotonic() < deadline, "the abandoned request kept running"

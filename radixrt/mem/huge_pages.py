@@ -4,8 +4,9 @@ A decode step streams every weight and every cached K/V row it attends through t
 of weights and (batch 8, 512 tokens) ~100 MB of K/V per step for SmolLM2. On 4 KiB pages that is
 ~50k page walks per step, and the hardware prefetchers stop at every 4 KiB boundary. The pool
 buffers and the model's tensors therefore live in 2 MiB-aligned buffers advised
-`MADV_HUGEPAGE` before anything touches them (`huge_page_buffer`), so the kernel backs them with
-huge pages where its THP mode is `madvise` or `always`.
+`MADV_HUGEPAGE` before anything touches them (`huge_page_buffer`: a private anonymous mapping of
+its own, so no page of it was touched before), so the kernel backs them with huge pages where
+its THP mode is `madvise` or `always`.
 
 torch's own switch (THP_MEM_ALLOC_ENABLE, read once at the process's first allocation) advises
 only allocations of at least 2 MiB, without aligning them, and page-aligns every allocation
@@ -20,9 +21,8 @@ the new storage. Tensors that shared a storage still share one afterwards.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
+import mmap
 from collections.abc import Iterable
 
 import torch
@@ -31,33 +31,31 @@ logger = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
 THP_MODE_FILE = "/sys/kernel/mm/transparent_hugepage/enabled"
-_MADV_HUGEPAGE = 14  # linux/mman.h
 _ALIGN = 64  # each moved storage starts on a cache line
 
 
-def _madvise_huge(addr: int, length: int) -> bool:
-    """madvise(MADV_HUGEPAGE) on [addr, addr + length) (page-aligned); False where unavailable."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        return libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length),
-                            ctypes.c_int(_MADV_HUGEPAGE)) == 0
-    except (OSError, AttributeError):  # no libc / no madvise (not Linux)
-        return False
-
-
 def huge_page_buffer(nbytes: int) -> torch.Tensor:
-    """An uninitialised uint8 CPU tensor of `nbytes` starting on a 2 MiB boundary, advised for
-    huge pages before its first touch (so the first write faults in 2 MiB pages). Falls back to
-    the same layout on small pages where the kernel refuses the advice."""
+    """An uninitialised (zero-filled) uint8 CPU tensor of `nbytes` starting on a 2 MiB boundary,
+    in fresh anonymous memory (its own mmap, never pages the process touched before) advised
+    for huge pages before its first touch, so the first write faults in 2 MiB pages. Falls back
+    to the same layout on small pages where the kernel refuses the advice. The mapping lives as
+    long as the tensor (or any view of it)."""
     if nbytes < HUGE_PAGE:
         return torch.empty(nbytes, dtype=torch.uint8)
-    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    # private: an anonymous MAP_SHARED mapping is shmem, outside THP's `madvise` mode
+    mm = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
+    raw = torch.frombuffer(mm, dtype=torch.uint8)  # holds `mm`
     start = raw.data_ptr()
     offset = (-start) % HUGE_PAGE
-    length = (raw.numel() - offset) // 4096 * 4096
-    if not _madvise_huge(start + offset, length):
-        logger.debug("madvise(MADV_HUGEPAGE) refused; %d bytes stay on small pages", nbytes)
-    return raw[offset:offset + nbytes]  # a view: the buffer keeps `raw`'s storage alive
+    advise = getattr(mmap, "MADV_HUGEPAGE", None)
+    try:
+        if advise is None:
+            raise OSError("no MADV_HUGEPAGE on this platform")
+        mm.madvise(advise, offset, (len(mm) - offset) // mmap.PAGESIZE * mmap.PAGESIZE)
+    except OSError as e:
+        logger.debug("madvise(MADV_HUGEPAGE) refused (%s); %d bytes stay on small pages", e,
+                     nbytes)
+    return raw[offset:offset + nbytes]
 
 
 def move_to_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
