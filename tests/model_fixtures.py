@@ -135,6 +135,18 @@ def write_tiny_gguf(hf_model: Any, path: Path, arch: str, matrix_qtype: str | No
     return path
 
 
+def make_tiny_runner(path: Path, layers: int = 1, **server_args: Any) -> Any:
+    """A `ModelRunner` (fp32, 256 KV slots, 4 rows) on a random tiny Llama saved to `path`,
+    with `server_args` laid over those `ServerArgs`."""
+    from radixrt.config import ServerArgs
+    from radixrt.model.runner import ModelRunner
+
+    make_tiny_checkpoint(path, "llama", seed=1, num_hidden_layers=layers)
+    args = {"max_total_tokens": 256, "max_running_requests": 4, "dtype": "float32",
+            **server_args}
+    return ModelRunner(ServerArgs(model_path=str(path), **args))
+
+
 def hf_logits(hf_model: Any, ids: Sequence[int]) -> torch.Tensor:
     """HF's full-sequence fp32 logits `[len(ids), vocab]`."""
     with torch.no_grad():

@@ -13,11 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_fixtures import PagedRunner, make_tiny_checkpoint, write_tiny_gguf
+from model_fixtures import PagedRunner, make_tiny_checkpoint, make_tiny_runner, write_tiny_gguf
 
 from radixrt.attention import cpu_kernels
 from radixrt.attention.torch_native import TorchNativeBackend
-from radixrt.config import ServerArgs
 from radixrt.model.decode_layers import DecodeLayers
 from radixrt.model.layer_ops import TorchLayerOps
 from radixrt.model.loader import load_model
@@ -180,12 +179,7 @@ def test_steps_the_op_cannot_run_take_the_loop(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("disable", [False, True])
 def test_server_args_switch(tmp_path: Path, disable: bool) -> None:
-    from radixrt.model.runner import ModelRunner
-
-    make_tiny_checkpoint(tmp_path, "llama", seed=1, num_hidden_layers=1)
-    runner = ModelRunner(ServerArgs(model_path=str(tmp_path), max_total_tokens=256,
-                                    max_running_requests=4, dtype="float32",
-                                    disable_fused_decode=disable))
+    runner = make_tiny_runner(tmp_path, disable_fused_decode=disable)
     assert runner.model.fused_decode is (not disable)
 
 

@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_fixtures import make_tiny_checkpoint
+from model_fixtures import make_tiny_runner
 
-from radixrt.config import ServerArgs
 from radixrt.mem.huge_pages import HUGE_PAGE, huge_page_buffer, huge_page_info, move_to_huge_pages
 from radixrt.mem.memory_pool import TokenToKVPool
 
@@ -99,12 +98,7 @@ def test_pool_slots_land_on_huge_pages() -> None:
 
 @pytest.mark.parametrize("disable", [False, True])
 def test_runner_moves_model_tensors_unless_disabled(tmp_path: Path, disable: bool) -> None:
-    from radixrt.model.runner import ModelRunner
-
-    make_tiny_checkpoint(tmp_path, "llama", seed=1, num_hidden_layers=2)
-    runner = ModelRunner(ServerArgs(model_path=str(tmp_path), max_total_tokens=256,
-                                    max_running_requests=4, dtype="float32",
-                                    disable_huge_pages=disable))
+    runner = make_tiny_runner(tmp_path, layers=2, disable_huge_pages=disable)
     tensors = [*runner.model.parameters(), *runner.model.buffers()]
     storages = {t.untyped_storage().data_ptr() for t in tensors}
     assert (len(storages) == 1) is (not disable)
