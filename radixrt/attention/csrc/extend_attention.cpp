@@ -213,35 +213,32 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kSkipScores = 1, kSkipSoftmax = 2, kSkipPV = 4, kSkipVPack = 8;
 constexpr int kSkipPhases = RADIXRT_EXT_SKIP_PHASES;
 
-// 2^x for x <= 0 (x < -126 gives 2^-126, not 0; callers mask what must be 0): x = n + f,
-// |f| <= 1/2, 2^f by a degree-5 polynomial (relative error 1.1e-7), scaled by 2^n. Used for
-// alpha, whose x is -inf while a row has seen no key.
-inline __m512 exp2_neg(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
+// 2^x as 2^f * 2^n, x = n + f, n = round(x), |f| <= 1/2, 2^f by the polynomial with
+// coefficients c (highest degree first, Horner's rule).
+template <int N>
+inline __m512 exp2_poly(__m512 x, const float (&c)[N]) {
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.3400433e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6760374e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5503272e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022107e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001f));
+  __m512 p = _mm512_set1_ps(c[0]);
+#pragma GCC unroll 8
+  for (int i = 1; i < N; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[i]));
   return _mm512_scalef_ps(p, n);
 }
 
-// 2^x for finite x (large negative x underflows to 0; +-inf or NaN give NaN: callers mask
-// those lanes): degree-4 polynomial, relative error 3.6e-6, far below the bf16 rounding of P
-// (2^-9). The probabilities of a block, 2-3% faster than exp2_neg on the agent shapes.
-inline __m512 exp2_finite(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(9.6760374e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5922035e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022107e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9312102e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001f));
-  return _mm512_scalef_ps(p, n);
+// 2^x for x <= 0 (x < -126 gives 2^-126, not 0; callers mask what must be 0): degree 5,
+// relative error 1.1e-7. Used for alpha, whose x is -inf while a row has seen no key.
+constexpr float kExp2Deg5[] = {1.3400433e-3f, 9.6760374e-3f, 5.5503272e-2f, 2.4022107e-1f,
+                               6.9314718e-1f, 1.0000001f};
+inline __m512 exp2_neg(__m512 x) {
+  return exp2_poly(_mm512_max_ps(x, _mm512_set1_ps(-126.f)), kExp2Deg5);
 }
+
+// 2^x for finite x (large negative x underflows to 0; +-inf or NaN give NaN: callers mask
+// those lanes): degree 4, relative error 3.6e-6, far below the bf16 rounding of P (2^-9). The
+// probabilities of a block, 2-3% faster than exp2_neg on the agent shapes.
+constexpr float kExp2Deg4[] = {9.6760374e-3f, 5.5922035e-2f, 2.4022107e-1f, 6.9312102e-1f,
+                               1.0000001f};
+inline __m512 exp2_finite(__m512 x) { return exp2_poly(x, kExp2Deg4); }
 
 // Rows in lanes (see above). Layouts (uint32 = one bf16 pair): qt [D/2][ld] pairs along d;
 // key rows as in the pool ([D/2] pairs); st [kKeyBlock][kTileRows] fp32 scores; pp
