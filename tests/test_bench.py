@@ -574,3 +574,19 @@ def test_sim_cache_is_an_lru_radix_cache_with_pinned_requests():
     hit, reports = c.admit(2, list(range(3000, 3030)), 10)
     assert hit == 0 and reports == [b + [9], b[:1]]
     assert c.used + c.held == 90 and ("g", 0) in c.lru
+
+
+def test_decode_phases_laps_every_phase_of_the_current_decode_step():
+    """bench/decode_phases.py rewrites decode_layers.cpp by anchors: each must still be there
+    once, and every phase gets a lap inside the layer loop."""
+    from bench import decode_phases
+
+    root = Path(__file__).resolve().parents[1]
+    src = (root / "radixrt/attention/csrc/decode_layers.cpp").read_text()
+    out = decode_phases.timed_source(src)
+    loop = out[out.index("for (int64_t l = 0; l < layers; ++l)"):out.index("return {h, residual};")]
+    for i in range(len(decode_phases.PHASES)):
+        assert f"LAP({i})" in loop
+    assert out.count("LAP(0)") == 2 and "phase_times" in out
+    with pytest.raises(SystemExit, match="anchor"):
+        decode_phases.timed_source(src.replace("ops.kv_store.call(kb, vb, loc, k, v);", "x;"))

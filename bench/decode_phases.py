@@ -1,0 +1,131 @@
+"""Where a decode step's time goes, phase by phase, without a profiler's per-op overhead.
+
+    python bench/decode_phases.py --batch-sizes 8 64 --ctx 512 --steps 20
+
+This checkout's `decode_layers.cpp` (the one-call decode step) is rebuilt under the op namespace
+`radixrt_phases` with a steady-clock lap after each phase of every layer (input norms, qkv
+matmul, RoPE + K/V store, paged decode, o matmul, gate_up matmul, down matmul); the ops it calls
+are radixrt's own, so the arithmetic is the step's. The default model, a `ModelRunner` as the
+server builds it, `bs` requests over `--ctx` random cached tokens (bench/decode_steps.py). Prints
+the median step and, per step, each phase's mean, the layers' sum, and the time outside the
+layers (embedding, LM head, logits, argmax, metadata).
+
+torch.profiler's table (bench/vnni_steps.py --profile) adds its own cost to every op call: a
+batch-8 step measured 14.6 ms under it against 11.3 ms without. The laps cost ~40 ns each.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench import _path
+
+    _path.fix()
+
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+
+import torch  # noqa: E402
+
+NAMESPACE = "radixrt_phases"
+PHASES = ("norms", "qkv", "rope+store", "attention", "o", "gate_up", "down")
+
+# (anchor in decode_layers.cpp's layer loop, lap inserted after it): each anchor must occur once.
+_LAPS = (
+    ("      std::tie(x, residual) = ops.add_rms_norm.call(h, residual, norms[2 * l], eps);\n    }\n",
+     "LAP(0)"),
+    ("    const Tensor qkv = run_linear(ops, x, weights, meta, lin);\n", "LAP(1)"),
+    ("    ops.kv_store.call(kb, vb, loc, k, v);\n", "LAP(2)"),
+    ("        group_start, group_len, group_row_ptr, group_rows, scale));\n", "LAP(3)"),
+    ("    const Tensor attn_out = run_linear(ops, o, weights, meta, lin + 1);\n", "LAP(4)"),
+    ("    std::tie(x, residual) = ops.add_rms_norm.call(attn_out, residual, norms[2 * l + 1], eps);\n",
+     "LAP(0)"),
+    ("    const Tensor gate_up = run_linear(ops, x, weights, meta, lin + 2);\n", "LAP(5)"),
+    ("    h = run_linear(ops, gate_up, weights, meta, lin + 3, /*silu=*/true);\n", "LAP(6)"),
+)
+_PRELUDE = """
+#include <chrono>
+#include <vector>
+namespace {
+double g_phase_us[8];
+inline double now_us() {
+  return std::chrono::duration<double, std::micro>(
+      std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+std::vector<double> phase_times(bool reset) {
+  std::vector<double> v(g_phase_us, g_phase_us + 8);
+  if (reset) for (double& x : g_phase_us) x = 0;
+  return v;
+}
+}  // namespace
+#define LAP(i) { const double t1_ = now_us(); g_phase_us[i] += t1_ - t0_; t0_ = t1_; }
+"""
+
+
+def timed_source(src: str) -> str:
+    """decode_layers.cpp with the laps (raises if the loop no longer has an anchor)."""
+    for anchor, lap in _LAPS:
+        if src.count(anchor) != 1:
+            raise SystemExit(f"decode_layers.cpp changed: anchor not found once: {anchor!r}")
+        src = src.replace(anchor, f"{anchor}    {lap}\n")
+    start = "  Tensor h = h0, residual;\n"
+    if src.count(start) != 1:
+        raise SystemExit("decode_layers.cpp changed: no single loop start")
+    src = src.replace(start, start + "  double t0_ = now_us();\n")
+    first = "#include <ATen/ATen.h>\n"
+    src = src.replace(first, first + _PRELUDE, 1)
+    return src + ('\nTORCH_LIBRARY_FRAGMENT(radixrt, m) {\n'
+                  '  m.def("phase_times(bool reset) -> float[]", &phase_times);\n}\n')
+
+
+def build() -> object:
+    """The timed op library, loaded; returns its op namespace."""
+    from bench.attention_kernel import build_op_sources, revision_sources
+
+    _, headers = revision_sources("HEAD", ())
+    root = Path(__file__).resolve().parents[1]
+    src = (root / "radixrt/attention/csrc/decode_layers.cpp").read_text()
+    build_op_sources({"decode_layers.cpp": timed_source(src)}, NAMESPACE, headers)
+    return getattr(torch.ops, NAMESPACE)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 64])
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    from bench.decode_step_ab import use
+    from bench.decode_steps import RandomKVDecoder
+    from radixrt.config import ServerArgs
+    from radixrt.model.runner import ModelRunner
+
+    ns = build()
+    use(ns.decode_layers)
+    bs_max, ctx_max = max(a.batch_sizes), a.ctx + a.steps + 16
+    runner = ModelRunner(ServerArgs(max_running_requests=bs_max,
+                                    max_total_tokens=bs_max * ctx_max + 64,
+                                    max_context_len=ctx_max, log_level="warning",
+                                    num_threads=a.threads))
+    print(f"dtype {runner.dtype}, quant {runner.quant}; {a.threads} threads; ctx {a.ctx}")
+    for bs in a.batch_sizes:
+        d = RandomKVDecoder(runner, bs, a.ctx)
+        for _ in range(3):
+            d.step()
+        ns.phase_times(True)
+        steps = [d.step() for _ in range(a.steps)]
+        per = [t / a.steps / 1e3 for t in ns.phase_times(True)][: len(PHASES)]
+        layers = sum(per)
+        mean = statistics.mean(steps) * 1e3
+        print(f"batch {bs:3d}: step {statistics.median(steps) * 1e3:.2f} ms (mean {mean:.2f}); "
+              + ", ".join(f"{n} {v:.2f}" for n, v in zip(PHASES, per))
+              + f"; layers {layers:.2f}, outside {mean - layers:.2f} ms", flush=True)
+
+
+if __name__ == "__main__":
+    main()
