@@ -123,7 +123,7 @@ def main() -> None:
         layers = sum(per)
         mean = statistics.mean(steps) * 1e3
         print(f"batch {bs:3d}: step {statistics.median(steps) * 1e3:.2f} ms (mean {mean:.2f}); "
-              + ", ".join(f"{n} {v:.2f}" for n, v in zip(PHASES, per))
+              + ", ".join(f"{n} {v:.2f}" for n, v in zip(PHASES, per, strict=True))
               + f"; layers {layers:.2f}, outside {mean - layers:.2f} ms", flush=True)
 
 
