@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -143,7 +144,18 @@ def test_dead_replica_fails_its_requests_and_the_others_serve(engine):
             time.sleep(0.05)
 
 
-def test_http_server_survives_a_killed_replica(tiny_llama_dir):
+@pytest.fixture(scope="module")
+def long_context_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama with an 8192-token context: a stream that outlives the test's setup
+    (with 1024, a 900-token stream could finish in well under a second, before the victim
+    replica had picked up the non-streamed work the test waits for)."""
+    from tiny_model import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny_llama_8k"),
+                            max_position_embeddings=8192)
+
+
+def test_http_server_survives_a_killed_replica(long_context_llama_dir):
     """`radixrt serve --dp 2`: SIGKILL the scheduler running a stream while non-streamed
     requests run on both replicas. The stream (it sent output) ends with an error event naming
     the replica (code replica_dead) and [DONE]; every non-streamed request answers 200 once,
@@ -154,7 +166,7 @@ def test_http_server_survives_a_killed_replica(tiny_llama_dir):
     import psutil
     from test_server import start_server, stop_server
 
-    server = start_server(str(tiny_llama_dir), "--dp", "2")
+    server = start_server(str(long_context_llama_dir), "--dp", "2")
     try:
         kids = psutil.Process(server.proc.pid).children()
         scheds = {i: next(c for c in kids if any(f"scheduler-{i}.pkl" in a
@@ -173,7 +185,7 @@ def test_http_server_survives_a_killed_replica(tiny_llama_dir):
         def routing() -> list[dict]:
             return httpx.get(server.url + "/debug/stats", timeout=10).json()["routing"]
 
-        body = {"model": "default", "prompt": SYSTEMS[0] + "long", "max_tokens": 900,
+        body = {"model": "default", "prompt": SYSTEMS[0] + "long", "max_tokens": 4000,
                 "ignore_eos": True, "stream": True}
         events: list[str] = []
         pool = concurrent.futures.ThreadPoolExecutor(len(texts))

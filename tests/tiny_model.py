@@ -18,7 +18,7 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tiny_llama(out_dir: Path, seed: int = 0) -> Path:
+def build_tiny_llama(out_dir: Path, seed: int = 0, max_position_embeddings: int = 1024) -> Path:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -39,7 +39,8 @@ def build_tiny_llama(out_dir: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     cfg = LlamaConfig(
         vocab_size=len(hf_tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=max_position_embeddings,
         eos_token_id=hf_tok.eos_token_id, bos_token_id=hf_tok.bos_token_id,
         tie_word_embeddings=False)
     model = LlamaForCausalLM(cfg)
