@@ -146,13 +146,17 @@ def test_dead_replica_fails_its_requests_and_the_others_serve(engine):
 
 @pytest.fixture(scope="module")
 def long_context_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny Llama with an 8192-token context: a stream that outlives the test's setup
-    (with 1024, a 900-token stream could finish in well under a second, before the victim
-    replica had picked up the non-streamed work the test waits for)."""
+    """The tiny Llama with an 8192-token context: room for requests long enough to be seen
+    running (see NON_STREAMED_TOKENS)."""
     from tiny_model import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("tiny_llama_8k"),
                             max_position_embeddings=8192)
+
+
+# Long enough that a request the router sends to the victim is still running when the test polls
+# for it (~0.05-0.2 s between polls on 2 busy cores; 300 tokens could come and go in between).
+NON_STREAMED_TOKENS = 700
 
 
 def test_http_server_survives_a_killed_replica(long_context_llama_dir):
@@ -174,8 +178,8 @@ def test_http_server_survives_a_killed_replica(long_context_llama_dir):
 
         def complete(p: str) -> dict:
             r = httpx.post(server.url + "/v1/completions", timeout=120, json={
-                "model": "default", "prompt": p, "max_tokens": 300, "temperature": 0,
-                "ignore_eos": True})
+                "model": "default", "prompt": p, "max_tokens": NON_STREAMED_TOKENS,
+                "temperature": 0, "ignore_eos": True})
             assert r.status_code == 200, r.text
             return r.json()
 
@@ -185,10 +189,10 @@ def test_http_server_survives_a_killed_replica(long_context_llama_dir):
         def routing() -> list[dict]:
             return httpx.get(server.url + "/debug/stats", timeout=10).json()["routing"]
 
-        body = {"model": "default", "prompt": SYSTEMS[0] + "long", "max_tokens": 4000,
+        body = {"model": "default", "prompt": SYSTEMS[0] + "long", "max_tokens": 2000,
                 "ignore_eos": True, "stream": True}
         events: list[str] = []
-        pool = concurrent.futures.ThreadPoolExecutor(len(texts))
+        pool = concurrent.futures.ThreadPoolExecutor(4 * len(texts))
         with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
             lines = r.iter_lines()
             assert r.status_code == 200
@@ -196,10 +200,18 @@ def test_http_server_survives_a_killed_replica(long_context_llama_dir):
                 if line.startswith("data: {"):
                     break
             victim = [x["load"] for x in routing()].index(1)
-            futures = [pool.submit(complete, p) for p in texts]
+            # (text index, future) of each non-streamed request
+            futures = [(i, pool.submit(complete, p)) for i, p in enumerate(texts)]
             deadline = time.monotonic() + 30
-            while routing()[victim]["load"] < 2:  # the victim has non-streamed work too
-                assert time.monotonic() < deadline
+            seen = []  # (load, routed) per replica at each poll, for the failure message
+            while (now := routing())[victim]["load"] < 2:  # the victim has non-streamed work too
+                seen.append([(x["load"], x["routed"]) for x in now])
+                assert time.monotonic() < deadline, (victim, seen[:8], seen[-2:])
+                if len(seen) % 10 == 0 and len(futures) < 4 * len(texts):
+                    # The router kept them off the victim so far (it prefers the idle replica
+                    # for prompts it has cached): send more, each checked like the first ones.
+                    i = len(futures) % len(texts)
+                    futures.append((i, pool.submit(complete, texts[i])))
                 time.sleep(0.01)
             scheds[victim].kill()
             t0 = time.monotonic()
@@ -208,10 +220,10 @@ def test_http_server_survives_a_killed_replica(long_context_llama_dir):
         assert events[-1] == "data: [DONE]"
         err = [e for e in events if '"error"' in e]
         assert err and "replica_dead" in err[-1] and f"replica {victim} died" in err[-1]
-        answers = [f.result(timeout=120) for f in futures]
+        answers = [f.result(timeout=120) for _, f in futures]
         pool.shutdown()
-        assert [a["choices"][0]["text"] for a in answers] == expected
-        assert all(a["usage"]["completion_tokens"] == 300 for a in answers)
+        assert [a["choices"][0]["text"] for a in answers] == [expected[i] for i, _ in futures]
+        assert all(a["usage"]["completion_tokens"] == NON_STREAMED_TOKENS for a in answers)
         stats = httpx.get(server.url + "/debug/stats", timeout=10).json()
         assert stats["retried_requests"] >= 1
         inv = httpx.get(server.url + "/debug/check_invariants", timeout=30)
