@@ -35,9 +35,8 @@
 // Prefetch: a pass that reads its tiles' weights from memory (the first row block over them)
 // prefetches the next TT tiles' blob at the same group as it goes, one pass ahead (the blobs of
 // consecutive tiles are contiguous). Measured on Zen 4 over a decode step's matmuls
-// (bench/vnni_ab.py --mode pass): 1.15x / 1.19x / 1.04x at 1 / 8 / 64 rows over none, and at
-// least as fast as a fixed 1-16 KiB ahead; the hardware prefetcher alone leaves the compute
-// waiting at the start of every tile's stream.
+// (bench/vnni_ab.py --mode pass, 21 reps, two runs): 1.09-1.10x at 1 row, 1.01-1.02x at 8, the
+// same at 64 and 512 rows, over none; at least as fast as a fixed 1-16 KiB ahead.
 //
 // Blocking: MT rows x TT tiles per pass, MT * TT i32 dot and fp32 accumulators in registers:
 // 8 x 1 for full 8-row blocks (each unpacked weight vector serves 8 rows), 1 x 4, 2 x 3, 3 x 2,
