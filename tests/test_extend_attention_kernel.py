@@ -129,6 +129,19 @@ def test_gqa_and_head_dims(heads: int, kv_heads: int, dim: int, dtype: torch.dty
                                rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", ["ragged", "agent-like"])
+def test_head_major_pool_gives_the_same_bits(shape: str, dtype: torch.dtype) -> None:
+    """A head-major pool (the CPU default: one head's slots contiguous) and a slot-major one
+    holding the same values give bitwise the same outputs."""
+    q, kb, vb, *rest = _case(4, dtype, 9, 3, 64, SHAPES[shape], shared=30)
+    hkb, hvb = (t.transpose(0, 1).contiguous().transpose(0, 1) for t in (kb, vb))
+    assert hkb.stride() == (64, kb.shape[0] * 64, 1)
+    want = torch.ops.radixrt.extend_attention(q, kb, vb, *rest, 0.125)
+    got = torch.ops.radixrt.extend_attention(q, hkb, hvb, *rest, 0.125)
+    assert torch.equal(got, want)
+
+
 def test_shared_prefix_slots() -> None:
     """Requests reading the same prefix slots (a radix-cache hit) each see them whole."""
     case = _case(3, torch.bfloat16, 9, 3, 64, [(200, 20), (200, 1), (150, 33)], shared=150)

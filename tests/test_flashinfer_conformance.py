@@ -500,6 +500,12 @@ def test_unavailable_reasons() -> None:
     assert flashinfer_unavailable_reason(cuda, torch.bfloat16, 8) is None  # it imports here
 
 
+def test_backend_refuses_head_major_pools() -> None:
+    with pytest.raises(ValueError, match="slot-major"):
+        FlashInferBackend(TokenToKVPool(4, 1, 1, D, head_major=True), 2,
+                          flashinfer=recording_flashinfer(Recorder()))
+
+
 def test_real_module_refuses_fp32_pools() -> None:
     with pytest.raises(FlashInferUnavailableError, match="float16"):
         FlashInferBackend(TokenToKVPool(4, 1, 1, D), 1)

@@ -313,11 +313,14 @@ def make_batch(
     num_layers: int = 2,
     head_dim: int = D,
     device: str = "cpu",
+    head_major: bool = False,
 ) -> tuple[TokenToKVPool, ForwardBatch]:
-    """Real pools whose prefix slots hold random K/V at scattered slots, and the step's batch."""
+    """Real pools whose prefix slots hold random K/V at scattered slots, and the step's batch.
+    Slot-major unless `head_major`: the layout FlashInfer's paged kernels take."""
     g = torch.Generator().manual_seed(seed)
     total = sum(prefix_lens) + sum(extend_lens)
-    kv = TokenToKVPool(total + 8, num_layers, kv_heads, head_dim, dtype=dtype, device=device)
+    kv = TokenToKVPool(total + 8, num_layers, kv_heads, head_dim, dtype=dtype, device=device,
+                       head_major=head_major)
     for buf in kv.k_buffer + kv.v_buffer:
         buf.copy_(torch.randn(buf.shape, generator=g))
     perm = torch.randperm(total + 8, generator=g)[:total] + 1  # never the dummy slot 0

@@ -110,10 +110,14 @@ def test_rope_matches_torch(dtype: torch.dtype, rope: RopeParams, head_dim: int)
         _assert_same(a, b, what)
 
 
+@pytest.mark.parametrize("head_major", [False, True], ids=["slot-major", "head-major"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_kv_store_writes_strided_rows(dtype: torch.dtype) -> None:
+def test_kv_store_writes_strided_rows(dtype: torch.dtype, head_major: bool) -> None:
     g = torch.Generator().manual_seed(0)
-    kb, vb = torch.zeros(50, 3, 16, dtype=dtype), torch.zeros(50, 3, 16, dtype=dtype)
+    if head_major:  # the CPU pool's layout: [heads, slots, dim] storage seen as [slots, heads]
+        kb, vb = (torch.zeros(3, 50, 16, dtype=dtype).transpose(0, 1) for _ in range(2))
+    else:
+        kb, vb = torch.zeros(50, 3, 16, dtype=dtype), torch.zeros(50, 3, 16, dtype=dtype)
     qkv = _rand(g, 5, 12 * 16, dtype=dtype).view(5, 12, 16)
     k, v = qkv[:, 6:9], qkv[:, 9:]  # views with a token stride of 12 heads
     loc = torch.tensor([7, 1, 49, 20, 3])

@@ -77,7 +77,8 @@ def test_move_keeps_identity_values_layout_and_sharing() -> None:
 def test_pool_buffers_are_disjoint_views() -> None:
     pool = TokenToKVPool(5000, 3, 2, 16, torch.float32)
     bufs = [*pool.k_buffer, *pool.v_buffer]
-    assert all(b.shape == (5001, 2, 16) and b.is_contiguous() for b in bufs)
+    # Head-major on CPU: slot stride head_dim, head stride one head's whole run of slots.
+    assert all(b.shape == (5001, 2, 16) and b.stride() == (16, 5001 * 16, 1) for b in bufs)
     assert all(float(b[0].abs().sum()) == 0 for b in bufs)  # the padding slot
     for i, b in enumerate(bufs):
         b[1:].fill_(float(i + 1))
@@ -87,6 +88,8 @@ def test_pool_buffers_are_disjoint_views() -> None:
     ptrs = {b.untyped_storage().data_ptr() for b in (*plain.k_buffer, *plain.v_buffer)}
     assert len(ptrs) == 6  # one allocation per buffer
     assert len({b.untyped_storage().data_ptr() for b in bufs}) == 1
+    slot_major = TokenToKVPool(5000, 3, 2, 16, torch.float32, head_major=False)
+    assert all(b.is_contiguous() for b in (*slot_major.k_buffer, *slot_major.v_buffer))
 
 
 @needs_thp

@@ -93,6 +93,11 @@ def _reference(c: dict[str, Any], scale: float) -> tuple[torch.Tensor, torch.Ten
     return out, lse
 
 
+def _head_major(t: torch.Tensor) -> torch.Tensor:
+    """The same values laid out as radixrt's CPU pool: one head's slots contiguous."""
+    return t.transpose(0, 1).contiguous().transpose(0, 1)
+
+
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 LENS = [1, 2, 15, 16, 17, 31, 32, 33, 64, 65, 300]  # around the op's 8- or 16-key block
 
@@ -447,3 +452,25 @@ def test_tiny_model_decode_kernel_matches_torch_path(tmp_path: Path, dtype: torc
         seqs, steps = runs[True]
         for row, seq in zip(steps[-1], seqs, strict=True):
             torch.testing.assert_close(row, hf_logits(hf, seq)[-1], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128), (6, 3, 80)])
+def test_head_major_pool_gives_the_same_bits(dtype: torch.dtype, heads: int, kv_heads: int,
+                                             dim: int) -> None:
+    """The kernel reads the pool's strides: a head-major pool (the CPU default) and a slot-major
+    one holding the same values give bitwise the same outputs, cascade groups included."""
+    c = _case(5, dtype, heads, kv_heads, dim, LENS, [(40, [0, 3, 5]), (70, [1, 9])])
+    hm = dict(c, kb=_head_major(c["kb"]), vb=_head_major(c["vb"]))
+    assert hm["kb"].stride() == (dim, c["kb"].shape[0] * dim, 1)
+    want, got = _run(c, dim**-0.5), _run(hm, dim**-0.5)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_k_and_v_of_different_layouts_are_refused() -> None:
+    c = _case(6, torch.float32, 4, 2, 64, [3, 5], [])
+    with pytest.raises(RuntimeError, match="alike"):
+        _run(dict(c, vb=_head_major(c["vb"])), 0.125)
+    with pytest.raises(RuntimeError, match="D contiguous"):
+        _run(dict(c, kb=c["kb"].transpose(0, 2).contiguous().transpose(0, 2),
+                  vb=c["vb"].transpose(0, 2).contiguous().transpose(0, 2)), 0.125)

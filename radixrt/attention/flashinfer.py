@@ -137,6 +137,9 @@ class FlashInferBackend(AttentionBackend):
             raise FlashInferUnavailableError(
                 f"FlashInfer kernels need a float16/bfloat16 KV cache, got {kv_pool.dtype}"
             )
+        if kv_pool.head_major:
+            raise ValueError("FlashInfer's paged kernels need a slot-major KV pool "
+                             "(TokenToKVPool(head_major=False), the default on CUDA)")
         if num_q_heads % kv_pool.num_kv_heads:
             raise ValueError(
                 f"{num_q_heads} query heads are not a multiple of {kv_pool.num_kv_heads} KV heads"

@@ -417,8 +417,8 @@ class TorchNativeBackend(AttentionBackend):
         pool = self.kv_pool
         kb, vb = pool.k_buffer[layer_id], pool.v_buffer[layer_id]
         shape = (rows, -1, pool.num_kv_heads, pool.head_dim)
-        k = torch.index_select(kb.view(kb.shape[0], -1), 0, index).view(shape)
-        v = torch.index_select(vb.view(vb.shape[0], -1), 0, index).view(shape)
+        k = torch.index_select(kb, 0, index).view(shape)
+        v = torch.index_select(vb, 0, index).view(shape)
         return k, v
 
     def _decode(self, q: torch.Tensor, layer_id: int, scaling: float) -> torch.Tensor:

@@ -91,7 +91,15 @@ class ReqToTokenPool:
 
 
 class TokenToKVPool:
-    """Per-layer K and V buffers `[size + 1, kv_heads, head_dim]` plus the free-slot allocator."""
+    """Per-layer K and V buffers `[size + 1, kv_heads, head_dim]` plus the free-slot allocator.
+
+    Layout: on CPU the buffers are head-major views (`storage[kv_heads, slots, head_dim]`
+    transposed, slot stride `head_dim`), so one KV head's keys over a run of slots are contiguous
+    and the paged-decode kernel streams them (0.8-0.9x the time from memory of slot-major:
+    bench/results/2026-11-24-decode-step-s21.md). On CUDA they are contiguous (slot-major), the
+    layout FlashInfer's paged kernels take. Code indexes them by slot either way; kernels read
+    the strides.
+    """
 
     def __init__(
         self,
@@ -102,28 +110,33 @@ class TokenToKVPool:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         huge_pages: bool = True,
+        head_major: bool | None = None,
     ):
         """`huge_pages` (CPU only): every buffer lives in one 2 MiB-aligned allocation advised
-        for transparent huge pages (`mem/huge_pages.py`)."""
+        for transparent huge pages (`mem/huge_pages.py`). `head_major`: the layout above; None
+        picks it by device (head-major on CPU)."""
         self.size = size
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (size + 1, num_kv_heads, head_dim)
+        self.head_major = self.device.type == "cpu" if head_major is None else head_major
+        storage_shape = ((num_kv_heads, size + 1, head_dim) if self.head_major
+                         else (size + 1, num_kv_heads, head_dim))
         # `empty`: pages are committed only when first written. Only slot 0 is ever read before
         # being written (padding), so only it must hold finite values.
+        per = (size + 1) * num_kv_heads * head_dim
         if huge_pages and self.device.type == "cpu":
-            per = (size + 1) * num_kv_heads * head_dim
             arena = huge_page_buffer(2 * num_layers * per * dtype.itemsize).view(dtype)
-            bufs = [arena[i * per:(i + 1) * per].view(shape) for i in range(2 * num_layers)]
-            self.k_buffer, self.v_buffer = bufs[:num_layers], bufs[num_layers:]
+            bufs = [arena[i * per:(i + 1) * per].view(storage_shape)
+                    for i in range(2 * num_layers)]
         else:
-            self.k_buffer = [torch.empty(shape, dtype=dtype, device=device)
-                             for _ in range(num_layers)]
-            self.v_buffer = [torch.empty(shape, dtype=dtype, device=device)
-                             for _ in range(num_layers)]
+            bufs = [torch.empty(storage_shape, dtype=dtype, device=device)
+                    for _ in range(2 * num_layers)]
+        if self.head_major:
+            bufs = [b.transpose(0, 1) for b in bufs]
+        self.k_buffer, self.v_buffer = bufs[:num_layers], bufs[num_layers:]
         for buf in (*self.k_buffer, *self.v_buffer):
             buf[0].zero_()
         self._free = torch.arange(1, size + 1, dtype=torch.int64)

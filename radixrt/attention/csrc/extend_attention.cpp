@@ -540,7 +540,8 @@ void extend_impl(const Tensor& q, const Tensor& k_buffer, const Tensor& v_buffer
   using Tl = Tiles<D>;
   const int64_t B = kv_indptr.size(0) - 1;
   const int64_t H = q.size(1), Hkv = k_buffer.size(1), G = H / Hkv;
-  const int64_t num_slots = k_buffer.size(0), stride = Hkv * D;
+  const int64_t num_slots = k_buffer.size(0);
+  const int64_t slot_stride = k_buffer.stride(0), head_stride = k_buffer.stride(1);
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const T* kb = k_buffer.data_ptr<T>();
@@ -738,14 +739,14 @@ void extend_impl(const Tensor& q, const Tensor& k_buffer, const Tensor& v_buffer
     };
     auto set_rows = [&](int64_t jj, int64_t slot) {
       check_slot(slot);
-      krow[jj] = reinterpret_cast<const uint32_t*>(kb + slot * stride + h * D);
-      vrow[jj] = vb + slot * stride + h * D;
+      krow[jj] = reinterpret_cast<const uint32_t*>(kb + slot * slot_stride + h * head_stride);
+      vrow[jj] = vb + slot * slot_stride + h * head_stride;
     };
     // The K and V rows of a later block, into the caches while this one is computed.
     auto prefetch = [&](int64_t slot) {
       if (slot >= 0 && slot < num_slots) {
-        prefetch_row(kb + slot * stride + h * D, D * sizeof(T));
-        prefetch_row(vb + slot * stride + h * D, D * sizeof(T));
+        prefetch_row(kb + slot * slot_stride + h * head_stride, D * sizeof(T));
+        prefetch_row(vb + slot * slot_stride + h * head_stride, D * sizeof(T));
       }
     };
     // Shared prefix: keys [0, shared) of every part's request, all rows.
@@ -816,8 +817,8 @@ void extend_impl(const Tensor& q, const Tensor& k_buffer, const Tensor& v_buffer
       // Convert the block to fp32: K transposed, V row-major.
       for (int64_t jj = 0; jj < nb; ++jj) {
         const int64_t slot = slot_of(j0 + jj);
-        const T* kr = kb + slot * stride + h * D;
-        const T* vr = vb + slot * stride + h * D;
+        const T* kr = kb + slot * slot_stride + h * head_stride;
+        const T* vr = vb + slot * slot_stride + h * head_stride;
         for (int64_t c = 0; c < D; c += kVec) {
           load_f32<T>(kr + c).store(krow + c);
           load_f32<T>(vr + c).store(sc.vp.data() + jj * D + c);
@@ -892,9 +893,10 @@ Tensor extend_attention(const Tensor& q, const Tensor& k_buffer, const Tensor& v
                         const Tensor& kv_indices, const Tensor& kv_indptr, const Tensor& loc,
                         const Tensor& qo_indptr, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "extend_attention: q must be contiguous [N, H, D]");
-  TORCH_CHECK(k_buffer.dim() == 3 && k_buffer.is_contiguous() &&
-                  v_buffer.sizes() == k_buffer.sizes() && v_buffer.is_contiguous(),
-              "extend_attention: k_buffer / v_buffer must be contiguous [slots, kv_heads, D]");
+  TORCH_CHECK(k_buffer.dim() == 3 && k_buffer.stride(2) == 1 &&
+                  v_buffer.sizes() == k_buffer.sizes() && v_buffer.strides() == k_buffer.strides(),
+              "extend_attention: k_buffer / v_buffer must be [slots, kv_heads, D] alike, D "
+              "contiguous");
   TORCH_CHECK(q.scalar_type() == k_buffer.scalar_type() &&
                   q.scalar_type() == v_buffer.scalar_type(),
               "extend_attention: q, k_buffer and v_buffer must have one dtype");

@@ -8,7 +8,8 @@
 //   rope_qk(qkv [n, >= (Hq + Hkv) * D], cos [n, D], sin [n, D], Hq, Hkv) -> (q [n,Hq,D], k [n,Hkv,D])
 //       rotate-half RoPE with the cache layout of radixrt/model/rope.py (cos duplicated over both
 //       halves, sin with its first half negated): x * cos + roll(x, D/2) * sin, each op rounded.
-//   kv_store(k_buffer, v_buffer, loc, k, v): k_buffer[loc[i]] = k[i] (and v), strided sources.
+//   kv_store(k_buffer, v_buffer, loc, k, v): k_buffer[loc[i]] = k[i] (and v), strided sources and
+//   pool buffers (any slot / head strides).
 //
 // Numerics: every op reproduces the rounding of the torch code it replaces (radixrt/model/llama.py,
 // rope.py): the same intermediate roundings to the model dtype, the sum of squares in the order of
@@ -351,10 +352,9 @@ std::tuple<Tensor, Tensor> rope_qk(const Tensor& qkv, const Tensor& cos, const T
 
 void kv_store(Tensor k_buffer, Tensor v_buffer, const Tensor& loc, const Tensor& k,
               const Tensor& v) {
-  TORCH_CHECK(k_buffer.is_contiguous() && v_buffer.is_contiguous(),
-              "kv_store: pool buffers must be contiguous");
-  TORCH_CHECK(k_buffer.dim() == 3 && v_buffer.sizes() == k_buffer.sizes(),
-              "kv_store: buffers must be [slots, kv_heads, head_dim] alike");
+  TORCH_CHECK(k_buffer.dim() == 3 && v_buffer.sizes() == k_buffer.sizes() &&
+                  v_buffer.strides() == k_buffer.strides() && k_buffer.stride(2) == 1,
+              "kv_store: buffers must be [slots, kv_heads, head_dim] alike, head_dim contiguous");
   TORCH_CHECK(loc.scalar_type() == at::kLong && loc.dim() == 1, "kv_store: loc must be int64 [n]");
   const int64_t n = loc.size(0), heads = k_buffer.size(1), d = k_buffer.size(2);
   const int64_t slots = k_buffer.size(0);
@@ -372,6 +372,7 @@ void kv_store(Tensor k_buffer, Tensor v_buffer, const Tensor& loc, const Tensor&
   }
   const int64_t es = k_buffer.element_size();
   const int64_t row_bytes = d * es;
+  const int64_t slot_bytes = k_buffer.stride(0) * es, head_bytes = k_buffer.stride(1) * es;
   char* kb = static_cast<char*>(k_buffer.data_ptr());
   char* vb = static_cast<char*>(v_buffer.data_ptr());
   const char* kp = static_cast<const char*>(k.data_ptr());
@@ -380,10 +381,10 @@ void kv_store(Tensor k_buffer, Tensor v_buffer, const Tensor& loc, const Tensor&
   const int64_t v0 = v.stride(0) * es, v1 = v.stride(1) * es;
   for_rows(n, 2 * heads * d, [&](int64_t r0, int64_t r1) {
     for (int64_t i = r0; i < r1; ++i) {
-      const int64_t dst = lp[i] * heads * row_bytes;
+      const int64_t dst = lp[i] * slot_bytes;
       for (int64_t h = 0; h < heads; ++h) {
-        std::memcpy(kb + dst + h * row_bytes, kp + i * k0 + h * k1, row_bytes);
-        std::memcpy(vb + dst + h * row_bytes, vp + i * v0 + h * v1, row_bytes);
+        std::memcpy(kb + dst + h * head_bytes, kp + i * k0 + h * k1, row_bytes);
+        std::memcpy(vb + dst + h * head_bytes, vp + i * v0 + h * v1, row_bytes);
       }
     }
   });

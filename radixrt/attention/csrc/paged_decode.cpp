@@ -3,7 +3,10 @@
 // One new query token per request row. Row b attends, per KV head, over the keys
 //   [shared prefix of its group, if any]  ++  kv_indices[row_start[b] : row_start[b] + row_len[b]]
 // where every key is a slot of the pool buffers k_buffer / v_buffer [slots, kv_heads, head_dim].
-// Nothing is gathered: each key row is read straight from the pool.
+// Nothing is gathered: each key row is read straight from the pool. The buffers may have any
+// slot and head strides (head_dim contiguous, K and V alike): radixrt's CPU pool is head-major
+// (slot stride head_dim), so the keys of one KV head over a row's run of slots are one
+// contiguous stream (0.8-0.9x the time from memory of the slot-major layout).
 //
 // Numerics: scores, the online softmax (running max m, sum l) and the V accumulation are fp32
 // whatever the pool's dtype. Outputs: the attention output in q's dtype and the natural-log
@@ -178,7 +181,7 @@ struct KeyScan {
 
   const T* kbase;  // k_buffer + kv_head * D
   const T* vbase;  // v_buffer + kv_head * D
-  int64_t stride;  // elements per slot: kv_heads * D
+  int64_t stride;  // elements between consecutive slots
   float scale;
 
   // Queries as the dot products take them: bf16 as given for the dot path, else fp32 (unscaled;
@@ -428,7 +431,7 @@ struct KeyScan {
 
   const T* kbase;  // k_buffer + kv_head * D
   const T* vbase;  // v_buffer + kv_head * D
-  int64_t stride;  // elements per slot: kv_heads * D
+  int64_t stride;  // elements between consecutive slots
   float scale;
 
   // Queries scaled and converted to fp32.
@@ -566,6 +569,7 @@ void paged_decode_impl(const Tensor& q, const Tensor& k_buffer, const Tensor& v_
 
   const T* kb = k_buffer.data_ptr<T>();
   const T* vb = v_buffer.data_ptr<T>();
+  const int64_t slot_stride = k_buffer.stride(0), head_stride = k_buffer.stride(1);
   // Every slot is checked once here, so the scans read rows without checks.
   {
     const int32_t* ip = kv_indices.data_ptr<int32_t>();
@@ -583,7 +587,7 @@ void paged_decode_impl(const Tensor& q, const Tensor& k_buffer, const Tensor& v_
   using Scan = KeyScan<T, D>;
   using QType = typename Scan::QType;
   auto scan_for = [&](int64_t h) {
-    return Scan{kb + h * D, vb + h * D, Hkv * D, scale};
+    return Scan{kb + h * head_stride, vb + h * head_stride, slot_stride, scale};
   };
   // Query i of a (row, kv head) pair is query head h * G + i, as the scan takes it.
   auto load_queries = [&](int64_t b, int64_t h, QType* dst) {
@@ -731,9 +735,9 @@ std::tuple<Tensor, Tensor> paged_decode(const Tensor& q, const Tensor& k_buffer,
                                         const Tensor& group_row_ptr, const Tensor& group_rows,
                                         double scale) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "paged_decode: q must be contiguous [B, H, D]");
-  TORCH_CHECK(k_buffer.dim() == 3 && k_buffer.is_contiguous() &&
-                  v_buffer.sizes() == k_buffer.sizes() && v_buffer.is_contiguous(),
-              "paged_decode: k_buffer / v_buffer must be contiguous [slots, kv_heads, D]");
+  TORCH_CHECK(k_buffer.dim() == 3 && k_buffer.stride(2) == 1 &&
+                  v_buffer.sizes() == k_buffer.sizes() && v_buffer.strides() == k_buffer.strides(),
+              "paged_decode: k_buffer / v_buffer must be [slots, kv_heads, D] alike, D contiguous");
   TORCH_CHECK(q.scalar_type() == k_buffer.scalar_type() &&
                   q.scalar_type() == v_buffer.scalar_type(),
               "paged_decode: q, k_buffer and v_buffer must have one dtype");
