@@ -95,7 +95,7 @@ class ServerArgs:
     disable_radix_cache: bool = _f(False, "turn prefix sharing off")
     chunked_prefill_size: int = _f(2048, "longest prefill chunk per step")
     max_prefill_tokens: int = _f(8192, "tokens computed per prefill step")
-    prefill_step_target_ms: int = _f(500, "aim prefill steps at about this long: the step's "
+    prefill_step_target_ms: int = _f(250, "aim prefill steps at about this long: the step's "
                                           "prefill tokens are capped at the measured prefill "
                                           "rate x this (at least 256, at most "
                                           "chunked_prefill_size), so a request arriving during "

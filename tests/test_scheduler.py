@@ -400,7 +400,7 @@ def test_prefill_step_target_is_validated_and_on_the_cli() -> None:
     ap = argparse.ArgumentParser()
     add_server_args(ap)
     args = args_from_namespace(ap.parse_args(["--prefill-step-target-ms", "0"]))
-    assert args.prefill_step_target_ms == 0 and ServerArgs().prefill_step_target_ms == 500
+    assert args.prefill_step_target_ms == 0 and ServerArgs().prefill_step_target_ms == 250
 
 
 def test_adder_alone_ignores_its_own_decode_reserve() -> None:
