@@ -313,7 +313,7 @@ def bench_extend_phases(shapes: list[str], reps: int) -> list[dict[str, Any]]:
     the whole's time minus the time without it."""
     csrc = Path(cpu_kernels.__file__).resolve().parent / "csrc"
     src = (csrc / "extend_attention.cpp").read_text()
-    headers = {h: (csrc / h).read_text() for h in ("vec_util.h", "work_queue.h")}
+    headers = {h: (csrc / h).read_text() for h in cpu_kernels.headers()}
     ops = {"whole": None, **dict.fromkeys(EXTEND_PHASES)}
     for name in ops:
         namespace = "radixrt_phases" + ("" if name == "whole" else str(EXTEND_PHASES[name]))

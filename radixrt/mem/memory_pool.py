@@ -95,7 +95,7 @@ class TokenToKVPool:
 
     Layout: on CPU the buffers are head-major views (`storage[kv_heads, slots, head_dim]`
     transposed, slot stride `head_dim`), so one KV head's keys over a run of slots are contiguous
-    and the paged-decode kernel streams them (0.8-0.9x the time from memory of slot-major:
+    and the paged-decode kernel streams them (0.75-0.82x the time from memory of slot-major:
     bench/results/2026-11-24-decode-step-s21.md). On CUDA they are contiguous (slot-major), the
     layout FlashInfer's paged kernels take. Code indexes them by slot either way; kernels read
     the strides.

@@ -30,6 +30,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "kv_pool_layout.h"
 #include "vec_util.h"
 #include "work_queue.h"
 
@@ -893,10 +894,7 @@ Tensor extend_attention(const Tensor& q, const Tensor& k_buffer, const Tensor& v
                         const Tensor& kv_indices, const Tensor& kv_indptr, const Tensor& loc,
                         const Tensor& qo_indptr, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "extend_attention: q must be contiguous [N, H, D]");
-  TORCH_CHECK(k_buffer.dim() == 3 && k_buffer.stride(2) == 1 &&
-                  v_buffer.sizes() == k_buffer.sizes() && v_buffer.strides() == k_buffer.strides(),
-              "extend_attention: k_buffer / v_buffer must be [slots, kv_heads, D] alike, D "
-              "contiguous");
+  check_kv_buffers(k_buffer, v_buffer, "extend_attention");
   TORCH_CHECK(q.scalar_type() == k_buffer.scalar_type() &&
                   q.scalar_type() == v_buffer.scalar_type(),
               "extend_attention: q, k_buffer and v_buffer must have one dtype");

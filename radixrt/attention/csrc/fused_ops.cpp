@@ -31,6 +31,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "kv_pool_layout.h"
 #include "silu_mul.h"
 #include "vec_util.h"
 
@@ -352,9 +353,7 @@ std::tuple<Tensor, Tensor> rope_qk(const Tensor& qkv, const Tensor& cos, const T
 
 void kv_store(Tensor k_buffer, Tensor v_buffer, const Tensor& loc, const Tensor& k,
               const Tensor& v) {
-  TORCH_CHECK(k_buffer.dim() == 3 && v_buffer.sizes() == k_buffer.sizes() &&
-                  v_buffer.strides() == k_buffer.strides() && k_buffer.stride(2) == 1,
-              "kv_store: buffers must be [slots, kv_heads, head_dim] alike, head_dim contiguous");
+  check_kv_buffers(k_buffer, v_buffer, "kv_store");
   TORCH_CHECK(loc.scalar_type() == at::kLong && loc.dim() == 1, "kv_store: loc must be int64 [n]");
   const int64_t n = loc.size(0), heads = k_buffer.size(1), d = k_buffer.size(2);
   const int64_t slots = k_buffer.size(0);
