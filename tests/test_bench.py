@@ -496,6 +496,10 @@ def test_llama_server_driven_like_radixrt_server():
     assert rr[1].endswith("serving.py") and rr[rr.index("--max-concurrency") + 1] == "8"
     assert "--max-concurrency" not in compare.system_command("llama-server", w, o, 2, "/m", None,
                                                              "engine", 1)
+    ab = compare.system_command("radixrt-no-radix", w, o, 2, "/m.gguf", None, "server", 1, 8,
+                                "--prefill-step-target-ms 500")
+    assert ab[ab.index("--server-args") + 1].split() == [
+        "--model", "/m.gguf", "--disable-radix-cache", "--prefill-step-target-ms", "500"]
     recs = [{"system": "llama-server", "workload": "gsp", "total_tok_per_s": 300.0,
              "ttft_p50_s": 0.2},
             {"system": "llama.cpp", "workload": "gsp", "total_tok_per_s": 100.0,
