@@ -146,12 +146,13 @@ def test_dead_replica_fails_its_requests_and_the_others_serve(engine):
 
 @pytest.fixture(scope="module")
 def long_context_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny Llama with an 8192-token context: room for requests long enough to be seen
-    running (see NON_STREAMED_TOKENS)."""
+    """The tiny Llama with a 32768-token context: room for requests long enough to be seen
+    running (see NON_STREAMED_TOKENS) and for a stream that outlasts the test's polling on a
+    fast CPU (the tiny model streams ~4000 tokens/s on a Zen 5 core)."""
     from tiny_model import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("tiny_llama_8k"),
-                            max_position_embeddings=8192)
+                            max_position_embeddings=32768)
 
 
 # Long enough that a request the router sends to the victim is still running when the test polls
@@ -170,7 +171,7 @@ def test_http_server_survives_a_killed_replica(long_context_llama_dir):
     import psutil
     from test_server import start_server, stop_server
 
-    server = start_server(str(long_context_llama_dir), "--dp", "2")
+    server = start_server(str(long_context_llama_dir), "--dp", "2", "--max-total-tokens", "40000")
     try:
         kids = psutil.Process(server.proc.pid).children()
         scheds = {i: next(c for c in kids if any(f"scheduler-{i}.pkl" in a
@@ -189,7 +190,7 @@ def test_http_server_survives_a_killed_replica(long_context_llama_dir):
         def routing() -> list[dict]:
             return httpx.get(server.url + "/debug/stats", timeout=10).json()["routing"]
 
-        body = {"model": "default", "prompt": SYSTEMS[0] + "long", "max_tokens": 2000,
+        body = {"model": "default", "prompt": SYSTEMS[0] + "long", "max_tokens": 30000,
                 "ignore_eos": True, "stream": True}
         events: list[str] = []
         pool = concurrent.futures.ThreadPoolExecutor(4 * len(texts))
