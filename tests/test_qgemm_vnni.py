@@ -190,6 +190,39 @@ def test_op_matches_float64_of_its_quantized_activations(layout: str, rows: int)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("rows", [1, 5, 8, 13, 64, 100])
+def test_f32_output_is_the_sums_the_bf16_output_rounds(layout: str, rows: int) -> None:
+    """`qgemm_vnni_f32` (LM heads): float32 for bf16 activations; rounded to bf16 it is the
+    bf16 op's result bitwise, and it is as close to float64 as an fp32 output (no 2^-8 term)."""
+    vm = _layout(layout, 16 * 7, 32 * 5, seed=rows + 50)
+    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    y = vm.forward_f32(x)
+    assert y.dtype == torch.float32 and y.shape == (rows, 112)
+    assert torch.equal(y.bfloat16(), vm(x))
+    ref, mag = _mm_ref(x, vm)
+    assert ((y.double() - ref).abs() <= SUM_EPS * mag + 1e-12).all()
+    assert torch.equal(vm.forward_f32(x.float()), vm(x.float()))  # fp32 in: the same op
+    with pytest.raises(RuntimeError, match="qgemm_vnni_f32: x must be"):
+        torch.ops.radixrt.qgemm_vnni_f32(x[:, :96].contiguous(), vm.packed, vm.bits)
+
+
+def test_quantized_lm_head_logits_skip_the_bf16_rounding() -> None:
+    """`QuantizedWeight.logits` on the vnni kernel returns the fp32 sums; its dense path (rows
+    above `max_rows`, or invariant calls) is the dense weight's output in float32."""
+    groups = _gguf_groups(16 * 6, 64, "Q8_0", seed=3)
+    dense = groups.dequantize(None).bfloat16()
+    w = QuantizedWeight.from_groups(groups, dense, max_rows=8, kernel="vnni")
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(4)).bfloat16()
+    lg = w.logits(x)
+    assert lg.dtype == torch.float32 and torch.equal(lg, w.kernel.forward_f32(x))
+    assert not torch.equal(lg, w(x).float())  # the bf16 rounding is gone
+    assert torch.equal(lg.bfloat16(), w(x))
+    big = torch.randn(9, 64, generator=torch.Generator().manual_seed(5)).bfloat16()
+    assert torch.equal(w.logits(big), w(big).float())  # above max_rows: the dense copy
+    assert torch.equal(w.logits(x, invariant=True), w(x, None, True).float())
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_rows_are_independent_of_the_row_count_and_threads(layout: str) -> None:
     vm = _layout(layout, 16 * 37, 96, seed=7)
     x = torch.randn(300, 96, generator=torch.Generator().manual_seed(8)).bfloat16()

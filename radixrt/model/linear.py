@@ -56,6 +56,12 @@ class LinearWeight(nn.Module, ABC):
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None,
                 invariant: bool = False) -> torch.Tensor: ...
 
+    def logits(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+        """`forward(x)` in float32, for an LM head: weights whose kernel accumulates in fp32
+        return those sums instead of rounding them to x's dtype first (a bf16 logit is only
+        good to ~0.06 at 10)."""
+        return self(x, None, invariant).float()
+
     @abstractmethod
     def bytes_read(self, rows: int) -> int:
         """Weight bytes one call with `rows` input rows reads (the representation it runs on)."""
@@ -127,6 +133,13 @@ class QuantizedWeight(LinearWeight):
         else:
             y = self.kernel(x)  # radixrt's kernel: each row's arithmetic is independent of M
         return y if bias is None else y + bias
+
+    def logits(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+        n = x.shape[0]
+        if (self.dense is not None and (n > self.max_rows or invariant)) or (
+                invariant and isinstance(self.kernel, TorchInt4Matmul)):
+            return super().logits(x, invariant)  # the paths `forward` takes for these
+        return self.kernel.forward_f32(x)
 
     def bytes_read(self, rows: int) -> int:
         if self.dense is not None and rows > self.max_rows:

@@ -212,7 +212,7 @@ class LlamaForCausalLM(nn.Module):
         last, _ = self.ops.add_rms_norm(torch.index_select(h, 0, idx),
                                         torch.index_select(residual, 0, idx), self.norm,
                                         self.config.rms_norm_eps)
-        logits = self.lm_head(last[:b], None, invariant_step(attn, fb)).float()
+        logits = self.lm_head.logits(last[:b], invariant_step(attn, fb))
         return logits, (last[b:] if fb.score_rows is not None else None)
 
     def linear_weights(self) -> list[LinearWeight]:

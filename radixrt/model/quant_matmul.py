@@ -45,6 +45,11 @@ class QuantMatmul(nn.Module, ABC):
     @abstractmethod
     def forward(self, x: torch.Tensor) -> torch.Tensor: ...
 
+    def forward_f32(self, x: torch.Tensor) -> torch.Tensor:
+        """`forward` in float32 (LM heads); kernels that accumulate in fp32 override it to
+        return the sums before their rounding to x's dtype."""
+        return self(x).float()
+
     @abstractmethod
     def nbytes(self) -> int:
         """Bytes the packed weight holds (what one call reads)."""
@@ -287,6 +292,13 @@ class VnniQuantMatmul(QuantMatmul):
             raise ValueError(f"x has {x.shape[-1]} input features, the weight "
                              f"{self.in_features}")
         return torch.ops.radixrt.qgemm_vnni(x.contiguous(), self.packed, self.bits)
+
+    def forward_f32(self, x: torch.Tensor) -> torch.Tensor:
+        """The fp32 sums `forward` rounds to x's dtype (bitwise: `forward(x)` is this rounded)."""
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"x has {x.shape[-1]} input features, the weight "
+                             f"{self.in_features}")
+        return torch.ops.radixrt.qgemm_vnni_f32(x.contiguous(), self.packed, self.bits)
 
     def dequantize(self) -> torch.Tensor:
         u, d, c = unpack_vnni(self.packed, self.bits)

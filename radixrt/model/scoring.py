@@ -39,7 +39,7 @@ def score_hidden(hidden: torch.Tensor, lm_head: LinearWeight, targets: torch.Ten
         pad = (-m) % _ROW_ALIGN
         if pad:
             h = torch.cat([h, h.new_zeros(pad, h.shape[1])])
-        logsm = torch.log_softmax(lm_head(h).float(), dim=-1)[:m]
+        logsm = torch.log_softmax(lm_head.logits(h), dim=-1)[:m]
         tgt = targets[s : s + m].to(logsm.device)
         lp[s : s + m] = logsm.gather(1, tgt[:, None]).squeeze(1).cpu()
         v, i = logsm.topk(k, dim=-1)

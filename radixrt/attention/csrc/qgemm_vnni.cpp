@@ -591,13 +591,15 @@ int64_t checked_blob(const Tensor& packed, int64_t bits, const char* op) {
 
 // y [M, N] = a @ W^T for the activations `a` of xc: xc itself (K = xc.size(1)) or, `silu`,
 // silu(gate) * up of xc = [gate | up] (K = xc.size(1) / 2); shapes and dtypes checked.
+// `f32_out`: y in float32 whatever x's dtype (the fp32 accumulators as they are; otherwise they
+// are rounded to x's dtype on store, so a bf16 call's result is this one's rounded to bf16).
 Tensor qgemm_vnni_impl(const Tensor& xc, bool silu, const Tensor& packed, int64_t bits,
-                       int64_t blob) {
+                       int64_t blob, bool f32_out = false) {
 #if defined(RADIXRT_QGEMM_VNNI)
   const int64_t code_bytes = 64 * bits;
   const int64_t m = xc.size(0), k = packed.size(1) * kGroup, n_tiles = packed.size(0);
   const int64_t n = n_tiles * kTile;
-  Tensor y = at::empty({m, n}, xc.options());
+  Tensor y = at::empty({m, n}, f32_out ? xc.options().dtype(at::kFloat) : xc.options());
   if (m == 0 || n == 0) return y;
   if (k == 0) return y.zero_();
   Tensor owned;  // the quantized activations' buffer when the thread's scratch is too small
@@ -645,7 +647,7 @@ Tensor qgemm_vnni_impl(const Tensor& xc, bool silu, const Tensor& packed, int64_
       quantize_then_work(in, items, std::min(threads, items), work);
     }
   };
-  if (xc.scalar_type() == at::kBFloat16) {
+  if (y.scalar_type() == at::kBFloat16) {
     run(y.data_ptr<at::BFloat16>());
   } else {
     run(y.data_ptr<float>());
@@ -661,6 +663,16 @@ Tensor qgemm_vnni(const Tensor& x, const Tensor& packed, int64_t bits) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == packed.size(1) * kGroup, "qgemm_vnni: x must be [M, ",
               packed.size(1) * kGroup, "] for this weight, got ", x.sizes());
   return qgemm_vnni_impl(checked_x(x, "qgemm_vnni", "x"), false, packed, bits, blob);
+}
+
+// qgemm_vnni with float32 output (LM heads: logits without a rounding to the model dtype).
+Tensor qgemm_vnni_f32(const Tensor& x, const Tensor& packed, int64_t bits) {
+  const int64_t blob = checked_blob(packed, bits, "qgemm_vnni_f32");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == packed.size(1) * kGroup,
+              "qgemm_vnni_f32: x must be [M, ", packed.size(1) * kGroup,
+              "] for this weight, got ", x.sizes());
+  return qgemm_vnni_impl(checked_x(x, "qgemm_vnni_f32", "x"), false, packed, bits, blob,
+                         /*f32_out=*/true);
 }
 
 // qgemm_vnni(silu_mul(gate_up), packed, bits), bitwise, without the intermediate: the SiLU-mul
@@ -687,6 +699,7 @@ std::string qgemm_vnni_isa() {
 
 TORCH_LIBRARY_FRAGMENT(radixrt, m) {
   m.def("qgemm_vnni(Tensor x, Tensor packed, int bits) -> Tensor");
+  m.def("qgemm_vnni_f32(Tensor x, Tensor packed, int bits) -> Tensor");
   m.def("qgemm_vnni_silu(Tensor gate_up, Tensor packed, int bits) -> Tensor");
   m.def("qgemm_vnni_quantize(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.def("qgemm_vnni_isa() -> str", &radixrt_cpu::qgemm_vnni_isa);
@@ -694,6 +707,7 @@ TORCH_LIBRARY_FRAGMENT(radixrt, m) {
 
 TORCH_LIBRARY_IMPL(radixrt, CPU, m) {
   m.impl("qgemm_vnni", &radixrt_cpu::qgemm_vnni);
+  m.impl("qgemm_vnni_f32", &radixrt_cpu::qgemm_vnni_f32);
   m.impl("qgemm_vnni_silu", &radixrt_cpu::qgemm_vnni_silu);
   m.impl("qgemm_vnni_quantize", &radixrt_cpu::qgemm_vnni_quantize);
 }
