@@ -123,23 +123,29 @@ class QuantizedWeight(LinearWeight):
         """4-bit planes of the weight (1: 4-bit, 2: 8-bit)."""
         return self.bits // 4
 
-    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None,
-                invariant: bool = False) -> torch.Tensor:
+    def _on_dense(self, rows: int, invariant: bool) -> bool:
+        return self.dense is not None and (rows > self.max_rows or invariant)
+
+    def _on_kernel(self, x: torch.Tensor, invariant: bool, f32: bool) -> torch.Tensor:
+        """The kernel's output (in float32 with `f32`, see `QuantMatmul.forward_f32`)."""
         n = x.shape[0]
-        if self.dense is not None and (n > self.max_rows or invariant):
-            return self.dense(x, bias, invariant)
         if invariant and n < MIN_INVARIANT_ROWS and isinstance(self.kernel, TorchInt4Matmul):
             y = self.kernel(_pad_rows(x, MIN_INVARIANT_ROWS))[:n]  # its small-M path differs
-        else:
-            y = self.kernel(x)  # radixrt's kernel: each row's arithmetic is independent of M
+            return y.float() if f32 else y
+        # radixrt's kernels: each row's arithmetic is independent of M
+        return self.kernel.forward_f32(x) if f32 else self.kernel(x)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None,
+                invariant: bool = False) -> torch.Tensor:
+        if self._on_dense(x.shape[0], invariant):
+            return self.dense(x, bias, invariant)
+        y = self._on_kernel(x, invariant, f32=False)
         return y if bias is None else y + bias
 
     def logits(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
-        n = x.shape[0]
-        if (self.dense is not None and (n > self.max_rows or invariant)) or (
-                invariant and isinstance(self.kernel, TorchInt4Matmul)):
-            return super().logits(x, invariant)  # the paths `forward` takes for these
-        return self.kernel.forward_f32(x)
+        if self._on_dense(x.shape[0], invariant):
+            return self.dense.logits(x, invariant)
+        return self._on_kernel(x, invariant, f32=True)
 
     def bytes_read(self, rows: int) -> int:
         if self.dense is not None and rows > self.max_rows:

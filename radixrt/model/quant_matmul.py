@@ -287,18 +287,18 @@ class VnniQuantMatmul(QuantMatmul):
     def from_groups(cls, groups: Int4Groups) -> VnniQuantMatmul:
         return cls(pack_vnni(groups), groups.bits)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _checked(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"x has {x.shape[-1]} input features, the weight "
                              f"{self.in_features}")
-        return torch.ops.radixrt.qgemm_vnni(x.contiguous(), self.packed, self.bits)
+        return x.contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.radixrt.qgemm_vnni(self._checked(x), self.packed, self.bits)
 
     def forward_f32(self, x: torch.Tensor) -> torch.Tensor:
         """The fp32 sums `forward` rounds to x's dtype (bitwise: `forward(x)` is this rounded)."""
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"x has {x.shape[-1]} input features, the weight "
-                             f"{self.in_features}")
-        return torch.ops.radixrt.qgemm_vnni_f32(x.contiguous(), self.packed, self.bits)
+        return torch.ops.radixrt.qgemm_vnni_f32(self._checked(x), self.packed, self.bits)
 
     def dequantize(self) -> torch.Tensor:
         u, d, c = unpack_vnni(self.packed, self.bits)

@@ -658,21 +658,22 @@ Tensor qgemm_vnni_impl(const Tensor& xc, bool silu, const Tensor& packed, int64_
 #endif
 }
 
-Tensor qgemm_vnni(const Tensor& x, const Tensor& packed, int64_t bits) {
-  const int64_t blob = checked_blob(packed, bits, "qgemm_vnni");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == packed.size(1) * kGroup, "qgemm_vnni: x must be [M, ",
+// x [M, K] @ W^T, checked and named `op` in errors; `f32_out` as in qgemm_vnni_impl.
+Tensor qgemm_vnni_x(const Tensor& x, const Tensor& packed, int64_t bits, const char* op,
+                    bool f32_out) {
+  const int64_t blob = checked_blob(packed, bits, op);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == packed.size(1) * kGroup, op, ": x must be [M, ",
               packed.size(1) * kGroup, "] for this weight, got ", x.sizes());
-  return qgemm_vnni_impl(checked_x(x, "qgemm_vnni", "x"), false, packed, bits, blob);
+  return qgemm_vnni_impl(checked_x(x, op, "x"), false, packed, bits, blob, f32_out);
+}
+
+Tensor qgemm_vnni(const Tensor& x, const Tensor& packed, int64_t bits) {
+  return qgemm_vnni_x(x, packed, bits, "qgemm_vnni", false);
 }
 
 // qgemm_vnni with float32 output (LM heads: logits without a rounding to the model dtype).
 Tensor qgemm_vnni_f32(const Tensor& x, const Tensor& packed, int64_t bits) {
-  const int64_t blob = checked_blob(packed, bits, "qgemm_vnni_f32");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == packed.size(1) * kGroup,
-              "qgemm_vnni_f32: x must be [M, ", packed.size(1) * kGroup,
-              "] for this weight, got ", x.sizes());
-  return qgemm_vnni_impl(checked_x(x, "qgemm_vnni_f32", "x"), false, packed, bits, blob,
-                         /*f32_out=*/true);
+  return qgemm_vnni_x(x, packed, bits, "qgemm_vnni_f32", true);
 }
 
 // qgemm_vnni(silu_mul(gate_up), packed, bits), bitwise, without the intermediate: the SiLU-mul
