@@ -38,16 +38,18 @@ import torch  # noqa: E402
 
 from bench.common import common_prefix, cpu_name, markdown_table  # noqa: E402
 
-# (name, dtype, quantization, quant_kernel); "auto" without a probe (quant_max_rows given, or no
-# dense copy) is radixrt's qgemv where its library builds.
-MODES: tuple[tuple[str, str, str, str], ...] = (
-    ("fp32", "float32", "none", "auto"),
-    ("bf16", "bfloat16", "none", "auto"),
-    ("gguf (Q4_1 4-bit + Q8_0 head 8-bit), bf16 act", "bfloat16", "gguf", "auto"),
-    ("int8 (8-bit groups), bf16 act", "bfloat16", "int8", "auto"),
-    ("int4 (4-bit groups, 8-bit head), bf16 act", "bfloat16", "int4", "auto"),
-    ("gguf, fp32 act", "float32", "gguf", "auto"),
-    ("gguf, vnni kernel (int8 act per group of 32)", "bfloat16", "gguf", "vnni"),
+# (name, dtype, quantization, quant_kernel, kv_cache_dtype); "auto" without a probe
+# (quant_max_rows given, or no dense copy) is radixrt's qgemv where its library builds.
+MODES: tuple[tuple[str, str, str, str, str], ...] = (
+    ("fp32", "float32", "none", "auto", "auto"),
+    ("bf16", "bfloat16", "none", "auto", "auto"),
+    ("gguf (Q4_1 4-bit + Q8_0 head 8-bit), bf16 act", "bfloat16", "gguf", "auto", "auto"),
+    ("int8 (8-bit groups), bf16 act", "bfloat16", "int8", "auto", "auto"),
+    ("int4 (4-bit groups, 8-bit head), bf16 act", "bfloat16", "int4", "auto", "auto"),
+    ("gguf, fp32 act", "float32", "gguf", "auto", "auto"),
+    ("gguf, vnni kernel (int8 act per group of 32)", "bfloat16", "gguf", "vnni", "auto"),
+    ("gguf, vnni kernel, int8 KV cache", "bfloat16", "gguf", "vnni", "int8"),
+    ("bf16, int8 KV cache", "bfloat16", "none", "auto", "int8"),
 )
 
 SYSTEM = "You are a concise, helpful assistant."
@@ -87,13 +89,14 @@ class _Runner:
     """One model over its own pools: extend (all positions' logits) and batched greedy."""
 
     def __init__(self, model_path: str, dtype: str, quantization: str, dense_copy: bool,
-                 max_tokens: int, max_reqs: int, quant_kernel: str = "auto"):
+                 max_tokens: int, max_reqs: int, quant_kernel: str = "auto",
+                 kv_cache_dtype: str = "auto"):
         from radixrt.config import ServerArgs
         from radixrt.model.runner import ModelRunner
 
         args = ServerArgs(model_path=model_path, dtype=dtype, quantization=quantization,
                           quant_max_rows=16, disable_quant_dense_copy=not dense_copy,
-                          quant_kernel=quant_kernel,
+                          quant_kernel=quant_kernel, kv_cache_dtype=kv_cache_dtype,
                           max_total_tokens=max_tokens, max_running_requests=max_reqs,
                           attention_backend="torch", log_level="warning")
         self.runner = ModelRunner(args)
@@ -193,9 +196,9 @@ def main() -> None:
     max_tokens = sum(len(s) for s in seqs) + 64
     ref: list[torch.Tensor] = []
     results: list[dict[str, Any]] = []
-    for name, dtype, quant, kernel in modes:
+    for name, dtype, quant, kernel, kv in modes:
         t0 = time.perf_counter()
-        kern = _Runner(path, dtype, quant, False, max_tokens, len(prompts), kernel)
+        kern = _Runner(path, dtype, quant, False, max_tokens, len(prompts), kernel, kv)
         acc = {"max_abs": 0.0, "kl_sum": 0.0, "kl_max": 0.0, "top1_same": 0, "positions": 0}
         for i, s in enumerate(seqs):
             logits = kern.all_logits(s)
@@ -206,13 +209,13 @@ def main() -> None:
             acc = {k: max(acc[k], c[k]) if k in ("max_abs", "kl_max") else acc[k] + c[k]
                    for k in acc}
         del kern
-        serve = _Runner(path, dtype, quant, True, max_tokens, len(prompts), kernel)
+        serve = _Runner(path, dtype, quant, True, max_tokens, len(prompts), kernel, kv)
         ours = serve.greedy(prompts, a.new_tokens)
         del serve
         same = sum(o == h for o, h in zip(ours, hf, strict=True))
         prefix = sum(common_prefix(o, h) for o, h in zip(ours, hf, strict=True)) / len(hf)
         row: dict[str, Any] = {"mode": name, "dtype": dtype, "quantization": quant,
-                               "quant_kernel": kernel,
+                               "quant_kernel": kernel, "kv_cache_dtype": kv,
                                "greedy_identical": same, "greedy_prompts": len(hf),
                                "greedy_mean_common_prefix": prefix}
         if acc["positions"]:

@@ -38,7 +38,7 @@ _LAPS = (
     ("      std::tie(x, residual) = ops.add_rms_norm.call(h, residual, norms[2 * l], eps);\n    }\n",
      "LAP(0)"),
     ("    const Tensor qkv = run_linear(ops, x, weights, meta, lin);\n", "LAP(1)"),
-    ("    ops.kv_store.call(kb, vb, loc, k, v);\n", "LAP(2)"),
+    ("    else ops.kv_store.call(kb, vb, loc, k, v);\n", "LAP(2)"),
     ("        group_start, group_len, group_row_ptr, group_rows, scale));\n", "LAP(3)"),
     ("    const Tensor attn_out = run_linear(ops, o, weights, meta, lin + 1);\n", "LAP(4)"),
     ("    std::tie(x, residual) = ops.add_rms_norm.call(attn_out, residual, norms[2 * l + 1], eps);\n",

@@ -59,10 +59,15 @@ def use(op: object) -> None:
 
     def run(self: DecodeLayers, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             loc: torch.Tensor, plan: object, k_buffers: list[torch.Tensor],
-            v_buffers: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+            v_buffers: list[torch.Tensor], k_scales: list[torch.Tensor] | None = None,
+            v_scales: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         p = plan
+        # revisions before the int8 KV cache have no scale lists in the op's schema
+        scales = ([k_scales or [], v_scales or []] if "k_scales" in str(op._schema)  # type: ignore
+                  else [])
         return op(h, cos.squeeze(1), sin.squeeze(1), self.norms, self.weights,  # type: ignore
-                  self.meta, k_buffers, v_buffers, loc, p.kv_indices, p.row_start,  # type: ignore
+                  self.meta, k_buffers, v_buffers, *scales, loc, p.kv_indices,  # type: ignore
+                  p.row_start,  # type: ignore
                   p.row_len, p.group_start, p.group_len, p.group_row_ptr,  # type: ignore
                   p.group_rows, self.num_heads, self.num_kv_heads, self.head_dim, self.eps,
                   self.scale)

@@ -194,7 +194,7 @@ def one_batch(batch_sizes: Sequence[int], input_len: int, output_len: int, threa
               with_ceiling: bool = False, prefill_max_tokens: int = 8192,
               compile_decode: bool = False, quantization: str = "auto",
               quant_max_rows: int | None = None, quant_kernel: str = "auto",
-              huge_pages: bool = True) -> dict[str, Any]:
+              huge_pages: bool = True, kv_cache_dtype: str = "auto") -> dict[str, Any]:
     """Per batch size: one prefill of `batch x input_len` tokens (timed when it is at most
     `prefill_max_tokens` tokens; larger batches get random K/V written straight into the pool,
     which costs a decode step the same), then `output_len` decode steps, each timed from
@@ -218,11 +218,12 @@ def one_batch(batch_sizes: Sequence[int], input_len: int, output_len: int, threa
                       attention_backend="torch", log_level="warning", dtype=dtype,
                       compile_decode=compile_decode, quantization=quantization,
                       quant_max_rows=quant_max_rows, quant_kernel=quant_kernel,
-                      disable_huge_pages=not huge_pages)
+                      disable_huge_pages=not huge_pages, kv_cache_dtype=kv_cache_dtype)
     runner = ModelRunner(args)
     cfg = runner.model_config
     rp, kp = runner.req_to_token_pool, runner.token_to_kv_pool
-    kv_elem = kp.k_buffer[0].element_size()
+    # bytes per K/V element as stored (an int8 pool's scales included)
+    kv_elem = kp.bytes_per_token() / (2 * cfg.num_layers * cfg.kv_size)
     w_bytes = roofline.weight_bytes(runner.model)
     # The matmul weights' share of w_bytes as `weight_bytes` counts them (every storage), to be
     # replaced per step by what the (possibly quantized) weights read at that row count.
@@ -248,9 +249,10 @@ def one_batch(batch_sizes: Sequence[int], input_len: int, output_len: int, threa
                 nxt = row_argmax(runner.forward(fb)).tolist()  # as the sampler
                 prefill_s.append(time.perf_counter() - t)
             else:
-                for buf in (*kp.k_buffer, *kp.v_buffer):
-                    buf[slots] = torch.randn(slots.numel(), *buf.shape[1:],
-                                             generator=g).to(buf.dtype)
+                for layer in range(cfg.num_layers):
+                    shape = (slots.numel(), *kp.k_buffer[layer].shape[1:])
+                    kp.set_kv(layer, slots, torch.randn(shape, generator=g),
+                              torch.randn(shape, generator=g))
                 nxt = ids[:bs]
             steps = []
             seq = input_len
@@ -292,6 +294,7 @@ def one_batch(batch_sizes: Sequence[int], input_len: int, output_len: int, threa
         "quantization": runner.quant.describe(),
         "quant_probe": runner.quant_probe.as_info() if runner.quant_probe else None,
         "compile_decode": compile_decode,
+        "kv_cache_dtype": str(kp.kv_dtype).removeprefix("torch."),
         "weight_bytes": w_bytes,
         "kv_bytes_per_token": roofline.kv_bytes(cfg, 1, kv_elem),
         "flops_per_token_prefill": model_flops_per_token(cfg, input_len / 2),
@@ -382,6 +385,7 @@ def main() -> None:
     ob.add_argument("--quant-max-rows", type=int, default=None,
                     help="ServerArgs.quant_max_rows")
     ob.add_argument("--quant-kernel", default="auto", help="ServerArgs.quant_kernel")
+    ob.add_argument("--kv-cache-dtype", default="auto", help="ServerArgs.kv_cache_dtype")
     ob.add_argument("--thread-wait", default="brief", choices=("brief", "passive", "spin"),
                     help="ServerArgs.thread_wait: how this process's OpenMP threads wait (an "
                          "OMP_WAIT_POLICY / GOMP_SPINCOUNT already in the environment wins)")
@@ -407,7 +411,8 @@ def main() -> None:
         res = one_batch(a.batch_size, a.input_len, a.output_len, a.threads, a.runs, a.model,
                         a.dtype, a.with_ceiling, a.prefill_max_tokens, a.compile_decode,
                         a.quantization, a.quant_max_rows, a.quant_kernel,
-                        huge_pages=not a.disable_huge_pages)
+                        huge_pages=not a.disable_huge_pages,
+                        kv_cache_dtype=a.kv_cache_dtype)
         print_one_batch(res)
         text = json.dumps(res, indent=1)
         print(text)

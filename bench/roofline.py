@@ -57,9 +57,10 @@ def attention_flops(cfg: Any, keys: int) -> int:
     return cfg.num_layers * 2 * 2 * cfg.q_size * keys
 
 
-def kv_bytes(cfg: Any, tokens: int, kv_elem_bytes: int) -> int:
-    """K and V of `tokens` tokens over every layer."""
-    return 2 * cfg.num_layers * cfg.kv_size * tokens * kv_elem_bytes
+def kv_bytes(cfg: Any, tokens: int, kv_elem_bytes: float) -> int:
+    """K and V of `tokens` tokens over every layer (`kv_elem_bytes` may be fractional: an int8
+    pool's per-row scales)."""
+    return round(2 * cfg.num_layers * cfg.kv_size * tokens * kv_elem_bytes)
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ class StepCost:
 
 
 def decode_cost(cfg: Any, seq_lens: list[int], weight_bytes_read: int,
-                kv_elem_bytes: int) -> StepCost:
+                kv_elem_bytes: float) -> StepCost:
     """A decode step: one new token per request; request r attends over `seq_lens[r]` keys
     (its own new one included). Reads the weights once and each request's K/V once (the
     embedding rows gathered and the activations are a few KiB: not counted)."""
@@ -83,7 +84,7 @@ def decode_cost(cfg: Any, seq_lens: list[int], weight_bytes_read: int,
 
 
 def prefill_cost(cfg: Any, batch: int, input_len: int, weight_bytes_read: int,
-                 kv_elem_bytes: int) -> StepCost:
+                 kv_elem_bytes: float) -> StepCost:
     """A prefill of `batch` prompts of `input_len` tokens, no cached prefix, causal: token t
     attends over t + 1 keys; logits for the last token of each prompt only. Bytes: weights once,
     K/V written once."""

@@ -13,6 +13,7 @@ DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 # The names of radixrt.server.tool_parsers.TOOL_PARSERS, plus "auto" (a test keeps them equal).
 TOOL_CALL_PARSERS: tuple[str, ...] = ("auto", "hermes", "llama3_json", "mistral")
 ROUTING_POLICIES: tuple[str, ...] = ("cache_aware", "round_robin", "least_load")
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "int8")
 QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "gguf", "int8", "int4")
 QUANT_KERNELS: tuple[str, ...] = ("auto", "radixrt", "vnni", "torch")
 
@@ -62,6 +63,10 @@ class ServerArgs:
                             "faster than fp32, else fp32; CUDA: the config's dtype) | float32 | "
                             "bfloat16 | float16")
     device: str = _f("auto", "auto | cpu | cuda")
+    kv_cache_dtype: str = _f(
+        "auto", "KV cache storage: auto (the compute dtype) | int8 (CPU only: int8 codes plus "
+                "one fp32 scale per token and KV head, half the bytes of bf16; decode reads "
+                "them with int8 dot products, AVX512-VNNI CPUs; accuracy in the README)")
     quantization: str = _f(
         "auto", "matmul weights: auto (CPU: quantized when dtype resolves to bfloat16 and a "
                 "start-up probe finds the weight-only kernel >= 1.2x faster than dense at one "
@@ -203,6 +208,9 @@ class ServerArgs:
 
         if self.dtype not in DTYPES:
             bad("dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            bad("kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES}, got "
+                                  f"{self.kv_cache_dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             bad("quantization", f"must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.quant_kernel not in QUANT_KERNELS:

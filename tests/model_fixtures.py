@@ -175,10 +175,11 @@ class PagedRunner:
         max_reqs: int = 64,
         max_context: int = 512,
         dtype: torch.dtype = torch.float32,
+        kv_dtype: torch.dtype | None = None,
     ) -> PagedRunner:
         config = ModelConfig.from_path(model_path)
         model, _ = load_model(model_path, None, dtype, "cpu", model_config=config)
-        return cls.for_model(model, kv_size, max_reqs, max_context)
+        return cls.for_model(model, kv_size, max_reqs, max_context, kv_dtype)
 
     @classmethod
     def for_model(
@@ -187,9 +188,12 @@ class PagedRunner:
         kv_size: int = 4096,
         max_reqs: int = 64,
         max_context: int = 512,
+        kv_dtype: torch.dtype | None = None,
     ) -> PagedRunner:
+        """`kv_dtype`: what the pool stores (torch.int8: the int8 KV cache)."""
         c = model.config
-        kv = TokenToKVPool(kv_size, c.num_layers, c.num_kv_heads, c.head_dim, dtype=model.dtype)
+        kv = TokenToKVPool(kv_size, c.num_layers, c.num_kv_heads, c.head_dim, dtype=model.dtype,
+                           kv_dtype=kv_dtype)
         model.attn_backend = TorchNativeBackend(kv)
         return cls(model, ReqToTokenPool(max_reqs, max_context), kv)
 

@@ -192,11 +192,15 @@ def test_bad_arguments_raise_naming_them(tmp_path: Path) -> None:
     h = torch.zeros(1, runner.model.config.hidden_size)
     cs = torch.zeros(1, runner.model.config.head_dim)
     empty = torch.zeros(0, dtype=torch.int64)
-    args = [h, cs, cs, stack.norms, stack.weights, stack.meta, kv.k_buffer, kv.v_buffer,
+    args = [h, cs, cs, stack.norms, stack.weights, stack.meta, kv.k_buffer, kv.v_buffer, [], [],
             torch.tensor([1]), torch.tensor([1], dtype=torch.int32), torch.tensor([0]),
             torch.tensor([1]), empty, empty, torch.zeros(1, dtype=torch.int64), empty,
             stack.num_heads, stack.num_kv_heads, stack.head_dim, stack.eps, stack.scale]
     op = torch.ops.radixrt.decode_layers
+    bad_scales = list(args)
+    bad_scales[8] = kv.k_buffer[:1]
+    with pytest.raises(RuntimeError, match="k_scales and v_scales"):
+        op(*bad_scales)
     bad_norms = list(args)
     bad_norms[3] = stack.norms[:-1]
     with pytest.raises(RuntimeError, match="norms must hold 2 weights per layer"):

@@ -165,6 +165,11 @@ def _register_fakes() -> None:
           group_row_ptr, group_rows, scale):
         return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
 
+    @torch.library.register_fake("radixrt::paged_decode_i8")
+    def _(q, k_buffer, v_buffer, k_scale, v_scale, kv_indices, row_start, row_len, group_start,
+          group_len, group_row_ptr, group_rows, scale):
+        return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
+
     @torch.library.register_fake("radixrt::extend_attention")
     def _(q, k_buffer, v_buffer, kv_indices, kv_indptr, loc, qo_indptr, scale):
         return torch.empty_like(q)
@@ -200,6 +205,10 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("radixrt::kv_store")
     def _(k_buffer, v_buffer, loc, k, v):
+        return None
+
+    @torch.library.register_fake("radixrt::kv_store_i8")
+    def _(k_buffer, v_buffer, k_scale, v_scale, loc, k, v):
         return None
 
 

@@ -11,11 +11,12 @@ the batch's index tensors; no mask and no gathered K/V exist.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from radixrt.core.forward_batch import ForwardBatch
+from radixrt.mem.memory_pool import TokenToKVPool
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -36,6 +37,8 @@ class ExtendAttentionPlan:
     kv_indptr: torch.Tensor  # int64 [B + 1]
     loc: torch.Tensor  # int32 [num_tokens]: this step's slots (K/V already stored)
     qo_indptr: torch.Tensor  # int64 [B + 1]
+    # int8 pools: (the slots read, this plan renumbered over them), built on first use
+    _compact: tuple[torch.Tensor, ExtendAttentionPlan] | None = field(default=None, repr=False)
 
     @classmethod
     def build(cls, fb: ForwardBatch) -> ExtendAttentionPlan:
@@ -48,6 +51,24 @@ class ExtendAttentionPlan:
             loc=fb.out_cache_loc.to("cpu", torch.int32).contiguous(),
             qo_indptr=fb.qo_indptr.to("cpu", torch.int64).contiguous(),
         )
+
+    def run_pool(self, q: torch.Tensor, pool: TokenToKVPool, layer_id: int,
+                 scale: float) -> torch.Tensor:
+        """`run` over layer `layer_id` of `pool`. An int8 pool: the rows this step reads
+        (prefixes, then the new tokens) are dequantized into a compact copy, and the op runs
+        on it with the indices renumbered (prefill is bound by its matmuls, not by this)."""
+        if not pool.quantized:
+            return self.run(q, pool.k_buffer[layer_id], pool.v_buffer[layer_id], scale)
+        if self._compact is None:
+            slots = torch.cat([self.kv_indices, self.loc]).to(torch.int64)
+            n_pre, n_new = int(self.kv_indices.numel()), int(self.loc.numel())
+            renumbered = ExtendAttentionPlan(
+                torch.arange(n_pre, dtype=torch.int32), self.kv_indptr,
+                torch.arange(n_pre, n_pre + n_new, dtype=torch.int32), self.qo_indptr)
+            self._compact = (slots, renumbered)
+        slots, renumbered = self._compact
+        k, v = pool.read_kv(layer_id, slots)
+        return renumbered.run(q, k, v, scale)
 
     def run(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
             scale: float) -> torch.Tensor:

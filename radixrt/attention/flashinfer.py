@@ -137,6 +137,9 @@ class FlashInferBackend(AttentionBackend):
             raise FlashInferUnavailableError(
                 f"FlashInfer kernels need a float16/bfloat16 KV cache, got {kv_pool.dtype}"
             )
+        if kv_pool.quantized:
+            raise ValueError("kv_cache_dtype=int8 is CPU-only; FlashInfer needs a "
+                             "float16/bfloat16 KV cache")
         if kv_pool.head_major:
             raise ValueError("FlashInfer's paged kernels need a slot-major KV pool "
                              "(TokenToKVPool(head_major=False), the default on CUDA)")

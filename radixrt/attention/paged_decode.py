@@ -17,6 +17,7 @@ import torch
 
 from radixrt.attention.cascade import SharedPrefixGroup
 from radixrt.core.forward_batch import ForwardBatch
+from radixrt.mem.memory_pool import TokenToKVPool
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -29,6 +30,18 @@ def paged_decode_unavailable_reason(dtype: torch.dtype, head_dim: int,
 
     return cpu_kernels.op_unavailable_reason("paged_decode", KERNEL_DTYPES, dtype, head_dim,
                                              build)
+
+
+def paged_decode_i8_unavailable_reason() -> str | None:
+    """None when `paged_decode_i8` (int8 pools) runs here, else why not. Call after
+    `paged_decode_unavailable_reason` found the library usable."""
+    from radixrt.attention import cpu_kernels
+
+    if not cpu_kernels.load_cpu_kernels() or not hasattr(torch.ops.radixrt, "paged_decode_i8"):
+        return "the CPU kernels are not loaded"
+    if not torch.ops.radixrt.paged_decode_i8_available():
+        return "the int8 KV scan needs AVX512-VNNI; this CPU's build has none"
+    return None
 
 
 @dataclass
@@ -76,6 +89,18 @@ class PagedDecodePlan:
             group_row_ptr=torch.tensor(g_ptr, dtype=torch.int64),
             group_rows=torch.tensor(g_rows, dtype=torch.int64),
         )
+
+    def run_pool(self, q: torch.Tensor, pool: TokenToKVPool, layer_id: int,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """`run` over layer `layer_id` of `pool`; an int8 pool goes to `paged_decode_i8`
+        (queries and output in q's dtype)."""
+        if not pool.quantized:
+            return self.run(q, pool.k_buffer[layer_id], pool.v_buffer[layer_id], scale)
+        return torch.ops.radixrt.paged_decode_i8(
+            q.contiguous(), pool.k_buffer[layer_id], pool.v_buffer[layer_id],
+            pool.k_scale[layer_id], pool.v_scale[layer_id], self.kv_indices, self.row_start,
+            self.row_len, self.group_start, self.group_len, self.group_row_ptr, self.group_rows,
+            float(scale))
 
     def run(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
             scale: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -44,7 +44,11 @@ from radixrt.attention.extend_attention import (
     ExtendAttentionPlan,
     extend_kernel_unavailable_reason,
 )
-from radixrt.attention.paged_decode import PagedDecodePlan, paged_decode_unavailable_reason
+from radixrt.attention.paged_decode import (
+    PagedDecodePlan,
+    paged_decode_i8_unavailable_reason,
+    paged_decode_unavailable_reason,
+)
 from radixrt.core.forward_batch import ForwardBatch
 from radixrt.mem.memory_pool import TokenToKVPool
 
@@ -123,8 +127,14 @@ class TorchNativeBackend(AttentionBackend):
         super().__init__(kv_pool)
         self.device = torch.device(device) if device is not None else kv_pool.device
         self.batch_invariant = batch_invariant
+        def decode_reason(dtype: torch.dtype, head_dim: int) -> str | None:
+            reason = paged_decode_unavailable_reason(dtype, head_dim)
+            if reason is None and kv_pool.quantized:
+                reason = paged_decode_i8_unavailable_reason()
+            return reason
+
         self.decode_kernel = self._kernel_usable(
-            decode_kernel, "paged decode", "torch gather path", paged_decode_unavailable_reason)
+            decode_kernel, "paged decode", "torch gather path", decode_reason)
         self.extend_kernel_available = self._kernel_usable(
             extend_kernel, "extend attention", "torch SDPA path",
             extend_kernel_unavailable_reason)
@@ -348,7 +358,8 @@ class TorchNativeBackend(AttentionBackend):
             raise RuntimeError("init_forward_metadata(fb) was not called for this batch")
         pool = self.kv_pool
         if (fb.is_decode and self._kernel is not None and self._split is None
-                and self._kv_store and pool.k_buffer[0].dtype == pool.dtype):
+                and self._kv_store
+                and (pool.quantized or pool.k_buffer[0].dtype == pool.dtype)):
             return self._kernel
         return None
 
@@ -365,7 +376,11 @@ class TorchNativeBackend(AttentionBackend):
         if fb is not self._planned_for:
             raise RuntimeError("init_forward_metadata(fb) was not called for this batch")
         pool = self.kv_pool
-        if self._kv_store and k.dtype == pool.dtype and v.dtype == pool.dtype:
+        if pool.quantized and self._kv_store:
+            torch.ops.radixrt.kv_store_i8(pool.k_buffer[layer_id], pool.v_buffer[layer_id],
+                                          pool.k_scale[layer_id], pool.v_scale[layer_id],
+                                          fb.out_cache_loc, k, v)
+        elif self._kv_store and k.dtype == pool.dtype and v.dtype == pool.dtype:
             torch.ops.radixrt.kv_store(pool.k_buffer[layer_id], pool.v_buffer[layer_id],
                                        fb.out_cache_loc, k, v)
         else:  # contiguous sources: index_put from a strided view is ~100x slower on CPU
@@ -373,8 +388,7 @@ class TorchNativeBackend(AttentionBackend):
         if self._split is not None:
             return self._forward_split(q, k, v, layer_id, scaling)
         if self._kernel is not None:
-            out, _ = self._kernel.run(q, pool.k_buffer[layer_id], pool.v_buffer[layer_id],
-                                      scaling)
+            out, _ = self._kernel.run_pool(q, pool, layer_id, scaling)
             return out
         if self._invariant is not None:
             return self._extend_invariant(q, layer_id, scaling)
@@ -388,9 +402,7 @@ class TorchNativeBackend(AttentionBackend):
                     scaling: float) -> torch.Tensor:
         """The extend plan (op, padded or ragged) over its batch's tokens `q`/`k`/`v`."""
         if self._extend is not None:
-            pool = self.kv_pool
-            return self._extend.run(q, pool.k_buffer[layer_id], pool.v_buffer[layer_id],
-                                    scaling)
+            return self._extend.run_pool(q, self.kv_pool, layer_id, scaling)
         if self._padded is not None:
             return self._extend_padded(q, layer_id, scaling)
         assert self._ragged is not None
@@ -402,8 +414,7 @@ class TorchNativeBackend(AttentionBackend):
         dec_tok, ext_tok = self._split
         pool = self.kv_pool
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
-        o, _ = self._kernel.run(q[dec_tok], pool.k_buffer[layer_id], pool.v_buffer[layer_id],
-                                scaling)
+        o, _ = self._kernel.run_pool(q[dec_tok], pool, layer_id, scaling)
         out[dec_tok] = o
         if ext_tok is not None:
             out[ext_tok] = self._run_extend(q[ext_tok], k[ext_tok], v[ext_tok], layer_id,
@@ -415,11 +426,9 @@ class TorchNativeBackend(AttentionBackend):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Pool K/V at `index`, shaped `[rows, len(index) // rows, kv_heads, head_dim]`."""
         pool = self.kv_pool
-        kb, vb = pool.k_buffer[layer_id], pool.v_buffer[layer_id]
         shape = (rows, -1, pool.num_kv_heads, pool.head_dim)
-        k = torch.index_select(kb, 0, index).view(shape)
-        v = torch.index_select(vb, 0, index).view(shape)
-        return k, v
+        k, v = pool.read_kv(layer_id, index)
+        return k.view(shape), v.view(shape)
 
     def _decode(self, q: torch.Tensor, layer_id: int, scaling: float) -> torch.Tensor:
         plan = self._padded
@@ -493,14 +502,15 @@ class TorchNativeBackend(AttentionBackend):
     ) -> torch.Tensor:
         assert self._ragged is not None
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
-        kb, vb = self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id]
+        pool = self.kv_pool
         for r in self._ragged:
             # 4-D [1, heads, len, D] inputs: 3-D ones miss the fused CPU kernel.
             qr = q[r.q_start : r.q_end].transpose(0, 1).unsqueeze(0)
             kr, vr = k[r.q_start : r.q_end], v[r.q_start : r.q_end]
             if r.prefix_index is not None:
-                kr = torch.cat([torch.index_select(kb, 0, r.prefix_index), kr.to(kb.dtype)])
-                vr = torch.cat([torch.index_select(vb, 0, r.prefix_index), vr.to(vb.dtype)])
+                kp, vp = pool.read_kv(layer_id, r.prefix_index)
+                kr = torch.cat([kp, kr.to(kp.dtype)])
+                vr = torch.cat([vp, vr.to(vp.dtype)])
             o = F.scaled_dot_product_attention(
                 qr,
                 kr.transpose(0, 1).unsqueeze(0),
@@ -531,7 +541,6 @@ class TorchNativeBackend(AttentionBackend):
         pool = self.kv_pool
         kv_heads = pool.num_kv_heads
         group = heads // kv_heads
-        kb, vb = pool.k_buffer[layer_id], pool.v_buffer[layer_id]
         blk = INVARIANT_KEY_BLOCK
         out = torch.empty(n, heads, dim, dtype=q.dtype, device=q.device)
         for r in self._invariant:
@@ -542,8 +551,7 @@ class TorchNativeBackend(AttentionBackend):
             # Query head h uses KV head h // group: fold the group onto the row axis.
             qg = qp.view(rows, kv_heads, group, dim).permute(1, 0, 2, 3).reshape(
                 kv_heads, rows * group, dim)
-            k = torch.index_select(kb, 0, r.kv_index)  # [Lpad, Hkv, D]
-            v = torch.index_select(vb, 0, r.kv_index)
+            k, v = pool.read_kv(layer_id, r.kv_index)  # [Lpad, Hkv, D]
             s = torch.bmm(qg, k.permute(1, 2, 0)).mul_(scaling)  # [Hkv, rows * group, Lpad]
             s.view(kv_heads, rows, group, -1).masked_fill_(
                 r.hidden.view(1, rows, 1, -1), float("-inf"))

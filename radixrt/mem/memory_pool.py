@@ -15,6 +15,7 @@ import torch
 
 from radixrt.core.errors import InvariantError
 from radixrt.mem.huge_pages import huge_page_buffer
+from radixrt.mem.kv_quant import dequantize_rows, quantize_rows
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +94,11 @@ class ReqToTokenPool:
 class TokenToKVPool:
     """Per-layer K and V buffers `[size + 1, kv_heads, head_dim]` plus the free-slot allocator.
 
+    `kv_dtype=torch.int8` (`--kv-cache-dtype int8`, CPU only) stores every (slot, KV head) row
+    as int8 codes plus one fp32 scale in `k_scale` / `v_scale` `[size + 1, kv_heads]` (the row
+    is codes * scale, `mem/kv_quant.py`); `dtype` stays the compute dtype that `read_kv`
+    returns. Otherwise the buffers hold `dtype` and the scale lists are empty.
+
     Layout: on CPU the buffers are head-major views (`storage[kv_heads, slots, head_dim]`
     transposed, slot stride `head_dim`), so one KV head's keys over a run of slots are contiguous
     and the paged-decode kernel streams them (0.75-0.82x the time from memory of slot-major:
@@ -111,6 +117,7 @@ class TokenToKVPool:
         device: torch.device | str = "cpu",
         huge_pages: bool = True,
         head_major: bool | None = None,
+        kv_dtype: torch.dtype | None = None,
     ):
         """`huge_pages` (CPU only): every buffer lives in one 2 MiB-aligned allocation advised
         for transparent huge pages (`mem/huge_pages.py`). `head_major`: the layout above; None
@@ -120,23 +127,39 @@ class TokenToKVPool:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
+        self.kv_dtype = dtype if kv_dtype is None else kv_dtype
+        if self.kv_dtype not in (dtype, torch.int8):
+            raise ValueError(f"kv_dtype must be the compute dtype or torch.int8, got {kv_dtype}")
         self.device = torch.device(device)
+        if self.quantized and self.device.type != "cpu":
+            raise ValueError("an int8 KV cache (kv_cache_dtype=int8) runs on CPU only")
         self.head_major = self.device.type == "cpu" if head_major is None else head_major
         storage_shape = ((num_kv_heads, size + 1, head_dim) if self.head_major
                          else (size + 1, num_kv_heads, head_dim))
         # `empty`: pages are committed only when first written. Only slot 0 is ever read before
         # being written (padding), so only it must hold finite values.
         per = (size + 1) * num_kv_heads * head_dim
+        store = self.kv_dtype
         if huge_pages and self.device.type == "cpu":
-            arena = huge_page_buffer(2 * num_layers * per * dtype.itemsize).view(dtype)
+            arena = huge_page_buffer(2 * num_layers * per * store.itemsize).view(store)
             bufs = [arena[i * per:(i + 1) * per].view(storage_shape)
                     for i in range(2 * num_layers)]
         else:
-            bufs = [torch.empty(storage_shape, dtype=dtype, device=device)
+            bufs = [torch.empty(storage_shape, dtype=store, device=device)
                     for _ in range(2 * num_layers)]
         if self.head_major:
             bufs = [b.transpose(0, 1) for b in bufs]
         self.k_buffer, self.v_buffer = bufs[:num_layers], bufs[num_layers:]
+        # int8: scales laid out like the codes (head-major: one head's scales over a run of
+        # slots are contiguous); zeros, so slot 0 and unwritten slots read as 0.
+        scales: list[torch.Tensor] = []
+        if self.quantized:
+            sshape = storage_shape[:2]
+            scales = [torch.zeros(sshape, dtype=torch.float32, device=device)
+                      for _ in range(2 * num_layers)]
+            if self.head_major:
+                scales = [t.transpose(0, 1) for t in scales]
+        self.k_scale, self.v_scale = scales[:num_layers], scales[num_layers:]
         for buf in (*self.k_buffer, *self.v_buffer):
             buf[0].zero_()
         self._free = torch.arange(1, size + 1, dtype=torch.int64)
@@ -173,12 +196,34 @@ class TokenToKVPool:
         self._num_free = self.size
 
     # -- storage ---------------------------------------------------------------------------
+    @property
+    def quantized(self) -> bool:
+        return self.kv_dtype == torch.int8
+
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.quantized:
+            for buf, sc, x in ((self.k_buffer, self.k_scale, k), (self.v_buffer, self.v_scale, v)):
+                codes, scale = quantize_rows(x)
+                buf[layer_id].index_copy_(0, loc, codes)
+                sc[layer_id].index_copy_(0, loc, scale)
+            return
         self.k_buffer[layer_id].index_copy_(0, loc, k.to(self.dtype))
         self.v_buffer[layer_id].index_copy_(0, loc, v.to(self.dtype))
 
+    def read_kv(self, layer_id: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V `[len(index), kv_heads, head_dim]` at the slots `index`, in `dtype`
+        (dequantized for an int8 pool)."""
+        k = torch.index_select(self.k_buffer[layer_id], 0, index)
+        v = torch.index_select(self.v_buffer[layer_id], 0, index)
+        if not self.quantized:
+            return k, v
+        ks = torch.index_select(self.k_scale[layer_id], 0, index)
+        vs = torch.index_select(self.v_scale[layer_id], 0, index)
+        return dequantize_rows(k, ks, self.dtype), dequantize_rows(v, vs, self.dtype)
+
     def bytes_per_token(self) -> int:
-        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim,
+                                  self.kv_dtype)
 
     def check_invariants(self) -> None:
         free = self.free_slots()
@@ -192,5 +237,7 @@ class TokenToKVPool:
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """K + V bytes one token takes in a pool storing `dtype` (int8: codes plus fp32 scales)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * num_kv_heads * head_dim * elem
+    row = head_dim * elem + (4 if dtype == torch.int8 else 0)
+    return 2 * num_layers * num_kv_heads * row

@@ -81,11 +81,13 @@ class DecodeLayers:
 
     def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, loc: torch.Tensor,
             plan: PagedDecodePlan, k_buffers: list[torch.Tensor],
-            v_buffers: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+            v_buffers: list[torch.Tensor], k_scales: list[torch.Tensor] | None = None,
+            v_scales: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """All layers on the embedded tokens `h` (`cos`/`sin` `[rows, 1, head_dim]`, new K/V
-        stored at `loc`): (last layer's MLP output, residual stream), as the layer loop."""
+        stored at `loc`; an int8 pool's scales in `k_scales` / `v_scales`): (last layer's MLP
+        output, residual stream), as the layer loop."""
         return torch.ops.radixrt.decode_layers(
             h, cos.squeeze(1), sin.squeeze(1), self.norms, self.weights, self.meta, k_buffers,
-            v_buffers, loc, plan.kv_indices, plan.row_start, plan.row_len, plan.group_start,
+            v_buffers, k_scales or [], v_scales or [], loc, plan.kv_indices, plan.row_start, plan.row_len, plan.group_start,
             plan.group_len, plan.group_row_ptr, plan.group_rows, self.num_heads,
             self.num_kv_heads, self.head_dim, self.eps, self.scale)

@@ -200,7 +200,7 @@ class LlamaForCausalLM(nn.Module):
         if isinstance(stack, DecodeLayers) and plan is not None:
             pool = attn.kv_pool
             h, residual = stack.run(h, cos, sin, fb.out_cache_loc, plan, pool.k_buffer,
-                                    pool.v_buffer)
+                                    pool.v_buffer, pool.k_scale, pool.v_scale)
         else:
             for layer in self.layers:
                 h, residual = layer(h, residual, cos, sin, fb, attn)

@@ -32,9 +32,15 @@ class PoolSizes:
     max_context_len: int
 
 
+def kv_storage_dtype(args: ServerArgs, dtype: torch.dtype) -> torch.dtype:
+    """What the KV pool stores: `dtype`, or int8 for `kv_cache_dtype=int8`."""
+    return torch.int8 if args.kv_cache_dtype == "int8" else dtype
+
+
 def plan_pools(args: ServerArgs, cfg: ModelConfig, dtype: torch.dtype,
                device: torch.device) -> PoolSizes:
-    per_token = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
+    per_token = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                                   kv_storage_dtype(args, dtype))
     total = args.max_total_tokens
     if total is None:
         if device.type == "cuda":
@@ -80,7 +86,8 @@ class ModelRunner:
             self.sizes.max_running_requests, self.sizes.max_context_len, self.device)
         self.token_to_kv_pool = TokenToKVPool(
             self.sizes.max_total_tokens, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-            self.dtype, self.device, huge_pages=not args.disable_huge_pages)
+            self.dtype, self.device, huge_pages=not args.disable_huge_pages,
+            kv_dtype=kv_storage_dtype(args, self.dtype))
         self.attn_backend = create_attention_backend(
             args.attention_backend, self.token_to_kv_pool, self.device,
             num_q_heads=cfg.num_heads,

@@ -18,7 +18,9 @@
 // is qgemm_vnni_silu(gate_up, ...) instead: the SiLU-mul computed while quantizing the
 // activations, bitwise qgemm_vnni(silu_mul(gate_up)) (one op and one intermediate fewer).
 // The attention of layer l writes this step's K/V at `loc` into k_buffers[l] / v_buffers[l]
-// (kv_store) and runs paged_decode over the plan (radixrt/attention/paged_decode.py).
+// (kv_store) and runs paged_decode over the plan (radixrt/attention/paged_decode.py). An int8
+// pool passes its per-layer scales in k_scales / v_scales (empty lists otherwise): then
+// kv_store_i8 and paged_decode_i8.
 // Returns the last layer's (MLP output, residual stream); their sum is the hidden state.
 
 #include <ATen/ATen.h>
@@ -61,6 +63,14 @@ struct Ops {
       const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
       const Tensor&, const Tensor&, const Tensor&, const Tensor&, double)>
       paged_decode;
+  c10::TypedOperatorHandle<void(Tensor, Tensor, Tensor, Tensor, const Tensor&, const Tensor&,
+                                const Tensor&)>
+      kv_store_i8;
+  c10::TypedOperatorHandle<std::tuple<Tensor, Tensor>(
+      const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+      const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+      double)>
+      paged_decode_i8;
 
   static const Ops& get() {
     static const Ops ops = [] {
@@ -89,6 +99,14 @@ struct Ops {
                   const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                   const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                   double)>(),
+          d.findSchemaOrThrow("radixrt::kv_store_i8", "")
+              .typed<void(Tensor, Tensor, Tensor, Tensor, const Tensor&, const Tensor&,
+                          const Tensor&)>(),
+          d.findSchemaOrThrow("radixrt::paged_decode_i8", "")
+              .typed<std::tuple<Tensor, Tensor>(
+                  const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                  const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                  const Tensor&, const Tensor&, double)>(),
       };
     }();
     return ops;
@@ -135,13 +153,18 @@ Tensor run_linear(const Ops& ops, const Tensor& x, const OptTensors& w, c10::Int
 std::tuple<Tensor, Tensor> decode_layers(
     const Tensor& h0, const Tensor& cos, const Tensor& sin, at::TensorList norms,
     const OptTensors& weights, c10::IntArrayRef meta, at::TensorList k_buffers,
-    at::TensorList v_buffers, const Tensor& loc, const Tensor& kv_indices,
+    at::TensorList v_buffers, at::TensorList k_scales, at::TensorList v_scales,
+    const Tensor& loc, const Tensor& kv_indices,
     const Tensor& row_start, const Tensor& row_len, const Tensor& group_start,
     const Tensor& group_len, const Tensor& group_row_ptr, const Tensor& group_rows,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale) {
   const int64_t layers = static_cast<int64_t>(k_buffers.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_buffers.size()) == layers,
               "decode_layers: k_buffers and v_buffers must have one entry per layer");
+  const bool int8_pool = !k_scales.empty();
+  TORCH_CHECK(static_cast<int64_t>(v_scales.size()) == static_cast<int64_t>(k_scales.size()) &&
+                  (!int8_pool || static_cast<int64_t>(k_scales.size()) == layers),
+              "decode_layers: k_scales and v_scales must be empty or have one entry per layer");
   TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * layers,
               "decode_layers: norms must hold 2 weights per layer, got ", norms.size(),
               " for ", layers, " layers");
@@ -174,9 +197,15 @@ std::tuple<Tensor, Tensor> decode_layers(
     const Tensor v = qkv.slice(1, q_size + kv_size).view({n, num_kv_heads, head_dim});
     const Tensor& kb = k_buffers[l];
     const Tensor& vb = v_buffers[l];
-    ops.kv_store.call(kb, vb, loc, k, v);
-    Tensor o = std::get<0>(ops.paged_decode.call(
-        q.to(kb.scalar_type()).contiguous(), kb, vb, kv_indices, row_start, row_len,
+    if (int8_pool) ops.kv_store_i8.call(kb, vb, k_scales[l], v_scales[l], loc, k, v);
+    else ops.kv_store.call(kb, vb, loc, k, v);
+    Tensor o = std::get<0>(
+        int8_pool
+            ? ops.paged_decode_i8.call(q.contiguous(), kb, vb, k_scales[l], v_scales[l],
+                                       kv_indices, row_start, row_len, group_start, group_len,
+                                       group_row_ptr, group_rows, scale)
+            : ops.paged_decode.call(q.to(kb.scalar_type()).contiguous(), kb, vb, kv_indices,
+                                    row_start, row_len,
         group_start, group_len, group_row_ptr, group_rows, scale));
     o = o.to(q.scalar_type()).reshape({n, q_size});
     const Tensor attn_out = run_linear(ops, o, weights, meta, lin + 1);
@@ -193,7 +222,8 @@ std::tuple<Tensor, Tensor> decode_layers(
 TORCH_LIBRARY_FRAGMENT(radixrt, m) {
   m.def(
       "decode_layers(Tensor h, Tensor cos, Tensor sin, Tensor[] norms, Tensor?[] weights, "
-      "int[] meta, Tensor(a!)[] k_buffers, Tensor(b!)[] v_buffers, Tensor loc, Tensor kv_indices, "
+      "int[] meta, Tensor(a!)[] k_buffers, Tensor(b!)[] v_buffers, Tensor(c!)[] k_scales, "
+      "Tensor(d!)[] v_scales, Tensor loc, Tensor kv_indices, "
       "Tensor row_start, Tensor row_len, Tensor group_start, Tensor group_len, "
       "Tensor group_row_ptr, Tensor group_rows, int num_heads, int num_kv_heads, int head_dim, "
       "float eps, float scale) -> (Tensor, Tensor)");

@@ -391,6 +391,79 @@ void kv_store(Tensor k_buffer, Tensor v_buffer, const Tensor& loc, const Tensor&
   });
 }
 
+// kv_store_i8(k_buffer, v_buffer, k_scale, v_scale, loc, k, v): each (token, KV head) row x of
+// k (and v) quantized into an int8 pool: scale = max|x| / 127, codes round(x * (127 / max|x|))
+// (nearest even; all zeros when max|x| = 0), as radixrt/mem/kv_quant.py computes them in torch.
+
+template <typename S>
+void quantize_row(const S* x, int64_t d, int8_t* codes, float* scale) {
+  float amax = 0.f;
+  for (int64_t e = 0; e < d; ++e) amax = std::max(amax, std::abs(static_cast<float>(x[e])));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  for (int64_t e = 0; e < d; ++e) {
+    const float c = std::nearbyint(static_cast<float>(x[e]) * inv);
+    codes[e] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, c)));
+  }
+  *scale = amax / 127.f;
+}
+
+void kv_store_i8(Tensor k_buffer, Tensor v_buffer, Tensor k_scale, Tensor v_scale,
+                 const Tensor& loc, const Tensor& k, const Tensor& v) {
+  check_kv_buffers(k_buffer, v_buffer, "kv_store_i8");
+  TORCH_CHECK(k_buffer.scalar_type() == at::kChar, "kv_store_i8: the pool must be int8");
+  TORCH_CHECK(loc.scalar_type() == at::kLong && loc.dim() == 1,
+              "kv_store_i8: loc must be int64 [n]");
+  const int64_t n = loc.size(0), heads = k_buffer.size(1), d = k_buffer.size(2);
+  const int64_t slots = k_buffer.size(0);
+  TORCH_CHECK(k_scale.scalar_type() == at::kFloat && k_scale.dim() == 2 &&
+                  k_scale.size(0) == slots && k_scale.size(1) == heads &&
+                  v_scale.sizes() == k_scale.sizes() && v_scale.strides() == k_scale.strides(),
+              "kv_store_i8: k_scale / v_scale must be float32 [slots, kv_heads] alike");
+  for (const Tensor* t : {&k, &v}) {
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == n && t->size(1) == heads && t->size(2) == d,
+                "kv_store_i8: k/v must be [n, kv_heads, head_dim]");
+    TORCH_CHECK(t->scalar_type() == k.scalar_type(), "kv_store_i8: k and v must have one dtype");
+    TORCH_CHECK(t->stride(2) == 1, "kv_store_i8: k/v must be contiguous in head_dim");
+  }
+  const Tensor loc_c = loc.contiguous();
+  const int64_t* lp = loc_c.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(lp[i] >= 0 && lp[i] < slots, "kv_store_i8: slot ", lp[i], " out of range [0, ",
+                slots, ")");
+  }
+  int8_t* kb = k_buffer.data_ptr<int8_t>();
+  int8_t* vb = v_buffer.data_ptr<int8_t>();
+  float* ks = k_scale.data_ptr<float>();
+  float* vs = v_scale.data_ptr<float>();
+  const int64_t b0 = k_buffer.stride(0), b1 = k_buffer.stride(1);
+  const int64_t s0 = k_scale.stride(0), s1 = k_scale.stride(1);
+  auto run = [&](auto zero) {
+    using S = decltype(zero);
+    const S* kp = k.data_ptr<S>();
+    const S* vp = v.data_ptr<S>();
+    for_rows(n, 2 * heads * d, [&](int64_t r0, int64_t r1) {
+      for (int64_t i = r0; i < r1; ++i) {
+        for (int64_t h = 0; h < heads; ++h) {
+          quantize_row(kp + i * k.stride(0) + h * k.stride(1), d, kb + lp[i] * b0 + h * b1,
+                       ks + lp[i] * s0 + h * s1);
+          quantize_row(vp + i * v.stride(0) + h * v.stride(1), d, vb + lp[i] * b0 + h * b1,
+                       vs + lp[i] * s0 + h * s1);
+        }
+      }
+    });
+  };
+  switch (k.scalar_type()) {
+    case at::kFloat:
+      return run(0.f);
+    case at::kBFloat16:
+      return run(at::BFloat16(0.f));
+    case at::kHalf:
+      return run(at::Half(0.f));
+    default:
+      TORCH_CHECK(false, "kv_store_i8: k/v must be float32, bfloat16 or float16");
+  }
+}
+
 std::string fused_ops_isa() {
 #if defined(CPU_CAPABILITY)
   return RADIXRT_STR(CPU_CAPABILITY);
@@ -409,6 +482,8 @@ TORCH_LIBRARY_FRAGMENT(radixrt, m) {
   m.def("rope_qk(Tensor qkv, Tensor cos, Tensor sin, int num_q_heads, int num_kv_heads)"
         " -> (Tensor, Tensor)");
   m.def("kv_store(Tensor(a!) k_buffer, Tensor(b!) v_buffer, Tensor loc, Tensor k, Tensor v) -> ()");
+  m.def("kv_store_i8(Tensor(a!) k_buffer, Tensor(b!) v_buffer, Tensor(c!) k_scale, "
+        "Tensor(d!) v_scale, Tensor loc, Tensor k, Tensor v) -> ()");
   m.def("fused_ops_isa() -> str", &radixrt_cpu::fused_ops_isa);
 }
 
@@ -418,4 +493,5 @@ TORCH_LIBRARY_IMPL(radixrt, CPU, m) {
   m.impl("silu_mul", &radixrt_cpu::silu_mul);
   m.impl("rope_qk", &radixrt_cpu::rope_qk);
   m.impl("kv_store", &radixrt_cpu::kv_store);
+  m.impl("kv_store_i8", &radixrt_cpu::kv_store_i8);
 }

@@ -177,6 +177,7 @@ struct KeyScan {
   static constexpr bool kPairPV = kDot && kPvBf16 && D % 32 == 0;
   // Queries per tile: their P V accumulators (TQ x NV vectors) stay in registers.
   static constexpr int TQ = std::max(1, std::min(4, 12 / NV));
+  static constexpr int64_t kD = D;
   using Dot = RowDot<T, D, kDot>;
   using QType = typename Dot::QType;
 
@@ -187,7 +188,8 @@ struct KeyScan {
 
   // Queries as the dot products take them: bf16 as given for the dot path, else fp32 (unscaled;
   // the scores are scaled in fp32).
-  static void load_queries(const T* src, int64_t n, float /*scale*/, QType* dst) {
+  template <typename S>
+  static void load_queries(const S* src, int64_t n, float /*scale*/, QType* dst) {
     for (int64_t e = 0; e < n * D; ++e) dst[e] = static_cast<QType>(src[e]);
   }
 
@@ -417,6 +419,246 @@ struct KeyScan {
 #endif
 };
 
+
+#if defined(__AVX512VNNI__)
+constexpr bool kHaveInt8Scan = true;
+// int8 pools (`kv_cache_dtype=int8`): every (slot, KV head) row holds D int8 codes and one fp32
+// scale, the row's value being code * scale. Per query tile, each query is quantized to int8 the
+// same way (symmetric, its own scale; stays in registers). Q K^T: vpdpbusd on the key codes
+// offset to unsigned (k + 128) and the signed query codes, the offset's 128 * sum(q) taken off,
+// 64 products per instruction, fp32 from the int32 sums times q scale, k scale and the softmax
+// scale. Online softmax in fp32 as above. P V: p times the value row's scale, then fp32 FMA on
+// the codes converted to fp32.
+template <int D>
+struct KeyScanI8 {
+  static_assert(D % 16 == 0, "head_dim must be a multiple of 16");
+  static constexpr int NV = D / 16;
+  static constexpr int NC = (D + 63) / 64;  // 64-byte chunks of a row
+  static constexpr int TQ = std::max(1, std::min(4, 12 / NV));
+  static constexpr int64_t kD = D;
+  using QType = float;
+
+  const int8_t* kbase;  // k codes + kv_head * head stride
+  const int8_t* vbase;
+  int64_t stride;  // elements between consecutive slots
+  const float* ksbase;  // k scales + kv_head * scale head stride
+  const float* vsbase;
+  int64_t sstride;  // scales between consecutive slots
+  float scale;
+
+  template <typename S>
+  static void load_queries(const S* src, int64_t n, float /*scale*/, QType* dst) {
+    for (int64_t e = 0; e < n * D; ++e) dst[e] = static_cast<float>(src[e]);
+  }
+
+  void run(const QType* q, int64_t nq, const int32_t* idx, int64_t n, float* m, float* l,
+           float* acc) const {
+    if (n == 0) return;
+    for (int64_t t0 = 0; t0 < nq; t0 += TQ) {
+      const int tq = static_cast<int>(std::min<int64_t>(TQ, nq - t0));
+      with_rows<TQ>(tq, [&](auto rows) {
+        constexpr int R = decltype(rows)::value;
+        scan<R>(q + t0 * D, idx, n, m + t0, l + t0, acc + t0 * D, t0 == 0);
+      });
+    }
+  }
+
+  static inline __m512i chunk(const int8_t* p, int c) {
+    if constexpr (D % 64 == 0) {
+      return _mm512_loadu_si512(p + c * 64);
+    } else {
+      if (c + 1 < NC) return _mm512_loadu_si512(p + c * 64);
+      return _mm512_maskz_loadu_epi8((__mmask64)((1ULL << (D % 64)) - 1), p + c * 64);
+    }
+  }
+
+  // Query t as int8 codes (zero past D), its scale and 128 * the sum of its codes.
+  template <int R>
+  static inline void quantize_queries(const float* q, __m512i (*q8)[NC], float* qs,
+                                      int32_t* qoff) {
+#pragma GCC unroll 4
+    for (int t = 0; t < R; ++t) {
+      __m512 mx = _mm512_setzero_ps();
+#pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(q + t * D + v * 16)));
+      const float amax = _mm512_reduce_max_ps(mx);
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      qs[t] = amax / 127.f;
+      const __m512 vinv = _mm512_set1_ps(inv);
+      __m512i sum = _mm512_setzero_si512();
+#pragma GCC unroll 4
+      for (int c = 0; c < NC; ++c) {
+        __m512i z = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; ++u) {
+          const int v = 4 * c + u;
+          if (v < NV) {
+            const __m512i x =
+                _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(q + t * D + v * 16), vinv));
+            sum = _mm512_add_epi32(sum, x);
+            z = _mm512_inserti32x4(z, _mm512_cvtsepi32_epi8(x), u);
+          }
+        }
+        q8[t][c] = z;
+      }
+      qoff[t] = 128 * _mm512_reduce_add_epi32(sum);
+    }
+  }
+
+  template <int R>
+  struct Acc {
+    __m512 v[R][NV];
+  };
+
+  template <int R>
+  inline void scan(const QType* q, const int32_t* idx, int64_t n, float* m, float* l,
+                   float* acc, bool prefetch) const {
+    __m512i q8[R][NC];
+    float qs[R];
+    int32_t qoff[R];
+    quantize_queries<R>(q, q8, qs, qoff);
+    Acc<R> a;
+#pragma GCC unroll 4
+    for (int t = 0; t < R; ++t) {
+#pragma GCC unroll 16
+      for (int c = 0; c < NV; ++c) a.v[t][c] = _mm512_loadu_ps(acc + t * D + c * 16);
+    }
+    float mx[R];
+    __m512 lv[R];
+    __m512 qscale[R];
+#pragma GCC unroll 4
+    for (int t = 0; t < R; ++t) {
+      mx[t] = m[t];
+      lv[t] = _mm512_maskz_mov_ps(1, _mm512_castps128_ps512(_mm_set_ss(l[t])));
+      qscale[t] = _mm512_set1_ps(scale * qs[t]);
+    }
+    const int8_t* krow[kBlock16];
+    const int8_t* vrow[kBlock16];
+    const __m512 neg_inf = _mm512_set1_ps(kNegInf);
+    const __m512i vsstride = _mm512_set1_epi32(static_cast<int32_t>(sstride));
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int64_t j0 = 0; j0 < n; j0 += kBlock16) {
+      const int nb = static_cast<int>(std::min<int64_t>(kBlock16, n - j0));
+      for (int jj = 0; jj < nb; ++jj) {
+        const int64_t off = static_cast<int64_t>(idx[j0 + jj]) * stride;
+        krow[jj] = kbase + off;
+        vrow[jj] = vbase + off;
+      }
+      for (int jj = nb; jj < kBlock16; ++jj) krow[jj] = krow[0];
+      const int64_t pf0 = j0 + kPrefetchBlocks * kBlock16;
+      const int64_t pf1 = kPrefetchBlocks > 0 && prefetch ? std::min(n, pf0 + kBlock16) : 0;
+      for (int64_t j = pf0; j < pf1; ++j) {
+        prefetch_row(kbase + static_cast<int64_t>(idx[j]) * stride, D);
+        // the scales' lines too (the gathers below would wait for each miss)
+        const int64_t so = static_cast<int64_t>(idx[j]) * sstride;
+        _mm_prefetch(reinterpret_cast<const char*>(ksbase + so), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(vsbase + so), _MM_HINT_T0);
+      }
+      const __mmask16 valid = static_cast<__mmask16>((1u << nb) - 1u);
+      const __m512i slots = _mm512_maskz_loadu_epi32(valid, idx + j0);
+      const __m512i soff = _mm512_mullo_epi32(slots, vsstride);
+      const __m512 ks = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid, soff, ksbase, 4);
+      __m512i s[R];
+      scores<R>(q8, krow, flip, s);
+      for (int64_t j = pf0; j < pf1; ++j) {
+        prefetch_row(vbase + static_cast<int64_t>(idx[j]) * stride, D);
+      }
+      const __m512 vs = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid, soff, vsbase, 4);
+      alignas(64) float p[R][kBlock16];
+#pragma GCC unroll 4
+      for (int t = 0; t < R; ++t) {
+        const __m512 raw = _mm512_cvtepi32_ps(_mm512_sub_epi32(s[t], _mm512_set1_epi32(qoff[t])));
+        const __m512 st = _mm512_mask_mul_ps(neg_inf, valid, raw, _mm512_mul_ps(ks, qscale[t]));
+        const float bmax = _mm512_reduce_max_ps(st);
+        if (bmax > mx[t]) {
+          const float alpha = std::exp(mx[t] - bmax);  // 0 while mx is -inf
+          const __m512 va = _mm512_set1_ps(alpha);
+          lv[t] = _mm512_mul_ps(lv[t], va);
+#pragma GCC unroll 16
+          for (int c = 0; c < NV; ++c) a.v[t][c] = _mm512_mul_ps(a.v[t][c], va);
+          mx[t] = bmax;
+        }
+        const __m512 pv = __m512(Vec(_mm512_sub_ps(st, _mm512_set1_ps(mx[t]))).exp_u20());
+        lv[t] = _mm512_add_ps(lv[t], pv);
+        _mm512_store_ps(p[t], _mm512_mul_ps(pv, vs));  // the value row's scale folded into p
+      }
+      for (int jj = 0; jj < nb; ++jj) {
+        __m512 vv[NV];
+#pragma GCC unroll 16
+        for (int c = 0; c < NV; ++c) {
+          vv[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(vrow[jj] + c * 16))));
+        }
+#pragma GCC unroll 4
+        for (int t = 0; t < R; ++t) {
+          const __m512 pj = _mm512_set1_ps(p[t][jj]);
+#pragma GCC unroll 16
+          for (int c = 0; c < NV; ++c) a.v[t][c] = _mm512_fmadd_ps(pj, vv[c], a.v[t][c]);
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < R; ++t) {
+      m[t] = mx[t];
+      l[t] = _mm512_reduce_add_ps(lv[t]);
+#pragma GCC unroll 16
+      for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + t * D + c * 16, a.v[t][c]);
+    }
+  }
+
+  // s[t] lane j = sum over d of (k_j[d] + 128) * q_t[d] for the 16 keys, in int32: per key and
+  // query a 16-lane partial from vpdpbusd, reduced as the bf16 scan's scores.
+  template <int R>
+  inline void scores(const __m512i (*q8)[NC], const int8_t* const* krow, __m512i flip,
+                     __m512i* s) const {
+    auto dot = [&](int t, const __m512i* ku) {
+      __m512i acc = _mm512_setzero_si512();
+#pragma GCC unroll 4
+      for (int c = 0; c < NC; ++c) acc = _mm512_dpbusd_epi32(acc, ku[c], q8[t][c]);
+      return acc;
+    };
+    auto pairs = [](__m512i x, __m512i y) {
+      return _mm512_add_epi32(_mm512_unpacklo_epi32(x, y), _mm512_unpackhi_epi32(x, y));
+    };
+    auto quads = [](__m512i x, __m512i y) {
+      return _mm512_add_epi32(_mm512_unpacklo_epi64(x, y), _mm512_unpackhi_epi64(x, y));
+    };
+    auto lanes = [](__m512i x, __m512i y) {
+      return _mm512_add_epi32(_mm512_shuffle_i32x4(x, y, 0x88), _mm512_shuffle_i32x4(x, y, 0xDD));
+    };
+    __m512i half[R][2];
+#pragma GCC unroll 2
+    for (int g2 = 0; g2 < 2; ++g2) {
+      __m512i quad[R][2];
+#pragma GCC unroll 2
+      for (int g = 0; g < 2; ++g) {
+        __m512i pair[R][2];
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          const int j = 8 * g2 + 4 * g + 2 * h;
+          __m512i ka[NC], kb[NC];
+#pragma GCC unroll 4
+          for (int c = 0; c < NC; ++c) {
+            ka[c] = _mm512_xor_si512(chunk(krow[j], c), flip);
+            kb[c] = _mm512_xor_si512(chunk(krow[j + 1], c), flip);
+          }
+#pragma GCC unroll 4
+          for (int t = 0; t < R; ++t) pair[t][h] = pairs(dot(t, ka), dot(t, kb));
+        }
+#pragma GCC unroll 4
+        for (int t = 0; t < R; ++t) quad[t][g] = quads(pair[t][0], pair[t][1]);
+      }
+#pragma GCC unroll 4
+      for (int t = 0; t < R; ++t) half[t][g2] = lanes(quad[t][0], quad[t][1]);
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < R; ++t) s[t] = lanes(half[t][0], half[t][1]);
+  }
+};
+#else
+constexpr bool kHaveInt8Scan = false;
+#endif  // __AVX512VNNI__
+
 #else  // not AVX-512
 
 // Online softmax of `nq` fp32 queries (already scaled) over a list of pool slots of one KV head.
@@ -427,6 +669,7 @@ struct KeyScan {
   static_assert(D % kVec == 0, "head_dim must be a whole number of vectors");
   static constexpr int NV = D / kVec;
   static constexpr int TQ = std::max(1, std::min(4, 12 / NV));
+  static constexpr int64_t kD = D;
 
   using QType = float;
 
@@ -436,7 +679,8 @@ struct KeyScan {
   float scale;
 
   // Queries scaled and converted to fp32.
-  static void load_queries(const T* src, int64_t n, float scale, QType* dst) {
+  template <typename S>
+  static void load_queries(const S* src, int64_t n, float scale, QType* dst) {
     for (int64_t e = 0; e < n * D; ++e) dst[e] = static_cast<float>(src[e]) * scale;
   }
 
@@ -537,6 +781,10 @@ struct KeyScan {
 
 #endif  // CPU_CAPABILITY_AVX512
 
+#if !defined(CPU_CAPABILITY_AVX512)
+constexpr bool kHaveInt8Scan = false;
+#endif
+
 // One unit of parallel work: either a request row's own keys (for one KV head), or a chunk of a
 // group's rows against the group's shared prefix (for one KV head).
 struct Item {
@@ -547,18 +795,20 @@ struct Item {
   int32_t kv_head;
 };
 
-template <typename T, int D>
-void paged_decode_impl(const Tensor& q, const Tensor& k_buffer, const Tensor& v_buffer,
-                       const Tensor& kv_indices, const Tensor& row_start, const Tensor& row_len,
-                       const Tensor& group_start, const Tensor& group_len,
-                       const Tensor& group_row_ptr, const Tensor& group_rows, float scale,
-                       Tensor& out, Tensor& lse) {
+// The cascade and row phases over any key scan. `scan_for(h)` makes the Scan of KV head h;
+// `slots` bounds every kv index. Queries and outputs are QT.
+template <typename QT, typename Scan, typename ScanFor>
+void paged_decode_run(const Tensor& q, int64_t Hkv, int64_t slots, const Tensor& kv_indices,
+                      const Tensor& row_start, const Tensor& row_len, const Tensor& group_start,
+                      const Tensor& group_len, const Tensor& group_row_ptr,
+                      const Tensor& group_rows, float scale, const ScanFor& scan_for,
+                      Tensor& out, Tensor& lse) {
+  constexpr int64_t D = Scan::kD;
   const int64_t B = q.size(0), H = q.size(1);
-  const int64_t Hkv = k_buffer.size(1);
   const int64_t G = H / Hkv;
   const int64_t num_groups = group_start.size(0);
-  const T* qp = q.data_ptr<T>();
-  T* op = out.data_ptr<T>();
+  const QT* qp = q.data_ptr<QT>();
+  QT* op = out.data_ptr<QT>();
   float* lp = lse.data_ptr<float>();
   const int32_t* idx = kv_indices.data_ptr<int32_t>();
   const int64_t* rs = row_start.data_ptr<int64_t>();
@@ -568,13 +818,10 @@ void paged_decode_impl(const Tensor& q, const Tensor& k_buffer, const Tensor& v_
   const int64_t* gptr = group_row_ptr.data_ptr<int64_t>();
   const int64_t* grows = group_rows.data_ptr<int64_t>();
 
-  const T* kb = k_buffer.data_ptr<T>();
-  const T* vb = v_buffer.data_ptr<T>();
-  const int64_t slot_stride = k_buffer.stride(0), head_stride = k_buffer.stride(1);
   // Every slot is checked once here, so the scans read rows without checks.
   {
     const int32_t* ip = kv_indices.data_ptr<int32_t>();
-    const int64_t n = kv_indices.numel(), slots = k_buffer.size(0);
+    const int64_t n = kv_indices.numel();
     int32_t lo = std::numeric_limits<int32_t>::max(), hi = std::numeric_limits<int32_t>::min();
     for (int64_t i = 0; i < n; ++i) {
       lo = std::min(lo, ip[i]);
@@ -585,11 +832,7 @@ void paged_decode_impl(const Tensor& q, const Tensor& k_buffer, const Tensor& v_
       TORCH_CHECK(false, "paged_decode: kv slot ", bad, " out of range [0, ", slots, ")");
     }
   }
-  using Scan = KeyScan<T, D>;
   using QType = typename Scan::QType;
-  auto scan_for = [&](int64_t h) {
-    return Scan{kb + h * head_stride, vb + h * head_stride, slot_stride, scale};
-  };
   // Query i of a (row, kv head) pair is query head h * G + i, as the scan takes it.
   auto load_queries = [&](int64_t b, int64_t h, QType* dst) {
     Scan::load_queries(qp + (b * H + h * G) * D, G, scale, dst);
@@ -685,18 +928,35 @@ void paged_decode_impl(const Tensor& q, const Tensor& k_buffer, const Tensor& v_
     scan_for(h).run(qbuf.data(), G, idx + rs[b], rl[b], mbuf.data(), lbuf.data(),
                              abuf.data());
     for (int64_t i = 0; i < G; ++i) {
-      T* o = op + (base + i) * D;
+      QT* o = op + (base + i) * D;
       const float li = lbuf[i];
       if (li > 0.f) {
         const float inv = 1.f / li;
-        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(abuf[i * D + d] * inv);
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<QT>(abuf[i * D + d] * inv);
         lp[base + i] = mbuf[i] + std::log(li);
       } else {
-        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(0.f);
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<QT>(0.f);
         lp[base + i] = kNegInf;
       }
     }
   });
+}
+
+// A float / bfloat16 / half pool read as stored; q and the output have the pool's dtype.
+template <typename T, int D>
+void paged_decode_float(const Tensor& q, const Tensor& k_buffer, const Tensor& v_buffer,
+                        const Tensor& idx, const Tensor& rs, const Tensor& rl, const Tensor& gs,
+                        const Tensor& gl, const Tensor& gp, const Tensor& gr, float scale,
+                        Tensor& out, Tensor& lse) {
+  using Scan = KeyScan<T, D>;
+  const T* kb = k_buffer.data_ptr<T>();
+  const T* vb = v_buffer.data_ptr<T>();
+  const int64_t slot_stride = k_buffer.stride(0), head_stride = k_buffer.stride(1);
+  auto scan_for = [&](int64_t h) {
+    return Scan{kb + h * head_stride, vb + h * head_stride, slot_stride, scale};
+  };
+  paged_decode_run<T, Scan>(q, k_buffer.size(1), k_buffer.size(0), idx, rs, rl, gs, gl, gp, gr,
+                            scale, scan_for, out, lse);
 }
 
 template <typename T>
@@ -706,7 +966,7 @@ void dispatch_head_dim(int64_t D, const Tensor& q, const Tensor& k, const Tensor
                        Tensor& out, Tensor& lse) {
 #define RADIXRT_HEAD_DIM_CASE(DIM)                                                          \
   case DIM:                                                                                 \
-    return paged_decode_impl<T, DIM>(q, k, v, idx, rs, rl, gs, gl, gp, gr, scale, out, lse);
+    return paged_decode_float<T, DIM>(q, k, v, idx, rs, rl, gs, gl, gp, gr, scale, out, lse);
   switch (D) {
     RADIXRT_HEAD_DIM_CASE(16)
     RADIXRT_HEAD_DIM_CASE(32)
@@ -729,17 +989,14 @@ void check_index(const Tensor& t, const char* name, int64_t numel) {
               " elements, got ", t.numel());
 }
 
-std::tuple<Tensor, Tensor> paged_decode(const Tensor& q, const Tensor& k_buffer,
-                                        const Tensor& v_buffer, const Tensor& kv_indices,
-                                        const Tensor& row_start, const Tensor& row_len,
-                                        const Tensor& group_start, const Tensor& group_len,
-                                        const Tensor& group_row_ptr, const Tensor& group_rows,
-                                        double scale) {
+// The checks both ops share: q [B, H, D] contiguous on the CPU, the pool buffers alike with
+// head_dim D and kv_heads dividing H, and the plan's index tensors.
+void check_plan(const Tensor& q, const Tensor& k_buffer, const Tensor& v_buffer,
+                const Tensor& kv_indices, const Tensor& row_start, const Tensor& row_len,
+                const Tensor& group_start, const Tensor& group_len, const Tensor& group_row_ptr,
+                const Tensor& group_rows, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "paged_decode: q must be contiguous [B, H, D]");
   check_kv_buffers(k_buffer, v_buffer, "paged_decode");
-  TORCH_CHECK(q.scalar_type() == k_buffer.scalar_type() &&
-                  q.scalar_type() == v_buffer.scalar_type(),
-              "paged_decode: q, k_buffer and v_buffer must have one dtype");
   TORCH_CHECK(q.device().is_cpu() && k_buffer.device().is_cpu() && v_buffer.device().is_cpu(),
               "paged_decode: CPU tensors only");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
@@ -764,33 +1021,120 @@ std::tuple<Tensor, Tensor> paged_decode(const Tensor& q, const Tensor& k_buffer,
     TORCH_CHECK(gp[g] <= gp[g + 1], "paged_decode: group_row_ptr must be non-decreasing");
   }
   TORCH_CHECK(scale > 0, "paged_decode: scale must be positive");
+}
 
-  Tensor out = at::empty_like(q);
-  Tensor lse = at::empty({B, H}, q.options().dtype(at::kFloat));
-  if (B == 0) return {out, lse};
-  const float s = static_cast<float>(scale);
-  // One call per dtype (T deduced from a zero of that type).
-  auto run = [&](auto zero) {
-    dispatch_head_dim<decltype(zero)>(D, q, k_buffer, v_buffer, kv_indices, row_start, row_len,
-                                      group_start, group_len, group_row_ptr, group_rows, s, out,
-                                      lse);
-  };
+// Calls f(T{}) for q's floating dtype.
+template <typename F>
+void with_float_dtype(const Tensor& q, const char* op, const F& f) {
   switch (q.scalar_type()) {
     case at::kFloat:
-      run(0.f);
-      break;
+      return f(0.f);
     case at::kBFloat16:
-      run(at::BFloat16(0.f));
-      break;
+      return f(at::BFloat16(0.f));
     case at::kHalf:
-      run(at::Half(0.f));
-      break;
+      return f(at::Half(0.f));
     default:
-      TORCH_CHECK(false, "paged_decode: dtype must be float32, bfloat16 or float16, got ",
+      TORCH_CHECK(false, op, ": dtype must be float32, bfloat16 or float16, got ",
                   q.scalar_type());
   }
+}
+
+std::tuple<Tensor, Tensor> paged_decode(const Tensor& q, const Tensor& k_buffer,
+                                        const Tensor& v_buffer, const Tensor& kv_indices,
+                                        const Tensor& row_start, const Tensor& row_len,
+                                        const Tensor& group_start, const Tensor& group_len,
+                                        const Tensor& group_row_ptr, const Tensor& group_rows,
+                                        double scale) {
+  check_plan(q, k_buffer, v_buffer, kv_indices, row_start, row_len, group_start, group_len,
+             group_row_ptr, group_rows, scale);
+  TORCH_CHECK(q.scalar_type() == k_buffer.scalar_type() &&
+                  q.scalar_type() == v_buffer.scalar_type(),
+              "paged_decode: q, k_buffer and v_buffer must have one dtype");
+  Tensor out = at::empty_like(q);
+  Tensor lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
+  if (q.size(0) == 0) return {out, lse};
+  const float s = static_cast<float>(scale);
+  with_float_dtype(q, "paged_decode", [&](auto zero) {
+    dispatch_head_dim<decltype(zero)>(q.size(2), q, k_buffer, v_buffer, kv_indices, row_start,
+                                      row_len, group_start, group_len, group_row_ptr,
+                                      group_rows, s, out, lse);
+  });
   return {out, lse};
 }
+
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512VNNI__)
+template <typename QT, int D>
+void paged_decode_i8_impl(const Tensor& q, const Tensor& k_buffer, const Tensor& v_buffer,
+                          const Tensor& k_scale, const Tensor& v_scale, const Tensor& idx,
+                          const Tensor& rs, const Tensor& rl, const Tensor& gs, const Tensor& gl,
+                          const Tensor& gp, const Tensor& gr, float scale, Tensor& out,
+                          Tensor& lse) {
+  using Scan = KeyScanI8<D>;
+  const int8_t* kb = k_buffer.data_ptr<int8_t>();
+  const int8_t* vb = v_buffer.data_ptr<int8_t>();
+  const float* ksb = k_scale.data_ptr<float>();
+  const float* vsb = v_scale.data_ptr<float>();
+  const int64_t slot_stride = k_buffer.stride(0), head_stride = k_buffer.stride(1);
+  const int64_t s_slot = k_scale.stride(0), s_head = k_scale.stride(1);
+  auto scan_for = [&](int64_t h) {
+    return Scan{kb + h * head_stride, vb + h * head_stride, slot_stride,
+                ksb + h * s_head, vsb + h * s_head, s_slot, scale};
+  };
+  paged_decode_run<QT, Scan>(q, k_buffer.size(1), k_buffer.size(0), idx, rs, rl, gs, gl, gp, gr,
+                             scale, scan_for, out, lse);
+}
+#endif
+
+std::tuple<Tensor, Tensor> paged_decode_i8(const Tensor& q, const Tensor& k_buffer,
+                                           const Tensor& v_buffer, const Tensor& k_scale,
+                                           const Tensor& v_scale, const Tensor& kv_indices,
+                                           const Tensor& row_start, const Tensor& row_len,
+                                           const Tensor& group_start, const Tensor& group_len,
+                                           const Tensor& group_row_ptr,
+                                           const Tensor& group_rows, double scale) {
+  TORCH_CHECK(kHaveInt8Scan, "paged_decode_i8: needs a build for AVX512-VNNI (this one is ",
+              RADIXRT_STR(CPU_CAPABILITY), ")");
+  check_plan(q, k_buffer, v_buffer, kv_indices, row_start, row_len, group_start, group_len,
+             group_row_ptr, group_rows, scale);
+  TORCH_CHECK(k_buffer.scalar_type() == at::kChar && v_buffer.scalar_type() == at::kChar,
+              "paged_decode_i8: k_buffer and v_buffer must be int8");
+  const int64_t slots = k_buffer.size(0), Hkv = k_buffer.size(1);
+  TORCH_CHECK(k_scale.scalar_type() == at::kFloat && k_scale.dim() == 2 &&
+                  k_scale.size(0) == slots && k_scale.size(1) == Hkv &&
+                  v_scale.sizes() == k_scale.sizes() && v_scale.strides() == k_scale.strides(),
+              "paged_decode_i8: k_scale / v_scale must be float32 [slots, kv_heads] alike");
+  TORCH_CHECK(k_scale.stride(0) >= 0 && k_scale.stride(0) * slots < (int64_t{1} << 31),
+              "paged_decode_i8: scale offsets must fit int32");
+  Tensor out = at::empty_like(q);
+  Tensor lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
+  if (q.size(0) == 0) return {out, lse};
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512VNNI__)
+  const float s = static_cast<float>(scale);
+  with_float_dtype(q, "paged_decode_i8", [&](auto zero) {
+    using QT = decltype(zero);
+#define RADIXRT_I8_CASE(DIM)                                                                   \
+  case DIM:                                                                                    \
+    return paged_decode_i8_impl<QT, DIM>(q, k_buffer, v_buffer, k_scale, v_scale, kv_indices, \
+                                         row_start, row_len, group_start, group_len,           \
+                                         group_row_ptr, group_rows, s, out, lse);
+    switch (q.size(2)) {
+      RADIXRT_I8_CASE(16)
+      RADIXRT_I8_CASE(32)
+      RADIXRT_I8_CASE(64)
+      RADIXRT_I8_CASE(80)
+      RADIXRT_I8_CASE(96)
+      RADIXRT_I8_CASE(128)
+      RADIXRT_I8_CASE(256)
+      default:
+        TORCH_CHECK(false, "paged_decode_i8: unsupported head_dim ", q.size(2));
+    }
+#undef RADIXRT_I8_CASE
+  });
+#endif
+  return {out, lse};
+}
+
+bool paged_decode_i8_available() { return kHaveInt8Scan; }
 
 std::vector<int64_t> paged_decode_head_dims() { return {16, 32, 64, 80, 96, 128, 256}; }
 
@@ -804,10 +1148,16 @@ TORCH_LIBRARY(radixrt, m) {
       "paged_decode(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor kv_indices, "
       "Tensor row_start, Tensor row_len, Tensor group_start, Tensor group_len, "
       "Tensor group_row_ptr, Tensor group_rows, float scale) -> (Tensor, Tensor)");
+  m.def(
+      "paged_decode_i8(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor k_scale, "
+      "Tensor v_scale, Tensor kv_indices, Tensor row_start, Tensor row_len, Tensor group_start, "
+      "Tensor group_len, Tensor group_row_ptr, Tensor group_rows, float scale) -> (Tensor, Tensor)");
+  m.def("paged_decode_i8_available() -> bool", &radixrt_cpu::paged_decode_i8_available);
   m.def("paged_decode_head_dims() -> int[]", &radixrt_cpu::paged_decode_head_dims);
   m.def("paged_decode_isa() -> str", &radixrt_cpu::paged_decode_isa);
 }
 
 TORCH_LIBRARY_IMPL(radixrt, CPU, m) {
   m.impl("paged_decode", &radixrt_cpu::paged_decode);
+  m.impl("paged_decode_i8", &radixrt_cpu::paged_decode_i8);
 }
