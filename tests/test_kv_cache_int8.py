@@ -69,6 +69,19 @@ def test_kv_store_i8_writes_torch_codes_and_scales(dtype: torch.dtype) -> None:
         untouched[loc] = False
         assert bool((sc[layer][untouched] == 0).all())
         assert bool((sc[0] == 0).all())  # other layers untouched
+    # kv_read_i8 (the extend op's compact copy) reads back what the torch path reads
+    for out_dtype in (torch.float32, torch.bfloat16):
+        pool.dtype = out_dtype
+        ck, cv = torch.ops.radixrt.kv_read_i8(pool.k_buffer[layer], pool.v_buffer[layer],
+                                              pool.k_scale[layer], pool.v_scale[layer],
+                                              loc[[4, 0, 0, 2]], out_dtype)
+        tk, tv = pool.read_kv(layer, loc[[4, 0, 0, 2]])
+        assert ck.dtype == out_dtype and ck.is_contiguous()
+        assert torch.equal(ck, tk) and torch.equal(cv, tv)
+    with pytest.raises(RuntimeError, match="kv_read_i8: slot 99 out of range"):
+        torch.ops.radixrt.kv_read_i8(pool.k_buffer[layer], pool.v_buffer[layer],
+                                     pool.k_scale[layer], pool.v_scale[layer],
+                                     torch.tensor([99]), torch.float32)
     # set_kv (the torch fallback) stores the same bits
     other = TokenToKVPool(40, 2, 3, 64, dtype, kv_dtype=torch.int8)
     other.set_kv(layer, loc, k, v)

@@ -207,6 +207,11 @@ def _register_fakes() -> None:
     def _(k_buffer, v_buffer, loc, k, v):
         return None
 
+    @torch.library.register_fake("radixrt::kv_read_i8")
+    def _(k_buffer, v_buffer, k_scale, v_scale, slots, dtype):
+        shape = (slots.shape[0], *k_buffer.shape[1:])
+        return k_buffer.new_empty(shape, dtype=dtype), k_buffer.new_empty(shape, dtype=dtype)
+
     @torch.library.register_fake("radixrt::kv_store_i8")
     def _(k_buffer, v_buffer, k_scale, v_scale, loc, k, v):
         return None

@@ -55,8 +55,8 @@ class ExtendAttentionPlan:
     def run_pool(self, q: torch.Tensor, pool: TokenToKVPool, layer_id: int,
                  scale: float) -> torch.Tensor:
         """`run` over layer `layer_id` of `pool`. An int8 pool: the rows this step reads
-        (prefixes, then the new tokens) are dequantized into a compact copy, and the op runs
-        on it with the indices renumbered (prefill is bound by its matmuls, not by this)."""
+        (prefixes, then the new tokens) are dequantized (`radixrt::kv_read_i8`, one pass) into a
+        compact copy, and the op runs on it with the indices renumbered."""
         if not pool.quantized:
             return self.run(q, pool.k_buffer[layer_id], pool.v_buffer[layer_id], scale)
         if self._compact is None:
@@ -67,7 +67,9 @@ class ExtendAttentionPlan:
                 torch.arange(n_pre, n_pre + n_new, dtype=torch.int32), self.qo_indptr)
             self._compact = (slots, renumbered)
         slots, renumbered = self._compact
-        k, v = pool.read_kv(layer_id, slots)
+        k, v = torch.ops.radixrt.kv_read_i8(pool.k_buffer[layer_id], pool.v_buffer[layer_id],
+                                            pool.k_scale[layer_id], pool.v_scale[layer_id],
+                                            slots, pool.dtype)
         return renumbered.run(q, k, v, scale)
 
     def run(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,

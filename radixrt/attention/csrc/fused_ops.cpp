@@ -464,6 +464,72 @@ void kv_store_i8(Tensor k_buffer, Tensor v_buffer, Tensor k_scale, Tensor v_scal
   }
 }
 
+// kv_read_i8(k_buffer, v_buffer, k_scale, v_scale, slots, dtype) -> (k, v): the rows of an int8
+// pool at `slots`, dequantized (codes * scale, rounded once to dtype) into contiguous
+// [n, kv_heads, head_dim] tensors; bitwise radixrt/mem/kv_quant.py's dequantize_rows.
+
+template <typename T>
+void dequantize_row(const int8_t* codes, float scale, int64_t d, T* out) {
+  for (int64_t e = 0; e < d; ++e) out[e] = static_cast<T>(static_cast<float>(codes[e]) * scale);
+}
+
+std::tuple<Tensor, Tensor> kv_read_i8(const Tensor& k_buffer, const Tensor& v_buffer,
+                                      const Tensor& k_scale, const Tensor& v_scale,
+                                      const Tensor& slots, at::ScalarType dtype) {
+  check_kv_buffers(k_buffer, v_buffer, "kv_read_i8");
+  TORCH_CHECK(k_buffer.scalar_type() == at::kChar, "kv_read_i8: the pool must be int8");
+  const int64_t n = slots.numel(), heads = k_buffer.size(1), d = k_buffer.size(2);
+  const int64_t num_slots = k_buffer.size(0);
+  TORCH_CHECK(k_scale.scalar_type() == at::kFloat && k_scale.dim() == 2 &&
+                  k_scale.size(0) == num_slots && k_scale.size(1) == heads &&
+                  v_scale.sizes() == k_scale.sizes() && v_scale.strides() == k_scale.strides(),
+              "kv_read_i8: k_scale / v_scale must be float32 [slots, kv_heads] alike");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1,
+              "kv_read_i8: slots must be int64 [n]");
+  const Tensor sl = slots.contiguous();
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < num_slots, "kv_read_i8: slot ", sp[i],
+                " out of range [0, ", num_slots, ")");
+  }
+  Tensor k = at::empty({n, heads, d}, k_buffer.options().dtype(dtype));
+  Tensor v = at::empty({n, heads, d}, k_buffer.options().dtype(dtype));
+  const int8_t* kb = k_buffer.data_ptr<int8_t>();
+  const int8_t* vb = v_buffer.data_ptr<int8_t>();
+  const float* ks = k_scale.data_ptr<float>();
+  const float* vs = v_scale.data_ptr<float>();
+  const int64_t b0 = k_buffer.stride(0), b1 = k_buffer.stride(1);
+  const int64_t s0 = k_scale.stride(0), s1 = k_scale.stride(1);
+  auto run = [&](auto zero) {
+    using T = decltype(zero);
+    T* ko = k.data_ptr<T>();
+    T* vo = v.data_ptr<T>();
+    for_rows(n, 2 * heads * d, [&](int64_t r0, int64_t r1) {
+      for (int64_t i = r0; i < r1; ++i) {
+        for (int64_t h = 0; h < heads; ++h) {
+          const int64_t c = sp[i] * b0 + h * b1, sc = sp[i] * s0 + h * s1;
+          dequantize_row(kb + c, ks[sc], d, ko + (i * heads + h) * d);
+          dequantize_row(vb + c, vs[sc], d, vo + (i * heads + h) * d);
+        }
+      }
+    });
+  };
+  switch (dtype) {
+    case at::kFloat:
+      run(0.f);
+      break;
+    case at::kBFloat16:
+      run(at::BFloat16(0.f));
+      break;
+    case at::kHalf:
+      run(at::Half(0.f));
+      break;
+    default:
+      TORCH_CHECK(false, "kv_read_i8: dtype must be float32, bfloat16 or float16");
+  }
+  return {k, v};
+}
+
 std::string fused_ops_isa() {
 #if defined(CPU_CAPABILITY)
   return RADIXRT_STR(CPU_CAPABILITY);
@@ -484,6 +550,8 @@ TORCH_LIBRARY_FRAGMENT(radixrt, m) {
   m.def("kv_store(Tensor(a!) k_buffer, Tensor(b!) v_buffer, Tensor loc, Tensor k, Tensor v) -> ()");
   m.def("kv_store_i8(Tensor(a!) k_buffer, Tensor(b!) v_buffer, Tensor(c!) k_scale, "
         "Tensor(d!) v_scale, Tensor loc, Tensor k, Tensor v) -> ()");
+  m.def("kv_read_i8(Tensor k_buffer, Tensor v_buffer, Tensor k_scale, Tensor v_scale, "
+        "Tensor slots, ScalarType dtype) -> (Tensor, Tensor)");
   m.def("fused_ops_isa() -> str", &radixrt_cpu::fused_ops_isa);
 }
 
@@ -494,4 +562,5 @@ TORCH_LIBRARY_IMPL(radixrt, CPU, m) {
   m.impl("rope_qk", &radixrt_cpu::rope_qk);
   m.impl("kv_store", &radixrt_cpu::kv_store);
   m.impl("kv_store_i8", &radixrt_cpu::kv_store_i8);
+  m.impl("kv_read_i8", &radixrt_cpu::kv_read_i8);
 }

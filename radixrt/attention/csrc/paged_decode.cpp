@@ -106,6 +106,20 @@ inline __m512 combine_lanes(__m512 a, __m512 b) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
 }
 
+template <int N>
+inline __m512 online_max(__m512 st, float& mx, __m512& lv, __m512* acc) {
+  const float bmax = _mm512_reduce_max_ps(st);
+  if (bmax > mx) {
+    const float alpha = std::exp(mx - bmax);  // 0 while mx is -inf
+    const __m512 va = _mm512_set1_ps(alpha);
+    lv = _mm512_mul_ps(lv, va);
+#pragma GCC unroll 16
+    for (int c = 0; c < N; ++c) acc[c] = _mm512_mul_ps(acc[c], va);
+    mx = bmax;
+  }
+  return _mm512_set1_ps(mx);
+}
+
 // How a key row is held for the dot products with the tile's queries.
 template <typename T, int D, bool kDot>
 struct RowDot;
@@ -259,17 +273,8 @@ struct KeyScan {
 #pragma GCC unroll 4
       for (int t = 0; t < R; ++t) {
         const __m512 st = _mm512_mask_mul_ps(neg_inf, valid, s[t], vscale);
-        // Online softmax: the running max only moves up; the state is rescaled when it does.
-        const float bmax = _mm512_reduce_max_ps(st);
-        if (bmax > mx[t]) {
-          const float alpha = std::exp(mx[t] - bmax);  // 0 while mx is -inf
-          const __m512 va = _mm512_set1_ps(alpha);
-          lv[t] = _mm512_mul_ps(lv[t], va);
-#pragma GCC unroll 16
-          for (int c = 0; c < NV; ++c) a.v[t][c] = _mm512_mul_ps(a.v[t][c], va);
-          mx[t] = bmax;
-        }
-        const __m512 pv = __m512(Vec(_mm512_sub_ps(st, _mm512_set1_ps(mx[t]))).exp_u20());
+        const __m512 mv = online_max<NV>(st, mx[t], lv[t], a.v[t]);
+        const __m512 pv = __m512(Vec(_mm512_sub_ps(st, mv)).exp_u20());
         _mm512_store_ps(p[t], pv);  // exp(-inf) = 0 for padding
         lv[t] = _mm512_add_ps(lv[t], pv);
       }
@@ -569,16 +574,8 @@ struct KeyScanI8 {
       for (int t = 0; t < R; ++t) {
         const __m512 raw = _mm512_cvtepi32_ps(_mm512_sub_epi32(s[t], _mm512_set1_epi32(qoff[t])));
         const __m512 st = _mm512_mask_mul_ps(neg_inf, valid, raw, _mm512_mul_ps(ks, qscale[t]));
-        const float bmax = _mm512_reduce_max_ps(st);
-        if (bmax > mx[t]) {
-          const float alpha = std::exp(mx[t] - bmax);  // 0 while mx is -inf
-          const __m512 va = _mm512_set1_ps(alpha);
-          lv[t] = _mm512_mul_ps(lv[t], va);
-#pragma GCC unroll 16
-          for (int c = 0; c < NV; ++c) a.v[t][c] = _mm512_mul_ps(a.v[t][c], va);
-          mx[t] = bmax;
-        }
-        const __m512 pv = __m512(Vec(_mm512_sub_ps(st, _mm512_set1_ps(mx[t]))).exp_u20());
+        const __m512 mv = online_max<NV>(st, mx[t], lv[t], a.v[t]);
+        const __m512 pv = __m512(Vec(_mm512_sub_ps(st, mv)).exp_u20());
         lv[t] = _mm512_add_ps(lv[t], pv);
         _mm512_store_ps(p[t], _mm512_mul_ps(pv, vs));  // the value row's scale folded into p
       }
