@@ -278,3 +278,31 @@ def test_tiny_model_on_int8_kv_cache(tmp_path: Path, dtype: torch.dtype) -> None
         torch.testing.assert_close(a, b, atol=3e-2 * max(1.0, float(b.abs().max())), rtol=0)
     for a, b in zip(runs["int8-kernels"][1], runs["plain"][1], strict=True):
         torch.testing.assert_close(a, b, atol=6e-2 * max(1.0, float(b.abs().max())), rtol=0)
+
+
+def test_server_args_int8_builds_an_int8_pool_sized_by_its_bytes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kv_cache_dtype=int8` reaches the runner's pool, and the pool sizing from free memory
+    counts int8 codes plus scales: 128 / 68 times the tokens of bf16 in the same memory."""
+    from types import SimpleNamespace
+
+    from model_fixtures import make_tiny_runner
+
+    from radixrt.model import runner as runner_mod
+    from radixrt.model.model_config import ModelConfig
+
+    r = make_tiny_runner(tmp_path, kv_cache_dtype="int8", dtype="bfloat16")
+    pool = r.token_to_kv_pool
+    assert pool.quantized and pool.dtype == torch.bfloat16 and len(pool.k_scale) == len(
+        pool.k_buffer)
+    cfg = ModelConfig.from_path(tmp_path)
+    monkeypatch.setattr(runner_mod.psutil, "virtual_memory",
+                        lambda: SimpleNamespace(available=1 << 32))
+    sizes = {kv: runner_mod.plan_pools(ServerArgs(model_path=str(tmp_path), kv_cache_dtype=kv),
+                                       cfg, torch.bfloat16, torch.device("cpu"))
+             for kv in ("auto", "int8")}
+    per = {kv: kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, d)
+           for kv, d in (("auto", torch.bfloat16), ("int8", torch.int8))}
+    for kv in sizes:
+        assert sizes[kv].max_total_tokens == int((1 << 32) * 0.25) // per[kv]
+    assert per["auto"] / per["int8"] == pytest.approx(2 * cfg.head_dim / (cfg.head_dim + 4))
