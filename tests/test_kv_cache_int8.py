@@ -3,12 +3,12 @@ against torch references, the pool, and a tiny model run end to end on it."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
 import torch
 from model_fixtures import PagedRunner, make_tiny_checkpoint
+from test_paged_decode_kernel import _reference as float_reference
 
 from radixrt.attention import cpu_kernels
 from radixrt.attention.paged_decode import paged_decode_i8_unavailable_reason
@@ -128,32 +128,16 @@ def _run_i8(c: dict, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _reference(c: dict, scale: float, quantized_q: bool,
                k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 attention of each row over its group's prefix then its own keys; `quantized_q`:
-    the queries rounded to int8 per (row, head) as the op does."""
+    """float64 attention of each row over its group's prefix then its own keys
+    (test_paged_decode_kernel's reference) on the K/V `k`, `v`; `quantized_q`: the queries
+    rounded to int8 per (row, head) as the op rounds them."""
     q = c["q"].double()
     if quantized_q:
         codes, qs = quantize_rows(c["q"].float())
         q = codes.double() * qs.double().unsqueeze(-1)
-    idx = c["idx"].long()
-    bs, heads, dim = q.shape
-    rep = heads // k.shape[1]
-    keys: list[list[int]] = [[] for _ in range(bs)]
-    ptr = c["gp"].tolist()
-    for gi, (s, n) in enumerate(zip(c["gs"].tolist(), c["gl"].tolist(), strict=True)):
-        for r in c["gr"][ptr[gi]: ptr[gi + 1]].tolist():
-            keys[r] += idx[s: s + n].tolist()
-    out = torch.zeros(bs, heads, dim, dtype=torch.float64)
-    lse = torch.full((bs, heads), -math.inf, dtype=torch.float64)
-    for b, (s, n) in enumerate(zip(c["rs"].tolist(), c["rl"].tolist(), strict=True)):
-        sl = torch.tensor(keys[b] + idx[s: s + n].tolist(), dtype=torch.int64)
-        if sl.numel() == 0:
-            continue
-        kk = k[sl].double().repeat_interleave(rep, 1)
-        vv = v[sl].double().repeat_interleave(rep, 1)
-        sc = torch.einsum("hd,khd->hk", q[b], kk) * scale
-        out[b] = torch.einsum("hk,khd->hd", sc.softmax(-1), vv)
-        lse[b] = sc.logsumexp(-1)
-    return out, lse
+    return float_reference(dict(q=q, kb=k, vb=v, idx=c["idx"], row_start=c["rs"],
+                                row_len=c["rl"], g_start=c["gs"], g_len=c["gl"], g_ptr=c["gp"],
+                                g_rows=c["gr"]), scale)
 
 
 LENS = [1, 2, 15, 16, 17, 33, 64, 300]

@@ -353,24 +353,41 @@ std::tuple<Tensor, Tensor> rope_qk(const Tensor& qkv, const Tensor& cos, const T
 // ---------------------------------------------------------------------------------------------
 // kv_store
 
+// The slot list of a pool op, checked against the pool's slot count (contiguous copy).
+Tensor checked_slots(const Tensor& loc, int64_t slots, const char* op) {
+  TORCH_CHECK(loc.scalar_type() == at::kLong && loc.dim() == 1, op, ": slots must be int64 [n]");
+  Tensor c = loc.contiguous();
+  const int64_t* p = c.data_ptr<int64_t>();
+  for (int64_t i = 0; i < c.numel(); ++i) {
+    TORCH_CHECK(p[i] >= 0 && p[i] < slots, op, ": slot ", p[i], " out of range [0, ", slots,
+                ")");
+  }
+  return c;
+}
+
+// An int8 pool: int8 K/V buffers and their float32 [slots, kv_heads] scales, K and V alike.
+void check_i8_pool(const Tensor& k_buffer, const Tensor& v_buffer, const Tensor& k_scale,
+                   const Tensor& v_scale, const char* op) {
+  check_kv_buffers(k_buffer, v_buffer, op);
+  TORCH_CHECK(k_buffer.scalar_type() == at::kChar, op, ": the pool must be int8");
+  TORCH_CHECK(k_scale.scalar_type() == at::kFloat && k_scale.dim() == 2 &&
+                  k_scale.size(0) == k_buffer.size(0) && k_scale.size(1) == k_buffer.size(1) &&
+                  v_scale.sizes() == k_scale.sizes() && v_scale.strides() == k_scale.strides(),
+              op, ": k_scale / v_scale must be float32 [slots, kv_heads] alike");
+}
+
 void kv_store(Tensor k_buffer, Tensor v_buffer, const Tensor& loc, const Tensor& k,
               const Tensor& v) {
   check_kv_buffers(k_buffer, v_buffer, "kv_store");
-  TORCH_CHECK(loc.scalar_type() == at::kLong && loc.dim() == 1, "kv_store: loc must be int64 [n]");
+  const Tensor loc_c = checked_slots(loc, k_buffer.size(0), "kv_store");
   const int64_t n = loc.size(0), heads = k_buffer.size(1), d = k_buffer.size(2);
-  const int64_t slots = k_buffer.size(0);
   for (const Tensor* t : {&k, &v}) {
     TORCH_CHECK(t->dim() == 3 && t->size(0) == n && t->size(1) == heads && t->size(2) == d,
                 "kv_store: k/v must be [n, kv_heads, head_dim]");
     TORCH_CHECK(t->scalar_type() == k_buffer.scalar_type(), "kv_store: k/v dtype != pool dtype");
     TORCH_CHECK(t->stride(2) == 1, "kv_store: k/v must be contiguous in head_dim");
   }
-  const Tensor loc_c = loc.contiguous();
   const int64_t* lp = loc_c.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(lp[i] >= 0 && lp[i] < slots, "kv_store: slot ", lp[i], " out of range [0, ",
-                slots, ")");
-  }
   const int64_t es = k_buffer.element_size();
   const int64_t row_bytes = d * es;
   const int64_t slot_bytes = k_buffer.stride(0) * es, head_bytes = k_buffer.stride(1) * es;
@@ -409,28 +426,16 @@ void quantize_row(const S* x, int64_t d, int8_t* codes, float* scale) {
 
 void kv_store_i8(Tensor k_buffer, Tensor v_buffer, Tensor k_scale, Tensor v_scale,
                  const Tensor& loc, const Tensor& k, const Tensor& v) {
-  check_kv_buffers(k_buffer, v_buffer, "kv_store_i8");
-  TORCH_CHECK(k_buffer.scalar_type() == at::kChar, "kv_store_i8: the pool must be int8");
-  TORCH_CHECK(loc.scalar_type() == at::kLong && loc.dim() == 1,
-              "kv_store_i8: loc must be int64 [n]");
+  check_i8_pool(k_buffer, v_buffer, k_scale, v_scale, "kv_store_i8");
+  const Tensor loc_c = checked_slots(loc, k_buffer.size(0), "kv_store_i8");
   const int64_t n = loc.size(0), heads = k_buffer.size(1), d = k_buffer.size(2);
-  const int64_t slots = k_buffer.size(0);
-  TORCH_CHECK(k_scale.scalar_type() == at::kFloat && k_scale.dim() == 2 &&
-                  k_scale.size(0) == slots && k_scale.size(1) == heads &&
-                  v_scale.sizes() == k_scale.sizes() && v_scale.strides() == k_scale.strides(),
-              "kv_store_i8: k_scale / v_scale must be float32 [slots, kv_heads] alike");
   for (const Tensor* t : {&k, &v}) {
     TORCH_CHECK(t->dim() == 3 && t->size(0) == n && t->size(1) == heads && t->size(2) == d,
                 "kv_store_i8: k/v must be [n, kv_heads, head_dim]");
     TORCH_CHECK(t->scalar_type() == k.scalar_type(), "kv_store_i8: k and v must have one dtype");
     TORCH_CHECK(t->stride(2) == 1, "kv_store_i8: k/v must be contiguous in head_dim");
   }
-  const Tensor loc_c = loc.contiguous();
   const int64_t* lp = loc_c.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(lp[i] >= 0 && lp[i] < slots, "kv_store_i8: slot ", lp[i], " out of range [0, ",
-                slots, ")");
-  }
   int8_t* kb = k_buffer.data_ptr<int8_t>();
   int8_t* vb = v_buffer.data_ptr<int8_t>();
   float* ks = k_scale.data_ptr<float>();
@@ -476,22 +481,10 @@ void dequantize_row(const int8_t* codes, float scale, int64_t d, T* out) {
 std::tuple<Tensor, Tensor> kv_read_i8(const Tensor& k_buffer, const Tensor& v_buffer,
                                       const Tensor& k_scale, const Tensor& v_scale,
                                       const Tensor& slots, at::ScalarType dtype) {
-  check_kv_buffers(k_buffer, v_buffer, "kv_read_i8");
-  TORCH_CHECK(k_buffer.scalar_type() == at::kChar, "kv_read_i8: the pool must be int8");
-  const int64_t n = slots.numel(), heads = k_buffer.size(1), d = k_buffer.size(2);
-  const int64_t num_slots = k_buffer.size(0);
-  TORCH_CHECK(k_scale.scalar_type() == at::kFloat && k_scale.dim() == 2 &&
-                  k_scale.size(0) == num_slots && k_scale.size(1) == heads &&
-                  v_scale.sizes() == k_scale.sizes() && v_scale.strides() == k_scale.strides(),
-              "kv_read_i8: k_scale / v_scale must be float32 [slots, kv_heads] alike");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1,
-              "kv_read_i8: slots must be int64 [n]");
-  const Tensor sl = slots.contiguous();
+  check_i8_pool(k_buffer, v_buffer, k_scale, v_scale, "kv_read_i8");
+  const Tensor sl = checked_slots(slots, k_buffer.size(0), "kv_read_i8");
   const int64_t* sp = sl.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(sp[i] >= 0 && sp[i] < num_slots, "kv_read_i8: slot ", sp[i],
-                " out of range [0, ", num_slots, ")");
-  }
+  const int64_t n = slots.numel(), heads = k_buffer.size(1), d = k_buffer.size(2);
   Tensor k = at::empty({n, heads, d}, k_buffer.options().dtype(dtype));
   Tensor v = at::empty({n, heads, d}, k_buffer.options().dtype(dtype));
   const int8_t* kb = k_buffer.data_ptr<int8_t>();

@@ -181,6 +181,22 @@ inline void with_rows(int r, const F& f) {
   f(std::integral_constant<int, R>{});
 }
 
+// A scan's `run`: queries in tiles of TQ (the last one smaller), each tile's state in registers
+// over all the keys via scan.scan<R>; the first tile prefetches rows ahead, later tiles find
+// them in the caches.
+template <int TQ, int D, typename Scan, typename QType>
+inline void run_tiles(const Scan& scan, const QType* q, int64_t nq, const int32_t* idx, int64_t n,
+                      float* m, float* l, float* acc) {
+  if (n == 0) return;
+  for (int64_t t0 = 0; t0 < nq; t0 += TQ) {
+    const int tq = static_cast<int>(std::min<int64_t>(TQ, nq - t0));
+    with_rows<TQ>(tq, [&](auto rows) {
+      constexpr int R = decltype(rows)::value;
+      scan.template scan<R>(q + t0 * D, idx, n, m + t0, l + t0, acc + t0 * D, t0 == 0);
+    });
+  }
+}
+
 template <typename T, int D>
 struct KeyScan {
   static_assert(D % 16 == 0, "head_dim must be a multiple of 16");
@@ -208,18 +224,10 @@ struct KeyScan {
   }
 
   // Runs keys idx[0..n) (valid slots) through the state (m[i], l[i], acc[i, :]) of each query
-  // q[i, :]. Queries go in tiles of TQ whose state stays in registers over all the keys; the
-  // first tile prefetches rows ahead, later tiles find them in the caches.
+  // q[i, :] (run_tiles).
   void run(const QType* q, int64_t nq, const int32_t* idx, int64_t n, float* m, float* l,
            float* acc) const {
-    if (n == 0) return;
-    for (int64_t t0 = 0; t0 < nq; t0 += TQ) {
-      const int tq = static_cast<int>(std::min<int64_t>(TQ, nq - t0));
-      with_rows<TQ>(tq, [&](auto rows) {
-        constexpr int R = decltype(rows)::value;
-        scan<R>(q + t0 * D, idx, n, m + t0, l + t0, acc + t0 * D, t0 == 0);
-      });
-    }
+    run_tiles<TQ, D>(*this, q, nq, idx, n, m, l, acc);
   }
 
   // Accumulators of R queries: natural order (fp32 FMA P V) or the pair layout (see below).
@@ -458,14 +466,7 @@ struct KeyScanI8 {
 
   void run(const QType* q, int64_t nq, const int32_t* idx, int64_t n, float* m, float* l,
            float* acc) const {
-    if (n == 0) return;
-    for (int64_t t0 = 0; t0 < nq; t0 += TQ) {
-      const int tq = static_cast<int>(std::min<int64_t>(TQ, nq - t0));
-      with_rows<TQ>(tq, [&](auto rows) {
-        constexpr int R = decltype(rows)::value;
-        scan<R>(q + t0 * D, idx, n, m + t0, l + t0, acc + t0 * D, t0 == 0);
-      });
-    }
+    run_tiles<TQ, D>(*this, q, nq, idx, n, m, l, acc);
   }
 
   static inline __m512i chunk(const int8_t* p, int c) {
