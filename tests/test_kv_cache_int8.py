@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from model_fixtures import PagedRunner, make_tiny_checkpoint
+from test_paged_decode_kernel import _case as float_case
 from test_paged_decode_kernel import _reference as float_reference
 
 from radixrt.attention import cpu_kernels
@@ -91,39 +92,23 @@ def test_kv_store_i8_writes_torch_codes_and_scales(dtype: torch.dtype) -> None:
 
 def _pool_case(seed: int, dtype: torch.dtype, heads: int, kv_heads: int, dim: int,
                own_lens: list[int], groups: list[tuple[int, list[int]]]) -> dict:
-    """A random int8 pool (head-major, as radixrt's) and plan: rows with `own_lens` own keys;
-    `groups` = (shared prefix length, member rows)."""
-    g = torch.Generator().manual_seed(seed)
-    slots = 2000
-    k = torch.randn(slots, kv_heads, dim, generator=g) * 2
-    k[..., 1] += 6  # an outlier channel, as RoPE'd keys have
-    v = torch.randn(slots, kv_heads, dim, generator=g)
-    kc, ks = quantize_rows(k)
-    vc, vs = quantize_rows(v)
-    q = (torch.randn(len(own_lens), heads, dim, generator=g)).to(dtype)
-    pieces, row_start, g_start, g_len, g_ptr, g_rows = [], [], [], [], [0], []
-    offset = 0
-    for n in own_lens:
-        pieces.append(torch.randint(0, slots, (n,), generator=g))
-        row_start.append(offset)
-        offset += n
-    for shared, rows in groups:
-        pieces.append(torch.randint(0, slots, (shared,), generator=g))
-        g_start.append(offset)
-        g_len.append(shared)
-        offset += shared
-        g_rows.extend(rows)
-        g_ptr.append(len(g_rows))
-    i64 = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
-    return dict(q=q, k=k, v=v, kc=_head_major(kc), vc=_head_major(vc), ks=_head_major(ks),
-                vs=_head_major(vs), idx=torch.cat(pieces).to(torch.int32), rs=i64(row_start),
-                rl=i64(own_lens), gs=i64(g_start), gl=i64(g_len), gp=i64(g_ptr), gr=i64(g_rows))
+    """test_paged_decode_kernel's random pool and plan (rows with `own_lens` own keys; `groups`
+    = (shared prefix length, member rows)), its fp32 K/V (an outlier channel added to K, as
+    RoPE'd keys have) also stored as an int8 pool laid out head-major, as radixrt's."""
+    c = float_case(seed, torch.float32, heads, kv_heads, dim, own_lens, groups)
+    c["kb"] = c["kb"] * 2
+    c["kb"][..., 1] += 6
+    kc, ks = quantize_rows(c["kb"])
+    vc, vs = quantize_rows(c["vb"])
+    return dict(c, q=c["q"].to(dtype), kc=_head_major(kc), vc=_head_major(vc),
+                ks=_head_major(ks), vs=_head_major(vs))
 
 
 def _run_i8(c: dict, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.ops.radixrt.paged_decode_i8(c["q"], c["kc"], c["vc"], c["ks"], c["vs"],
-                                             c["idx"], c["rs"], c["rl"], c["gs"], c["gl"],
-                                             c["gp"], c["gr"], scale)
+                                             c["idx"], c["row_start"], c["row_len"],
+                                             c["g_start"], c["g_len"], c["g_ptr"], c["g_rows"],
+                                             scale)
 
 
 def _reference(c: dict, scale: float, quantized_q: bool,
@@ -135,9 +120,7 @@ def _reference(c: dict, scale: float, quantized_q: bool,
     if quantized_q:
         codes, qs = quantize_rows(c["q"].float())
         q = codes.double() * qs.double().unsqueeze(-1)
-    return float_reference(dict(q=q, kb=k, vb=v, idx=c["idx"], row_start=c["rs"],
-                                row_len=c["rl"], g_start=c["gs"], g_len=c["gl"], g_ptr=c["gp"],
-                                g_rows=c["gr"]), scale)
+    return float_reference(dict(c, q=q, kb=k, vb=v), scale)
 
 
 LENS = [1, 2, 15, 16, 17, 33, 64, 300]
@@ -169,7 +152,7 @@ def test_paged_decode_i8_matches_reference(dtype: torch.dtype, heads: int, kv_he
     finite = torch.isfinite(ref_lse)
     torch.testing.assert_close(lse.double()[finite], ref_lse[finite], atol=1e-4, rtol=1e-5)
     assert bool(torch.isneginf(lse[~finite]).all())
-    exact, _ = _reference(c, scale, False, c["k"], c["v"])
+    exact, _ = _reference(c, scale, False, c["kb"], c["vb"])
     err = (out.double() - exact).abs()
     assert float(err.max()) < 0.1 and float(err.mean()) < 0.01
 
@@ -179,8 +162,9 @@ def test_paged_decode_i8_row_does_not_depend_on_the_batch() -> None:
     c = _pool_case(5, torch.bfloat16, 9, 3, 64, LENS, [])
     full, _ = _run_i8(c, 0.125)
     for b in (0, 4, 7):
-        one = dict(c, q=c["q"][b: b + 1].contiguous(), rs=c["rs"][b: b + 1].contiguous(),
-                   rl=c["rl"][b: b + 1].contiguous())
+        one = dict(c, q=c["q"][b: b + 1].contiguous(),
+                   row_start=c["row_start"][b: b + 1].contiguous(),
+                   row_len=c["row_len"][b: b + 1].contiguous())
         alone, _ = _run_i8(one, 0.125)
         assert torch.equal(alone[0], full[b])
 
