@@ -118,7 +118,8 @@ class ModelRunner:
             "KV pool: %d tokens (%.1f MiB, %s), %d request rows x %d context, device %s",
             self.sizes.max_total_tokens,
             self.sizes.max_total_tokens * self.token_to_kv_pool.bytes_per_token() / 2**20,
-            self.dtype, self.sizes.max_running_requests, self.sizes.max_context_len, self.device)
+            ("int8 codes + fp32 scales" if self.token_to_kv_pool.quantized else self.dtype),
+            self.sizes.max_running_requests, self.sizes.max_context_len, self.device)
 
     @torch.inference_mode()
     def forward_scored(self, fb: ForwardBatch, top_k: int) -> tuple[torch.Tensor, RowScores | None]:
