@@ -98,6 +98,7 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kv-cache-dtype", default="auto", help="ServerArgs.kv_cache_dtype")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     from bench.decode_step_ab import use
@@ -111,8 +112,9 @@ def main() -> None:
     runner = ModelRunner(ServerArgs(max_running_requests=bs_max,
                                     max_total_tokens=bs_max * ctx_max + 64,
                                     max_context_len=ctx_max, log_level="warning",
-                                    num_threads=a.threads))
-    print(f"dtype {runner.dtype}, quant {runner.quant}; {a.threads} threads; ctx {a.ctx}")
+                                    num_threads=a.threads, kv_cache_dtype=a.kv_cache_dtype))
+    print(f"dtype {runner.dtype}, quant {runner.quant}, KV {runner.token_to_kv_pool.kv_dtype}; "
+          f"{a.threads} threads; ctx {a.ctx}")
     for bs in a.batch_sizes:
         d = RandomKVDecoder(runner, bs, a.ctx)
         for _ in range(3):

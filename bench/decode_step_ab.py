@@ -63,7 +63,7 @@ def use(op: object) -> None:
             v_scales: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         p = plan
         # revisions before the int8 KV cache have no scale lists in the op's schema
-        scales = ([k_scales or [], v_scales or []] if "k_scales" in str(op._schema)  # type: ignore
+        scales = ([k_scales or [], v_scales or []] if "k_scales" in str(op.default._schema)  # type: ignore
                   else [])
         return op(h, cos.squeeze(1), sin.squeeze(1), self.norms, self.weights,  # type: ignore
                   self.meta, k_buffers, v_buffers, *scales, loc, p.kv_indices,  # type: ignore

@@ -27,8 +27,10 @@ class RandomKVDecoder:
         slots = kp.alloc(bs * ctx)
         rp.write(self.rows, [0] * bs, [ctx] * bs, slots)
         g = torch.Generator().manual_seed(0)
-        for buf in (*kp.k_buffer, *kp.v_buffer):
-            buf[slots] = torch.randn(slots.numel(), *buf.shape[1:], generator=g).to(buf.dtype)
+        for layer in range(len(kp.k_buffer)):  # set_kv: an int8 pool gets codes and scales
+            shape = (slots.numel(), *kp.k_buffer[layer].shape[1:])
+            kp.set_kv(layer, slots, torch.randn(shape, generator=g),
+                      torch.randn(shape, generator=g))
         self.nxt = list(range(100, 100 + bs))
 
     def step(self) -> float:
