@@ -22,19 +22,20 @@ from radixrt.mem.memory_pool import TokenToKVPool
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def paged_decode_unavailable_reason(dtype: torch.dtype, head_dim: int,
-                                    build: bool = True) -> str | None:
+def paged_decode_unavailable_reason(dtype: torch.dtype, head_dim: int, build: bool = True,
+                                    int8_pool: bool = False) -> str | None:
     """None when the op can run on a CPU pool of this dtype and head_dim (building it if needed
-    and `build`), else why not."""
+    and `build`; `int8_pool`: an int8 KV cache whose compute dtype is `dtype`, which needs
+    `paged_decode_i8` too), else why not."""
     from radixrt.attention import cpu_kernels  # lazily: `python -m ...cpu_kernels` runs it
 
-    return cpu_kernels.op_unavailable_reason("paged_decode", KERNEL_DTYPES, dtype, head_dim,
-                                             build)
+    reason = cpu_kernels.op_unavailable_reason("paged_decode", KERNEL_DTYPES, dtype, head_dim,
+                                               build)
+    return paged_decode_i8_unavailable_reason() if reason is None and int8_pool else reason
 
 
 def paged_decode_i8_unavailable_reason() -> str | None:
-    """None when `paged_decode_i8` (int8 pools) runs here, else why not. Call after
-    `paged_decode_unavailable_reason` found the library usable."""
+    """None when `paged_decode_i8` (int8 pools) runs here, else why not."""
     from radixrt.attention import cpu_kernels
 
     if not cpu_kernels.load_cpu_kernels() or not hasattr(torch.ops.radixrt, "paged_decode_i8"):

@@ -27,6 +27,7 @@ dtype (the masks are built in it).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,11 +45,7 @@ from radixrt.attention.extend_attention import (
     ExtendAttentionPlan,
     extend_kernel_unavailable_reason,
 )
-from radixrt.attention.paged_decode import (
-    PagedDecodePlan,
-    paged_decode_i8_unavailable_reason,
-    paged_decode_unavailable_reason,
-)
+from radixrt.attention.paged_decode import PagedDecodePlan, paged_decode_unavailable_reason
 from radixrt.core.forward_batch import ForwardBatch
 from radixrt.mem.memory_pool import TokenToKVPool
 
@@ -127,14 +124,9 @@ class TorchNativeBackend(AttentionBackend):
         super().__init__(kv_pool)
         self.device = torch.device(device) if device is not None else kv_pool.device
         self.batch_invariant = batch_invariant
-        def decode_reason(dtype: torch.dtype, head_dim: int) -> str | None:
-            reason = paged_decode_unavailable_reason(dtype, head_dim)
-            if reason is None and kv_pool.quantized:
-                reason = paged_decode_i8_unavailable_reason()
-            return reason
-
         self.decode_kernel = self._kernel_usable(
-            decode_kernel, "paged decode", "torch gather path", decode_reason)
+            decode_kernel, "paged decode", "torch gather path",
+            functools.partial(paged_decode_unavailable_reason, int8_pool=kv_pool.quantized))
         self.extend_kernel_available = self._kernel_usable(
             extend_kernel, "extend attention", "torch SDPA path",
             extend_kernel_unavailable_reason)
@@ -509,8 +501,8 @@ class TorchNativeBackend(AttentionBackend):
             kr, vr = k[r.q_start : r.q_end], v[r.q_start : r.q_end]
             if r.prefix_index is not None:
                 kp, vp = pool.read_kv(layer_id, r.prefix_index)
-                kr = torch.cat([kp, kr.to(kp.dtype)])
-                vr = torch.cat([vp, vr.to(vp.dtype)])
+                kr = torch.cat([kp, pool.as_stored(kr)])
+                vr = torch.cat([vp, pool.as_stored(vr)])
             o = F.scaled_dot_product_attention(
                 qr,
                 kr.transpose(0, 1).unsqueeze(0),

@@ -221,6 +221,13 @@ class TokenToKVPool:
         vs = torch.index_select(self.v_scale[layer_id], 0, index)
         return dequantize_rows(k, ks, self.dtype), dequantize_rows(v, vs, self.dtype)
 
+    def as_stored(self, x: torch.Tensor) -> torch.Tensor:
+        """K or V rows `x` as `read_kv` returns them once stored: in `dtype`, and through the
+        int8 format for an int8 pool."""
+        if not self.quantized:
+            return x.to(self.dtype)
+        return dequantize_rows(*quantize_rows(x), self.dtype)
+
     def bytes_per_token(self) -> int:
         return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim,
                                   self.kv_dtype)
