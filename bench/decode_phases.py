@@ -35,16 +35,16 @@ PHASES = ("norms", "qkv", "rope+store", "attention", "o", "gate_up", "down")
 
 # (anchor in decode_layers.cpp's layer loop, lap inserted after it): each anchor must occur once.
 _LAPS = (
-    ("      std::tie(x, residual) = ops.add_rms_norm.call(h, residual, norms[2 * l], eps);\n    }\n",
-     "LAP(0)"),
-    ("    const Tensor qkv = run_linear(ops, x, weights, meta, lin);\n", "LAP(1)"),
-    ("    else ops.kv_store.call(kb, vb, loc, k, v);\n", "LAP(2)"),
-    ("        group_start, group_len, group_row_ptr, group_rows, scale));\n", "LAP(3)"),
-    ("    const Tensor attn_out = run_linear(ops, o, weights, meta, lin + 1);\n", "LAP(4)"),
-    ("    std::tie(x, residual) = ops.add_rms_norm.call(attn_out, residual, norms[2 * l + 1], eps);\n",
-     "LAP(0)"),
-    ("    const Tensor gate_up = run_linear(ops, x, weights, meta, lin + 2);\n", "LAP(5)"),
-    ("    h = run_linear(ops, gate_up, weights, meta, lin + 3, /*silu=*/true);\n", "LAP(6)"),
+    ("      std::tie(x, residual) = ops.add_rms_norm.call(h, residual, st.norms[2 * l], "
+     "eps);\n    }\n", "LAP(0)"),
+    ("    const Tensor qkv = run_linear(ops, x, st.weights, st.meta, lin);\n", "LAP(1)"),
+    ("    else ops.kv_store.call(kb, vb, rloc, k, v);\n", "LAP(2)"),
+    ("                                    plan.group_rows, st.scale));\n", "LAP(3)"),
+    ("    const Tensor attn_out = run_linear(ops, o, st.weights, st.meta, lin + 1);\n", "LAP(4)"),
+    ("    std::tie(x, residual) = ops.add_rms_norm.call(attn_out, residual, st.norms[2 * l + 1], "
+     "eps);\n", "LAP(0)"),
+    ("    const Tensor gate_up = run_linear(ops, x, st.weights, st.meta, lin + 2);\n", "LAP(5)"),
+    ("    h = run_linear(ops, gate_up, st.weights, st.meta, lin + 3, /*silu=*/true);\n", "LAP(6)"),
 )
 _PRELUDE = """
 #include <chrono>
@@ -71,7 +71,7 @@ def timed_source(src: str) -> str:
         if src.count(anchor) != 1:
             raise SystemExit(f"decode_layers.cpp changed: anchor not found once: {anchor!r}")
         src = src.replace(anchor, f"{anchor}    {lap}\n")
-    start = "  Tensor h = h0, residual;\n"
+    start = "  Tensor h = h0.slice(0, r0, r1), residual;\n"
     if src.count(start) != 1:
         raise SystemExit("decode_layers.cpp changed: no single loop start")
     src = src.replace(start, start + "  double t0_ = now_us();\n")
@@ -113,6 +113,8 @@ def main() -> None:
                                     max_total_tokens=bs_max * ctx_max + 64,
                                     max_context_len=ctx_max, log_level="warning",
                                     num_threads=a.threads, kv_cache_dtype=a.kv_cache_dtype))
+    # one pass per step: the laps are summed over threads, which micro-batches would mix up
+    runner.model.decode_microbatch_rows = 0
     print(f"dtype {runner.dtype}, quant {runner.quant}, KV {runner.token_to_kv_pool.kv_dtype}; "
           f"{a.threads} threads; ctx {a.ctx}")
     for bs in a.batch_sizes:

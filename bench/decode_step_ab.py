@@ -60,17 +60,20 @@ def use(op: object) -> None:
     def run(self: DecodeLayers, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             loc: torch.Tensor, plan: object, k_buffers: list[torch.Tensor],
             v_buffers: list[torch.Tensor], k_scales: list[torch.Tensor] | None = None,
-            v_scales: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            v_scales: list[torch.Tensor] | None = None, split: int = 0
+            ) -> tuple[torch.Tensor, torch.Tensor]:
         p = plan
-        # revisions before the int8 KV cache have no scale lists in the op's schema
-        scales = ([k_scales or [], v_scales or []] if "k_scales" in str(op.default._schema)  # type: ignore
-                  else [])
+        schema = str(op.default._schema)  # type: ignore[attr-defined]
+        # revisions before the int8 KV cache have no scale lists in the op's schema, those
+        # before the micro-batches no split (they run the step as one batch)
+        scales = [k_scales or [], v_scales or []] if "k_scales" in schema else []
+        tail = [split] if "int split" in schema else []
         return op(h, cos.squeeze(1), sin.squeeze(1), self.norms, self.weights,  # type: ignore
                   self.meta, k_buffers, v_buffers, *scales, loc, p.kv_indices,  # type: ignore
                   p.row_start,  # type: ignore
                   p.row_len, p.group_start, p.group_len, p.group_row_ptr,  # type: ignore
                   p.group_rows, self.num_heads, self.num_kv_heads, self.head_dim, self.eps,
-                  self.scale)
+                  self.scale, *tail)
 
     DecodeLayers.run = run  # type: ignore[method-assign]
 

@@ -140,6 +140,11 @@ class ServerArgs:
                "(`radixrt::decode_layers`: the same ops in the same order, bitwise the same "
                "result, without the per-op Python cost; used when the fused CPU ops and the "
                "paged-decode kernel both run)")
+    decode_microbatch_rows: int = _f(
+        16, "a one-call decode step of at least this many rows, on exactly 2 scheduler "
+            "threads, runs as two micro-batches, one per thread, so that one's attention "
+            "(memory-bound) overlaps the other's matmuls (compute-bound); bitwise the same "
+            "result; 0: never")
     num_threads: int | None = _f(None, "torch threads of the scheduler (default: cores "
                                        "available)")
     thread_wait: str = _f("brief", "how the scheduler's OpenMP threads wait between parallel "
@@ -229,6 +234,8 @@ class ServerArgs:
             bad("attention_backend", f"must be auto|torch|flashinfer, got {self.attention_backend!r}")
         if self.prefill_step_target_ms < 0:
             bad("prefill_step_target_ms", f"must be >= 0, got {self.prefill_step_target_ms}")
+        if self.decode_microbatch_rows < 0:
+            bad("decode_microbatch_rows", f"must be >= 0, got {self.decode_microbatch_rows}")
         for name in ("max_total_tokens", "max_context_len", "num_threads"):
             v = getattr(self, name)
             if v is not None and v <= 0:

@@ -40,14 +40,16 @@ def _runner(path: Path, dtype: torch.dtype, quant: QuantPlan | None = None) -> P
 def _decode_run(runner: PagedRunner, fused: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[
         list[torch.Tensor], int]:
     """Three requests sharing a 40-token cached prefix plus an unrelated one, then 4 greedy
-    decode steps: (per-step logits, how many steps ran through `DecodeLayers.run`)."""
+    decode steps: (per-step logits, how many steps ran through `DecodeLayers.run`; the split
+    row of each is in `_decode_run.splits`)."""
     runner.model.fused_decode = fused
     calls = []
     real = DecodeLayers.run
 
-    def counted(self: DecodeLayers, *args: object) -> tuple[torch.Tensor, torch.Tensor]:
-        calls.append(1)
-        return real(self, *args)  # type: ignore[arg-type]
+    def counted(self: DecodeLayers, *args: object, **kwargs: object
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append(kwargs.get("split", 0))
+        return real(self, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(DecodeLayers, "run", counted)
     g = torch.Generator().manual_seed(3)
@@ -60,6 +62,7 @@ def _decode_run(runner: PagedRunner, fused: bool, monkeypatch: pytest.MonkeyPatc
     for _ in range(4):
         logits.append(runner.decode(rows, logits[-1].argmax(-1).tolist()))
     monkeypatch.setattr(DecodeLayers, "run", real)
+    _decode_run.splits = calls  # type: ignore[attr-defined]
     return logits[1:], len(calls)
 
 
@@ -169,7 +172,7 @@ def test_steps_the_op_cannot_run_take_the_loop(tmp_path: Path) -> None:
     r2.extend([row], [[4, 5, 6]])
     called = []
     real = DecodeLayers.run
-    DecodeLayers.run = lambda self, *a: called.append(1) or real(self, *a)  # type: ignore
+    DecodeLayers.run = lambda self, *a, **k: called.append(1) or real(self, *a, **k)  # type: ignore
     try:
         r2.decode([row], [7])
     finally:
@@ -216,3 +219,123 @@ def test_bad_arguments_raise_naming_them(tmp_path: Path) -> None:
     # well-formed: runs, one row out
     out, res = op(*args)
     assert out.shape == h.shape and res.shape == h.shape
+
+
+@pytest.fixture
+def two_threads() -> object:
+    """torch with 2 intra-op threads (the micro-batches' condition), restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+SPLIT_CASES = {
+    "llama-bf16-gguf-qgemv": ("llama", torch.bfloat16, "radixrt", None),
+    "llama-bf16-gguf-vnni": ("llama", torch.bfloat16, "vnni", None),
+    "llama-bf16-gguf-vnni-int8-kv": ("llama", torch.bfloat16, "vnni", torch.int8),
+}
+
+
+@pytest.mark.parametrize("case", list(SPLIT_CASES))
+def test_micro_batches_are_bitwise_one_batch(tmp_path: Path, case: str, two_threads: object,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two micro-batches (rows [0, 2) and [2, 4): the shared-prefix group of rows 0-2 is cut in
+    two) give the logits of one pass over the 4 rows, bitwise, on float and int8 pools."""
+    from radixrt.attention.paged_decode import paged_decode_i8_unavailable_reason
+
+    kind, dtype, quant, kv_dtype = SPLIT_CASES[case]
+    if quant == "vnni" and not vnni_kernel_available():
+        pytest.skip("no AVX512-VNNI here")
+    if resolve_quant_kernel("auto") != "radixrt":
+        pytest.skip("radixrt's qgemv kernel unavailable")
+    if kv_dtype is torch.int8 and paged_decode_i8_unavailable_reason():
+        pytest.skip(str(paged_decode_i8_unavailable_reason()))
+    hf = make_tiny_checkpoint(tmp_path / "hf", kind, seed=11, num_hidden_layers=3,
+                              tie_word_embeddings=True)
+    path, plan = tmp_path / "hf", None
+    if quant is not None:
+        path = write_tiny_gguf(hf, tmp_path / "m.gguf", kind, "Q4_0", "Q8_0")
+        plan = QuantPlan("gguf", dense_copy=False, kernel=quant)
+    runs, splits = {}, {}
+    for least in (2, 0):
+        config = ModelConfig.from_path(path)
+        model, _ = load_model(path, None, dtype, "cpu", model_config=config, quant=plan)
+        runner = PagedRunner.for_model(model, kv_dtype=kv_dtype)
+        runner.model.decode_microbatch_rows = least
+        runs[least] = _decode_run(runner, True, monkeypatch)
+        splits[least] = list(_decode_run.splits)  # type: ignore[attr-defined]
+    assert runner.model.decode_layers().row_invariant  # type: ignore[union-attr]
+    assert splits == {2: [2] * 4, 0: [0] * 4}
+    for a, b in zip(runs[2][0], runs[0][0], strict=True):
+        assert torch.equal(a, b), f"max diff {(a - b).abs().max()}"
+
+
+def test_decode_split_policy(tmp_path: Path, two_threads: object) -> None:
+    if resolve_quant_kernel("auto") != "radixrt":
+        pytest.skip("radixrt's qgemv kernel unavailable")
+    hf = make_tiny_checkpoint(tmp_path / "hf", "llama", seed=4, num_hidden_layers=1)
+    # dense fp32 matmuls: torch's GEMM need not give a row the same bits at every row count
+    dense = _runner(tmp_path / "hf", torch.float32).model
+    assert dense.decode_layers().row_invariant is False  # type: ignore[union-attr]
+    assert dense.decode_split(64) == 0
+    path = write_tiny_gguf(hf, tmp_path / "m.gguf", "llama", "Q4_0", "Q8_0")
+    model = _runner(path, torch.bfloat16, QuantPlan("gguf", dense_copy=False)).model
+    # a dense copy for large row counts: a micro-batch could take the other path
+    with_copy = _runner(path, torch.bfloat16, QuantPlan("gguf", max_rows_int4=2)).model
+    assert with_copy.decode_split(64) == 0
+    model.decode_microbatch_rows = 16
+    assert [model.decode_split(n) for n in (1, 15, 16, 17, 64)] == [0, 0, 8, 8, 32]
+    model.decode_microbatch_rows = 0
+    assert model.decode_split(64) == 0
+    model.decode_microbatch_rows = 16
+    torch.set_num_threads(1)  # one thread: nothing to overlap with
+    assert model.decode_split(64) == 0
+    torch.set_num_threads(3)  # more: the ops inside a micro-batch would run on one thread
+    assert model.decode_split(64) == 0
+
+
+@pytest.mark.parametrize("value", [0, 32])
+def test_server_args_set_the_micro_batch_rows(tmp_path: Path, value: int) -> None:
+    runner = make_tiny_runner(tmp_path, decode_microbatch_rows=value)
+    assert runner.model.decode_microbatch_rows == value
+
+
+def test_negative_micro_batch_rows_are_refused() -> None:
+    from radixrt.config import ServerArgs
+
+    with pytest.raises(ValueError, match="decode_microbatch_rows"):
+        ServerArgs(decode_microbatch_rows=-1)
+
+
+def test_micro_batch_errors_raise_and_do_not_hang(tmp_path: Path, two_threads: object) -> None:
+    """A bad split is refused naming it; an error inside the first micro-batch (a slot out of
+    the pool) reaches the caller while the second, which waits on the first's progress, still
+    finishes (no hang)."""
+    make_tiny_checkpoint(tmp_path, "llama", seed=4, num_hidden_layers=2)
+    runner = _runner(tmp_path, torch.float32)
+    stack = runner.model.decode_layers()
+    assert isinstance(stack, DecodeLayers)
+    kv = runner.kv_pool
+    h = torch.randn(2, runner.model.config.hidden_size)
+    cs = torch.zeros(2, runner.model.config.head_dim)
+    empty = torch.zeros(0, dtype=torch.int64)
+
+    def call(split: int, kv_indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.ops.radixrt.decode_layers(
+            h, cs, cs, stack.norms, stack.weights, stack.meta, kv.k_buffer, kv.v_buffer, [], [],
+            torch.tensor([1, 2]), torch.tensor(kv_indices, dtype=torch.int32),
+            torch.tensor([0, 1]), torch.tensor([1, 1]), empty, empty,
+            torch.zeros(1, dtype=torch.int64), empty, stack.num_heads, stack.num_kv_heads,
+            stack.head_dim, stack.eps, stack.scale, split)
+
+    for bad in (-1, 2):
+        with pytest.raises(RuntimeError, match="split must be in"):
+            call(bad, [1, 2])
+    with pytest.raises(RuntimeError, match="kv slot 99999 out of range"):
+        call(1, [99999, 2])
+    one, res1 = call(0, [1, 2])
+    two, res2 = call(1, [1, 2])
+    # dense fp32 matmuls here: equal up to torch's GEMM rounding at another row count
+    torch.testing.assert_close(one, two)
+    torch.testing.assert_close(res1, res2)

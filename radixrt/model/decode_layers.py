@@ -7,6 +7,12 @@ Python cost, ~100 us per layer, which is a third of a small decode batch's step 
 differs: a down projection on the vnni kernel takes gate_up through `qgemm_vnni_silu` (SiLU-mul
 inside its activation quantization), bitwise the loop's `silu_mul` then `qgemm_vnni`.
 
+A step of many rows on two threads can run as two micro-batches, one per thread (`split`, see
+`LlamaForCausalLM.decode_split`): each micro-batch goes through every layer on its own thread,
+so one's paged decode (memory-bound) overlaps the other's matmuls (compute-bound). It is used
+only when every matmul is on radixrt's row-invariant kernels (`row_invariant`): each op then
+computes a row as in the whole batch, and the result is bitwise the unsplit one.
+
 It applies when the whole step is of that shape: a decode batch whose attention is the
 paged-decode op (`AttentionBackend.paged_decode_plan`), fused CPU layer ops, and every matmul
 dense or on radixrt's `qgemv` or `qgemm_vnni` kernel (`build` says why not otherwise, and the
@@ -50,6 +56,12 @@ class DecodeLayers:
                  meta: list[int], num_heads: int, num_kv_heads: int, head_dim: int,
                  eps: float, scale: float):
         self.norms, self.weights, self.meta = norms, weights, meta
+        # Every matmul on radixrt's qgemv / vnni kernels with no dense copy: those compute a
+        # row the same whatever the row count (torch's dense matmuls need not), so the whole
+        # step is row-invariant and may run as micro-batches bitwise.
+        self.row_invariant = all(
+            meta[3 * i] in (KIND_QGEMV, KIND_VNNI) and weights[5 * i + 3] is None
+            for i in range(len(meta) // 3))
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.eps, self.scale = eps, scale
 
@@ -82,12 +94,14 @@ class DecodeLayers:
     def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, loc: torch.Tensor,
             plan: PagedDecodePlan, k_buffers: list[torch.Tensor],
             v_buffers: list[torch.Tensor], k_scales: list[torch.Tensor] | None = None,
-            v_scales: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            v_scales: list[torch.Tensor] | None = None, split: int = 0
+            ) -> tuple[torch.Tensor, torch.Tensor]:
         """All layers on the embedded tokens `h` (`cos`/`sin` `[rows, 1, head_dim]`, new K/V
         stored at `loc`; an int8 pool's scales in `k_scales` / `v_scales`): (last layer's MLP
-        output, residual stream), as the layer loop."""
+        output, residual stream), as the layer loop. `split` > 0: rows `[0, split)` and
+        `[split, rows)` run as two micro-batches, one per thread."""
         return torch.ops.radixrt.decode_layers(
             h, cos.squeeze(1), sin.squeeze(1), self.norms, self.weights, self.meta, k_buffers,
-            v_buffers, k_scales or [], v_scales or [], loc, plan.kv_indices, plan.row_start, plan.row_len, plan.group_start,
-            plan.group_len, plan.group_row_ptr, plan.group_rows, self.num_heads,
-            self.num_kv_heads, self.head_dim, self.eps, self.scale)
+            v_buffers, k_scales or [], v_scales or [], loc, plan.kv_indices, plan.row_start,
+            plan.row_len, plan.group_start, plan.group_len, plan.group_row_ptr, plan.group_rows,
+            self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale, split)

@@ -158,6 +158,9 @@ class LlamaForCausalLM(nn.Module):
         # Decode steps run all layers in one C++ call where they can (`model.decode_layers`);
         # False: always the Python layer loop. The call's arguments are built on first use.
         self.fused_decode = True
+        # Rows from which a one-call decode step runs as two micro-batches (`decode_split`);
+        # 0: never. The runner sets it from ServerArgs.decode_microbatch_rows (same default).
+        self.decode_microbatch_rows = 16
         self._decode_layers: DecodeLayers | str | None = None
         self.set_layer_ops(select_layer_ops(dtype, dev, config.hidden_size,
                                             config.intermediate_size, config.head_dim,
@@ -177,6 +180,17 @@ class LlamaForCausalLM(nn.Module):
         return self._decode_layers
 
     @torch.inference_mode()
+    def decode_split(self, rows: int) -> int:
+        """Where the second micro-batch of a `rows`-row one-call decode step starts, 0 for one
+        batch: halves from `decode_microbatch_rows` rows when torch has exactly 2 intra-op
+        threads (one per micro-batch; with more, the ops would run one thread each) and the
+        step is row-invariant (`DecodeLayers.row_invariant`: the split is then bitwise)."""
+        least = self.decode_microbatch_rows
+        if least <= 0 or rows < max(least, 2) or torch.get_num_threads() != 2:
+            return 0
+        stack = self.decode_layers()
+        return rows // 2 if isinstance(stack, DecodeLayers) and stack.row_invariant else 0
+
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Run every layer of one step; float32 logits `[B, vocab]` for rows `fb.logits_indices`."""
         return self.forward_scored(fb)[0]
@@ -200,7 +214,8 @@ class LlamaForCausalLM(nn.Module):
         if isinstance(stack, DecodeLayers) and plan is not None:
             pool = attn.kv_pool
             h, residual = stack.run(h, cos, sin, fb.out_cache_loc, plan, pool.k_buffer,
-                                    pool.v_buffer, pool.k_scale, pool.v_scale)
+                                    pool.v_buffer, pool.k_scale, pool.v_scale,
+                                    split=self.decode_split(int(h.shape[0])))
         else:
             for layer in self.layers:
                 h, residual = layer(h, residual, cos, sin, fb, attn)

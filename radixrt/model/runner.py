@@ -101,6 +101,7 @@ class ModelRunner:
             logger.info("model tensors: %.1f MiB moved to huge-page buffers", moved / 2**20)
         # compiled dense parts replace the layers' Python methods, which the C++ loop skips
         self.model.fused_decode = not (args.disable_fused_decode or args.compile_decode)
+        self.model.decode_microbatch_rows = args.decode_microbatch_rows
         self.compiled = None
         if args.compile_decode:
             from radixrt.model.compiled_layers import CompiledDense

@@ -22,14 +22,34 @@
 // pool passes its per-layer scales in k_scales / v_scales (empty lists otherwise): then
 // kv_store_i8 and paged_decode_i8.
 // Returns the last layer's (MLP output, residual stream); their sum is the hidden state.
+//
+// Micro-batches (`split` > 0, rows >= 2): rows [0, split) and [split, rows) run as two
+// micro-batches, each through every layer on its own thread of one parallel region, the ops
+// inside on that thread alone (a nested region runs on its caller). The second starts once the
+// first has finished its first layer's attention, so that, layer after layer, one micro-batch's
+// paged decode (memory-bound: it streams K/V) tends to run while the other's matmuls
+// (compute-bound) do: a 64-row step on 2 cores took 0.87-0.91x the time of one 64-row pass
+// (bench/results/2026-11-25-s24-decode-microbatches.md). Every op computes each row as it
+// would in the whole batch, so the result is bitwise the unsplit one. A shared-prefix group
+// with rows in both micro-batches becomes a group in each (its prefix is read by both).
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <cstdint>
+#include <limits>
 #include <optional>
+#include <thread>
 #include <tuple>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
 
 namespace radixrt_cpu {
 namespace {
@@ -40,6 +60,8 @@ using OptTensors = c10::List<std::optional<Tensor>>;
 constexpr int64_t kSlotsPerLinear = 5;
 constexpr int64_t kMetaPerLinear = 3;
 constexpr int64_t kLinearsPerLayer = 4;
+// A micro-batch's thread waiting for the other: pause-spins before yielding the core.
+constexpr int64_t kSpinsBeforeYield = 2000;
 
 // The radixrt ops, looked up once in the dispatcher (they are registered by this library).
 struct Ops {
@@ -150,6 +172,128 @@ Tensor run_linear(const Ops& ops, const Tensor& x, const OptTensors& w, c10::Int
   return bias.has_value() ? y + *bias : y;
 }
 
+// The paged plan of one micro-batch: its rows' own keys and the shared-prefix groups it reads.
+struct Plan {
+  Tensor kv_indices, row_start, row_len, group_start, group_len, group_row_ptr, group_rows;
+
+  // Rows [r0, r1) of this plan, numbered from 0: each group keeps the rows it has there (a
+  // group with none is dropped). kv_indices is shared.
+  Plan rows(int64_t r0, int64_t r1) const {
+    TORCH_CHECK(group_row_ptr.numel() == group_start.numel() + 1,
+                "decode_layers: group_row_ptr must have one entry more than group_start");
+    const Tensor gp = group_row_ptr.contiguous(), gr = group_rows.contiguous();
+    const Tensor gs = group_start.contiguous(), gl = group_len.contiguous();
+    const int64_t* ptr = gp.data_ptr<int64_t>();
+    const int64_t* grows = gr.data_ptr<int64_t>();
+    std::vector<int64_t> starts, lens, ptrs{0}, members;
+    for (int64_t g = 0; g < gs.numel(); ++g) {
+      TORCH_CHECK(ptr[g] >= 0 && ptr[g] <= ptr[g + 1] && ptr[g + 1] <= gr.numel(),
+                  "decode_layers: group_row_ptr out of range at group ", g);
+      for (int64_t i = ptr[g]; i < ptr[g + 1]; ++i) {
+        if (grows[i] >= r0 && grows[i] < r1) members.push_back(grows[i] - r0);
+      }
+      if (static_cast<int64_t>(members.size()) > ptrs.back()) {
+        starts.push_back(gs.data_ptr<int64_t>()[g]);
+        lens.push_back(gl.data_ptr<int64_t>()[g]);
+        ptrs.push_back(static_cast<int64_t>(members.size()));
+      }
+    }
+    auto ints = [](const std::vector<int64_t>& v) {
+      return at::tensor(at::ArrayRef<int64_t>(v), at::TensorOptions().dtype(at::kLong));
+    };
+    return {kv_indices, row_start.slice(0, r0, r1).contiguous(),
+            row_len.slice(0, r0, r1).contiguous(), ints(starts), ints(lens), ints(ptrs),
+            ints(members)};
+  }
+};
+
+// Arguments shared by every layer of the step.
+struct Stack {
+  const Tensor &cos, &sin;
+  at::TensorList norms;
+  const OptTensors& weights;
+  c10::IntArrayRef meta;
+  at::TensorList k_buffers, v_buffers, k_scales, v_scales;
+  int64_t num_heads, num_kv_heads, head_dim;
+  double eps, scale;
+};
+
+// How far a micro-batch has got: attentions finished (`kDone` once it has left the layers,
+// however it left).
+struct alignas(64) Progress {
+  static constexpr int64_t kDone = std::numeric_limits<int64_t>::max();
+  std::atomic<int64_t> attentions{0};
+
+  void wait_for(int64_t target) const {
+    for (int64_t spins = 0; attentions.load(std::memory_order_acquire) < target; ++spins) {
+      if (spins >= kSpinsBeforeYield) {
+        std::this_thread::yield();
+      } else {
+#if defined(__x86_64__) || defined(_M_X64)
+        _mm_pause();
+#endif
+      }
+    }
+  }
+};
+
+// Every layer over rows [r0, r1) of the step (h0, loc, cos / sin rows), reporting each finished
+// attention in `progress` (may be null).
+std::tuple<Tensor, Tensor> run_layers(const Stack& st, const Tensor& h0, const Tensor& loc,
+                                      const Plan& plan, int64_t r0, int64_t r1,
+                                      Progress* progress) {
+  struct Finish {  // kDone on every way out, so a waiting peer never waits on an error
+    Progress* p;
+    ~Finish() {
+      if (p) p->attentions.store(Progress::kDone, std::memory_order_release);
+    }
+  } finish{progress};
+  const int64_t layers = static_cast<int64_t>(st.k_buffers.size());
+  const bool int8_pool = !st.k_scales.empty();
+  const int64_t n = r1 - r0;
+  const int64_t q_size = st.num_heads * st.head_dim, kv_size = st.num_kv_heads * st.head_dim;
+  const Tensor cos = st.cos.slice(0, r0, r1), sin = st.sin.slice(0, r0, r1);
+  const Tensor rloc = loc.slice(0, r0, r1);
+  const Ops& ops = Ops::get();
+  const double eps = st.eps;
+
+  Tensor h = h0.slice(0, r0, r1), residual;
+  for (int64_t l = 0; l < layers; ++l) {
+    Tensor x;
+    if (l == 0) {
+      residual = h;
+      x = ops.rms_norm.call(h, st.norms[0], eps);
+    } else {
+      std::tie(x, residual) = ops.add_rms_norm.call(h, residual, st.norms[2 * l], eps);
+    }
+    const int64_t lin = kLinearsPerLayer * l;
+    const Tensor qkv = run_linear(ops, x, st.weights, st.meta, lin);
+    auto [q, k] = ops.rope_qk.call(qkv, cos, sin, st.num_heads, st.num_kv_heads);
+    const Tensor v = qkv.slice(1, q_size + kv_size).view({n, st.num_kv_heads, st.head_dim});
+    const Tensor& kb = st.k_buffers[l];
+    const Tensor& vb = st.v_buffers[l];
+    if (int8_pool) ops.kv_store_i8.call(kb, vb, st.k_scales[l], st.v_scales[l], rloc, k, v);
+    else ops.kv_store.call(kb, vb, rloc, k, v);
+    Tensor o = std::get<0>(
+        int8_pool
+            ? ops.paged_decode_i8.call(q.contiguous(), kb, vb, st.k_scales[l], st.v_scales[l],
+                                       plan.kv_indices, plan.row_start, plan.row_len,
+                                       plan.group_start, plan.group_len, plan.group_row_ptr,
+                                       plan.group_rows, st.scale)
+            : ops.paged_decode.call(q.to(kb.scalar_type()).contiguous(), kb, vb,
+                                    plan.kv_indices, plan.row_start, plan.row_len,
+                                    plan.group_start, plan.group_len, plan.group_row_ptr,
+                                    plan.group_rows, st.scale));
+    if (progress) progress->attentions.store(l + 1, std::memory_order_release);
+    o = o.to(q.scalar_type()).reshape({n, q_size});
+    const Tensor attn_out = run_linear(ops, o, st.weights, st.meta, lin + 1);
+    std::tie(x, residual) = ops.add_rms_norm.call(attn_out, residual, st.norms[2 * l + 1], eps);
+    const Tensor gate_up = run_linear(ops, x, st.weights, st.meta, lin + 2);
+    h = run_linear(ops, gate_up, st.weights, st.meta, lin + 3, /*silu=*/true);
+  }
+  return {h, residual};
+}
+
 std::tuple<Tensor, Tensor> decode_layers(
     const Tensor& h0, const Tensor& cos, const Tensor& sin, at::TensorList norms,
     const OptTensors& weights, c10::IntArrayRef meta, at::TensorList k_buffers,
@@ -157,7 +301,8 @@ std::tuple<Tensor, Tensor> decode_layers(
     const Tensor& loc, const Tensor& kv_indices,
     const Tensor& row_start, const Tensor& row_len, const Tensor& group_start,
     const Tensor& group_len, const Tensor& group_row_ptr, const Tensor& group_rows,
-    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale) {
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+    int64_t split) {
   const int64_t layers = static_cast<int64_t>(k_buffers.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_buffers.size()) == layers,
               "decode_layers: k_buffers and v_buffers must have one entry per layer");
@@ -179,41 +324,30 @@ std::tuple<Tensor, Tensor> decode_layers(
   TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && head_dim > 0,
               "decode_layers: head counts and head_dim must be positive");
   const int64_t n = h0.size(0);
-  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-  const Ops& ops = Ops::get();
+  TORCH_CHECK(split >= 0 && split < std::max<int64_t>(n, 1),
+              "decode_layers: split must be in [0, rows), got ", split, " for ", n, " rows");
+  TORCH_CHECK(row_start.numel() == n && row_len.numel() == n && loc.numel() == n,
+              "decode_layers: row_start, row_len and loc must have one entry per row");
+  const Stack st{cos, sin, norms, weights, meta, k_buffers, v_buffers, k_scales, v_scales,
+                 num_heads, num_kv_heads, head_dim, eps, scale};
+  const Plan plan{kv_indices, row_start, row_len, group_start, group_len, group_row_ptr,
+                  group_rows};
+  if (split == 0) return run_layers(st, h0, loc, plan, 0, n, nullptr);
 
-  Tensor h = h0, residual;
-  for (int64_t l = 0; l < layers; ++l) {
-    Tensor x;
-    if (l == 0) {
-      residual = h;
-      x = ops.rms_norm.call(h, norms[0], eps);
-    } else {
-      std::tie(x, residual) = ops.add_rms_norm.call(h, residual, norms[2 * l], eps);
+  const int64_t bounds[3] = {0, split, n};
+  const Plan plans[2] = {plan.rows(0, split), plan.rows(split, n)};
+  Progress progress[2];
+  std::tuple<Tensor, Tensor> out[2];
+  const at::ThreadLocalState tls;  // the caller's (inference mode, dispatch keys) on each thread
+  at::parallel_for(0, 2, 1, [&](int64_t b, int64_t e) {
+    const at::ThreadLocalStateGuard guard(tls);
+    for (int64_t i = b; i < e; ++i) {
+      if (i == 1) progress[0].wait_for(1);  // the first's first attention done (or it left)
+      out[i] = run_layers(st, h0, loc, plans[i], bounds[i], bounds[i + 1], &progress[i]);
     }
-    const int64_t lin = kLinearsPerLayer * l;
-    const Tensor qkv = run_linear(ops, x, weights, meta, lin);
-    auto [q, k] = ops.rope_qk.call(qkv, cos, sin, num_heads, num_kv_heads);
-    const Tensor v = qkv.slice(1, q_size + kv_size).view({n, num_kv_heads, head_dim});
-    const Tensor& kb = k_buffers[l];
-    const Tensor& vb = v_buffers[l];
-    if (int8_pool) ops.kv_store_i8.call(kb, vb, k_scales[l], v_scales[l], loc, k, v);
-    else ops.kv_store.call(kb, vb, loc, k, v);
-    Tensor o = std::get<0>(
-        int8_pool
-            ? ops.paged_decode_i8.call(q.contiguous(), kb, vb, k_scales[l], v_scales[l],
-                                       kv_indices, row_start, row_len, group_start, group_len,
-                                       group_row_ptr, group_rows, scale)
-            : ops.paged_decode.call(q.to(kb.scalar_type()).contiguous(), kb, vb, kv_indices,
-                                    row_start, row_len,
-        group_start, group_len, group_row_ptr, group_rows, scale));
-    o = o.to(q.scalar_type()).reshape({n, q_size});
-    const Tensor attn_out = run_linear(ops, o, weights, meta, lin + 1);
-    std::tie(x, residual) = ops.add_rms_norm.call(attn_out, residual, norms[2 * l + 1], eps);
-    const Tensor gate_up = run_linear(ops, x, weights, meta, lin + 2);
-    h = run_linear(ops, gate_up, weights, meta, lin + 3, /*silu=*/true);
-  }
-  return {h, residual};
+  });
+  return {at::cat({std::get<0>(out[0]), std::get<0>(out[1])}),
+          at::cat({std::get<1>(out[0]), std::get<1>(out[1])})};
 }
 
 }  // namespace
@@ -226,7 +360,7 @@ TORCH_LIBRARY_FRAGMENT(radixrt, m) {
       "Tensor(d!)[] v_scales, Tensor loc, Tensor kv_indices, "
       "Tensor row_start, Tensor row_len, Tensor group_start, Tensor group_len, "
       "Tensor group_row_ptr, Tensor group_rows, int num_heads, int num_kv_heads, int head_dim, "
-      "float eps, float scale) -> (Tensor, Tensor)");
+      "float eps, float scale, int split=0) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(radixrt, CPU, m) { m.impl("decode_layers", &radixrt_cpu::decode_layers); }

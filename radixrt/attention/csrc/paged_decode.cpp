@@ -67,15 +67,22 @@ static_assert(kBlock % kVec == 0, "key block must be a whole number of vectors")
 constexpr int64_t kBlock16 = 16;
 // Measured on Zen 4 (bench/results/2026-11-24-paged-decode-v2.md): no prefetch is 1.6-1.8x
 // slower from memory, 2 or 3 blocks ahead slower than 1; fp32 P V 1.2x slower than bf16 pairs
-// with K/V in the caches, the same from memory.
+// with K/V in the caches, the same from memory. A call that runs on one thread (a micro-batch
+// of radixrt::decode_layers, or a one-thread process) prefetches further ahead: one thread
+// needs more misses in flight to draw the bandwidth two share (Zen 5, 2-core decode steps of
+// two 32-row micro-batches: 2 blocks ahead 1.03-1.05x over 1, 3 no better than 2).
 // RADIXRT_PD_* override them for such measurements.
 #ifndef RADIXRT_PD_PREFETCH_BLOCKS
 #define RADIXRT_PD_PREFETCH_BLOCKS 1
+#endif
+#ifndef RADIXRT_PD_PREFETCH_BLOCKS_ALONE
+#define RADIXRT_PD_PREFETCH_BLOCKS_ALONE 2
 #endif
 #ifndef RADIXRT_PD_PV_BF16
 #define RADIXRT_PD_PV_BF16 1
 #endif
 constexpr int64_t kPrefetchBlocks = RADIXRT_PD_PREFETCH_BLOCKS;
+constexpr int64_t kPrefetchBlocksAlone = RADIXRT_PD_PREFETCH_BLOCKS_ALONE;
 constexpr bool kPvBf16 = RADIXRT_PD_PV_BF16;
 // Most query rows per cascade work item (rows of one group are split into chunks so that
 // there are enough items for every thread).
@@ -85,6 +92,13 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // the other threads costs more than the work (tens of microseconds at most), and far more when
 // the machine is oversubscribed and a woken thread has to wait for a time slice.
 constexpr int64_t kMinParallelWork = 16384;
+
+// Whether this call runs on the calling thread alone: inside another parallel region (a nested
+// one runs on its caller) or with one intra-op thread.
+inline bool runs_alone() { return at::in_parallel_region() || at::get_num_threads() == 1; }
+
+// Blocks ahead the AVX-512 scans prefetch in this call.
+inline int64_t prefetch_blocks() { return runs_alone() ? kPrefetchBlocksAlone : kPrefetchBlocks; }
 
 #if defined(CPU_CAPABILITY_AVX512)
 // ---- AVX-512 scan (see the top of the file) ---------------------------------------------
@@ -215,6 +229,7 @@ struct KeyScan {
   const T* vbase;  // v_buffer + kv_head * D
   int64_t stride;  // elements between consecutive slots
   float scale;
+  int64_t ahead;  // blocks whose rows are prefetched ahead (prefetch_blocks())
 
   // Queries as the dot products take them: bf16 as given for the dot path, else fp32 (unscaled;
   // the scores are scaled in fp32).
@@ -263,11 +278,11 @@ struct KeyScan {
       // Padding keys reuse the first row (finite values; their probability is 0).
       for (int jj = nb; jj < kBlock16; ++jj) krow[jj] = krow[0];
       vrow[nb] = vrow[0];
-      // Start fetching the rows kPrefetchBlocks blocks ahead while this one is computed: the
+      // Start fetching the rows `ahead` blocks ahead while this one is computed: the
       // K rows before the scores, the V rows after them (spread, the prefetches of one block
       // do not queue up behind each other: 3-5% faster from memory than all at once).
-      const int64_t pf0 = j0 + kPrefetchBlocks * kBlock16;
-      const int64_t pf1 = kPrefetchBlocks > 0 && prefetch ? std::min(n, pf0 + kBlock16) : 0;
+      const int64_t pf0 = j0 + ahead * kBlock16;
+      const int64_t pf1 = ahead > 0 && prefetch ? std::min(n, pf0 + kBlock16) : 0;
       for (int64_t j = pf0; j < pf1; ++j) {
         prefetch_row(kbase + static_cast<int64_t>(idx[j]) * stride, D * sizeof(T));
       }
@@ -458,6 +473,7 @@ struct KeyScanI8 {
   const float* vsbase;
   int64_t sstride;  // scales between consecutive slots
   float scale;
+  int64_t ahead;  // blocks whose rows are prefetched ahead (prefetch_blocks())
 
   template <typename S>
   static void load_queries(const S* src, int64_t n, float /*scale*/, QType* dst) {
@@ -551,8 +567,8 @@ struct KeyScanI8 {
         vrow[jj] = vbase + off;
       }
       for (int jj = nb; jj < kBlock16; ++jj) krow[jj] = krow[0];
-      const int64_t pf0 = j0 + kPrefetchBlocks * kBlock16;
-      const int64_t pf1 = kPrefetchBlocks > 0 && prefetch ? std::min(n, pf0 + kBlock16) : 0;
+      const int64_t pf0 = j0 + ahead * kBlock16;
+      const int64_t pf1 = ahead > 0 && prefetch ? std::min(n, pf0 + kBlock16) : 0;
       for (int64_t j = pf0; j < pf1; ++j) {
         prefetch_row(kbase + static_cast<int64_t>(idx[j]) * stride, D);
         // the scales' lines too (the gathers below would wait for each miss)
@@ -675,6 +691,7 @@ struct KeyScan {
   const T* vbase;  // v_buffer + kv_head * D
   int64_t stride;  // elements between consecutive slots
   float scale;
+  int64_t ahead;  // unused: this scan prefetches the next block
 
   // Queries scaled and converted to fp32.
   template <typename S>
@@ -856,7 +873,7 @@ void paged_decode_run(const Tensor& q, int64_t Hkv, int64_t slots, const Tensor&
     }
     // Split each group's rows into chunks so every thread has work; a chunk reads the prefix
     // once for all of its rows.
-    const int64_t threads = at::get_num_threads();
+    const int64_t threads = runs_alone() ? 1 : at::get_num_threads();
     const int64_t per_group = std::max<int64_t>(1, (2 * threads + num_groups * Hkv - 1) /
                                                        (num_groups * Hkv));
     const int64_t max_rows = std::max<int64_t>(1, kMaxChunkRows * 3 / std::max<int64_t>(G, 1));
@@ -950,8 +967,9 @@ void paged_decode_float(const Tensor& q, const Tensor& k_buffer, const Tensor& v
   const T* kb = k_buffer.data_ptr<T>();
   const T* vb = v_buffer.data_ptr<T>();
   const int64_t slot_stride = k_buffer.stride(0), head_stride = k_buffer.stride(1);
+  const int64_t ahead = prefetch_blocks();
   auto scan_for = [&](int64_t h) {
-    return Scan{kb + h * head_stride, vb + h * head_stride, slot_stride, scale};
+    return Scan{kb + h * head_stride, vb + h * head_stride, slot_stride, scale, ahead};
   };
   paged_decode_run<T, Scan>(q, k_buffer.size(1), k_buffer.size(0), idx, rs, rl, gs, gl, gp, gr,
                             scale, scan_for, out, lse);
@@ -1074,9 +1092,10 @@ void paged_decode_i8_impl(const Tensor& q, const Tensor& k_buffer, const Tensor&
   const float* vsb = v_scale.data_ptr<float>();
   const int64_t slot_stride = k_buffer.stride(0), head_stride = k_buffer.stride(1);
   const int64_t s_slot = k_scale.stride(0), s_head = k_scale.stride(1);
+  const int64_t ahead = prefetch_blocks();
   auto scan_for = [&](int64_t h) {
     return Scan{kb + h * head_stride, vb + h * head_stride, slot_stride,
-                ksb + h * s_head, vsb + h * s_head, s_slot, scale};
+                ksb + h * s_head, vsb + h * s_head, s_slot, scale, ahead};
   };
   paged_decode_run<QT, Scan>(q, k_buffer.size(1), k_buffer.size(0), idx, rs, rl, gs, gl, gp, gr,
                              scale, scan_for, out, lse);
