@@ -186,19 +186,30 @@ def test_server_args_switch(tmp_path: Path, disable: bool) -> None:
     assert runner.model.fused_decode is (not disable)
 
 
-def test_bad_arguments_raise_naming_them(tmp_path: Path) -> None:
+def _direct_args(tmp_path: Path, kv_indices: list[int]) -> tuple[list[object], DecodeLayers,
+                                                                  PagedRunner]:
+    """Arguments of a direct `radixrt::decode_layers` call (no `split`) on a 2-layer fp32 tiny
+    model: one row per entry of `kv_indices`, row b writing slot b + 1 and attending over
+    `kv_indices[b]` alone."""
     make_tiny_checkpoint(tmp_path, "llama", seed=4, num_hidden_layers=2)
     runner = _runner(tmp_path, torch.float32)
     stack = runner.model.decode_layers()
     assert isinstance(stack, DecodeLayers)
-    kv = runner.kv_pool
-    h = torch.zeros(1, runner.model.config.hidden_size)
-    cs = torch.zeros(1, runner.model.config.head_dim)
+    kv, n = runner.kv_pool, len(kv_indices)
+    h = torch.randn(n, runner.model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    cs = torch.zeros(n, runner.model.config.head_dim)
     empty = torch.zeros(0, dtype=torch.int64)
     args = [h, cs, cs, stack.norms, stack.weights, stack.meta, kv.k_buffer, kv.v_buffer, [], [],
-            torch.tensor([1]), torch.tensor([1], dtype=torch.int32), torch.tensor([0]),
-            torch.tensor([1]), empty, empty, torch.zeros(1, dtype=torch.int64), empty,
-            stack.num_heads, stack.num_kv_heads, stack.head_dim, stack.eps, stack.scale]
+            torch.arange(1, n + 1), torch.tensor(kv_indices, dtype=torch.int32),
+            torch.arange(n), torch.ones(n, dtype=torch.int64), empty, empty,
+            torch.zeros(1, dtype=torch.int64), empty, stack.num_heads, stack.num_kv_heads,
+            stack.head_dim, stack.eps, stack.scale]
+    return args, stack, runner
+
+
+def test_bad_arguments_raise_naming_them(tmp_path: Path) -> None:
+    args, stack, runner = _direct_args(tmp_path, [1])
+    kv, h = runner.kv_pool, args[0]
     op = torch.ops.radixrt.decode_layers
     bad_scales = list(args)
     bad_scales[8] = kv.k_buffer[:1]
@@ -311,23 +322,13 @@ def test_negative_micro_batch_rows_are_refused() -> None:
 def test_micro_batch_errors_raise_and_do_not_hang(tmp_path: Path, two_threads: object) -> None:
     """A bad split is refused naming it; an error inside the first micro-batch (a slot out of
     the pool) reaches the caller while the second, which waits on the first's progress, still
-    finishes (no hang)."""
-    make_tiny_checkpoint(tmp_path, "llama", seed=4, num_hidden_layers=2)
-    runner = _runner(tmp_path, torch.float32)
-    stack = runner.model.decode_layers()
-    assert isinstance(stack, DecodeLayers)
-    kv = runner.kv_pool
-    h = torch.randn(2, runner.model.config.hidden_size)
-    cs = torch.zeros(2, runner.model.config.head_dim)
-    empty = torch.zeros(0, dtype=torch.int64)
+    finishes (no hang). Each call gets a fresh model and pool (the same seeded weights)."""
+    calls: list[int] = []
 
     def call(split: int, kv_indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.ops.radixrt.decode_layers(
-            h, cs, cs, stack.norms, stack.weights, stack.meta, kv.k_buffer, kv.v_buffer, [], [],
-            torch.tensor([1, 2]), torch.tensor(kv_indices, dtype=torch.int32),
-            torch.tensor([0, 1]), torch.tensor([1, 1]), empty, empty,
-            torch.zeros(1, dtype=torch.int64), empty, stack.num_heads, stack.num_kv_heads,
-            stack.head_dim, stack.eps, stack.scale, split)
+        args, _, _ = _direct_args(tmp_path / str(len(calls)), kv_indices)
+        calls.append(split)
+        return torch.ops.radixrt.decode_layers(*args, split)
 
     for bad in (-1, 2):
         with pytest.raises(RuntimeError, match="split must be in"):
