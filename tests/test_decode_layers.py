@@ -296,6 +296,8 @@ def test_decode_split_policy(tmp_path: Path, two_threads: object) -> None:
     with_copy = _runner(path, torch.bfloat16, QuantPlan("gguf", max_rows_int4=2)).model
     assert with_copy.decode_split(64) == 0
     model.decode_microbatch_rows = 16
+    assert model.decode_path() == "one C++ call, two micro-batches from 16 rows"
+    assert "not on radixrt's row-invariant kernels" in dense.decode_path()
     assert [model.decode_split(n) for n in (1, 15, 16, 17, 64)] == [0, 0, 8, 8, 32]
     model.decode_microbatch_rows = 0
     assert model.decode_split(64) == 0
@@ -304,6 +306,7 @@ def test_decode_split_policy(tmp_path: Path, two_threads: object) -> None:
     assert model.decode_split(64) == 0
     torch.set_num_threads(3)  # more: the ops inside a micro-batch would run on one thread
     assert model.decode_split(64) == 0
+    assert model.decode_path() == "one C++ call, one pass (3 threads, not 2)"
 
 
 @pytest.mark.parametrize("value", [0, 32])

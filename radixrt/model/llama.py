@@ -191,6 +191,22 @@ class LlamaForCausalLM(nn.Module):
         stack = self.decode_layers()
         return rows // 2 if isinstance(stack, DecodeLayers) and stack.row_invariant else 0
 
+    def decode_path(self) -> str:
+        """How decode steps run on this model, for the start-up log."""
+        stack = self.decode_layers() if self.fused_decode else "disabled"
+        if not isinstance(stack, DecodeLayers):
+            return f"layer loop ({stack})"
+        least = self.decode_microbatch_rows
+        if least <= 0:
+            why = "off"
+        elif torch.get_num_threads() != 2:
+            why = f"{torch.get_num_threads()} threads, not 2"
+        elif not stack.row_invariant:
+            why = "a matmul is not on radixrt's row-invariant kernels"
+        else:
+            return f"one C++ call, two micro-batches from {least} rows"
+        return f"one C++ call, one pass ({why})"
+
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Run every layer of one step; float32 logits `[B, vocab]` for rows `fb.logits_indices`."""
         return self.forward_scored(fb)[0]

@@ -115,6 +115,8 @@ class ModelRunner:
             self.cuda_graphs = CudaGraphRunner(
                 self.model, self.attn_backend, max_bs=self.sizes.max_running_requests,
                 max_kv_tokens=self.sizes.max_total_tokens)
+        if self.device.type == "cpu":
+            logger.info("decode steps: %s", self.model.decode_path())
         logger.info(
             "KV pool: %d tokens (%.1f MiB, %s), %d request rows x %d context, device %s",
             self.sizes.max_total_tokens,
