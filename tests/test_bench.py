@@ -593,4 +593,4 @@ def test_decode_phases_laps_every_phase_of_the_current_decode_step():
         assert f"LAP({i})" in loop
     assert out.count("LAP(0)") == 2 and "phase_times" in out
     with pytest.raises(SystemExit, match="anchor"):
-        decode_phases.timed_source(src.replace("ops.kv_store.call(kb, vb, loc, k, v);", "x;"))
+        decode_phases.timed_source(src.replace("ops.kv_store.call(kb, vb, rloc, k, v);", "x;"))
