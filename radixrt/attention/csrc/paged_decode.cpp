@@ -211,28 +211,18 @@ inline void run_tiles(const Scan& scan, const QType* q, int64_t nq, const int32_
   }
 }
 
-template <typename T, int D>
-struct KeyScan {
+// What the AVX-512 scans share (CRTP; `Scan` derives from it): head_dim D in vectors of 16,
+// queries in tiles of TQ, taken as QT, and `run` over run_tiles.
+template <typename Scan, typename QT, int D>
+struct TiledScan {
   static_assert(D % 16 == 0, "head_dim must be a multiple of 16");
   static constexpr int NV = D / 16;
-  // The bf16 dot path: a bf16 pool on a CPU with AVX512-BF16.
-  static constexpr bool kDot = kHaveBf16Dot && std::is_same_v<T, at::BFloat16>;
-  // P V in bf16 pairs (vdpbf16ps) needs whole 32-element chunks.
-  static constexpr bool kPairPV = kDot && kPvBf16 && D % 32 == 0;
   // Queries per tile: their P V accumulators (TQ x NV vectors) stay in registers.
   static constexpr int TQ = std::max(1, std::min(4, 12 / NV));
   static constexpr int64_t kD = D;
-  using Dot = RowDot<T, D, kDot>;
-  using QType = typename Dot::QType;
+  using QType = QT;
 
-  const T* kbase;  // k_buffer + kv_head * D
-  const T* vbase;  // v_buffer + kv_head * D
-  int64_t stride;  // elements between consecutive slots
-  float scale;
-  int64_t ahead;  // blocks whose rows are prefetched ahead (prefetch_blocks())
-
-  // Queries as the dot products take them: bf16 as given for the dot path, else fp32 (unscaled;
-  // the scores are scaled in fp32).
+  // Queries as the scan takes them: converted to QT, unscaled (the scores are scaled in fp32).
   template <typename S>
   static void load_queries(const S* src, int64_t n, float /*scale*/, QType* dst) {
     for (int64_t e = 0; e < n * D; ++e) dst[e] = static_cast<QType>(src[e]);
@@ -242,8 +232,30 @@ struct KeyScan {
   // q[i, :] (run_tiles).
   void run(const QType* q, int64_t nq, const int32_t* idx, int64_t n, float* m, float* l,
            float* acc) const {
-    run_tiles<TQ, D>(*this, q, nq, idx, n, m, l, acc);
+    run_tiles<TQ, D>(static_cast<const Scan&>(*this), q, nq, idx, n, m, l, acc);
   }
+};
+
+// The bf16 dot path: a bf16 pool on a CPU with AVX512-BF16.
+template <typename T>
+constexpr bool kBf16Dot = kHaveBf16Dot && std::is_same_v<T, at::BFloat16>;
+
+// Float pools. Queries as the dot products take them: bf16 as given for the dot path, else fp32.
+template <typename T, int D>
+struct KeyScan : TiledScan<KeyScan<T, D>, typename RowDot<T, D, kBf16Dot<T>>::QType, D> {
+  using Base = TiledScan<KeyScan<T, D>, typename RowDot<T, D, kBf16Dot<T>>::QType, D>;
+  using Base::NV;
+  using typename Base::QType;
+  static constexpr bool kDot = kBf16Dot<T>;
+  // P V in bf16 pairs (vdpbf16ps) needs whole 32-element chunks.
+  static constexpr bool kPairPV = kDot && kPvBf16 && D % 32 == 0;
+  using Dot = RowDot<T, D, kDot>;
+
+  const T* kbase;  // k_buffer + kv_head * D
+  const T* vbase;  // v_buffer + kv_head * D
+  int64_t stride;  // elements between consecutive slots
+  float scale;
+  int64_t ahead;  // blocks whose rows are prefetched ahead (prefetch_blocks())
 
   // Accumulators of R queries: natural order (fp32 FMA P V) or the pair layout (see below).
   template <int R>
@@ -458,13 +470,11 @@ constexpr bool kHaveInt8Scan = true;
 // scale. Online softmax in fp32 as above. P V: p times the value row's scale, then fp32 FMA on
 // the codes converted to fp32.
 template <int D>
-struct KeyScanI8 {
-  static_assert(D % 16 == 0, "head_dim must be a multiple of 16");
-  static constexpr int NV = D / 16;
+struct KeyScanI8 : TiledScan<KeyScanI8<D>, float, D> {
+  using Base = TiledScan<KeyScanI8<D>, float, D>;
+  using Base::NV;
+  using typename Base::QType;
   static constexpr int NC = (D + 63) / 64;  // 64-byte chunks of a row
-  static constexpr int TQ = std::max(1, std::min(4, 12 / NV));
-  static constexpr int64_t kD = D;
-  using QType = float;
 
   const int8_t* kbase;  // k codes + kv_head * head stride
   const int8_t* vbase;
@@ -474,16 +484,6 @@ struct KeyScanI8 {
   int64_t sstride;  // scales between consecutive slots
   float scale;
   int64_t ahead;  // blocks whose rows are prefetched ahead (prefetch_blocks())
-
-  template <typename S>
-  static void load_queries(const S* src, int64_t n, float /*scale*/, QType* dst) {
-    for (int64_t e = 0; e < n * D; ++e) dst[e] = static_cast<float>(src[e]);
-  }
-
-  void run(const QType* q, int64_t nq, const int32_t* idx, int64_t n, float* m, float* l,
-           float* acc) const {
-    run_tiles<TQ, D>(*this, q, nq, idx, n, m, l, acc);
-  }
 
   static inline __m512i chunk(const int8_t* p, int c) {
     if constexpr (D % 64 == 0) {
@@ -969,7 +969,13 @@ void paged_decode_float(const Tensor& q, const Tensor& k_buffer, const Tensor& v
   const int64_t slot_stride = k_buffer.stride(0), head_stride = k_buffer.stride(1);
   const int64_t ahead = prefetch_blocks();
   auto scan_for = [&](int64_t h) {
-    return Scan{kb + h * head_stride, vb + h * head_stride, slot_stride, scale, ahead};
+    Scan scan{};  // the AVX-512 scans have an (empty) base, the generic one none
+    scan.kbase = kb + h * head_stride;
+    scan.vbase = vb + h * head_stride;
+    scan.stride = slot_stride;
+    scan.scale = scale;
+    scan.ahead = ahead;
+    return scan;
   };
   paged_decode_run<T, Scan>(q, k_buffer.size(1), k_buffer.size(0), idx, rs, rl, gs, gl, gp, gr,
                             scale, scan_for, out, lse);
@@ -1094,7 +1100,8 @@ void paged_decode_i8_impl(const Tensor& q, const Tensor& k_buffer, const Tensor&
   const int64_t s_slot = k_scale.stride(0), s_head = k_scale.stride(1);
   const int64_t ahead = prefetch_blocks();
   auto scan_for = [&](int64_t h) {
-    return Scan{kb + h * head_stride, vb + h * head_stride, slot_stride,
+    return Scan{{},
+                kb + h * head_stride, vb + h * head_stride, slot_stride,
                 ksb + h * s_head, vsb + h * s_head, s_slot, scale, ahead};
   };
   paged_decode_run<QT, Scan>(q, k_buffer.size(1), k_buffer.size(0), idx, rs, rl, gs, gl, gp, gr,
