@@ -103,7 +103,8 @@ inline int64_t prefetch_blocks() { return runs_alone() ? kPrefetchBlocksAlone : 
 #if defined(CPU_CAPABILITY_AVX512)
 // ---- AVX-512 scan (see the top of the file) ---------------------------------------------
 // Transpose-reduce of 16 partial vectors (keys 0..15) into one score vector: combine_pairs on
-// keys (2i, 2i + 1), combine_quads on two pairs, combine_lanes twice: 15 combines per block.
+// keys (2i, 2i + 1), combine_quads on two pairs, combine_lanes twice: 15 combines per block
+// (reduce_block, for the fp32 and the int32 partials alike).
 
 // Lane i of the result: lanes {i, i + 2} summed for a (i even) / b (i odd), per 128-bit lane.
 inline __m512 combine_pairs(__m512 a, __m512 b) {
@@ -118,6 +119,44 @@ inline __m512 combine_quads(__m512 a, __m512 b) {
 // Sums 128-bit lanes pairwise: [a0+a1, a2+a3, b0+b1, b2+b3].
 inline __m512 combine_lanes(__m512 a, __m512 b) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+}
+// The same three on int32 lanes (the int8 scan's exact sums).
+inline __m512i combine_pairs(__m512i a, __m512i b) {
+  return _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+}
+inline __m512i combine_quads(__m512i a, __m512i b) {
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
+}
+inline __m512i combine_lanes(__m512i a, __m512i b) {
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(a, b, 0x88), _mm512_shuffle_i32x4(a, b, 0xDD));
+}
+
+// One block's scores of R queries: s[t] lane j = the sum of query t's 16-lane partial vector
+// for key j. partials(j, emit) computes the partials of keys j and j + 1 (j even) and calls
+// emit(t, partial of j, partial of j + 1) for each query t; pairs, then quads, then lanes are
+// combined as they come.
+template <int R, typename V, typename Partials>
+inline void reduce_block(const Partials& partials, V* s) {
+  V half[R][2];
+#pragma GCC unroll 2
+  for (int g2 = 0; g2 < 2; ++g2) {
+    V quad[R][2];
+#pragma GCC unroll 2
+    for (int g = 0; g < 2; ++g) {
+      V pair[R][2];
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        partials(8 * g2 + 4 * g + 2 * h,
+                 [&](int t, V a, V b) { pair[t][h] = combine_pairs(a, b); });
+      }
+#pragma GCC unroll 4
+      for (int t = 0; t < R; ++t) quad[t][g] = combine_quads(pair[t][0], pair[t][1]);
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < R; ++t) half[t][g2] = combine_lanes(quad[t][0], quad[t][1]);
+  }
+#pragma GCC unroll 4
+  for (int t = 0; t < R; ++t) s[t] = combine_lanes(half[t][0], half[t][1]);
 }
 
 template <int N>
@@ -328,35 +367,18 @@ struct KeyScan : TiledScan<KeyScan<T, D>, typename RowDot<T, D, kBf16Dot<T>>::QT
   }
 
   // s[t] lane j = q[t] · k[j] for the 16 keys (unscaled): per key and query a 16-lane partial
-  // vector, reduced by combine_pairs / combine_quads / combine_lanes.
+  // vector, reduced by reduce_block.
   template <int R>
   inline void scores(const QType* q, const T* const* krow, __m512* s) const {
-    __m512 half[R][2];
-#pragma GCC unroll 2
-    for (int g2 = 0; g2 < 2; ++g2) {
-      __m512 quad[R][2];
-#pragma GCC unroll 2
-      for (int g = 0; g < 2; ++g) {
-        __m512 pair[R][2];
-#pragma GCC unroll 2
-        for (int h = 0; h < 2; ++h) {
-          const int j = 8 * g2 + 4 * g + 2 * h;
+    reduce_block<R>(
+        [&](int j, const auto& emit) {
           Dot ka, kb;
           ka.load(krow[j]);
           kb.load(krow[j + 1]);
 #pragma GCC unroll 4
-          for (int t = 0; t < R; ++t) {
-            pair[t][h] = combine_pairs(ka.dot(q + t * D), kb.dot(q + t * D));
-          }
-        }
-#pragma GCC unroll 4
-        for (int t = 0; t < R; ++t) quad[t][g] = combine_quads(pair[t][0], pair[t][1]);
-      }
-#pragma GCC unroll 4
-      for (int t = 0; t < R; ++t) half[t][g2] = combine_lanes(quad[t][0], quad[t][1]);
-    }
-#pragma GCC unroll 4
-    for (int t = 0; t < R; ++t) s[t] = combine_lanes(half[t][0], half[t][1]);
+          for (int t = 0; t < R; ++t) emit(t, ka.dot(q + t * D), kb.dot(q + t * D));
+        },
+        s);
   }
 
   template <int R>
@@ -631,25 +653,8 @@ struct KeyScanI8 : TiledScan<KeyScanI8<D>, float, D> {
       for (int c = 0; c < NC; ++c) acc = _mm512_dpbusd_epi32(acc, ku[c], q8[t][c]);
       return acc;
     };
-    auto pairs = [](__m512i x, __m512i y) {
-      return _mm512_add_epi32(_mm512_unpacklo_epi32(x, y), _mm512_unpackhi_epi32(x, y));
-    };
-    auto quads = [](__m512i x, __m512i y) {
-      return _mm512_add_epi32(_mm512_unpacklo_epi64(x, y), _mm512_unpackhi_epi64(x, y));
-    };
-    auto lanes = [](__m512i x, __m512i y) {
-      return _mm512_add_epi32(_mm512_shuffle_i32x4(x, y, 0x88), _mm512_shuffle_i32x4(x, y, 0xDD));
-    };
-    __m512i half[R][2];
-#pragma GCC unroll 2
-    for (int g2 = 0; g2 < 2; ++g2) {
-      __m512i quad[R][2];
-#pragma GCC unroll 2
-      for (int g = 0; g < 2; ++g) {
-        __m512i pair[R][2];
-#pragma GCC unroll 2
-        for (int h = 0; h < 2; ++h) {
-          const int j = 8 * g2 + 4 * g + 2 * h;
+    reduce_block<R>(
+        [&](int j, const auto& emit) {
           __m512i ka[NC], kb[NC];
 #pragma GCC unroll 4
           for (int c = 0; c < NC; ++c) {
@@ -657,16 +662,9 @@ struct KeyScanI8 : TiledScan<KeyScanI8<D>, float, D> {
             kb[c] = _mm512_xor_si512(chunk(krow[j + 1], c), flip);
           }
 #pragma GCC unroll 4
-          for (int t = 0; t < R; ++t) pair[t][h] = pairs(dot(t, ka), dot(t, kb));
-        }
-#pragma GCC unroll 4
-        for (int t = 0; t < R; ++t) quad[t][g] = quads(pair[t][0], pair[t][1]);
-      }
-#pragma GCC unroll 4
-      for (int t = 0; t < R; ++t) half[t][g2] = lanes(quad[t][0], quad[t][1]);
-    }
-#pragma GCC unroll 4
-    for (int t = 0; t < R; ++t) s[t] = lanes(half[t][0], half[t][1]);
+          for (int t = 0; t < R; ++t) emit(t, dot(t, ka), dot(t, kb));
+        },
+        s);
   }
 };
 #else
