@@ -62,6 +62,8 @@ def _decode_run(runner: PagedRunner, fused: bool, monkeypatch: pytest.MonkeyPatc
     for _ in range(4):
         logits.append(runner.decode(rows, logits[-1].argmax(-1).tolist()))
     monkeypatch.setattr(DecodeLayers, "run", real)
+    runner.kv_pool.check_invariants()
+    runner.req_pool.check_invariants()
     _decode_run.splits = calls  # type: ignore[attr-defined]
     return logits[1:], len(calls)
 
