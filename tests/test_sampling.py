@@ -492,8 +492,8 @@ def _argmax_op_or_skip() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("rows,n", [(1, 1), (3, 7), (2, 16), (4, 17), (5, 33), (64, 49152),
-                                    (300, 1000)])
+@pytest.mark.parametrize("rows,n", [(1, 1), (3, 7), (2, 16), (4, 17), (5, 33), (5, 64),
+                                    (5, 113), (6, 200), (64, 49152), (300, 1000)])
 def test_row_argmax_is_torchs_argmax(dtype: torch.dtype, rows: int, n: int) -> None:
     """The C++ op gives torch's index: ties (the first maximum wins, in a vector lane, across
     lanes and in the scalar tail), whole -inf rows, +inf, NaN (the first NaN); enough rows and
@@ -515,6 +515,22 @@ def test_row_argmax_is_torchs_argmax(dtype: torch.dtype, rows: int, n: int) -> N
         x[4, 0] = float("nan")
     assert torch.equal(torch.ops.radixrt.argmax_rows(x), x.argmax(-1))
     assert torch.equal(row_argmax(x), x.argmax(-1))
+
+
+def test_row_argmax_ties_across_vector_chains() -> None:
+    """The op reads vectors of 16 in four interleaved chains: a maximum tied at the same lane
+    of different chains, of different rounds, or in the leftover vectors and the scalar tail
+    still gives its first position."""
+    _argmax_op_or_skip()
+    n = 16 * 4 * 3 + 16 * 2 + 5  # three rounds of four vectors, two vectors left, a tail of 5
+    ties = [(40, 3 * 16 + 8), (3 * 16 + 8, 40), (5, 64 + 5), (200, 100), (100, 200),
+            (16 * 13 + 1, n - 1), (n - 2, 16 * 12 + 3), (0, n - 1)]
+    x = torch.zeros(len(ties), n)
+    for r, (a, b) in enumerate(ties):
+        x[r, a] = x[r, b] = 7.0
+    want = torch.tensor([min(a, b) for a, b in ties])
+    assert torch.equal(torch.ops.radixrt.argmax_rows(x), want)
+    assert torch.equal(x.argmax(-1), want)
 
 
 def test_row_argmax_op_rejects_bad_input() -> None:

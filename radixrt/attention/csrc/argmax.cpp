@@ -3,9 +3,9 @@
 // value, and a row holding a NaN gives its first NaN (torch orders NaN above everything).
 //
 // torch's CPU argmax reads a 64 x 49152 fp32 batch of logits at ~3 GB/s (4 ms, as long as a
-// tenth of a decode step); this reads at memory speed. Each lane keeps its running maximum and
-// the first index reaching it (strictly greater replaces), so per lane the first occurrence
-// wins; lanes are then reduced by (value, lowest index). Indices are carried as fp32, exact
+// tenth of a decode step); this reads at memory speed. Each lane of four vector chains keeps its
+// running maximum and the first index reaching it (strictly greater replaces), so per lane the
+// first occurrence wins; the lanes are then reduced by (value, lowest index). Indices are carried as fp32, exact
 // below 2^24 (checked). Rows are independent; they go to threads only when there is enough work.
 
 #include <ATen/ATen.h>
@@ -35,42 +35,59 @@ int64_t first_nan(const T* x, int64_t n) {
   return -1;
 }
 
+// Vector chains of row_argmax: vectors 4j + c go to chain c, so four compare-and-blend chains
+// run side by side instead of one (one chain is bound by its compare -> blend latency: ~3 GB/s
+// per thread on Zen 5; four read at memory speed).
+constexpr int64_t kChains = 4;
+
 template <typename T>
 int64_t row_argmax(const T* x, int64_t n) {
   float best = -std::numeric_limits<float>::infinity();
   int64_t best_i = 0;
   int64_t i = 0;
-  if (n >= kVec) {
+  if (n >= kChains * kVec) {
     alignas(64) float lane_idx[kVec];
     for (int64_t l = 0; l < kVec; ++l) lane_idx[l] = static_cast<float>(l);
-    Vec vmax = load_f32<T>(x), vidx = Vec::loadu(lane_idx);
-    Vec cur = vidx;
-    const Vec step(static_cast<float>(kVec));
-    Vec nan_seen = vmax != vmax;
-    for (i = kVec; i + kVec <= n; i += kVec) {
-      cur = cur + step;
-      const Vec v = load_f32<T>(x + i);
-      const Vec gt = v > vmax;
-      vmax = Vec::blendv(vmax, v, gt);
-      vidx = Vec::blendv(vidx, cur, gt);
-      nan_seen = nan_seen | (v != v);
+    const Vec lanes = Vec::loadu(lane_idx);
+    Vec vmax[kChains], vidx[kChains], off[kChains];
+    Vec nan_seen(0.f);
+    for (int64_t c = 0; c < kChains; ++c) {
+      off[c] = lanes + Vec(static_cast<float>(c * kVec));
+      vmax[c] = load_f32<T>(x + c * kVec);
+      vidx[c] = off[c];
+      nan_seen = nan_seen | (vmax[c] != vmax[c]);
     }
-    alignas(64) float m[kVec], ix[kVec], nn[kVec];
+    // Within a chain and lane, indices only grow and only a strictly greater value replaces:
+    // each lane holds the first position of its maximum.
+    auto visit = [&](int64_t c, int64_t at) {
+      const Vec v = load_f32<T>(x + at);
+      const Vec gt = v > vmax[c];
+      vmax[c] = Vec::blendv(vmax[c], v, gt);
+      vidx[c] = Vec::blendv(vidx[c], lanes + Vec(static_cast<float>(at)), gt);
+      nan_seen = nan_seen | (v != v);
+    };
+    for (i = kChains * kVec; i + kChains * kVec <= n; i += kChains * kVec) {
+      for (int64_t c = 0; c < kChains; ++c) visit(c, i + c * kVec);
+    }
+    for (int64_t c = 0; i + kVec <= n; ++c, i += kVec) visit(c, i);  // whole vectors left
+    alignas(64) float nn[kVec];
     nan_seen.store(nn);
     for (int64_t l = 0; l < kVec; ++l) {
       uint32_t bits;
       std::memcpy(&bits, &nn[l], sizeof(bits));
       if (bits != 0) return first_nan(x, n);
     }
-    vmax.store(m);
-    vidx.store(ix);
-    best = m[0];
-    best_i = static_cast<int64_t>(ix[0]);
-    for (int64_t l = 1; l < kVec; ++l) {
-      const int64_t li = static_cast<int64_t>(ix[l]);
-      if (m[l] > best || (m[l] == best && li < best_i)) {
-        best = m[l];
-        best_i = li;
+    // Every (chain, lane) candidate: the largest value, the lowest index among equals.
+    for (int64_t c = 0; c < kChains; ++c) {
+      alignas(64) float m[kVec], ix[kVec];
+      vmax[c].store(m);
+      vidx[c].store(ix);
+      for (int64_t l = 0; l < kVec; ++l) {
+        const int64_t li = static_cast<int64_t>(ix[l]);
+        if (m[l] > best || (m[l] == best && li < best_i)) {
+          best = m[l];
+          best_i = li;
+        }
       }
     }
   } else if (n > 0) {
