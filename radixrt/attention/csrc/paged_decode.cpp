@@ -173,6 +173,35 @@ inline __m512 online_max(__m512 st, float& mx, __m512& lv, __m512* acc) {
   return _mm512_set1_ps(mx);
 }
 
+// The pair layout of P V accumulators (what unpacklo / unpackhi_epi16 of two key rows give, so
+// that vdpbf16ps / vpdpwssd over pairs of keys accumulate in place): of each 32-dim chunk c,
+// v[2c] holds dims 8L + 0..3 in 128-bit lane L, v[2c + 1] dims 8L + 4..7. D / 32 chunks.
+template <int D>
+inline void load_pair_layout(const float* acc, __m512* v) {
+  const __m512i to_lo = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  const __m512i to_hi =
+      _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+#pragma GCC unroll 8
+  for (int c = 0; c < D / 32; ++c) {
+    const __m512 n0 = _mm512_loadu_ps(acc + c * 32);
+    const __m512 n1 = _mm512_loadu_ps(acc + c * 32 + 16);
+    v[2 * c] = _mm512_permutex2var_ps(n0, to_lo, n1);
+    v[2 * c + 1] = _mm512_permutex2var_ps(n0, to_hi, n1);
+  }
+}
+
+template <int D>
+inline void store_pair_layout(const __m512* v, float* acc) {
+  const __m512i to_n0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i to_n1 =
+      _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+#pragma GCC unroll 8
+  for (int c = 0; c < D / 32; ++c) {
+    _mm512_storeu_ps(acc + c * 32, _mm512_permutex2var_ps(v[2 * c], to_n0, v[2 * c + 1]));
+    _mm512_storeu_ps(acc + c * 32 + 16, _mm512_permutex2var_ps(v[2 * c], to_n1, v[2 * c + 1]));
+  }
+}
+
 // How a key row is held for the dot products with the tile's queries.
 template <typename T, int D, bool kDot>
 struct RowDot;
@@ -296,7 +325,7 @@ struct KeyScan : TiledScan<KeyScan<T, D>, typename RowDot<T, D, kBf16Dot<T>>::QT
   float scale;
   int64_t ahead;  // blocks whose rows are prefetched ahead (prefetch_blocks())
 
-  // Accumulators of R queries: natural order (fp32 FMA P V) or the pair layout (see below).
+  // Accumulators of R queries: natural order (fp32 FMA P V) or the pair layout (load_pair_layout).
   template <int R>
   struct Acc {
     __m512 v[R][NV];
@@ -386,19 +415,7 @@ struct KeyScan : TiledScan<KeyScan<T, D>, typename RowDot<T, D, kBf16Dot<T>>::QT
 #pragma GCC unroll 4
     for (int t = 0; t < R; ++t) {
       if constexpr (kPairPV) {
-        // The pair layout: of each 32-dim chunk c, v[2c] holds dims 8L + 0..3 in 128-bit lane
-        // L, v[2c + 1] dims 8L + 4..7 (what unpacklo / unpackhi_epi16 of two rows give).
-        const __m512i to_lo =
-            _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
-        const __m512i to_hi =
-            _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-#pragma GCC unroll 8
-        for (int c = 0; c < NV / 2; ++c) {
-          const __m512 n0 = _mm512_loadu_ps(acc + t * D + c * 32);
-          const __m512 n1 = _mm512_loadu_ps(acc + t * D + c * 32 + 16);
-          a.v[t][2 * c] = _mm512_permutex2var_ps(n0, to_lo, n1);
-          a.v[t][2 * c + 1] = _mm512_permutex2var_ps(n0, to_hi, n1);
-        }
+        load_pair_layout<D>(acc + t * D, a.v[t]);
       } else {
 #pragma GCC unroll 16
         for (int c = 0; c < NV; ++c) a.v[t][c] = _mm512_loadu_ps(acc + t * D + c * 16);
@@ -411,16 +428,7 @@ struct KeyScan : TiledScan<KeyScan<T, D>, typename RowDot<T, D, kBf16Dot<T>>::QT
 #pragma GCC unroll 4
     for (int t = 0; t < R; ++t) {
       if constexpr (kPairPV) {
-        const __m512i to_n0 =
-            _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-        const __m512i to_n1 =
-            _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-#pragma GCC unroll 8
-        for (int c = 0; c < NV / 2; ++c) {
-          const __m512 lo = a.v[t][2 * c], hi = a.v[t][2 * c + 1];
-          _mm512_storeu_ps(acc + t * D + c * 32, _mm512_permutex2var_ps(lo, to_n0, hi));
-          _mm512_storeu_ps(acc + t * D + c * 32 + 16, _mm512_permutex2var_ps(lo, to_n1, hi));
-        }
+        store_pair_layout<D>(a.v[t], acc + t * D);
       } else {
 #pragma GCC unroll 16
         for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + t * D + c * 16, a.v[t][c]);
@@ -489,14 +497,22 @@ constexpr bool kHaveInt8Scan = true;
 // same way (symmetric, its own scale; stays in registers). Q K^T: vpdpbusd on the key codes
 // offset to unsigned (k + 128) and the signed query codes, the offset's 128 * sum(q) taken off,
 // 64 products per instruction, fp32 from the int32 sums times q scale, k scale and the softmax
-// scale. Online softmax in fp32 as above. P V: p times the value row's scale, then fp32 FMA on
-// the codes converted to fp32.
+// scale. Online softmax in fp32 as above. P V: p times the value row's scale, as 15-bit integers
+// against the block's largest value scale (p <= 1, so p * scale_j * 32767 / max scale fits; the
+// rounding error is at most 2^-16 of that scale, below the bf16 scan's rounding of p); the codes
+// sign-extended to int16 and vpdpwssd over pairs of keys (the bf16 scan's pair layout) sum exact
+// int32 products per block, folded into the fp32 accumulators once per block (half the
+// instructions of fp32 FMA on the converted codes). Head dims not a multiple of 32 take the
+// fp32 FMA.
 template <int D>
 struct KeyScanI8 : TiledScan<KeyScanI8<D>, float, D> {
   using Base = TiledScan<KeyScanI8<D>, float, D>;
   using Base::NV;
   using typename Base::QType;
   static constexpr int NC = (D + 63) / 64;  // 64-byte chunks of a row
+  // P V in int16 pairs (vpdpwssd) needs whole 32-element chunks; other head dims take fp32 FMA
+  // on the codes converted to fp32.
+  static constexpr bool kPairPV = D % 32 == 0;
 
   const int8_t* kbase;  // k codes + kv_head * head stride
   const int8_t* vbase;
@@ -564,8 +580,12 @@ struct KeyScanI8 : TiledScan<KeyScanI8<D>, float, D> {
     Acc<R> a;
 #pragma GCC unroll 4
     for (int t = 0; t < R; ++t) {
+      if constexpr (kPairPV) {
+        load_pair_layout<D>(acc + t * D, a.v[t]);
+      } else {
 #pragma GCC unroll 16
-      for (int c = 0; c < NV; ++c) a.v[t][c] = _mm512_loadu_ps(acc + t * D + c * 16);
+        for (int c = 0; c < NV; ++c) a.v[t][c] = _mm512_loadu_ps(acc + t * D + c * 16);
+      }
     }
     float mx[R];
     __m512 lv[R];
@@ -577,7 +597,7 @@ struct KeyScanI8 : TiledScan<KeyScanI8<D>, float, D> {
       qscale[t] = _mm512_set1_ps(scale * qs[t]);
     }
     const int8_t* krow[kBlock16];
-    const int8_t* vrow[kBlock16];
+    const int8_t* vrow[kBlock16 + 1];
     const __m512 neg_inf = _mm512_set1_ps(kNegInf);
     const __m512i vsstride = _mm512_set1_epi32(static_cast<int32_t>(sstride));
     const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
@@ -589,6 +609,7 @@ struct KeyScanI8 : TiledScan<KeyScanI8<D>, float, D> {
         vrow[jj] = vbase + off;
       }
       for (int jj = nb; jj < kBlock16; ++jj) krow[jj] = krow[0];
+      vrow[nb] = vrow[0];  // the pair partner of an odd last key (its p is 0)
       const int64_t pf0 = j0 + ahead * kBlock16;
       const int64_t pf1 = ahead > 0 && prefetch ? std::min(n, pf0 + kBlock16) : 0;
       for (int64_t j = pf0; j < pf1; ++j) {
@@ -608,6 +629,15 @@ struct KeyScanI8 : TiledScan<KeyScanI8<D>, float, D> {
         prefetch_row(vbase + static_cast<int64_t>(idx[j]) * stride, D);
       }
       const __m512 vs = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid, soff, vsbase, 4);
+      // What p is multiplied by: the value row's scale (fp32 P V), or that scale in units of the
+      // block's largest / 32767 (int16 P V, folded back by `unit`).
+      __m512 pw = vs;
+      float unit = 1.f;
+      if constexpr (kPairPV) {
+        const float top = _mm512_reduce_max_ps(vs);
+        unit = top / 32767.f;
+        pw = _mm512_mul_ps(vs, _mm512_set1_ps(top > 0.f ? 32767.f / top : 0.f));
+      }
       alignas(64) float p[R][kBlock16];
 #pragma GCC unroll 4
       for (int t = 0; t < R; ++t) {
@@ -616,30 +646,88 @@ struct KeyScanI8 : TiledScan<KeyScanI8<D>, float, D> {
         const __m512 mv = online_max<NV>(st, mx[t], lv[t], a.v[t]);
         const __m512 pv = __m512(Vec(_mm512_sub_ps(st, mv)).exp_u20());
         lv[t] = _mm512_add_ps(lv[t], pv);
-        _mm512_store_ps(p[t], _mm512_mul_ps(pv, vs));  // the value row's scale folded into p
+        _mm512_store_ps(p[t], _mm512_mul_ps(pv, pw));  // the value row's scale folded into p
       }
-      for (int jj = 0; jj < nb; ++jj) {
-        __m512 vv[NV];
-#pragma GCC unroll 16
-        for (int c = 0; c < NV; ++c) {
-          vv[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-              _mm_loadu_si128(reinterpret_cast<const __m128i*>(vrow[jj] + c * 16))));
-        }
-#pragma GCC unroll 4
-        for (int t = 0; t < R; ++t) {
-          const __m512 pj = _mm512_set1_ps(p[t][jj]);
-#pragma GCC unroll 16
-          for (int c = 0; c < NV; ++c) a.v[t][c] = _mm512_fmadd_ps(pj, vv[c], a.v[t][c]);
-        }
+      if constexpr (kPairPV) {
+        accumulate_pairs<R>(p, vrow, nb, _mm512_set1_ps(unit), a);
+      } else {
+        accumulate_fma<R>(p, vrow, nb, a);
       }
     }
 #pragma GCC unroll 4
     for (int t = 0; t < R; ++t) {
       m[t] = mx[t];
       l[t] = _mm512_reduce_add_ps(lv[t]);
+      if constexpr (kPairPV) {
+        store_pair_layout<D>(a.v[t], acc + t * D);
+      } else {
 #pragma GCC unroll 16
-      for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + t * D + c * 16, a.v[t][c]);
+        for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + t * D + c * 16, a.v[t][c]);
+      }
     }
+  }
+
+  // acc += p' @ V in fp32 on the codes converted to fp32 (head dims not a multiple of 32).
+  template <int R>
+  inline void accumulate_fma(const float (*p)[kBlock16], const int8_t* const* vrow, int nb,
+                             Acc<R>& a) const {
+    for (int jj = 0; jj < nb; ++jj) {
+      __m512 vv[NV];
+#pragma GCC unroll 16
+      for (int c = 0; c < NV; ++c) {
+        vv[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(vrow[jj] + c * 16))));
+      }
+#pragma GCC unroll 4
+      for (int t = 0; t < R; ++t) {
+        const __m512 pj = _mm512_set1_ps(p[t][jj]);
+#pragma GCC unroll 16
+        for (int c = 0; c < NV; ++c) a.v[t][c] = _mm512_fmadd_ps(pj, vv[c], a.v[t][c]);
+      }
+    }
+  }
+
+  // acc += p @ V codes (see the top of this scan): p (times pw) as int16 pairs, pairs of keys'
+  // codes (int16) by vpdpwssd into exact int32 sums (at most 16 * 32767 * 128 < 2^31), folded
+  // into the fp32 accumulators times `unit`.
+  template <int R>
+  inline void accumulate_pairs(const float (*p)[kBlock16], const int8_t* const* vrow, int nb,
+                               __m512 unit, Acc<R>& a) const {
+    alignas(64) uint32_t pp[R][kBlock16 / 2];  // int16 pairs (p_j, p_j+1), p_j in the low half
+#pragma GCC unroll 4
+    for (int t = 0; t < R; ++t) {
+      const __m512i qi = _mm512_cvtps_epi32(_mm512_load_ps(p[t]));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pp[t]), _mm512_cvtsepi32_epi16(qi));
+    }
+    __m512i sum[R][NV];
+#pragma GCC unroll 4
+    for (int t = 0; t < R; ++t)
+#pragma GCC unroll 16
+      for (int c = 0; c < NV; ++c) sum[t][c] = _mm512_setzero_si512();
+    for (int jj = 0; jj < nb; jj += 2) {
+      const int8_t* va = vrow[jj];
+      const int8_t* vb = vrow[jj + 1];
+#pragma GCC unroll 8
+      for (int c = 0; c < NV / 2; ++c) {
+        const __m512i x = _mm512_cvtepi8_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(va + c * 32)));
+        const __m512i y = _mm512_cvtepi8_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vb + c * 32)));
+        const __m512i vl = _mm512_unpacklo_epi16(x, y);
+        const __m512i vh = _mm512_unpackhi_epi16(x, y);
+#pragma GCC unroll 4
+        for (int t = 0; t < R; ++t) {
+          const __m512i pj = _mm512_set1_epi32(static_cast<int>(pp[t][jj / 2]));
+          sum[t][2 * c] = _mm512_dpwssd_epi32(sum[t][2 * c], vl, pj);
+          sum[t][2 * c + 1] = _mm512_dpwssd_epi32(sum[t][2 * c + 1], vh, pj);
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < R; ++t)
+#pragma GCC unroll 16
+      for (int c = 0; c < NV; ++c)
+        a.v[t][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[t][c]), unit, a.v[t][c]);
   }
 
   // s[t] lane j = sum over d of (k_j[d] + 128) * q_t[d] for the 16 keys, in int32: per key and
