@@ -279,8 +279,16 @@ inline void run_tiles(const Scan& scan, const QType* q, int64_t nq, const int32_
   }
 }
 
+// P V accumulators of R queries, NV vectors each.
+template <int R, int NV>
+struct AccTile {
+  __m512 v[R][NV];
+};
+
 // What the AVX-512 scans share (CRTP; `Scan` derives from it): head_dim D in vectors of 16,
-// queries in tiles of TQ, taken as QT, and `run` over run_tiles.
+// queries in tiles of TQ, taken as QT, and `run` over run_tiles; the P V accumulators, in the
+// pair layout where the scan's P V runs over pairs of keys (`Scan::kPairPV`), else in natural
+// order, and P V in fp32 on value rows converted by `Scan::value_chunk`.
 template <typename Scan, typename QT, int D>
 struct TiledScan {
   static_assert(D % 16 == 0, "head_dim must be a multiple of 16");
@@ -301,6 +309,52 @@ struct TiledScan {
   void run(const QType* q, int64_t nq, const int32_t* idx, int64_t n, float* m, float* l,
            float* acc) const {
     run_tiles<TQ, D>(static_cast<const Scan&>(*this), q, nq, idx, n, m, l, acc);
+  }
+
+  template <int R>
+  using Acc = AccTile<R, NV>;
+
+  template <int R>
+  static inline void load_acc(const float* acc, Acc<R>& a) {
+#pragma GCC unroll 4
+    for (int t = 0; t < R; ++t) {
+      if constexpr (Scan::kPairPV) {
+        load_pair_layout<D>(acc + t * D, a.v[t]);
+      } else {
+#pragma GCC unroll 16
+        for (int c = 0; c < NV; ++c) a.v[t][c] = _mm512_loadu_ps(acc + t * D + c * 16);
+      }
+    }
+  }
+
+  template <int R>
+  static inline void store_acc(const Acc<R>& a, float* acc) {
+#pragma GCC unroll 4
+    for (int t = 0; t < R; ++t) {
+      if constexpr (Scan::kPairPV) {
+        store_pair_layout<D>(a.v[t], acc + t * D);
+      } else {
+#pragma GCC unroll 16
+        for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + t * D + c * 16, a.v[t][c]);
+      }
+    }
+  }
+
+  // acc += p @ V in fp32, each value row converted once for the R queries.
+  template <int R, typename VT>
+  static inline void accumulate_fma(const float (*p)[kBlock16], const VT* const* vrow, int nb,
+                                    Acc<R>& a) {
+    for (int jj = 0; jj < nb; ++jj) {
+      __m512 vv[NV];
+#pragma GCC unroll 16
+      for (int c = 0; c < NV; ++c) vv[c] = Scan::value_chunk(vrow[jj], c);
+#pragma GCC unroll 4
+      for (int t = 0; t < R; ++t) {
+        const __m512 pj = _mm512_set1_ps(p[t][jj]);
+#pragma GCC unroll 16
+        for (int c = 0; c < NV; ++c) a.v[t][c] = _mm512_fmadd_ps(pj, vv[c], a.v[t][c]);
+      }
+    }
   }
 };
 
@@ -325,17 +379,19 @@ struct KeyScan : TiledScan<KeyScan<T, D>, typename RowDot<T, D, kBf16Dot<T>>::QT
   float scale;
   int64_t ahead;  // blocks whose rows are prefetched ahead (prefetch_blocks())
 
-  // Accumulators of R queries: natural order (fp32 FMA P V) or the pair layout (load_pair_layout).
   template <int R>
-  struct Acc {
-    __m512 v[R][NV];
-  };
+  using Acc = typename Base::template Acc<R>;
+
+  // Value row `row`'s dims 16 c .. 16 c + 15 as fp32 (the fp32 FMA P V).
+  static inline __m512 value_chunk(const T* row, int c) {
+    return __m512(load_f32<T>(row + c * 16));
+  }
 
   template <int R>
   inline void scan(const QType* q, const int32_t* idx, int64_t n, float* m, float* l,
                    float* acc, bool prefetch) const {
     Acc<R> a;
-    load_acc<R>(acc, a);
+    Base::template load_acc<R>(acc, a);
     float mx[R];
     __m512 lv[R];  // per-lane partial sums of p; lane 0 starts from l
 #pragma GCC unroll 4
@@ -384,7 +440,7 @@ struct KeyScan : TiledScan<KeyScan<T, D>, typename RowDot<T, D, kBf16Dot<T>>::QT
       if constexpr (kPairPV) {
         accumulate_pairs<R>(p, vrow, nb, a);
       } else {
-        accumulate_fma<R>(p, vrow, nb, a);
+        Base::template accumulate_fma<R>(p, vrow, nb, a);
       }
     }
 #pragma GCC unroll 4
@@ -392,7 +448,7 @@ struct KeyScan : TiledScan<KeyScan<T, D>, typename RowDot<T, D, kBf16Dot<T>>::QT
       m[t] = mx[t];
       l[t] = _mm512_reduce_add_ps(lv[t]);
     }
-    store_acc<R>(a, acc);
+    Base::template store_acc<R>(a, acc);
   }
 
   // s[t] lane j = q[t] · k[j] for the 16 keys (unscaled): per key and query a 16-lane partial
@@ -408,49 +464,6 @@ struct KeyScan : TiledScan<KeyScan<T, D>, typename RowDot<T, D, kBf16Dot<T>>::QT
           for (int t = 0; t < R; ++t) emit(t, ka.dot(q + t * D), kb.dot(q + t * D));
         },
         s);
-  }
-
-  template <int R>
-  inline void load_acc(const float* acc, Acc<R>& a) const {
-#pragma GCC unroll 4
-    for (int t = 0; t < R; ++t) {
-      if constexpr (kPairPV) {
-        load_pair_layout<D>(acc + t * D, a.v[t]);
-      } else {
-#pragma GCC unroll 16
-        for (int c = 0; c < NV; ++c) a.v[t][c] = _mm512_loadu_ps(acc + t * D + c * 16);
-      }
-    }
-  }
-
-  template <int R>
-  inline void store_acc(const Acc<R>& a, float* acc) const {
-#pragma GCC unroll 4
-    for (int t = 0; t < R; ++t) {
-      if constexpr (kPairPV) {
-        store_pair_layout<D>(a.v[t], acc + t * D);
-      } else {
-#pragma GCC unroll 16
-        for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + t * D + c * 16, a.v[t][c]);
-      }
-    }
-  }
-
-  // acc += p @ V in fp32, each V row converted once for the R queries.
-  template <int R>
-  inline void accumulate_fma(const float (*p)[kBlock16], const T* const* vrow, int nb,
-                             Acc<R>& a) const {
-    for (int jj = 0; jj < nb; ++jj) {
-      __m512 vv[NV];
-#pragma GCC unroll 16
-      for (int c = 0; c < NV; ++c) vv[c] = __m512(load_f32<T>(vrow[jj] + c * 16));
-#pragma GCC unroll 4
-      for (int t = 0; t < R; ++t) {
-        const __m512 pj = _mm512_set1_ps(p[t][jj]);
-#pragma GCC unroll 16
-        for (int c = 0; c < NV; ++c) a.v[t][c] = _mm512_fmadd_ps(pj, vv[c], a.v[t][c]);
-      }
-    }
   }
 
 #if defined(__AVX512BF16__)
@@ -566,9 +579,13 @@ struct KeyScanI8 : TiledScan<KeyScanI8<D>, float, D> {
   }
 
   template <int R>
-  struct Acc {
-    __m512 v[R][NV];
-  };
+  using Acc = typename Base::template Acc<R>;
+
+  // Value row `row`'s codes for dims 16 c .. 16 c + 15 as fp32 (the fp32 FMA P V).
+  static inline __m512 value_chunk(const int8_t* row, int c) {
+    return _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c * 16))));
+  }
 
   template <int R>
   inline void scan(const QType* q, const int32_t* idx, int64_t n, float* m, float* l,
@@ -578,15 +595,7 @@ struct KeyScanI8 : TiledScan<KeyScanI8<D>, float, D> {
     int32_t qoff[R];
     quantize_queries<R>(q, q8, qs, qoff);
     Acc<R> a;
-#pragma GCC unroll 4
-    for (int t = 0; t < R; ++t) {
-      if constexpr (kPairPV) {
-        load_pair_layout<D>(acc + t * D, a.v[t]);
-      } else {
-#pragma GCC unroll 16
-        for (int c = 0; c < NV; ++c) a.v[t][c] = _mm512_loadu_ps(acc + t * D + c * 16);
-      }
-    }
+    Base::template load_acc<R>(acc, a);
     float mx[R];
     __m512 lv[R];
     __m512 qscale[R];
@@ -651,40 +660,15 @@ struct KeyScanI8 : TiledScan<KeyScanI8<D>, float, D> {
       if constexpr (kPairPV) {
         accumulate_pairs<R>(p, vrow, nb, _mm512_set1_ps(unit), a);
       } else {
-        accumulate_fma<R>(p, vrow, nb, a);
+        Base::template accumulate_fma<R>(p, vrow, nb, a);
       }
     }
 #pragma GCC unroll 4
     for (int t = 0; t < R; ++t) {
       m[t] = mx[t];
       l[t] = _mm512_reduce_add_ps(lv[t]);
-      if constexpr (kPairPV) {
-        store_pair_layout<D>(a.v[t], acc + t * D);
-      } else {
-#pragma GCC unroll 16
-        for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + t * D + c * 16, a.v[t][c]);
-      }
     }
-  }
-
-  // acc += p' @ V in fp32 on the codes converted to fp32 (head dims not a multiple of 32).
-  template <int R>
-  inline void accumulate_fma(const float (*p)[kBlock16], const int8_t* const* vrow, int nb,
-                             Acc<R>& a) const {
-    for (int jj = 0; jj < nb; ++jj) {
-      __m512 vv[NV];
-#pragma GCC unroll 16
-      for (int c = 0; c < NV; ++c) {
-        vv[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(vrow[jj] + c * 16))));
-      }
-#pragma GCC unroll 4
-      for (int t = 0; t < R; ++t) {
-        const __m512 pj = _mm512_set1_ps(p[t][jj]);
-#pragma GCC unroll 16
-        for (int c = 0; c < NV; ++c) a.v[t][c] = _mm512_fmadd_ps(pj, vv[c], a.v[t][c]);
-      }
-    }
+    Base::template store_acc<R>(a, acc);
   }
 
   // acc += p @ V codes (see the top of this scan): p (times pw) as int16 pairs, pairs of keys'
