@@ -179,34 +179,38 @@ class LlamaForCausalLM(nn.Module):
             self._decode_layers = DecodeLayers.build(list(self.layers), self.ops)
         return self._decode_layers
 
-    @torch.inference_mode()
+    def _microbatches_off(self) -> str | None:
+        """Why no one-call decode step runs as micro-batches here, or None: they need
+        `decode_microbatch_rows` > 0, exactly 2 torch intra-op threads (one per micro-batch;
+        with more, the ops would run one thread each) and a row-invariant step
+        (`DecodeLayers.row_invariant`: the split is then bitwise)."""
+        if self.decode_microbatch_rows <= 0:
+            return "off"
+        if torch.get_num_threads() != 2:
+            return f"{torch.get_num_threads()} threads, not 2"
+        stack = self.decode_layers()
+        if not isinstance(stack, DecodeLayers) or not stack.row_invariant:
+            return "a matmul is not on radixrt's row-invariant kernels"
+        return None
+
     def decode_split(self, rows: int) -> int:
         """Where the second micro-batch of a `rows`-row one-call decode step starts, 0 for one
-        batch: halves from `decode_microbatch_rows` rows when torch has exactly 2 intra-op
-        threads (one per micro-batch; with more, the ops would run one thread each) and the
-        step is row-invariant (`DecodeLayers.row_invariant`: the split is then bitwise)."""
-        least = self.decode_microbatch_rows
-        if least <= 0 or rows < max(least, 2) or torch.get_num_threads() != 2:
+        batch: halves from `decode_microbatch_rows` rows (see `_microbatches_off`)."""
+        if rows < max(self.decode_microbatch_rows, 2) or self._microbatches_off() is not None:
             return 0
-        stack = self.decode_layers()
-        return rows // 2 if isinstance(stack, DecodeLayers) and stack.row_invariant else 0
+        return rows // 2
 
     def decode_path(self) -> str:
         """How decode steps run on this model, for the start-up log."""
         stack = self.decode_layers() if self.fused_decode else "disabled"
         if not isinstance(stack, DecodeLayers):
             return f"layer loop ({stack})"
-        least = self.decode_microbatch_rows
-        if least <= 0:
-            why = "off"
-        elif torch.get_num_threads() != 2:
-            why = f"{torch.get_num_threads()} threads, not 2"
-        elif not stack.row_invariant:
-            why = "a matmul is not on radixrt's row-invariant kernels"
-        else:
-            return f"one C++ call, two micro-batches from {least} rows"
+        why = self._microbatches_off()
+        if why is None:
+            return f"one C++ call, two micro-batches from {self.decode_microbatch_rows} rows"
         return f"one C++ call, one pass ({why})"
 
+    @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Run every layer of one step; float32 logits `[B, vocab]` for rows `fb.logits_indices`."""
         return self.forward_scored(fb)[0]
