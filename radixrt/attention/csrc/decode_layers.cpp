@@ -336,14 +336,15 @@ std::tuple<Tensor, Tensor> decode_layers(
 
   const int64_t bounds[3] = {0, split, n};
   const Plan plans[2] = {plan.rows(0, split), plan.rows(split, n)};
-  Progress progress[2];
+  Progress first;  // the first micro-batch's; the second's is awaited by no one
   std::tuple<Tensor, Tensor> out[2];
   const at::ThreadLocalState tls;  // the caller's (inference mode, dispatch keys) on each thread
   at::parallel_for(0, 2, 1, [&](int64_t b, int64_t e) {
     const at::ThreadLocalStateGuard guard(tls);
     for (int64_t i = b; i < e; ++i) {
-      if (i == 1) progress[0].wait_for(1);  // the first's first attention done (or it left)
-      out[i] = run_layers(st, h0, loc, plans[i], bounds[i], bounds[i + 1], &progress[i]);
+      if (i == 1) first.wait_for(1);  // the first's first attention done (or it left)
+      out[i] = run_layers(st, h0, loc, plans[i], bounds[i], bounds[i + 1],
+                          i == 0 ? &first : nullptr);
     }
   });
   return {at::cat({std::get<0>(out[0]), std::get<0>(out[1])}),
