@@ -103,6 +103,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--steps", type=int, default=30, help="steps per op per round")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kv-cache-dtype", default="auto", help="as the server's (auto, int8)")
     ap.add_argument("--control", action="store_true",
                     help="A/A control: the old op on both sides (shows the method's own bias)")
     a = ap.parse_args()
@@ -124,7 +125,7 @@ def main() -> None:
         ops["new"] = ops["old"]
     real_run = DecodeLayers.run
     print(f"old = {a.rev}, new = working tree; dtype {runner.dtype}, quant {runner.quant}; "
-          f"{a.threads} threads; ctx {a.ctx}", flush=True)
+          f"{a.threads} threads; ctx {a.ctx}; KV {a.kv_cache_dtype}", flush=True)
     try:
         for bs in a.batch_sizes:
             times: dict[str, list[float]] = {t: [] for t in ops}

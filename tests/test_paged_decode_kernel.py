@@ -21,6 +21,7 @@ from model_fixtures import PagedRunner, hf_logits, make_tiny_checkpoint
 
 from radixrt.attention import cpu_kernels
 from radixrt.attention.paged_decode import PagedDecodePlan, paged_decode_unavailable_reason
+from radixrt.attention.cascade import shared_prefix_groups
 from radixrt.attention.torch_native import TorchNativeBackend
 from radixrt.mem.memory_pool import TokenToKVPool
 
@@ -298,6 +299,72 @@ def test_plan_splits_rows_after_the_shared_prefix() -> None:
     own = [plan.kv_indices[s: s + n].tolist()
            for s, n in zip(plan.row_start.tolist(), plan.row_len.tolist(), strict=True)]
     assert own == [[100, 101], [102], list(range(200, 205))]
+
+
+def _plan_fields(plan: PagedDecodePlan) -> list[list[int]]:
+    return [t.tolist() for t in (plan.kv_indices, plan.row_start, plan.row_len, plan.group_start,
+                                 plan.group_len, plan.group_row_ptr, plan.group_rows)]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_cpp_plan_is_the_python_groups_and_plan(seed: int) -> None:
+    """`PagedDecodePlan.for_decode` (one C++ call) = `build(fb, shared_prefix_groups(...))` on
+    random decode batches: families of rows sharing prefixes that diverge at random points
+    (some below `min_shared`, some rows shorter than the rest), unrelated rows, rows keyed by
+    the dummy slot 0, short rows, batches of 0-1 rows (21 of the 40 seeds form 1-4 groups)."""
+    from radixrt.attention.cascade import CASCADE_MIN_SHARED
+    from radixrt.core.forward_batch import ForwardBatch, ForwardMode
+    from radixrt.mem.memory_pool import ReqToTokenPool
+
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda lo, hi: int(torch.randint(lo, hi, (1,), generator=g))  # noqa: E731
+    min_shared = (CASCADE_MIN_SHARED, 4, 1)[seed % 3]
+    reqs = ReqToTokenPool(24, 160)
+    next_slot = [1]
+
+    def fresh(n: int) -> list[int]:
+        next_slot[0] += n
+        return list(range(next_slot[0] - n, next_slot[0]))
+
+    seqs: list[list[int]] = []
+    for _ in range(rand(0, 5) if seed % 7 else 0):  # families
+        base = fresh(rand(1, 120))
+        for _ in range(rand(1, 5)):
+            keep = rand(0, len(base) + 1) if rand(0, 3) else len(base)
+            seqs.append(base[:keep] + fresh(rand(1, 30)))
+    for _ in range(rand(0, 4)):  # unrelated, some keyed by the dummy slot
+        s = fresh(rand(1, 100))
+        if rand(0, 3) == 0 and len(s) >= min_shared:
+            s[min_shared - 1] = 0
+        seqs.append(s)
+    seqs = seqs[:reqs.size]
+    order = torch.randperm(len(seqs), generator=g).tolist()
+    seqs = [seqs[i] for i in order]
+    rows = [reqs.alloc() for _ in seqs]
+    for r, s in zip(rows, seqs, strict=True):
+        reqs.req_to_token[r, : len(s)] = torch.tensor(s, dtype=torch.int32)
+    fb = ForwardBatch.build(ForwardMode.DECODE, [0] * len(seqs), rows,
+                            [len(s) - 1 for s in seqs], [1] * len(seqs), reqs.req_to_token)
+    starts = fb.kv_indptr[:-1].tolist()
+    groups = shared_prefix_groups(fb.kv_indices, starts, fb.seq_lens_cpu, min_shared)
+    expected = PagedDecodePlan.build(fb, groups)
+    got = PagedDecodePlan.for_decode(fb, min_shared)
+    assert _plan_fields(got) == _plan_fields(expected)
+    assert {t.dtype for t in (got.row_start, got.row_len, got.group_start, got.group_len,
+                              got.group_row_ptr, got.group_rows)} == {torch.int64}
+
+
+def test_cpp_plan_refuses_bad_input() -> None:
+    op = torch.ops.radixrt.paged_decode_plan
+    kv = torch.arange(1, 9, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="kv_indptr must rise"):
+        op(kv, torch.tensor([0, 5, 3], dtype=torch.int32), 4)
+    with pytest.raises(RuntimeError, match="kv_indptr must rise"):
+        op(kv, torch.tensor([0, 9], dtype=torch.int32), 4)
+    with pytest.raises(RuntimeError, match="kv_indices must be 1-D int32"):
+        op(kv.long(), torch.tensor([0, 8], dtype=torch.int32), 4)
+    with pytest.raises(RuntimeError, match="min_shared must be >= 1"):
+        op(kv, torch.tensor([0, 8], dtype=torch.int32), 0)
 
 
 # -- builder ------------------------------------------------------------------------------------

@@ -91,6 +91,18 @@ class PagedDecodePlan:
             group_rows=torch.tensor(g_rows, dtype=torch.int64),
         )
 
+    @classmethod
+    def for_decode(cls, fb: ForwardBatch, min_shared: int) -> PagedDecodePlan:
+        """`build(fb, shared_prefix_groups(...))` for a decode batch on the CPU, groups and plan
+        in one C++ call (`radixrt::paged_decode_plan`, the same rules; a step's plan in a few
+        microseconds instead of a dozen small tensor ops)."""
+        if not fb.is_decode:
+            raise ValueError("PagedDecodePlan is for decode batches")
+        kv_indices = fb.kv_indices.to("cpu", torch.int32).contiguous()
+        parts = torch.ops.radixrt.paged_decode_plan(kv_indices, fb.kv_indptr.to("cpu", torch.int32),
+                                                    min_shared)
+        return cls(kv_indices, *parts)
+
     def run_pool(self, q: torch.Tensor, pool: TokenToKVPool, layer_id: int,
                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """`run` over layer `layer_id` of `pool`; an int8 pool goes to `paged_decode_i8`

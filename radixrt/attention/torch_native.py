@@ -166,12 +166,11 @@ class TorchNativeBackend(AttentionBackend):
         self._split = None
         self._planned_for = fb
         if fb.is_decode:
-            groups = self._decode_groups(fb)
             if self.decode_kernel:
-                self._kernel = PagedDecodePlan.build(fb, groups)
+                self._kernel = PagedDecodePlan.for_decode(fb, CASCADE_MIN_SHARED)
                 return
             self._padded = self._plan_decode(fb)
-            self._cascade = self._plan_cascade(fb, self._padded, groups)
+            self._cascade = self._plan_cascade(fb, self._padded, self._decode_groups(fb))
             return
         if self.batch_invariant or fb.batch_invariant:
             self._invariant = self._plan_invariant(fb)

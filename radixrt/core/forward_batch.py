@@ -148,36 +148,51 @@ class ForwardBatch:
                           req_pool_indices: Sequence[int], prefix: list[int],
                           req_to_token: torch.Tensor) -> ForwardBatch:
         """`build` for a decode batch whose table and tensors live on the CPU: the same tensors
-        (values and dtypes) as `_build_general`, read through numpy views of the table (a
-        decode step's metadata in tens of microseconds instead of a dozen torch index ops)."""
+        (values and dtypes) as `_build_general`, from two numpy arrays (every int64 field a
+        row of one, every int32 index pointer a row of the other) and the table's rows. It runs
+        right after the previous step has flushed the caches, where each small tensor op costs
+        ~10 us: this takes a handful."""
         bs = len(req_pool_indices)
-        rows = np.asarray(req_pool_indices, dtype=np.int64).reshape(bs)
-        pos = np.asarray(prefix, dtype=np.int64).reshape(bs)
-        seq = [p + 1 for p in prefix]
         table = req_to_token.numpy()
-        kv_indptr = np.zeros(bs + 1, dtype=np.int32)
-        np.cumsum(pos + 1, out=kv_indptr[1:])
+        # int64 rows: input_ids, positions, req_pool_indices, seq_lens, extend_lens,
+        # out_cache_loc, logits_indices, prefix_lens (= positions, its own tensor)
+        longs = np.empty((8, bs), dtype=np.int64)
+        longs[0] = input_ids.numpy() if isinstance(input_ids, torch.Tensor) else input_ids
+        longs[1] = prefix
+        longs[2] = req_pool_indices
+        np.add(longs[1], 1, out=longs[3])
+        longs[4] = 1
+        longs[5] = table[longs[2], longs[1]]
+        longs[6] = np.arange(bs)
+        longs[7] = longs[1]
+        # int32 rows (bs + 1): qo_indptr, kv_indptr, kv_last_page_len (its first bs)
+        ints = np.empty((3, bs + 1), dtype=np.int32)
+        ints[0] = np.arange(bs + 1)
+        ints[1, 0] = 0
+        np.cumsum(longs[3], out=ints[1, 1:])
+        ints[2] = 1
+        seq = longs[3].tolist()
         if bs:
-            kv = np.concatenate([table[r, :n] for r, n in zip(rows.tolist(), seq, strict=True)])
+            kv = np.concatenate([table[r, :n] for r, n in zip(req_pool_indices, seq, strict=True)])
         else:
             kv = np.zeros(0, dtype=table.dtype)
-        steps = torch.arange(bs + 1, dtype=torch.int64)
-        seq_t = torch.from_numpy(pos + 1)
+        ids, pos, rows, seq_t, ext, loc, last, pre = torch.from_numpy(longs).unbind(0)
+        qo, kv_indptr, ones = torch.from_numpy(ints).unbind(0)
         return cls(
             mode=ForwardMode.DECODE,
             batch_size=bs,
-            input_ids=torch.as_tensor(input_ids, dtype=torch.int64),
-            positions=torch.from_numpy(pos),
-            req_pool_indices=torch.from_numpy(rows),
+            input_ids=ids,
+            positions=pos,
+            req_pool_indices=rows,
             seq_lens=seq_t,
-            prefix_lens=torch.from_numpy(pos.copy()),
-            extend_lens=torch.ones(bs, dtype=torch.int64),
-            out_cache_loc=torch.from_numpy(table[rows, pos].astype(np.int64)),
-            qo_indptr=steps.to(torch.int32),
-            kv_indptr=torch.from_numpy(kv_indptr),
+            prefix_lens=pre,
+            extend_lens=ext,
+            out_cache_loc=loc,
+            qo_indptr=qo,
+            kv_indptr=kv_indptr,
             kv_indices=torch.from_numpy(kv.astype(np.int32, copy=False)),
-            kv_last_page_len=torch.ones(bs, dtype=torch.int32),
-            logits_indices=steps[:-1].clone(),
+            kv_last_page_len=ones[:bs],
+            logits_indices=last,
             seq_lens_cpu=seq,
             prefix_lens_cpu=prefix,
             extend_lens_cpu=[1] * bs,
