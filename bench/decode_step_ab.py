@@ -55,7 +55,8 @@ def build_rev(rev: str) -> None:
 
 
 def use(op: object) -> None:
-    """Make `DecodeLayers.run` call `op` (same arguments as radixrt::decode_layers)."""
+    """Make `DecodeLayers.run` (and `run_step`, around it) call `op` (same arguments as
+    radixrt::decode_layers)."""
 
     def run(self: DecodeLayers, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             loc: torch.Tensor, plan: object, k_buffers: list[torch.Tensor],
@@ -75,7 +76,20 @@ def use(op: object) -> None:
                   p.group_rows, self.num_heads, self.num_kv_heads, self.head_dim, self.eps,
                   self.scale, *tail)
 
+    def run_step(self: DecodeLayers, ids: torch.Tensor, positions: torch.Tensor,
+                 embed: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
+                 final_norm: torch.Tensor, final_eps: float, *rest: object,
+                 **kw: object) -> torch.Tensor:
+        # the step's ends as the model's Python does them, around `op` (older revisions have
+        # no decode_step; both sides then differ only in the layers op)
+        h = torch.nn.functional.embedding(ids, embed)
+        cos = torch.index_select(cos_table, 0, positions).unsqueeze(1)
+        sin = torch.index_select(sin_table, 0, positions).unsqueeze(1)
+        out, res = run(self, h, cos, sin, *rest, **kw)  # type: ignore[arg-type]
+        return torch.ops.radixrt.add_rms_norm(out, res, final_norm, final_eps)[0]
+
     DecodeLayers.run = run  # type: ignore[method-assign]
+    DecodeLayers.run_step = run_step  # type: ignore[method-assign]
 
 
 def same_logits(runner: object, decoder: object, ops: dict[str, object]) -> bool:

@@ -40,18 +40,17 @@ def _runner(path: Path, dtype: torch.dtype, quant: QuantPlan | None = None) -> P
 def _decode_run(runner: PagedRunner, fused: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[
         list[torch.Tensor], int]:
     """Three requests sharing a 40-token cached prefix plus an unrelated one, then 4 greedy
-    decode steps: (per-step logits, how many steps ran through `DecodeLayers.run`; the split
-    row of each is in `_decode_run.splits`)."""
+    decode steps: (per-step logits, how many steps ran through `DecodeLayers.run_step`; the
+    split row of each is in `_decode_run.splits`)."""
     runner.model.fused_decode = fused
     calls = []
-    real = DecodeLayers.run
+    real = DecodeLayers.run_step
 
-    def counted(self: DecodeLayers, *args: object, **kwargs: object
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def counted(self: DecodeLayers, *args: object, **kwargs: object) -> torch.Tensor:
         calls.append(kwargs.get("split", 0))
         return real(self, *args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(DecodeLayers, "run", counted)
+    monkeypatch.setattr(DecodeLayers, "run_step", counted)
     g = torch.Generator().manual_seed(3)
     prefix = torch.randint(3, 256, (40,), generator=g).tolist()
     first = runner.new_request()
@@ -61,7 +60,7 @@ def _decode_run(runner: PagedRunner, fused: bool, monkeypatch: pytest.MonkeyPatc
     logits = [runner.extend(rows, tails)]
     for _ in range(4):
         logits.append(runner.decode(rows, logits[-1].argmax(-1).tolist()))
-    monkeypatch.setattr(DecodeLayers, "run", real)
+    monkeypatch.setattr(DecodeLayers, "run_step", real)
     runner.kv_pool.check_invariants()
     runner.req_pool.check_invariants()
     _decode_run.splits = calls  # type: ignore[attr-defined]
@@ -173,12 +172,13 @@ def test_steps_the_op_cannot_run_take_the_loop(tmp_path: Path) -> None:
     row = r2.new_request()
     r2.extend([row], [[4, 5, 6]])
     called = []
-    real = DecodeLayers.run
-    DecodeLayers.run = lambda self, *a, **k: called.append(1) or real(self, *a, **k)  # type: ignore
+    real = DecodeLayers.run_step
+    DecodeLayers.run_step = (  # type: ignore[method-assign]
+        lambda self, *a, **k: called.append(1) or real(self, *a, **k))  # type: ignore
     try:
         r2.decode([row], [7])
     finally:
-        DecodeLayers.run = real  # type: ignore[method-assign]
+        DecodeLayers.run_step = real  # type: ignore[method-assign]
     assert called == []
 
 
@@ -232,6 +232,15 @@ def test_bad_arguments_raise_naming_them(tmp_path: Path) -> None:
     # well-formed: runs, one row out
     out, res = op(*args)
     assert out.shape == h.shape and res.shape == h.shape
+    # decode_step: one position per id
+    model = runner.model
+    ends = [torch.tensor([3]), torch.tensor([0, 1]), model.embed_tokens, model.rotary.cos,
+            model.rotary.sin, model.norm, 1e-5]
+    with pytest.raises(RuntimeError, match="ids and positions must be 1-D with one entry"):
+        torch.ops.radixrt.decode_step(*ends, *args[3:])
+    ends[1] = torch.tensor([0])
+    last = torch.ops.radixrt.decode_step(*ends, *args[3:])
+    assert last.shape == h.shape
 
 
 @pytest.fixture

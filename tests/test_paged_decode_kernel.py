@@ -20,8 +20,8 @@ from kernel_isa import run_isa_check
 from model_fixtures import PagedRunner, hf_logits, make_tiny_checkpoint
 
 from radixrt.attention import cpu_kernels
-from radixrt.attention.paged_decode import PagedDecodePlan, paged_decode_unavailable_reason
 from radixrt.attention.cascade import shared_prefix_groups
+from radixrt.attention.paged_decode import PagedDecodePlan, paged_decode_unavailable_reason
 from radixrt.attention.torch_native import TorchNativeBackend
 from radixrt.mem.memory_pool import TokenToKVPool
 

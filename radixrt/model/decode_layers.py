@@ -70,8 +70,8 @@ class DecodeLayers:
         """From a model's `LlamaDecoderLayer`s, or the reason the op cannot run them."""
         if not isinstance(ops, FusedCpuLayerOps):
             return f"layer ops are {ops.name}, not the fused CPU ops"
-        if not hasattr(torch.ops.radixrt, "decode_layers"):
-            return "the CPU kernel library has no decode_layers op"
+        if not hasattr(torch.ops.radixrt, "decode_step"):
+            return "the CPU kernel library has no decode_step op"
         if not layers:
             return "no layers"
         norms: list[torch.Tensor] = []
@@ -90,6 +90,23 @@ class DecodeLayers:
         first = layers[0]
         return cls(norms, weights, meta, first.num_heads, first.num_kv_heads, first.head_dim,
                    first.eps, first.scaling)
+
+    def run_step(self, ids: torch.Tensor, positions: torch.Tensor, embed: torch.Tensor,
+                 cos_table: torch.Tensor, sin_table: torch.Tensor, final_norm: torch.Tensor,
+                 final_eps: float, loc: torch.Tensor, plan: PagedDecodePlan,
+                 k_buffers: list[torch.Tensor], v_buffers: list[torch.Tensor],
+                 k_scales: list[torch.Tensor] | None = None,
+                 v_scales: list[torch.Tensor] | None = None, split: int = 0) -> torch.Tensor:
+        """`run` with the step's ends in the same call (`radixrt::decode_step`): the embedding
+        rows of `ids`, the RoPE table rows of `positions` and, after the layers, the final
+        RMSNorm; returns the normed last hidden states `[rows, hidden]`, bitwise the model's
+        Python around `run`."""
+        return torch.ops.radixrt.decode_step(
+            ids, positions, embed, cos_table, sin_table, final_norm, final_eps, self.norms,
+            self.weights, self.meta, k_buffers, v_buffers, k_scales or [], v_scales or [], loc,
+            plan.kv_indices, plan.row_start, plan.row_len, plan.group_start, plan.group_len,
+            plan.group_row_ptr, plan.group_rows, self.num_heads, self.num_kv_heads,
+            self.head_dim, self.eps, self.scale, split)
 
     def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, loc: torch.Tensor,
             plan: PagedDecodePlan, k_buffers: list[torch.Tensor],

@@ -226,19 +226,22 @@ class LlamaForCausalLM(nn.Module):
         attn = self.attn_backend
         if attn is None:
             raise RuntimeError("LlamaForCausalLM.attn_backend is not set")
+        stack = self.decode_layers() if self.fused_decode and fb.is_decode else None
+        plan = attn.paged_decode_plan(fb) if isinstance(stack, DecodeLayers) else None
+        if isinstance(stack, DecodeLayers) and plan is not None and fb.score_rows is None:
+            # the whole step up to the LM head in one C++ call (decode batches score nothing)
+            pool = attn.kv_pool
+            last = stack.run_step(fb.input_ids, fb.positions, self.embed_tokens,
+                                  self.rotary.cos, self.rotary.sin, self.norm,
+                                  self.config.rms_norm_eps, fb.out_cache_loc, plan,
+                                  pool.k_buffer, pool.v_buffer, pool.k_scale, pool.v_scale,
+                                  split=self.decode_split(fb.batch_size))
+            return self.lm_head.logits(last, invariant_step(attn, fb)), None
         h = F.embedding(fb.input_ids, self.embed_tokens)
         cos, sin = self.rotary.cos_sin(fb.positions)
         residual: torch.Tensor | None = None
-        stack = self.decode_layers() if self.fused_decode and fb.is_decode else None
-        plan = attn.paged_decode_plan(fb) if isinstance(stack, DecodeLayers) else None
-        if isinstance(stack, DecodeLayers) and plan is not None:
-            pool = attn.kv_pool
-            h, residual = stack.run(h, cos, sin, fb.out_cache_loc, plan, pool.k_buffer,
-                                    pool.v_buffer, pool.k_scale, pool.v_scale,
-                                    split=self.decode_split(int(h.shape[0])))
-        else:
-            for layer in self.layers:
-                h, residual = layer(h, residual, cos, sin, fb, attn)
+        for layer in self.layers:
+            h, residual = layer(h, residual, cos, sin, fb, attn)
         assert residual is not None
         idx = fb.logits_indices
         b = int(idx.numel())

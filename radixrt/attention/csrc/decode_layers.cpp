@@ -22,6 +22,7 @@
 // pool passes its per-layer scales in k_scales / v_scales (empty lists otherwise): then
 // kv_store_i8 and paged_decode_i8.
 // Returns the last layer's (MLP output, residual stream); their sum is the hidden state.
+// decode_step (at the end) adds the embedding, the RoPE rows and the final norm around it.
 //
 // Micro-batches (`split` > 0, rows >= 2): rows [0, split) and [split, rows) run as two
 // micro-batches, each through every layer on its own thread of one parallel region, the ops
@@ -351,10 +352,44 @@ std::tuple<Tensor, Tensor> decode_layers(
           at::cat({std::get<1>(out[0]), std::get<1>(out[1])})};
 }
 
+// The whole decode step up to the LM head: embedding rows of `ids`, RoPE rows of `positions`,
+// decode_layers, the final RMSNorm. The same ops as the model's Python around decode_layers
+// (F.embedding, index_select of the cos / sin tables, add_rms_norm), so bitwise that; what it
+// saves is their Python cost, paid cold every step (the step has just streamed its weights and
+// K/V through the caches).
+Tensor decode_step(
+    const Tensor& ids, const Tensor& positions, const Tensor& embed, const Tensor& cos_table,
+    const Tensor& sin_table, const Tensor& final_norm, double final_eps, at::TensorList norms,
+    const OptTensors& weights, c10::IntArrayRef meta, at::TensorList k_buffers,
+    at::TensorList v_buffers, at::TensorList k_scales, at::TensorList v_scales,
+    const Tensor& loc, const Tensor& kv_indices, const Tensor& row_start, const Tensor& row_len,
+    const Tensor& group_start, const Tensor& group_len, const Tensor& group_row_ptr,
+    const Tensor& group_rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    double eps, double scale, int64_t split) {
+  TORCH_CHECK(ids.dim() == 1 && positions.dim() == 1 && ids.numel() == positions.numel(),
+              "decode_step: ids and positions must be 1-D with one entry per row");
+  const Tensor h0 = at::embedding(embed, ids);
+  const Tensor cos = at::index_select(cos_table, 0, positions);
+  const Tensor sin = at::index_select(sin_table, 0, positions);
+  const auto [h, residual] =
+      decode_layers(h0, cos, sin, norms, weights, meta, k_buffers, v_buffers, k_scales, v_scales,
+                    loc, kv_indices, row_start, row_len, group_start, group_len, group_row_ptr,
+                    group_rows, num_heads, num_kv_heads, head_dim, eps, scale, split);
+  return std::get<0>(Ops::get().add_rms_norm.call(h, residual, final_norm, final_eps));
+}
+
 }  // namespace
 }  // namespace radixrt_cpu
 
 TORCH_LIBRARY_FRAGMENT(radixrt, m) {
+  m.def(
+      "decode_step(Tensor ids, Tensor positions, Tensor embed, Tensor cos_table, "
+      "Tensor sin_table, Tensor final_norm, float final_eps, Tensor[] norms, Tensor?[] weights, "
+      "int[] meta, Tensor(a!)[] k_buffers, Tensor(b!)[] v_buffers, Tensor(c!)[] k_scales, "
+      "Tensor(d!)[] v_scales, Tensor loc, Tensor kv_indices, "
+      "Tensor row_start, Tensor row_len, Tensor group_start, Tensor group_len, "
+      "Tensor group_row_ptr, Tensor group_rows, int num_heads, int num_kv_heads, int head_dim, "
+      "float eps, float scale, int split=0) -> Tensor");
   m.def(
       "decode_layers(Tensor h, Tensor cos, Tensor sin, Tensor[] norms, Tensor?[] weights, "
       "int[] meta, Tensor(a!)[] k_buffers, Tensor(b!)[] v_buffers, Tensor(c!)[] k_scales, "
@@ -364,4 +399,7 @@ TORCH_LIBRARY_FRAGMENT(radixrt, m) {
       "float eps, float scale, int split=0) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(radixrt, CPU, m) { m.impl("decode_layers", &radixrt_cpu::decode_layers); }
+TORCH_LIBRARY_IMPL(radixrt, CPU, m) {
+  m.impl("decode_layers", &radixrt_cpu::decode_layers);
+  m.impl("decode_step", &radixrt_cpu::decode_step);
+}
