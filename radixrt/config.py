@@ -141,7 +141,7 @@ class ServerArgs:
                "result, without the per-op Python cost; used when the fused CPU ops and the "
                "paged-decode kernel both run)")
     decode_microbatch_rows: int = _f(
-        16, "a one-call decode step of at least this many rows, on exactly 2 scheduler "
+        12, "a one-call decode step of at least this many rows, on exactly 2 scheduler "
             "threads, runs as two micro-batches, one per thread, so that one's attention "
             "(memory-bound) overlaps the other's matmuls (compute-bound); bitwise the same "
             "result; 0: never")

@@ -160,7 +160,7 @@ class LlamaForCausalLM(nn.Module):
         self.fused_decode = True
         # Rows from which a one-call decode step runs as two micro-batches (`decode_split`);
         # 0: never. The runner sets it from ServerArgs.decode_microbatch_rows (same default).
-        self.decode_microbatch_rows = 16
+        self.decode_microbatch_rows = 12
         self._decode_layers: DecodeLayers | str | None = None
         self.set_layer_ops(select_layer_ops(dtype, dev, config.hidden_size,
                                             config.intermediate_size, config.head_dim,
