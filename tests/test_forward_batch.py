@@ -47,12 +47,14 @@ def _reference_write(table: torch.Tensor, rows: list[int], starts: list[int], le
         off += n
 
 
-@pytest.mark.parametrize("lens", [[1, 1, 1, 1], [3, 0, 5, 1], [7]])
+@pytest.mark.parametrize("lens", [[1, 1, 1, 1], [3, 0, 5, 1], [7], [1] * 150])
 def test_write_fills_the_table_as_the_reference(lens: list[int]) -> None:
-    pool = ReqToTokenPool(6, 40)
+    """One slot per row (a decode step: a loop up to 128 rows, numpy's scatter above), several
+    per row, empty rows."""
+    pool = ReqToTokenPool(160, 40)
     expect = pool.req_to_token.clone()
-    rows = [5, 0, 3, 2][: len(lens)]
-    starts = [4, 0, 30, 12][: len(lens)]
+    rows = ([5, 0, 3, 2] + list(range(6, 160)))[: len(lens)]
+    starts = ([4, 0, 30, 12] + [r % 37 for r in range(6, 160)])[: len(lens)]
     slots = torch.arange(100, 100 + sum(lens), dtype=torch.int64)
     pool.write(rows, starts, lens, slots)
     _reference_write(expect, rows, starts, lens, slots)
