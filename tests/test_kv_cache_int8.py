@@ -50,14 +50,17 @@ def test_quantize_rows_error_is_at_most_half_a_step() -> None:
 
 # -- the C++ ops ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_kv_store_i8_writes_torch_codes_and_scales(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("hd", [64, 40])
+def test_kv_store_i8_writes_torch_codes_and_scales(dtype: torch.dtype, hd: int) -> None:
+    """Whole vectors and a tail (head dim 40), a zero row; strided sources."""
     _need_i8_kernels()
     g = torch.Generator().manual_seed(1)
-    pool = TokenToKVPool(40, 2, 3, 64, dtype, kv_dtype=torch.int8)
-    qkv = (torch.randn(5, 9 * 64 + 2 * 3 * 64, generator=g) * 3).to(dtype)
+    pool = TokenToKVPool(40, 2, 3, hd, dtype, kv_dtype=torch.int8)
+    qkv = (torch.randn(5, 9 * hd + 2 * 3 * hd, generator=g) * 3).to(dtype)
+    qkv[2, 9 * hd: 10 * hd] = 0  # one all-zero K row: scale 0, codes 0
     # strided sources, as the layer hands them over: slices of the fused qkv projection
-    k = qkv[:, 9 * 64: 12 * 64].view(5, 3, 64)
-    v = qkv[:, 12 * 64:].view(5, 3, 64)
+    k = qkv[:, 9 * hd: 12 * hd].view(5, 3, hd)
+    v = qkv[:, 12 * hd:].view(5, 3, hd)
     loc = torch.tensor([3, 17, 1, 40, 22])
     layer = 1
     torch.ops.radixrt.kv_store_i8(pool.k_buffer[layer], pool.v_buffer[layer],
@@ -84,7 +87,7 @@ def test_kv_store_i8_writes_torch_codes_and_scales(dtype: torch.dtype) -> None:
                                      pool.k_scale[layer], pool.v_scale[layer],
                                      torch.tensor([99]), torch.float32)
     # set_kv (the torch fallback) stores the same bits
-    other = TokenToKVPool(40, 2, 3, 64, dtype, kv_dtype=torch.int8)
+    other = TokenToKVPool(40, 2, 3, hd, dtype, kv_dtype=torch.int8)
     other.set_kv(layer, loc, k, v)
     assert torch.equal(other.k_buffer[layer][loc], pool.k_buffer[layer][loc])
     assert torch.equal(other.v_scale[layer][loc], pool.v_scale[layer][loc])
