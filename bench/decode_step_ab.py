@@ -55,8 +55,9 @@ def build_rev(rev: str) -> None:
 
 
 def use(op: object) -> None:
-    """Make `DecodeLayers.run` (and `run_step`, around it) call `op` (same arguments as
-    radixrt::decode_layers)."""
+    """Make `DecodeLayers.run_step` call `op` (same arguments as radixrt::decode_layers) for the
+    layers, the step's ends (embedding, RoPE rows, final norm) done in Python on both sides
+    (older revisions have no decode_step): the two differ only in the layers op."""
 
     def run(self: DecodeLayers, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             loc: torch.Tensor, plan: object, k_buffers: list[torch.Tensor],
@@ -80,15 +81,12 @@ def use(op: object) -> None:
                  embed: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
                  final_norm: torch.Tensor, final_eps: float, *rest: object,
                  **kw: object) -> torch.Tensor:
-        # the step's ends as the model's Python does them, around `op` (older revisions have
-        # no decode_step; both sides then differ only in the layers op)
         h = torch.nn.functional.embedding(ids, embed)
         cos = torch.index_select(cos_table, 0, positions).unsqueeze(1)
         sin = torch.index_select(sin_table, 0, positions).unsqueeze(1)
         out, res = run(self, h, cos, sin, *rest, **kw)  # type: ignore[arg-type]
         return torch.ops.radixrt.add_rms_norm(out, res, final_norm, final_eps)[0]
 
-    DecodeLayers.run = run  # type: ignore[method-assign]
     DecodeLayers.run_step = run_step  # type: ignore[method-assign]
 
 
@@ -137,7 +135,7 @@ def main() -> None:
            "new": torch.ops.radixrt.decode_layers}
     if a.control:
         ops["new"] = ops["old"]
-    real_run = DecodeLayers.run
+    real_run_step = DecodeLayers.run_step
     print(f"old = {a.rev}, new = working tree; dtype {runner.dtype}, quant {runner.quant}; "
           f"{a.threads} threads; ctx {a.ctx}; KV {a.kv_cache_dtype}", flush=True)
     try:
@@ -173,7 +171,7 @@ def main() -> None:
                   f"{statistics.median(pairs) if pairs else float('nan'):.3f}x  (steps kept: {kept} of "
                   f"{a.rounds * a.steps} each; logits bitwise equal)", flush=True)
     finally:
-        DecodeLayers.run = real_run  # type: ignore[method-assign]
+        DecodeLayers.run_step = real_run_step  # type: ignore[method-assign]
 
 
 if __name__ == "__main__":

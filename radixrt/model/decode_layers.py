@@ -5,7 +5,9 @@ as the Python layer loop with `FusedCpuLayerOps` (norms, RoPE, SiLU-mul, the mat
 `paged_decode`) in the same order, so its result is bitwise the loop's; it removes the per-op
 Python cost, ~100 us per layer, which is a third of a small decode batch's step here. One op
 differs: a down projection on the vnni kernel takes gate_up through `qgemm_vnni_silu` (SiLU-mul
-inside its activation quantization), bitwise the loop's `silu_mul` then `qgemm_vnni`.
+inside its activation quantization), bitwise the loop's `silu_mul` then `qgemm_vnni`. The model
+calls it through `radixrt::decode_step` (`run_step`), which adds the embedding, the RoPE rows
+and the final norm around the layers in the same call.
 
 A step of many rows on two threads can run as two micro-batches, one per thread (`split`, see
 `LlamaForCausalLM.decode_split`): each micro-batch goes through every layer on its own thread,
@@ -97,28 +99,15 @@ class DecodeLayers:
                  k_buffers: list[torch.Tensor], v_buffers: list[torch.Tensor],
                  k_scales: list[torch.Tensor] | None = None,
                  v_scales: list[torch.Tensor] | None = None, split: int = 0) -> torch.Tensor:
-        """`run` with the step's ends in the same call (`radixrt::decode_step`): the embedding
-        rows of `ids`, the RoPE table rows of `positions` and, after the layers, the final
-        RMSNorm; returns the normed last hidden states `[rows, hidden]`, bitwise the model's
-        Python around `run`."""
+        """The decode step up to the LM head in one call (`radixrt::decode_step`): the embedding
+        rows of `ids`, the RoPE table rows of `positions`, every layer (`radixrt::decode_layers`;
+        new K/V stored at `loc`, an int8 pool's scales in `k_scales` / `v_scales`), the final
+        RMSNorm. Returns the normed last hidden states `[rows, hidden]`, bitwise the layer
+        loop's. `split` > 0: rows `[0, split)` and `[split, rows)` run as two micro-batches, one
+        per thread."""
         return torch.ops.radixrt.decode_step(
             ids, positions, embed, cos_table, sin_table, final_norm, final_eps, self.norms,
             self.weights, self.meta, k_buffers, v_buffers, k_scales or [], v_scales or [], loc,
             plan.kv_indices, plan.row_start, plan.row_len, plan.group_start, plan.group_len,
             plan.group_row_ptr, plan.group_rows, self.num_heads, self.num_kv_heads,
             self.head_dim, self.eps, self.scale, split)
-
-    def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, loc: torch.Tensor,
-            plan: PagedDecodePlan, k_buffers: list[torch.Tensor],
-            v_buffers: list[torch.Tensor], k_scales: list[torch.Tensor] | None = None,
-            v_scales: list[torch.Tensor] | None = None, split: int = 0
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-        """All layers on the embedded tokens `h` (`cos`/`sin` `[rows, 1, head_dim]`, new K/V
-        stored at `loc`; an int8 pool's scales in `k_scales` / `v_scales`): (last layer's MLP
-        output, residual stream), as the layer loop. `split` > 0: rows `[0, split)` and
-        `[split, rows)` run as two micro-batches, one per thread."""
-        return torch.ops.radixrt.decode_layers(
-            h, cos.squeeze(1), sin.squeeze(1), self.norms, self.weights, self.meta, k_buffers,
-            v_buffers, k_scales or [], v_scales or [], loc, plan.kv_indices, plan.row_start,
-            plan.row_len, plan.group_start, plan.group_len, plan.group_row_ptr, plan.group_rows,
-            self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale, split)
