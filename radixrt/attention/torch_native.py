@@ -181,7 +181,7 @@ class TorchNativeBackend(AttentionBackend):
             # its cascade reads a shared prefix once per group (the extend op reads it per row);
             # padded they would cost Qmax rows each, ragged one SDPA call and gather each.
             dec = fb.split_rows(single, as_decode=True)
-            self._kernel = PagedDecodePlan.build(dec, self._decode_groups(dec))
+            self._kernel = PagedDecodePlan.for_decode(dec, CASCADE_MIN_SHARED)
             multi = [b for b, e in enumerate(fb.extend_lens_cpu) if e > 1]
             starts = fb.qo_indptr.to("cpu", torch.int64)
             ext_tok = None
