@@ -232,15 +232,35 @@ def test_bad_arguments_raise_naming_them(tmp_path: Path) -> None:
     # well-formed: runs, one row out
     out, res = op(*args)
     assert out.shape == h.shape and res.shape == h.shape
-    # decode_step: one position per id
+    # decode_step: its step-invariant arguments in one DecodeStack, checked when built
     model = runner.model
-    ends = [torch.tensor([3]), torch.tensor([0, 1]), model.embed_tokens, model.rotary.cos,
-            model.rotary.sin, model.norm, 1e-5]
+    ends = [model.embed_tokens, model.rotary.cos, model.rotary.sin, model.norm, 1e-5]
+    shape = [stack.num_heads, stack.num_kv_heads, stack.head_dim, stack.eps, stack.scale]
+    with pytest.raises(RuntimeError, match="norms must hold 2 weights per layer"):
+        torch.classes.radixrt.DecodeStack(*ends, stack.norms[:-1], stack.weights, stack.meta,
+                                          kv.k_buffer, kv.v_buffer, [], [], *shape)
+    held = torch.classes.radixrt.DecodeStack(*ends, stack.norms, stack.weights, stack.meta,
+                                             kv.k_buffer, kv.v_buffer, [], [], *shape)
+    plan_args = args[10:18]
     with pytest.raises(RuntimeError, match="ids and positions must be 1-D with one entry"):
-        torch.ops.radixrt.decode_step(*ends, *args[3:])
-    ends[1] = torch.tensor([0])
-    last = torch.ops.radixrt.decode_step(*ends, *args[3:])
+        torch.ops.radixrt.decode_step(held, torch.tensor([3]), torch.tensor([0, 1]), *plan_args)
+    last = torch.ops.radixrt.decode_step(held, torch.tensor([3]), torch.tensor([0]), *plan_args)
     assert last.shape == h.shape
+
+
+def test_run_step_keeps_its_stack_until_an_argument_changes(tmp_path: Path) -> None:
+    """run_step builds its DecodeStack once and reuses it; another buffer list (another pool)
+    or table gets a new one."""
+    args, stack, runner = _direct_args(tmp_path, [1])
+    kv, model = runner.kv_pool, runner.model
+    ends = (model.embed_tokens, model.rotary.cos, model.rotary.sin, model.norm, 1e-5)
+    first = stack._stack_for(*ends, kv.k_buffer, kv.v_buffer, kv.k_scale, kv.v_scale)
+    assert stack._stack_for(*ends, kv.k_buffer, kv.v_buffer, kv.k_scale, kv.v_scale) is first
+    other = stack._stack_for(*ends, list(kv.k_buffer), kv.v_buffer, kv.k_scale, kv.v_scale)
+    assert other is not first
+    cos = model.rotary.cos.clone()
+    assert stack._stack_for(ends[0], cos, *ends[2:], list(kv.k_buffer), kv.v_buffer,
+                            kv.k_scale, kv.v_scale) is not other
 
 
 @pytest.fixture

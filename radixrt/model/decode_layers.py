@@ -66,6 +66,8 @@ class DecodeLayers:
             for i in range(len(meta) // 3))
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.eps, self.scale = eps, scale
+        # (the arguments it was built from, the radixrt.DecodeStack): see run_step
+        self._held_stack: tuple[tuple[object, ...], torch.ScriptObject] | None = None
 
     @classmethod
     def build(cls, layers: Sequence[torch.nn.Module], ops: LayerOps) -> DecodeLayers | str:
@@ -104,10 +106,28 @@ class DecodeLayers:
         new K/V stored at `loc`, an int8 pool's scales in `k_scales` / `v_scales`), the final
         RMSNorm. Returns the normed last hidden states `[rows, hidden]`, bitwise the layer
         loop's. `split` > 0: rows `[0, split)` and `[split, rows)` run as two micro-batches, one
-        per thread."""
+        per thread.
+
+        The step-invariant arguments (this object's weights, the tables, the pool's buffer
+        lists) go to the op as one `radixrt.DecodeStack`, built on the first call and again
+        whenever one of them is another object: a pool's buffer lists must not be changed in
+        place."""
+        stack = self._stack_for(embed, cos_table, sin_table, final_norm, final_eps, k_buffers,
+                                v_buffers, k_scales, v_scales)
         return torch.ops.radixrt.decode_step(
-            ids, positions, embed, cos_table, sin_table, final_norm, final_eps, self.norms,
-            self.weights, self.meta, k_buffers, v_buffers, k_scales or [], v_scales or [], loc,
-            plan.kv_indices, plan.row_start, plan.row_len, plan.group_start, plan.group_len,
-            plan.group_row_ptr, plan.group_rows, self.num_heads, self.num_kv_heads,
-            self.head_dim, self.eps, self.scale, split)
+            stack, ids, positions, loc, plan.kv_indices, plan.row_start, plan.row_len,
+            plan.group_start, plan.group_len, plan.group_row_ptr, plan.group_rows, split)
+
+    def _stack_for(self, *ends: object) -> torch.ScriptObject:
+        """The `radixrt.DecodeStack` of these step-invariant arguments (see `run_step`)."""
+        held = self._held_stack
+        if held is not None and all(a is b or (isinstance(a, float) and a == b)
+                                    for a, b in zip(held[0], ends, strict=True)):
+            return held[1]
+        embed, cos_table, sin_table, final_norm, final_eps, kb, vb, ks, vs = ends
+        stack = torch.classes.radixrt.DecodeStack(
+            embed, cos_table, sin_table, final_norm, float(final_eps), self.norms, self.weights,
+            self.meta, kb, vb, ks or [], vs or [], self.num_heads, self.num_kv_heads,
+            self.head_dim, self.eps, self.scale)
+        self._held_stack = (ends, stack)
+        return stack

@@ -22,7 +22,10 @@
 // pool passes its per-layer scales in k_scales / v_scales (empty lists otherwise): then
 // kv_store_i8 and paged_decode_i8.
 // Returns the last layer's (MLP output, residual stream); their sum is the hidden state.
-// decode_step (at the end) adds the embedding, the RoPE rows and the final norm around it.
+// decode_step (at the end) adds the embedding, the RoPE rows and the final norm around it; it
+// takes everything that is the same from step to step (weights, pool buffers, constants) in one
+// DecodeStack, built once, so a step converts only its batch's tensors (the ~800 list entries
+// of the weights and buffers cost ~0.1 ms a step to convert, cold).
 //
 // Micro-batches (`split` > 0, rows >= 2): rows [0, split) and [split, rows) run as two
 // micro-batches, each through every layer on its own thread of one parallel region, the ops
@@ -38,6 +41,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <atomic>
@@ -295,15 +299,11 @@ std::tuple<Tensor, Tensor> run_layers(const Stack& st, const Tensor& h0, const T
   return {h, residual};
 }
 
-std::tuple<Tensor, Tensor> decode_layers(
-    const Tensor& h0, const Tensor& cos, const Tensor& sin, at::TensorList norms,
-    const OptTensors& weights, c10::IntArrayRef meta, at::TensorList k_buffers,
-    at::TensorList v_buffers, at::TensorList k_scales, at::TensorList v_scales,
-    const Tensor& loc, const Tensor& kv_indices,
-    const Tensor& row_start, const Tensor& row_len, const Tensor& group_start,
-    const Tensor& group_len, const Tensor& group_row_ptr, const Tensor& group_rows,
-    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-    int64_t split) {
+// The step-invariant arguments of decode_layers agree with each other (entries per layer).
+void check_stack(at::TensorList norms, const OptTensors& weights, c10::IntArrayRef meta,
+                 at::TensorList k_buffers, at::TensorList v_buffers, at::TensorList k_scales,
+                 at::TensorList v_scales, int64_t num_heads, int64_t num_kv_heads,
+                 int64_t head_dim) {
   const int64_t layers = static_cast<int64_t>(k_buffers.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_buffers.size()) == layers,
               "decode_layers: k_buffers and v_buffers must have one entry per layer");
@@ -321,9 +321,23 @@ std::tuple<Tensor, Tensor> decode_layers(
   TORCH_CHECK(static_cast<int64_t>(meta.size()) == kMetaPerLinear * linears,
               "decode_layers: meta must hold ", kMetaPerLinear * linears, " entries, got ",
               meta.size());
-  TORCH_CHECK(h0.dim() == 2, "decode_layers: h must be [rows, hidden]");
   TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && head_dim > 0,
               "decode_layers: head counts and head_dim must be positive");
+}
+
+std::tuple<Tensor, Tensor> decode_layers(
+    const Tensor& h0, const Tensor& cos, const Tensor& sin, at::TensorList norms,
+    const OptTensors& weights, c10::IntArrayRef meta, at::TensorList k_buffers,
+    at::TensorList v_buffers, at::TensorList k_scales, at::TensorList v_scales,
+    const Tensor& loc, const Tensor& kv_indices,
+    const Tensor& row_start, const Tensor& row_len, const Tensor& group_start,
+    const Tensor& group_len, const Tensor& group_row_ptr, const Tensor& group_rows,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+    int64_t split) {
+  check_stack(norms, weights, meta, k_buffers, v_buffers, k_scales, v_scales, num_heads,
+              num_kv_heads, head_dim);
+  TORCH_CHECK(h0.dim() == 2, "decode_layers: h must be [rows, hidden]");
+  const bool int8_pool = !k_scales.empty();
   const int64_t n = h0.size(0);
   TORCH_CHECK(split >= 0 && split < std::max<int64_t>(n, 1),
               "decode_layers: split must be in [0, rows), got ", split, " for ", n, " rows");
@@ -352,44 +366,76 @@ std::tuple<Tensor, Tensor> decode_layers(
           at::cat({std::get<1>(out[0]), std::get<1>(out[1])})};
 }
 
+// What a decode step takes that does not change from step to step: the model's embedding,
+// RoPE tables, final norm and every layer's norms / linears (decode_layers' flattened lists),
+// the KV pool's buffers (and an int8 pool's scales), the head shape. Checked once, when built;
+// it holds references to those tensors (no copies), so the step writes the pool's own buffers.
+struct DecodeStack : torch::CustomClassHolder {
+  Tensor embed, cos_table, sin_table, final_norm;
+  double final_eps;
+  std::vector<Tensor> norms;
+  OptTensors weights;
+  std::vector<int64_t> meta;
+  std::vector<Tensor> k_buffers, v_buffers, k_scales, v_scales;
+  int64_t num_heads, num_kv_heads, head_dim;
+  double eps, scale;
+
+  DecodeStack(Tensor embed_, Tensor cos_table_, Tensor sin_table_, Tensor final_norm_,
+              double final_eps_, std::vector<Tensor> norms_, OptTensors weights_,
+              std::vector<int64_t> meta_, std::vector<Tensor> k_buffers_,
+              std::vector<Tensor> v_buffers_, std::vector<Tensor> k_scales_,
+              std::vector<Tensor> v_scales_, int64_t num_heads_, int64_t num_kv_heads_,
+              int64_t head_dim_, double eps_, double scale_)
+      : embed(std::move(embed_)), cos_table(std::move(cos_table_)),
+        sin_table(std::move(sin_table_)), final_norm(std::move(final_norm_)),
+        final_eps(final_eps_), norms(std::move(norms_)), weights(std::move(weights_)),
+        meta(std::move(meta_)), k_buffers(std::move(k_buffers_)),
+        v_buffers(std::move(v_buffers_)), k_scales(std::move(k_scales_)),
+        v_scales(std::move(v_scales_)), num_heads(num_heads_), num_kv_heads(num_kv_heads_),
+        head_dim(head_dim_), eps(eps_), scale(scale_) {
+    check_stack(norms, weights, meta, k_buffers, v_buffers, k_scales, v_scales, num_heads,
+                num_kv_heads, head_dim);
+    TORCH_CHECK(embed.dim() == 2 && cos_table.dim() == 2 && sin_table.dim() == 2,
+                "DecodeStack: embed, cos_table and sin_table must be 2-D");
+  }
+};
+
 // The whole decode step up to the LM head: embedding rows of `ids`, RoPE rows of `positions`,
 // decode_layers, the final RMSNorm. The same ops as the model's Python around decode_layers
 // (F.embedding, index_select of the cos / sin tables, add_rms_norm), so bitwise that; what it
 // saves is their Python cost, paid cold every step (the step has just streamed its weights and
 // K/V through the caches).
-Tensor decode_step(
-    const Tensor& ids, const Tensor& positions, const Tensor& embed, const Tensor& cos_table,
-    const Tensor& sin_table, const Tensor& final_norm, double final_eps, at::TensorList norms,
-    const OptTensors& weights, c10::IntArrayRef meta, at::TensorList k_buffers,
-    at::TensorList v_buffers, at::TensorList k_scales, at::TensorList v_scales,
-    const Tensor& loc, const Tensor& kv_indices, const Tensor& row_start, const Tensor& row_len,
-    const Tensor& group_start, const Tensor& group_len, const Tensor& group_row_ptr,
-    const Tensor& group_rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    double eps, double scale, int64_t split) {
+Tensor decode_step(const c10::intrusive_ptr<DecodeStack>& s, const Tensor& ids,
+                   const Tensor& positions, const Tensor& loc, const Tensor& kv_indices,
+                   const Tensor& row_start, const Tensor& row_len, const Tensor& group_start,
+                   const Tensor& group_len, const Tensor& group_row_ptr,
+                   const Tensor& group_rows, int64_t split) {
   TORCH_CHECK(ids.dim() == 1 && positions.dim() == 1 && ids.numel() == positions.numel(),
               "decode_step: ids and positions must be 1-D with one entry per row");
-  const Tensor h0 = at::embedding(embed, ids);
-  const Tensor cos = at::index_select(cos_table, 0, positions);
-  const Tensor sin = at::index_select(sin_table, 0, positions);
-  const auto [h, residual] =
-      decode_layers(h0, cos, sin, norms, weights, meta, k_buffers, v_buffers, k_scales, v_scales,
-                    loc, kv_indices, row_start, row_len, group_start, group_len, group_row_ptr,
-                    group_rows, num_heads, num_kv_heads, head_dim, eps, scale, split);
-  return std::get<0>(Ops::get().add_rms_norm.call(h, residual, final_norm, final_eps));
+  const Tensor h0 = at::embedding(s->embed, ids);
+  const Tensor cos = at::index_select(s->cos_table, 0, positions);
+  const Tensor sin = at::index_select(s->sin_table, 0, positions);
+  const auto [h, residual] = decode_layers(
+      h0, cos, sin, s->norms, s->weights, s->meta, s->k_buffers, s->v_buffers, s->k_scales,
+      s->v_scales, loc, kv_indices, row_start, row_len, group_start, group_len, group_row_ptr,
+      group_rows, s->num_heads, s->num_kv_heads, s->head_dim, s->eps, s->scale, split);
+  return std::get<0>(Ops::get().add_rms_norm.call(h, residual, s->final_norm, s->final_eps));
 }
 
 }  // namespace
 }  // namespace radixrt_cpu
 
 TORCH_LIBRARY_FRAGMENT(radixrt, m) {
+  m.class_<radixrt_cpu::DecodeStack>("DecodeStack")
+      .def(torch::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, double,
+                       std::vector<at::Tensor>, radixrt_cpu::OptTensors, std::vector<int64_t>,
+                       std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                       std::vector<at::Tensor>, int64_t, int64_t, int64_t, double, double>());
   m.def(
-      "decode_step(Tensor ids, Tensor positions, Tensor embed, Tensor cos_table, "
-      "Tensor sin_table, Tensor final_norm, float final_eps, Tensor[] norms, Tensor?[] weights, "
-      "int[] meta, Tensor(a!)[] k_buffers, Tensor(b!)[] v_buffers, Tensor(c!)[] k_scales, "
-      "Tensor(d!)[] v_scales, Tensor loc, Tensor kv_indices, "
-      "Tensor row_start, Tensor row_len, Tensor group_start, Tensor group_len, "
-      "Tensor group_row_ptr, Tensor group_rows, int num_heads, int num_kv_heads, int head_dim, "
-      "float eps, float scale, int split=0) -> Tensor");
+      "decode_step(__torch__.torch.classes.radixrt.DecodeStack stack, Tensor ids, "
+      "Tensor positions, Tensor loc, Tensor kv_indices, Tensor row_start, Tensor row_len, "
+      "Tensor group_start, Tensor group_len, Tensor group_row_ptr, Tensor group_rows, "
+      "int split=0) -> Tensor");
   m.def(
       "decode_layers(Tensor h, Tensor cos, Tensor sin, Tensor[] norms, Tensor?[] weights, "
       "int[] meta, Tensor(a!)[] k_buffers, Tensor(b!)[] v_buffers, Tensor(c!)[] k_scales, "
