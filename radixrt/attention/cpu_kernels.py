@@ -2,7 +2,8 @@
 
 The sources are compiled with `torch.utils.cpp_extension` into one shared library that registers
 `torch.ops.radixrt.*`: decode attention (`csrc/paged_decode.cpp`) and its per-step plan
-(`csrc/decode_plan.cpp`), extend (prefill) attention (`csrc/extend_attention.cpp`), the
+(`csrc/decode_plan.cpp`), a CPU decode batch's index tensors (`csrc/decode_batch.cpp`, used by
+`ForwardBatch.build`), extend (prefill) attention (`csrc/extend_attention.cpp`), the
 quantized small-M matmul (`csrc/qgemv.cpp`), the int8-activation VNNI quantized matmul
 (`csrc/qgemm_vnni.cpp`, AVX512-VNNI CPUs only), the fused layer ops (`csrc/fused_ops.cpp`), the
 decode step's layer loop over them (`csrc/decode_layers.cpp`) and greedy sampling's row-wise
@@ -46,7 +47,7 @@ logger = logging.getLogger(__name__)
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 SOURCES: tuple[str, ...] = ("paged_decode.cpp", "qgemv.cpp", "qgemm_vnni.cpp", "fused_ops.cpp",
                            "extend_attention.cpp", "decode_layers.cpp", "argmax.cpp",
-                           "decode_plan.cpp")
+                           "decode_plan.cpp", "decode_batch.cpp")
 LIB_NAME = "radixrt_cpu_kernels"
 ISAS: tuple[str, ...] = ("avx512", "avx2", "default")  # best first
 

@@ -148,10 +148,24 @@ class ForwardBatch:
                           req_pool_indices: Sequence[int], prefix: list[int],
                           req_to_token: torch.Tensor) -> ForwardBatch:
         """`build` for a decode batch whose table and tensors live on the CPU: the same tensors
-        (values and dtypes) as `_build_general`, from two numpy arrays (every int64 field a
-        row of one, every int32 index pointer a row of the other) and the table's rows. It runs
-        right after the previous step has flushed the caches, where each small tensor op costs
-        ~10 us: this takes a handful."""
+        (values and dtypes) as `_build_general`. It runs right after the previous step has
+        flushed the caches, where each small tensor or numpy op costs ~10 us, so it takes one
+        C++ call when the kernel library is loaded (`radixrt::decode_batch_rows`, registered by
+        radixrt/attention/cpu_kernels.py and looked up here by name, not imported: ~75 us cold),
+        else `_build_decode_numpy` (~180 us)."""
+        rows_op = getattr(torch.ops.radixrt, "decode_batch_rows", None)
+        if rows_op is None or req_to_token.dtype != torch.int32:
+            return cls._build_decode_numpy(input_ids, req_pool_indices, prefix, req_to_token)
+        ids = input_ids.tolist() if isinstance(input_ids, torch.Tensor) else input_ids
+        longs, ints, kv = rows_op(ids, req_pool_indices, prefix, req_to_token)
+        return cls._decode_from_rows(longs, ints, kv, prefix)
+
+    @classmethod
+    def _build_decode_numpy(cls, input_ids: Sequence[int] | torch.Tensor,
+                            req_pool_indices: Sequence[int], prefix: list[int],
+                            req_to_token: torch.Tensor) -> ForwardBatch:
+        """`_build_decode_cpu` in numpy: every int64 field a row of one array, every int32
+        index pointer a row of another, and the table's rows."""
         bs = len(req_pool_indices)
         table = req_to_token.numpy()
         # int64 rows: input_ids, positions, req_pool_indices, seq_lens, extend_lens,
@@ -176,8 +190,19 @@ class ForwardBatch:
             kv = np.concatenate([table[r, :n] for r, n in zip(req_pool_indices, seq, strict=True)])
         else:
             kv = np.zeros(0, dtype=table.dtype)
-        ids, pos, rows, seq_t, ext, loc, last, pre = torch.from_numpy(longs).unbind(0)
-        qo, kv_indptr, ones = torch.from_numpy(ints).unbind(0)
+        return cls._decode_from_rows(torch.from_numpy(longs), torch.from_numpy(ints),
+                                     torch.from_numpy(kv.astype(np.int32, copy=False)), prefix,
+                                     seq)
+
+    @classmethod
+    def _decode_from_rows(cls, longs: torch.Tensor, ints: torch.Tensor, kv: torch.Tensor,
+                          prefix: list[int], seq: list[int] | None = None) -> ForwardBatch:
+        """A CPU decode batch from `_build_decode_cpu`'s arrays: `longs` int64 [8, B] (ids,
+        positions, rows, seq_lens, extend_lens, out_cache_loc, logits_indices, prefix_lens),
+        `ints` int32 [3, B + 1] (qo_indptr, kv_indptr, ones), `kv` the int32 kv_indices."""
+        bs = len(prefix)
+        ids, pos, rows, seq_t, ext, loc, last, pre = longs.unbind(0)
+        qo, kv_indptr, ones = ints.unbind(0)
         return cls(
             mode=ForwardMode.DECODE,
             batch_size=bs,
@@ -190,10 +215,10 @@ class ForwardBatch:
             out_cache_loc=loc,
             qo_indptr=qo,
             kv_indptr=kv_indptr,
-            kv_indices=torch.from_numpy(kv.astype(np.int32, copy=False)),
+            kv_indices=kv,
             kv_last_page_len=ones[:bs],
             logits_indices=last,
-            seq_lens_cpu=seq,
+            seq_lens_cpu=[p + 1 for p in prefix] if seq is None else seq,
             prefix_lens_cpu=prefix,
             extend_lens_cpu=[1] * bs,
         )
