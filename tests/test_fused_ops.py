@@ -89,6 +89,46 @@ def test_silu_mul_matches_torch(dtype: torch.dtype, rows: int, inter: int) -> No
     _assert_same(FUSED.silu_mul(gu), REF.silu_mul(gu), "silu_mul")
 
 
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (-0.0 is not 0.0; denormals exactly), NaN where the other has NaN."""
+    nan = a.isnan()
+    return (a.shape == b.shape and a.dtype == b.dtype and torch.equal(nan, b.isnan())
+            and torch.equal(a.view(torch.int16)[~nan], b.view(torch.int16)[~nan]))
+
+
+def test_bf16_rounding_of_denormals_and_nans_is_torchs() -> None:
+    """Rounding to bfloat16 takes the one-instruction conversion where it agrees with torch's
+    software one; vectors with denormals (which the instruction reads as zero) or NaNs take
+    the software path: every op stays bitwise torch's on denormals, NaN where torch's is."""
+    if not _native_isa():
+        pytest.skip("the library is not built for torch's own instruction set")
+    bf = torch.bfloat16
+    tiny = torch.tensor([1e-38, -3e-39, 1e-39, 2e-38, -1e-40, 5e-39, 1.5e-38, -7e-39])
+    gu = torch.randn(3, 64, generator=torch.Generator().manual_seed(5))
+    gu[0, :8] = tiny  # silu(gate) denormal
+    gu[1, 32:40] = tiny  # up denormal: the products are
+    gu[2, 3] = float("nan")
+    gu = gu.to(bf)
+    assert _bits_equal(FUSED.silu_mul(gu), REF.silu_mul(gu))
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(6))
+    r = torch.randn(4, 64, generator=torch.Generator().manual_seed(7))
+    x[0, :8], r[0, :8] = tiny, tiny  # denormal sums in the residual stream
+    x[1, 5] = float("nan")
+    x, r, w = x.to(bf), r.to(bf), torch.ones(64, dtype=bf)
+    out, res = FUSED.add_rms_norm(x, r, w, 1e-6)
+    ref_out, ref_res = REF.add_rms_norm(x, r, w, 1e-6)
+    assert _bits_equal(res, ref_res) and _bits_equal(out, ref_out)
+    emb = RotaryEmbedding(64, 64, RopeParams(), dtype=bf)
+    cos, sin = emb.cos_sin(torch.arange(4))
+    qkv = torch.randn(4, 4 * 64, generator=torch.Generator().manual_seed(8))
+    qkv[0, :8] = tiny  # denormal products with cos / sin
+    qkv[2, 70] = float("nan")
+    qkv = qkv.to(bf)
+    for a, b in zip(FUSED.rope_qk(qkv, cos, sin, 2, 1), REF.rope_qk(qkv, cos, sin, 2, 1),
+                    strict=True):
+        assert _bits_equal(a, b)
+
+
 ROPES = [RopeParams(),
          RopeParams(rope_type="linear", factor=4.0),
          RopeParams(rope_type="llama3", theta=500000.0, factor=8.0, low_freq_factor=1.0,

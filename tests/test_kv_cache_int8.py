@@ -49,10 +49,11 @@ def test_quantize_rows_error_is_at_most_half_a_step() -> None:
 
 
 # -- the C++ ops ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("hd", [64, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("hd", [64, 40, 256])
 def test_kv_store_i8_writes_torch_codes_and_scales(dtype: torch.dtype, hd: int) -> None:
-    """Whole vectors and a tail (head dim 40), a zero row; strided sources."""
+    """Whole vectors (head dims 64, 256: the AVX-512 path) and a tail (head dim 40, the scalar
+    loop), a zero row; strided sources."""
     _need_i8_kernels()
     g = torch.Generator().manual_seed(1)
     pool = TokenToKVPool(40, 2, 3, hd, dtype, kv_dtype=torch.int8)
