@@ -337,7 +337,6 @@ std::tuple<Tensor, Tensor> decode_layers(
   check_stack(norms, weights, meta, k_buffers, v_buffers, k_scales, v_scales, num_heads,
               num_kv_heads, head_dim);
   TORCH_CHECK(h0.dim() == 2, "decode_layers: h must be [rows, hidden]");
-  const bool int8_pool = !k_scales.empty();
   const int64_t n = h0.size(0);
   TORCH_CHECK(split >= 0 && split < std::max<int64_t>(n, 1),
               "decode_layers: split must be in [0, rows), got ", split, " for ", n, " rows");
