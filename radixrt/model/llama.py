@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixrt.attention.base import AttentionBackend
+from radixrt.config import ServerArgs
 from radixrt.core.forward_batch import ForwardBatch
 from radixrt.model.decode_layers import DecodeLayers
 from radixrt.model.layer_ops import LayerOps, TorchLayerOps, rms_norm, select_layer_ops
@@ -159,8 +160,8 @@ class LlamaForCausalLM(nn.Module):
         # False: always the Python layer loop. The call's arguments are built on first use.
         self.fused_decode = True
         # Rows from which a one-call decode step runs as two micro-batches (`decode_split`);
-        # 0: never. The runner sets it from ServerArgs.decode_microbatch_rows (same default).
-        self.decode_microbatch_rows = 12
+        # 0: never. The runner sets it from its ServerArgs; a model built alone takes the default.
+        self.decode_microbatch_rows = ServerArgs.decode_microbatch_rows
         self._decode_layers: DecodeLayers | str | None = None
         self.set_layer_ops(select_layer_ops(dtype, dev, config.hidden_size,
                                             config.intermediate_size, config.head_dim,
