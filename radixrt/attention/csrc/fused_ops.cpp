@@ -412,21 +412,6 @@ void kv_store(Tensor k_buffer, Tensor v_buffer, const Tensor& loc, const Tensor&
 // k (and v) quantized into an int8 pool: scale = max|x| / 127, codes round(x * (127 / max|x|))
 // (nearest even; all zeros when max|x| = 0), as radixrt/mem/kv_quant.py computes them in torch.
 
-#if defined(CPU_CAPABILITY_AVX512)
-// 16 elements of S at p as fp32 (exact).
-template <typename S>
-inline __m512 load16_f32(const S* p) {
-  if constexpr (std::is_same_v<S, float>) {
-    return _mm512_loadu_ps(p);
-  } else if constexpr (std::is_same_v<S, at::BFloat16>) {
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-  } else {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  }
-}
-#endif
-
 template <typename S>
 void quantize_row(const S* x, int64_t d, int8_t* codes, float* scale) {
 #if defined(CPU_CAPABILITY_AVX512)
@@ -438,7 +423,7 @@ void quantize_row(const S* x, int64_t d, int8_t* codes, float* scale) {
     __m512 mx = _mm512_setzero_ps();
     const int64_t n = d / 16;
     for (int64_t i = 0; i < n; ++i) {
-      v[i] = load16_f32(x + 16 * i);
+      v[i] = load_f32<S>(x + 16 * i);  // Vec of 16 on this build
       mx = _mm512_max_ps(mx, _mm512_abs_ps(v[i]));
     }
     const float amax = _mm512_reduce_max_ps(mx);
