@@ -325,27 +325,16 @@ void check_stack(at::TensorList norms, const OptTensors& weights, c10::IntArrayR
               "decode_layers: head counts and head_dim must be positive");
 }
 
-std::tuple<Tensor, Tensor> decode_layers(
-    const Tensor& h0, const Tensor& cos, const Tensor& sin, at::TensorList norms,
-    const OptTensors& weights, c10::IntArrayRef meta, at::TensorList k_buffers,
-    at::TensorList v_buffers, at::TensorList k_scales, at::TensorList v_scales,
-    const Tensor& loc, const Tensor& kv_indices,
-    const Tensor& row_start, const Tensor& row_len, const Tensor& group_start,
-    const Tensor& group_len, const Tensor& group_row_ptr, const Tensor& group_rows,
-    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-    int64_t split) {
-  check_stack(norms, weights, meta, k_buffers, v_buffers, k_scales, v_scales, num_heads,
-              num_kv_heads, head_dim);
+// Every layer over the step's rows of `plan` on a checked stack (check_stack), as one pass or
+// two micro-batches (`split`).
+std::tuple<Tensor, Tensor> run_stack(const Stack& st, const Tensor& h0, const Tensor& loc,
+                                     const Plan& plan, int64_t split) {
   TORCH_CHECK(h0.dim() == 2, "decode_layers: h must be [rows, hidden]");
   const int64_t n = h0.size(0);
   TORCH_CHECK(split >= 0 && split < std::max<int64_t>(n, 1),
               "decode_layers: split must be in [0, rows), got ", split, " for ", n, " rows");
-  TORCH_CHECK(row_start.numel() == n && row_len.numel() == n && loc.numel() == n,
+  TORCH_CHECK(plan.row_start.numel() == n && plan.row_len.numel() == n && loc.numel() == n,
               "decode_layers: row_start, row_len and loc must have one entry per row");
-  const Stack st{cos, sin, norms, weights, meta, k_buffers, v_buffers, k_scales, v_scales,
-                 num_heads, num_kv_heads, head_dim, eps, scale};
-  const Plan plan{kv_indices, row_start, row_len, group_start, group_len, group_row_ptr,
-                  group_rows};
   if (split == 0) return run_layers(st, h0, loc, plan, 0, n, nullptr);
 
   const int64_t bounds[3] = {0, split, n};
@@ -363,6 +352,25 @@ std::tuple<Tensor, Tensor> decode_layers(
   });
   return {at::cat({std::get<0>(out[0]), std::get<0>(out[1])}),
           at::cat({std::get<1>(out[0]), std::get<1>(out[1])})};
+}
+
+std::tuple<Tensor, Tensor> decode_layers(
+    const Tensor& h0, const Tensor& cos, const Tensor& sin, at::TensorList norms,
+    const OptTensors& weights, c10::IntArrayRef meta, at::TensorList k_buffers,
+    at::TensorList v_buffers, at::TensorList k_scales, at::TensorList v_scales,
+    const Tensor& loc, const Tensor& kv_indices,
+    const Tensor& row_start, const Tensor& row_len, const Tensor& group_start,
+    const Tensor& group_len, const Tensor& group_row_ptr, const Tensor& group_rows,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+    int64_t split) {
+  check_stack(norms, weights, meta, k_buffers, v_buffers, k_scales, v_scales, num_heads,
+              num_kv_heads, head_dim);
+  const Stack st{cos, sin, norms, weights, meta, k_buffers, v_buffers, k_scales, v_scales,
+                 num_heads, num_kv_heads, head_dim, eps, scale};
+  return run_stack(st, h0, loc,
+                   {kv_indices, row_start, row_len, group_start, group_len, group_row_ptr,
+                    group_rows},
+                   split);
 }
 
 // What a decode step takes that does not change from step to step: the model's embedding,
@@ -414,10 +422,13 @@ Tensor decode_step(const c10::intrusive_ptr<DecodeStack>& s, const Tensor& ids,
   const Tensor h0 = at::embedding(s->embed, ids);
   const Tensor cos = at::index_select(s->cos_table, 0, positions);
   const Tensor sin = at::index_select(s->sin_table, 0, positions);
-  const auto [h, residual] = decode_layers(
-      h0, cos, sin, s->norms, s->weights, s->meta, s->k_buffers, s->v_buffers, s->k_scales,
-      s->v_scales, loc, kv_indices, row_start, row_len, group_start, group_len, group_row_ptr,
-      group_rows, s->num_heads, s->num_kv_heads, s->head_dim, s->eps, s->scale, split);
+  // the stack was checked when built
+  const Stack st{cos, sin, s->norms, s->weights, s->meta, s->k_buffers, s->v_buffers,
+                 s->k_scales, s->v_scales, s->num_heads, s->num_kv_heads, s->head_dim, s->eps,
+                 s->scale};
+  const auto [h, residual] = run_stack(
+      st, h0, loc,
+      {kv_indices, row_start, row_len, group_start, group_len, group_row_ptr, group_rows}, split);
   return std::get<0>(Ops::get().add_rms_norm.call(h, residual, s->final_norm, s->final_eps));
 }
 
