@@ -191,12 +191,11 @@ class ForwardBatch:
         else:
             kv = np.zeros(0, dtype=table.dtype)
         return cls._decode_from_rows(torch.from_numpy(longs), torch.from_numpy(ints),
-                                     torch.from_numpy(kv.astype(np.int32, copy=False)), prefix,
-                                     seq)
+                                     torch.from_numpy(kv.astype(np.int32, copy=False)), prefix)
 
     @classmethod
     def _decode_from_rows(cls, longs: torch.Tensor, ints: torch.Tensor, kv: torch.Tensor,
-                          prefix: list[int], seq: list[int] | None = None) -> ForwardBatch:
+                          prefix: list[int]) -> ForwardBatch:
         """A CPU decode batch from `_build_decode_cpu`'s arrays: `longs` int64 [8, B] (ids,
         positions, rows, seq_lens, extend_lens, out_cache_loc, logits_indices, prefix_lens),
         `ints` int32 [3, B + 1] (qo_indptr, kv_indptr, ones), `kv` the int32 kv_indices."""
@@ -218,7 +217,7 @@ class ForwardBatch:
             kv_indices=kv,
             kv_last_page_len=ones[:bs],
             logits_indices=last,
-            seq_lens_cpu=[p + 1 for p in prefix] if seq is None else seq,
+            seq_lens_cpu=[p + 1 for p in prefix],
             prefix_lens_cpu=prefix,
             extend_lens_cpu=[1] * bs,
         )
