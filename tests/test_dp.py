@@ -146,23 +146,22 @@ def test_dead_replica_fails_its_requests_and_the_others_serve(engine):
 
 @pytest.fixture(scope="module")
 def long_context_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny Llama with a 32768-token context: room for requests long enough to be seen
-    running (see NON_STREAMED_TOKENS) and for a stream that outlasts the test's polling on a
-    fast CPU (the tiny model streams ~4000 tokens/s on a Zen 5 core)."""
+    """The tiny Llama with a 32768-token context: room for long requests (see
+    NON_STREAMED_TOKENS) and for a stream that outlasts the test on a fast CPU (the tiny model streams ~4000 tokens/s on a Zen 5 core)."""
     from tiny_model import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("tiny_llama_8k"),
                             max_position_embeddings=32768)
 
 
-# Long enough that a request the router sends to the victim is still running when the test polls
-# for it (~0.05-0.2 s between polls on 2 busy cores; 300 tokens could come and go in between).
+# Long enough that a re-run request is still running beside the survivor's own ones.
 NON_STREAMED_TOKENS = 700
 
 
 def test_http_server_survives_a_killed_replica(long_context_llama_dir):
     """`radixrt serve --dp 2`: SIGKILL the scheduler running a stream while non-streamed
-    requests run on both replicas. The stream (it sent output) ends with an error event naming
+    requests are in flight on both replicas (the victim stopped first, so that its half is
+    still unanswered). Exactly that half is re-run. The stream (it sent output) ends with an error event naming
     the replica (code replica_dead) and [DONE]; every non-streamed request answers 200 once,
     with the text it gets without the kill; the survivor passes its invariant checks, /health
     stays 200 and lists the dead replica, and later requests of every group succeed."""
@@ -197,7 +196,7 @@ def test_http_server_survives_a_killed_replica(long_context_llama_dir):
         body = {"model": "default", "prompt": SYSTEMS[0] + "long", "max_tokens": 30000,
                 "ignore_eos": True, "stream": True}
         events: list[str] = []
-        pool = concurrent.futures.ThreadPoolExecutor(4 * len(texts))
+        pool = concurrent.futures.ThreadPoolExecutor(len(texts))
         with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
             lines = r.iter_lines()
             assert r.status_code == 200
@@ -205,19 +204,21 @@ def test_http_server_survives_a_killed_replica(long_context_llama_dir):
                 if line.startswith("data: {"):
                     break
             victim = [x["load"] for x in routing()].index(1)
-            # (text index, future) of each non-streamed request
+            # Stopped, the victim takes requests but answers none, so the ones routed to it are
+            # still in flight when it dies (a running victim could finish them between a poll
+            # that saw them and the kill). Its stats cannot be read while stopped.
+            scheds[victim].suspend()
+            # An even count: round robin sends exactly half of them to each replica.
             futures = [(i, pool.submit(complete, p)) for i, p in enumerate(texts)]
-            deadline = time.monotonic() + 30
-            seen = []  # (load, routed) per replica at each poll, for the failure message
-            while (now := routing())[victim]["load"] < 2:  # the victim has non-streamed work too
-                seen.append([(x["load"], x["routed"]) for x in now])
-                assert time.monotonic() < deadline, (victim, seen[:8], seen[-2:])
-                if len(seen) % 10 == 0 and len(futures) < 4 * len(texts):
-                    # The router kept them off the victim so far (it prefers the idle replica
-                    # for prompts it has cached): send more, each checked like the first ones.
-                    i = len(futures) % len(texts)
-                    futures.append((i, pool.submit(complete, texts[i])))
-                time.sleep(0.01)
+            assert len(futures) % 2 == 0
+            half = len(futures) // 2
+
+            def answered() -> int:
+                return sum(f.done() for _, f in futures)
+
+            wait_for(lambda: answered() >= half, 120, "the survivor's answers")
+            time.sleep(0.3)
+            assert answered() == half  # the victim's half waits on it
             scheds[victim].kill()
             t0 = time.monotonic()
             events = [line for line in lines if line.startswith("data: ")]
@@ -230,7 +231,7 @@ def test_http_server_survives_a_killed_replica(long_context_llama_dir):
         assert [a["choices"][0]["text"] for a in answers] == [expected[i] for i, _ in futures]
         assert all(a["usage"]["completion_tokens"] == NON_STREAMED_TOKENS for a in answers)
         stats = httpx.get(server.url + "/debug/stats", timeout=10).json()
-        assert stats["retried_requests"] >= 1
+        assert stats["retried_requests"] == half
         inv = httpx.get(server.url + "/debug/check_invariants", timeout=30)
         assert inv.status_code == 200 and inv.json()["ok"], inv.text
         health = httpx.get(server.url + "/health", timeout=10)
