@@ -199,9 +199,11 @@ def one_batch(batch_sizes: Sequence[int], input_len: int, output_len: int, threa
     `prefill_max_tokens` tokens; larger batches get random K/V written straight into the pool,
     which costs a decode step the same), then `output_len` decode steps, each timed from
     building its `ForwardBatch` to the sampled ids on the host. With `with_ceiling`, the
-    machine's ceilings (read bandwidth, matmul peak in the model's dtype) and each row's
-    roofline (bench/roofline.py); a quantized model's decode weight bytes are what its
-    `LinearWeight`s read at that row count."""
+    machine's ceilings (read bandwidth, matmul peak in the model's dtype), measured again right
+    before each batch size's runs, and each row's roofline against its own ceilings
+    (bench/roofline.py); a quantized model's decode weight bytes are what its `LinearWeight`s
+    read at that row count. Each row also records where the first two threads ran before and
+    after its runs (`roofline.thread_placement`)."""
     import torch
 
     from bench import roofline
@@ -228,10 +230,14 @@ def one_batch(batch_sizes: Sequence[int], input_len: int, output_len: int, threa
     # The matmul weights' share of w_bytes as `weight_bytes` counts them (every storage), to be
     # replaced per step by what the (possibly quantized) weights read at that row count.
     dense_linear = sum(w.nbytes() for w in runner.model.linear_weights())
-    ceil = roofline.measure_ceilings(threads, runner.dtype) if with_ceiling else None
+    first_ceil = roofline.measure_ceilings(threads, runner.dtype) if with_ceiling else None
     g = torch.Generator().manual_seed(0)
     rows_out = []
-    for bs in batch_sizes:
+    for i, bs in enumerate(batch_sizes):
+        ceil = first_ceil
+        if with_ceiling and i > 0:  # the machine's state may have changed since (see README)
+            ceil = roofline.measure_ceilings(threads, runner.dtype)
+        placement = [roofline.thread_placement()]
         timed_prefill = bs * input_len <= prefill_max_tokens
         prefill_s: list[float] = []
         decode_s: list[float] = []
@@ -268,6 +274,7 @@ def one_batch(batch_sizes: Sequence[int], input_len: int, output_len: int, threa
                 decode_s.extend(steps)
             elif prefill_s:
                 prefill_s.pop()  # the warm-up run's prefill
+        placement.append(roofline.thread_placement())
         p = statistics.median(prefill_s) if prefill_s else float("nan")
         d = statistics.median(decode_s) if decode_s else float("nan")
         row: dict[str, Any] = {
@@ -275,8 +282,10 @@ def one_batch(batch_sizes: Sequence[int], input_len: int, output_len: int, threa
             "prefill_ms": p * 1e3, "prefill_tok_per_s": bs * input_len / p,
             "decode_ms_per_step": d * 1e3, "decode_tok_per_s": bs / d,
             "decode_weight_mb_per_step": weight_bytes_per_step(runner.model, bs) / 1e6,
+            "thread_placement": placement,
         }
         if ceil is not None:
+            row["ceilings"] = ceil.as_dict()
             # the median step attends over about input_len + output_len / 2 keys
             mid = input_len + (output_len + 1) // 2
             step_w = w_bytes - dense_linear + weight_bytes_per_step(runner.model, bs)
@@ -302,12 +311,13 @@ def one_batch(batch_sizes: Sequence[int], input_len: int, output_len: int, threa
                                    if "embed" not in n and "lm_head" not in n),
         "rows": rows_out,
     }
-    if ceil is not None:
-        res["ceilings"] = ceil.as_dict()
-        res["mem_gbps"] = ceil.mem_gbps
-        res["matmul_gflops"] = ceil.matmul_gflops
-        res["matmul_n"] = ceil.matmul_n
-        res["ideal_prefill_tok_per_s"] = ceil.matmul_gflops * 1e9 / res["flops_per_token_prefill"]
+    if first_ceil is not None:  # the first measurement (each row has its own)
+        res["ceilings"] = first_ceil.as_dict()
+        res["mem_gbps"] = first_ceil.mem_gbps
+        res["matmul_gflops"] = first_ceil.matmul_gflops
+        res["matmul_n"] = first_ceil.matmul_n
+        res["ideal_prefill_tok_per_s"] = (first_ceil.matmul_gflops * 1e9
+                                          / res["flops_per_token_prefill"])
         fr = [r["prefill_roofline"]["fraction"] for r in rows_out if "prefill_roofline" in r]
         if fr:
             res["prefill_fraction_of_ideal"] = max(fr)
@@ -334,6 +344,12 @@ def print_one_batch(res: dict[str, Any]) -> None:
             line += (f" (bound {dr['bound_ms']:.1f} ms, {dr['bound_by']}: "
                      f"{dr['bytes'] / 2**20:.0f} MiB, {dr['flops'] / 1e9:.2f} GFLOP; "
                      f"{dr['fraction']:.0%} of the roofline)")
+        rc = r.get("ceilings")
+        if rc:
+            line += f"  [read {rc['mem_gbps']:.1f} GB/s, {rc['matmul_gflops']:.0f} GFLOP/s]"
+        where = [p["placement"] for p in r.get("thread_placement", [])]
+        if where and "unknown" not in where:
+            line += f"  [threads on {' -> '.join(dict.fromkeys(where))}]"
         print(line, file=sys.stderr)
 
 

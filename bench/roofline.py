@@ -172,6 +172,29 @@ def measure_matmul(threads: int, dtype: Any, n: int = 2048, reps: int = 5) -> fl
     return 2 * n**3 / best / 1e9
 
 
+# Round trips below this are two hyperthreads of one core (they share its L1 / L2); above, two
+# cores (seen here: ~50 ns against ~350-400 ns, cpu_probe.cpp).
+HYPERTHREAD_ROUND_TRIP_NS = 150.0
+
+
+def thread_placement(rounds: int = 2000) -> dict[str, Any]:
+    """Where torch's first two intra-op threads run now: {"round_trip_ns", "placement"} with
+    placement "hyperthreads", "cores" or "unknown" (fewer than 2 threads, or no kernel
+    library). The hypervisor of a 2-vCPU VM may move it between the two from minute to
+    minute; they differ in bandwidth and in what sharing costs (radixrt/attention/csrc/
+    cpu_probe.cpp), so a benchmark records this next to its steps."""
+    import math
+
+    import torch
+
+    op = getattr(getattr(torch.ops, "radixrt", None), "thread_round_trip_ns", None)
+    ns = float(op(rounds)) if op is not None else float("nan")
+    if math.isnan(ns):
+        return {"round_trip_ns": None, "placement": "unknown"}
+    where = "hyperthreads" if ns < HYPERTHREAD_ROUND_TRIP_NS else "cores"
+    return {"round_trip_ns": round(ns, 1), "placement": where}
+
+
 def measure_ceilings(threads: int, dtype: Any, n: int = 2048) -> Ceilings:
     import torch
 

@@ -140,6 +140,11 @@ class ServerArgs:
                "(`radixrt::decode_layers`: the same ops in the same order, bitwise the same "
                "result, without the per-op Python cost; used when the fused CPU ops and the "
                "paged-decode kernel both run)")
+    disable_decode_team: bool = _f(
+        False, "run a one-pass one-call decode step with a parallel region per op instead of "
+               "as a team of the scheduler's threads in one region (spin barriers between the "
+               "ops, the norms / RoPE / kv_store split too; needs every matmul on the vnni "
+               "kernel; bitwise the same result)")
     decode_microbatch_rows: int = _f(
         12, "a one-call decode step of at least this many rows, on exactly 2 scheduler "
             "threads, runs as two micro-batches, one per thread, so that one's attention "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -322,6 +323,36 @@ def test_roofline_bound_and_fraction():
     assert R.roofline_fields(flop_bound, c, 5e-6)["fraction"] == pytest.approx(1.0)
     # the prefill ceiling ignores bandwidth
     assert R.bound_s(mem_bound, c, memory=False) == pytest.approx(2e-6)
+
+
+def test_thread_placement_from_the_round_trip_op(monkeypatch):
+    """`radixrt::thread_round_trip_ns` times round trips between 2 threads (NaN with one; bad
+    rounds refused naming them); `thread_placement` labels it, "unknown" without the op."""
+    import torch
+
+    from bench import roofline as R
+    from radixrt.attention import cpu_kernels
+
+    if not cpu_kernels.load_cpu_kernels():
+        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one CPU: two spinning threads would take turns")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        ns = torch.ops.radixrt.thread_round_trip_ns(500)
+        assert 0 < ns < 1e6
+        got = R.thread_placement(500)
+        assert got["placement"] in ("hyperthreads", "cores") and got["round_trip_ns"] > 0
+        assert (got["placement"] == "hyperthreads") == (
+            got["round_trip_ns"] < R.HYPERTHREAD_ROUND_TRIP_NS)
+        with pytest.raises(RuntimeError, match="rounds must be positive"):
+            torch.ops.radixrt.thread_round_trip_ns(0)
+        torch.set_num_threads(1)
+        assert math.isnan(torch.ops.radixrt.thread_round_trip_ns(500))
+        assert R.thread_placement(500) == {"round_trip_ns": None, "placement": "unknown"}
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

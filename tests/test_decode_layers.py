@@ -142,6 +142,7 @@ def test_vnni_down_projection_takes_the_silu_input_bitwise_the_loop(
     runs, ops = {}, {}
     for fused in (True, False):
         runner = _runner(path, torch.bfloat16, plan)
+        runner.model.decode_team = False  # a team calls every op once per thread
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             runs[fused] = _decode_run(runner, fused, monkeypatch)
         ops[fused] = {e.key: e.count for e in prof.key_averages()}
@@ -188,18 +189,24 @@ def test_server_args_switch(tmp_path: Path, disable: bool) -> None:
     assert runner.model.fused_decode is (not disable)
 
 
-def _direct_args(tmp_path: Path, kv_indices: list[int]) -> tuple[list[object], DecodeLayers,
-                                                                  PagedRunner]:
-    """Arguments of a direct `radixrt::decode_layers` call (no `split`) on a 2-layer fp32 tiny
-    model: one row per entry of `kv_indices`, row b writing slot b + 1 and attending over
-    `kv_indices[b]` alone."""
-    make_tiny_checkpoint(tmp_path, "llama", seed=4, num_hidden_layers=2)
-    runner = _runner(tmp_path, torch.float32)
+def _direct_args(tmp_path: Path, kv_indices: list[int], vnni: bool = False
+                 ) -> tuple[list[object], DecodeLayers, PagedRunner]:
+    """Arguments of a direct `radixrt::decode_layers` call (no `split`) on a 2-layer tiny model
+    (fp32 dense, or `vnni`: bf16 with GGUF Q4_0 / Q8_0 matmuls on the vnni kernel): one row per
+    entry of `kv_indices`, row b writing slot b + 1 and attending over `kv_indices[b]` alone."""
+    hf = make_tiny_checkpoint(tmp_path, "llama", seed=4, num_hidden_layers=2)
+    dtype = torch.bfloat16 if vnni else torch.float32
+    if vnni:
+        path = write_tiny_gguf(hf, tmp_path / "m.gguf", "llama", "Q4_0", "Q8_0")
+        runner = _runner(path, dtype, QuantPlan("gguf", dense_copy=False, kernel="vnni"))
+    else:
+        runner = _runner(tmp_path, dtype)
     stack = runner.model.decode_layers()
     assert isinstance(stack, DecodeLayers)
     kv, n = runner.kv_pool, len(kv_indices)
-    h = torch.randn(n, runner.model.config.hidden_size, generator=torch.Generator().manual_seed(0))
-    cs = torch.zeros(n, runner.model.config.head_dim)
+    h = torch.randn(n, runner.model.config.hidden_size,
+                    generator=torch.Generator().manual_seed(0)).to(dtype)
+    cs = torch.zeros(n, runner.model.config.head_dim, dtype=dtype)
     empty = torch.zeros(0, dtype=torch.int64)
     args = [h, cs, cs, stack.norms, stack.weights, stack.meta, kv.k_buffer, kv.v_buffer, [], [],
             torch.arange(1, n + 1), torch.tensor(kv_indices, dtype=torch.int32),
@@ -327,8 +334,11 @@ def test_decode_split_policy(tmp_path: Path, two_threads: object) -> None:
     with_copy = _runner(path, torch.bfloat16, QuantPlan("gguf", max_rows_int4=2)).model
     assert with_copy.decode_split(64) == 0
     model.decode_microbatch_rows = 16
-    assert model.decode_path() == "one C++ call, two micro-batches from 16 rows"
+    one = ("one pass as a team of threads" if model.decode_layers().team_capable  # type: ignore[union-attr]
+           else "one pass with a parallel region per op (a matmul is not on the vnni kernel)")
+    assert model.decode_path() == f"one C++ call, {one}, two micro-batches from 16 rows"
     assert "not on radixrt's row-invariant kernels" in dense.decode_path()
+    assert "a matmul is not on the vnni kernel" in dense.decode_path()
     assert [model.decode_split(n) for n in (1, 15, 16, 17, 64)] == [0, 0, 8, 8, 32]
     model.decode_microbatch_rows = 0
     assert model.decode_split(64) == 0
@@ -337,7 +347,10 @@ def test_decode_split_policy(tmp_path: Path, two_threads: object) -> None:
     assert model.decode_split(64) == 0
     torch.set_num_threads(3)  # more: the ops inside a micro-batch would run on one thread
     assert model.decode_split(64) == 0
-    assert model.decode_path() == "one C++ call, one pass (3 threads, not 2)"
+    assert model.decode_path() == f"one C++ call, {one} (no micro-batches: 3 threads, not 2)"
+    model.decode_team = False
+    assert model.decode_path() == ("one C++ call, one pass with a parallel region per op (team "
+                                   "disabled) (no micro-batches: 3 threads, not 2)")
 
 
 @pytest.mark.parametrize("value", [0, 32])
@@ -374,3 +387,60 @@ def test_micro_batch_errors_raise_and_do_not_hang(tmp_path: Path, two_threads: o
     # dense fp32 matmuls here: equal up to torch's GEMM rounding at another row count
     torch.testing.assert_close(one, two)
     torch.testing.assert_close(res1, res2)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8], ids=["bf16-kv", "int8-kv"])
+def test_team_is_bitwise_a_region_per_op(tmp_path: Path, kv_dtype: torch.dtype | None,
+                                         two_threads: object,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """One pass as a team of the 2 threads (each op then runs on both: its calls double) gives
+    the logits of the pass with a parallel region per op, bitwise: 3 rows sharing a cached
+    prefix (a cascade group) beside an unrelated one, on a bf16 and an int8 pool."""
+    from radixrt.attention.paged_decode import paged_decode_i8_unavailable_reason
+
+    if not vnni_kernel_available():
+        pytest.skip("no AVX512-VNNI here")
+    if kv_dtype is torch.int8 and paged_decode_i8_unavailable_reason():
+        pytest.skip(str(paged_decode_i8_unavailable_reason()))
+    hf = make_tiny_checkpoint(tmp_path / "hf", "llama", seed=13, num_hidden_layers=3,
+                              tie_word_embeddings=True)
+    path = write_tiny_gguf(hf, tmp_path / "m.gguf", "llama", "Q4_0", "Q8_0")
+    plan = QuantPlan("gguf", dense_copy=False, kernel="vnni")
+    runs, ropes = {}, {}
+    for team in (True, False):
+        config = ModelConfig.from_path(path)
+        model, _ = load_model(path, None, torch.bfloat16, "cpu", model_config=config, quant=plan)
+        runner = PagedRunner.for_model(model, kv_dtype=kv_dtype)
+        runner.model.decode_team = team
+        runner.model.decode_microbatch_rows = 0
+        assert runner.model.decode_layers().team_capable  # type: ignore[union-attr]
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            runs[team] = _decode_run(runner, True, monkeypatch)
+        ropes[team] = {e.key: e.count for e in prof.key_averages()}.get("radixrt::rope_qk", 0)
+    assert runs[True][1] == runs[False][1] == 4
+    # the extend steps (Python loop) call rope_qk alike; the team's second thread, once per
+    # layer of each of the 4 decode steps
+    assert ropes[True] - ropes[False] == 4 * 3
+    for a, b in zip(runs[True][0], runs[False][0], strict=True):
+        assert torch.equal(a, b), f"max diff {(a - b).abs().max()}"
+
+
+def test_team_errors_raise_and_do_not_hang(tmp_path: Path, two_threads: object) -> None:
+    """An error inside a team's pass (a kv slot out of the pool, seen by both threads) reaches
+    the caller and leaves no thread waiting at a barrier; the next calls run, bitwise the same
+    with and without the team. Each call gets a fresh model and pool (the same seeded
+    weights)."""
+    if not vnni_kernel_available():
+        pytest.skip("no AVX512-VNNI here")
+    calls: list[bool] = []
+
+    def call(team: bool, kv_indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        args, stack, _ = _direct_args(tmp_path / str(len(calls)), kv_indices, vnni=True)
+        assert stack.team_capable
+        calls.append(team)
+        return torch.ops.radixrt.decode_layers(*args, 0, team)
+
+    with pytest.raises(RuntimeError, match="kv slot 99999 out of range"):
+        call(True, [99999, 2])
+    (h1, r1), (h2, r2) = call(True, [1, 2]), call(False, [1, 2])
+    assert torch.equal(h1, h2) and torch.equal(r1, r2)

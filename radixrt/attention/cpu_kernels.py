@@ -6,8 +6,9 @@ The sources are compiled with `torch.utils.cpp_extension` into one shared librar
 `ForwardBatch.build`), extend (prefill) attention (`csrc/extend_attention.cpp`), the
 quantized small-M matmul (`csrc/qgemv.cpp`), the int8-activation VNNI quantized matmul
 (`csrc/qgemm_vnni.cpp`, AVX512-VNNI CPUs only), the fused layer ops (`csrc/fused_ops.cpp`), the
-decode step's layer loop over them (`csrc/decode_layers.cpp`) and greedy sampling's row-wise
-argmax (`csrc/argmax.cpp`);
+decode step's layer loop over them (`csrc/decode_layers.cpp`, its thread team in
+`csrc/team.h`), greedy sampling's row-wise argmax (`csrc/argmax.cpp`) and the round trip
+between two threads that benchmarks record (`csrc/cpu_probe.cpp`);
 `csrc/*.h` are their shared headers. The instruction set
 is chosen from this CPU's flags at build time (AVX-512 F/BW/VL/DQ, else AVX2 + FMA + F16C, else
 the compiler's baseline; never `-march=native`), and the library is cached under
@@ -47,7 +48,7 @@ logger = logging.getLogger(__name__)
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 SOURCES: tuple[str, ...] = ("paged_decode.cpp", "qgemv.cpp", "qgemm_vnni.cpp", "fused_ops.cpp",
                            "extend_attention.cpp", "decode_layers.cpp", "argmax.cpp",
-                           "decode_plan.cpp", "decode_batch.cpp")
+                           "decode_plan.cpp", "decode_batch.cpp", "cpu_probe.cpp")
 LIB_NAME = "radixrt_cpu_kernels"
 ISAS: tuple[str, ...] = ("avx512", "avx2", "default")  # best first
 

@@ -9,6 +9,10 @@ inside its activation quantization), bitwise the loop's `silu_mul` then `qgemm_v
 calls it through `radixrt::decode_step` (`run_step`), which adds the embedding, the RoPE rows
 and the final norm around the layers in the same call.
 
+One pass over the rows can run as a team of threads (`team`): every intra-op thread runs the
+whole layer loop inside one parallel region, the ops sharing their work and meeting at spin
+barriers instead of opening a parallel region each (decode_layers.cpp, team.h).
+
 A step of many rows on two threads can run as two micro-batches, one per thread (`split`, see
 `LlamaForCausalLM.decode_split`): each micro-batch goes through every layer on its own thread,
 so one's paged decode (memory-bound) overlaps the other's matmuls (compute-bound). It is used
@@ -64,6 +68,11 @@ class DecodeLayers:
         self.row_invariant = all(
             meta[3 * i] in (KIND_QGEMV, KIND_VNNI) and weights[5 * i + 3] is None
             for i in range(len(meta) // 3))
+        # Every matmul on the vnni kernel, none with a bias: one pass may run as a team of
+        # threads (decode_layers.cpp, team.h; the op also needs 2+ threads, and rows within a
+        # dense copy's max_rows).
+        self.team_capable = all(meta[3 * i] == KIND_VNNI and weights[5 * i + 4] is None
+                                for i in range(len(meta) // 3))
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.eps, self.scale = eps, scale
         # (the arguments it was built from, the radixrt.DecodeStack): see run_step
@@ -100,13 +109,15 @@ class DecodeLayers:
                  final_eps: float, loc: torch.Tensor, plan: PagedDecodePlan,
                  k_buffers: list[torch.Tensor], v_buffers: list[torch.Tensor],
                  k_scales: list[torch.Tensor] | None = None,
-                 v_scales: list[torch.Tensor] | None = None, split: int = 0) -> torch.Tensor:
+                 v_scales: list[torch.Tensor] | None = None, split: int = 0,
+                 team: bool = False) -> torch.Tensor:
         """The decode step up to the LM head in one call (`radixrt::decode_step`): the embedding
         rows of `ids`, the RoPE table rows of `positions`, every layer (`radixrt::decode_layers`;
         new K/V stored at `loc`, an int8 pool's scales in `k_scales` / `v_scales`), the final
         RMSNorm. Returns the normed last hidden states `[rows, hidden]`, bitwise the layer
         loop's. `split` > 0: rows `[0, split)` and `[split, rows)` run as two micro-batches, one
-        per thread.
+        per thread. `team` (one pass): as a team of the intra-op threads in one parallel region
+        where `team_capable` and 2+ threads, else with a parallel region per op; bitwise alike.
 
         The step-invariant arguments (this object's weights, the tables, the pool's buffer
         lists) go to the op as one `radixrt.DecodeStack`, built on the first call and again
@@ -116,7 +127,7 @@ class DecodeLayers:
                                 v_buffers, k_scales, v_scales)
         return torch.ops.radixrt.decode_step(
             stack, ids, positions, loc, plan.kv_indices, plan.row_start, plan.row_len,
-            plan.group_start, plan.group_len, plan.group_row_ptr, plan.group_rows, split)
+            plan.group_start, plan.group_len, plan.group_row_ptr, plan.group_rows, split, team)
 
     def _stack_for(self, *ends: object) -> torch.ScriptObject:
         """The `radixrt.DecodeStack` of these step-invariant arguments (see `run_step`)."""

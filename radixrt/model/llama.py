@@ -162,6 +162,9 @@ class LlamaForCausalLM(nn.Module):
         # Rows from which a one-call decode step runs as two micro-batches (`decode_split`);
         # 0: never. The runner sets it from its ServerArgs; a model built alone takes the default.
         self.decode_microbatch_rows = ServerArgs.decode_microbatch_rows
+        # One pass of a one-call decode step runs as a team of threads where it can (see
+        # `DecodeLayers.team_capable`); the runner sets it from its ServerArgs.
+        self.decode_team = not ServerArgs.disable_decode_team
         self._decode_layers: DecodeLayers | str | None = None
         self.set_layer_ops(select_layer_ops(dtype, dev, config.hidden_size,
                                             config.intermediate_size, config.head_dim,
@@ -207,9 +210,17 @@ class LlamaForCausalLM(nn.Module):
         if not isinstance(stack, DecodeLayers):
             return f"layer loop ({stack})"
         why = self._microbatches_off()
+        if not self.decode_team:
+            one = "one pass with a parallel region per op (team disabled)"
+        elif not stack.team_capable:
+            one = "one pass with a parallel region per op (a matmul is not on the vnni kernel)"
+        elif torch.get_num_threads() < 2:
+            one = "one pass on one thread"
+        else:
+            one = "one pass as a team of threads"
         if why is None:
-            return f"one C++ call, two micro-batches from {self.decode_microbatch_rows} rows"
-        return f"one C++ call, one pass ({why})"
+            return f"one C++ call, {one}, two micro-batches from {self.decode_microbatch_rows} rows"
+        return f"one C++ call, {one} (no micro-batches: {why})"
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
@@ -236,7 +247,8 @@ class LlamaForCausalLM(nn.Module):
                                   self.rotary.cos, self.rotary.sin, self.norm,
                                   self.config.rms_norm_eps, fb.out_cache_loc, plan,
                                   pool.k_buffer, pool.v_buffer, pool.k_scale, pool.v_scale,
-                                  split=self.decode_split(fb.batch_size))
+                                  split=self.decode_split(fb.batch_size),
+                                  team=self.decode_team)
             return self.lm_head.logits(last, invariant_step(attn, fb)), None
         h = F.embedding(fb.input_ids, self.embed_tokens)
         cos, sin = self.rotary.cos_sin(fb.positions)

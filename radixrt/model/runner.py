@@ -102,6 +102,7 @@ class ModelRunner:
         # compiled dense parts replace the layers' Python methods, which the C++ loop skips
         self.model.fused_decode = not (args.disable_fused_decode or args.compile_decode)
         self.model.decode_microbatch_rows = args.decode_microbatch_rows
+        self.model.decode_team = not args.disable_decode_team
         self.compiled = None
         if args.compile_decode:
             from radixrt.model.compiled_layers import CompiledDense

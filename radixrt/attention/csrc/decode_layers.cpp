@@ -27,6 +27,13 @@
 // DecodeStack, built once, so a step converts only its batch's tensors (the ~800 list entries
 // of the weights and buffers cost ~0.1 ms a step to convert, cold).
 //
+// A team (`team`, one pass, 2+ intra-op threads, every linear on the vnni kernel): every thread
+// runs the whole layer loop inside one parallel region and the ops split their work among the
+// team, meeting at spin barriers (team.h), instead of a parallel region per op with the norms,
+// RoPE and kv_store on one thread. Each op computes each output as it does alone, so the result
+// is bitwise the same. Zen 5, 2 vCPUs, 8 rows: 0.88-0.90x the step time whether the two vCPUs
+// were hyperthreads of one core or two cores (bench/results/2026-11-25-s28-decode-team.md).
+//
 // Micro-batches (`split` > 0, rows >= 2): rows [0, split) and [split, rows) run as two
 // micro-batches, each through every layer on its own thread of one parallel region, the ops
 // inside on that thread alone (a nested region runs on its caller). The second starts once the
@@ -43,6 +50,8 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
+
+#include "team.h"
 
 #include <atomic>
 #include <cstdint>
@@ -263,7 +272,9 @@ std::tuple<Tensor, Tensor> run_layers(const Stack& st, const Tensor& h0, const T
   const double eps = st.eps;
 
   Tensor h = h0.slice(0, r0, r1), residual;
+  TeamMember* member = team_member();
   for (int64_t l = 0; l < layers; ++l) {
+    if (member != nullptr) member->next_layer();
     Tensor x;
     if (l == 0) {
       residual = h;
@@ -325,17 +336,73 @@ void check_stack(at::TensorList norms, const OptTensors& weights, c10::IntArrayR
               "decode_layers: head counts and head_dim must be positive");
 }
 
-// Every layer over the step's rows of `plan` on a checked stack (check_stack), as one pass or
-// two micro-batches (`split`).
+// Whether one pass over `rows` rows can run as a team (team.h): 2+ intra-op threads, not inside
+// another parallel region, and every linear on the vnni kernel (a dense or qgemv linear would
+// run whole on every member).
+bool team_fits(const Stack& st, int64_t rows) {
+  if (at::in_parallel_region() || at::get_num_threads() < 2 || rows < 1) return false;
+  const int64_t linears = static_cast<int64_t>(st.meta.size()) / kMetaPerLinear;
+  for (int64_t i = 0; i < linears; ++i) {
+    if (st.meta[i * kMetaPerLinear] != 2) return false;
+    const bool dense = slot(st.weights, i * kSlotsPerLinear + 3).has_value();
+    if (dense && rows > st.meta[i * kMetaPerLinear + 2]) return false;
+    if (slot(st.weights, i * kSlotsPerLinear + 4).has_value()) return false;  // a bias
+  }
+  return true;
+}
+
+// Bytes of one layer's op outputs over `rows` rows in a team (an upper bound of what the ops
+// take with team_empty; the arena has one such half per layer parity).
+int64_t team_layer_bytes(const Stack& st, int64_t rows, int64_t hidden, int64_t es) {
+  const int64_t q_size = st.num_heads * st.head_dim, kv_size = st.num_kv_heads * st.head_dim;
+  const Tensor& down = *slot(st.weights, (kLinearsPerLayer - 1) * kSlotsPerLinear);
+  const int64_t inter = down.size(1) * 32;
+  const int64_t padded = (rows + 7) / 8 * 8;
+  const int64_t outputs = rows * es * (4 * hidden + (q_size + 2 * kv_size) + 2 * q_size +
+                                       kv_size + 2 * hidden + 2 * inter);
+  const int64_t attention = rows * st.num_heads * (st.head_dim + 3) * 4;
+  const int64_t acts = padded * 2 * (2 * hidden + q_size + inter) + 4096;
+  return outputs + attention + acts + 64 * 64;
+}
+
+// One pass as a team: every intra-op thread runs every layer (run_layers), the ops sharing their
+// work among the team; the result is bitwise the per-op-region pass (each op computes each
+// output as it does there). Returns copies (the arena dies with the team).
+std::tuple<Tensor, Tensor> run_team(const Stack& st, const Tensor& h0, const Tensor& loc,
+                                    const Plan& plan) {
+  const int64_t n = h0.size(0), threads = at::get_num_threads();
+  Team team(threads, team_layer_bytes(st, n, h0.size(1), h0.element_size()));
+  std::tuple<Tensor, Tensor> out;
+  const at::ThreadLocalState tls;  // the caller's (inference mode, dispatch keys) on each thread
+  at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
+    const at::ThreadLocalStateGuard guard(tls);
+    TeamMember member(team, b, e);
+    const TeamScope scope(member);
+    try {
+      auto r = run_layers(st, h0, loc, plan, 0, n, nullptr);
+      if (member.id == 0) out = std::move(r);
+    } catch (...) {
+      team.failed.store(true, std::memory_order_relaxed);
+      throw;
+    }
+  });
+  return {std::get<0>(out).clone(), std::get<1>(out).clone()};
+}
+
+// Every layer over the step's rows of `plan` on a checked stack (check_stack), as one pass (a
+// team where `team` and it fits) or two micro-batches (`split`).
 std::tuple<Tensor, Tensor> run_stack(const Stack& st, const Tensor& h0, const Tensor& loc,
-                                     const Plan& plan, int64_t split) {
+                                     const Plan& plan, int64_t split, bool team) {
   TORCH_CHECK(h0.dim() == 2, "decode_layers: h must be [rows, hidden]");
   const int64_t n = h0.size(0);
   TORCH_CHECK(split >= 0 && split < std::max<int64_t>(n, 1),
               "decode_layers: split must be in [0, rows), got ", split, " for ", n, " rows");
   TORCH_CHECK(plan.row_start.numel() == n && plan.row_len.numel() == n && loc.numel() == n,
               "decode_layers: row_start, row_len and loc must have one entry per row");
-  if (split == 0) return run_layers(st, h0, loc, plan, 0, n, nullptr);
+  if (split == 0) {
+    if (team && team_fits(st, n)) return run_team(st, h0, loc, plan);
+    return run_layers(st, h0, loc, plan, 0, n, nullptr);
+  }
 
   const int64_t bounds[3] = {0, split, n};
   const Plan plans[2] = {plan.rows(0, split), plan.rows(split, n)};
@@ -362,7 +429,7 @@ std::tuple<Tensor, Tensor> decode_layers(
     const Tensor& row_start, const Tensor& row_len, const Tensor& group_start,
     const Tensor& group_len, const Tensor& group_row_ptr, const Tensor& group_rows,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-    int64_t split) {
+    int64_t split, bool team) {
   check_stack(norms, weights, meta, k_buffers, v_buffers, k_scales, v_scales, num_heads,
               num_kv_heads, head_dim);
   const Stack st{cos, sin, norms, weights, meta, k_buffers, v_buffers, k_scales, v_scales,
@@ -370,7 +437,7 @@ std::tuple<Tensor, Tensor> decode_layers(
   return run_stack(st, h0, loc,
                    {kv_indices, row_start, row_len, group_start, group_len, group_row_ptr,
                     group_rows},
-                   split);
+                   split, team);
 }
 
 // What a decode step takes that does not change from step to step: the model's embedding,
@@ -416,7 +483,7 @@ Tensor decode_step(const c10::intrusive_ptr<DecodeStack>& s, const Tensor& ids,
                    const Tensor& positions, const Tensor& loc, const Tensor& kv_indices,
                    const Tensor& row_start, const Tensor& row_len, const Tensor& group_start,
                    const Tensor& group_len, const Tensor& group_row_ptr,
-                   const Tensor& group_rows, int64_t split) {
+                   const Tensor& group_rows, int64_t split, bool team) {
   TORCH_CHECK(ids.dim() == 1 && positions.dim() == 1 && ids.numel() == positions.numel(),
               "decode_step: ids and positions must be 1-D with one entry per row");
   const Tensor h0 = at::embedding(s->embed, ids);
@@ -428,7 +495,8 @@ Tensor decode_step(const c10::intrusive_ptr<DecodeStack>& s, const Tensor& ids,
                  s->scale};
   const auto [h, residual] = run_stack(
       st, h0, loc,
-      {kv_indices, row_start, row_len, group_start, group_len, group_row_ptr, group_rows}, split);
+      {kv_indices, row_start, row_len, group_start, group_len, group_row_ptr, group_rows}, split,
+      team);
   return std::get<0>(Ops::get().add_rms_norm.call(h, residual, s->final_norm, s->final_eps));
 }
 
@@ -445,14 +513,14 @@ TORCH_LIBRARY_FRAGMENT(radixrt, m) {
       "decode_step(__torch__.torch.classes.radixrt.DecodeStack stack, Tensor ids, "
       "Tensor positions, Tensor loc, Tensor kv_indices, Tensor row_start, Tensor row_len, "
       "Tensor group_start, Tensor group_len, Tensor group_row_ptr, Tensor group_rows, "
-      "int split=0) -> Tensor");
+      "int split=0, bool team=False) -> Tensor");
   m.def(
       "decode_layers(Tensor h, Tensor cos, Tensor sin, Tensor[] norms, Tensor?[] weights, "
       "int[] meta, Tensor(a!)[] k_buffers, Tensor(b!)[] v_buffers, Tensor(c!)[] k_scales, "
       "Tensor(d!)[] v_scales, Tensor loc, Tensor kv_indices, "
       "Tensor row_start, Tensor row_len, Tensor group_start, Tensor group_len, "
       "Tensor group_row_ptr, Tensor group_rows, int num_heads, int num_kv_heads, int head_dim, "
-      "float eps, float scale, int split=0) -> (Tensor, Tensor)");
+      "float eps, float scale, int split=0, bool team=False) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(radixrt, CPU, m) {

@@ -33,6 +33,7 @@
 
 #include "kv_pool_layout.h"
 #include "silu_mul.h"
+#include "team.h"
 #include "vec_util.h"
 
 #include <algorithm>
@@ -127,6 +128,12 @@ inline float sum_squares_like_aten(const float* x, int64_t n) {
 
 template <typename F>
 void for_rows(int64_t rows, int64_t elems_per_row, const F& f) {
+  if (TeamMember* m = team_member()) {  // this member's rows, then the team meets
+    const auto [lo, hi] = m->rows(rows);
+    if (lo < hi) f(lo, hi);
+    m->barrier();
+    return;
+  }
   const int64_t total = rows * std::max<int64_t>(1, elems_per_row);
   if (total < kMinParallelElems || rows < 2) {
     f(0, rows);
@@ -233,7 +240,7 @@ Tensor rms_norm_into(const Tensor& x, const Tensor* residual, const Tensor& weig
     TORCH_CHECK(residual->scalar_type() == x.scalar_type(), "add_rms_norm: residual dtype ",
                 residual->scalar_type(), " != x dtype ", x.scalar_type());
   }
-  Tensor out = at::empty({n, d}, x.options());
+  Tensor out = team_empty({n, d}, x.options());
   dispatch_dtype(x.scalar_type(), "rms_norm", [&](auto t) {
     add_rms_norm_impl<decltype(t)>(x, residual, weight, eps, out, res_out);
   });
@@ -247,7 +254,7 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
 
 std::tuple<Tensor, Tensor> add_rms_norm(const Tensor& x, const Tensor& residual,
                                         const Tensor& weight, double eps) {
-  Tensor res_out = at::empty({x.size(0), x.size(1)}, x.options());
+  Tensor res_out = team_empty({x.size(0), x.size(1)}, x.options());
   Tensor out = rms_norm_into(x, &residual, weight, eps, res_out);
   return {out, res_out};
 }
@@ -281,7 +288,7 @@ void silu_mul_impl(const Tensor& gu, Tensor& out) {
 Tensor silu_mul(const Tensor& gate_up) {
   check_rows(gate_up, "silu_mul: gate_up");
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_mul: gate_up width must be even");
-  Tensor out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  Tensor out = team_empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
   dispatch_dtype(gate_up.scalar_type(), "silu_mul",
                  [&](auto t) { silu_mul_impl<decltype(t)>(gate_up, out); });
   return out;
@@ -342,8 +349,8 @@ std::tuple<Tensor, Tensor> rope_qk(const Tensor& qkv, const Tensor& cos, const T
   TORCH_CHECK(qkv.size(1) >= (num_q_heads + num_kv_heads) * d, "rope_qk: qkv too narrow");
   TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(),
               "rope_qk: cos/sin dtype must equal qkv's");
-  Tensor q = at::empty({n, num_q_heads, d}, qkv.options());
-  Tensor k = at::empty({n, num_kv_heads, d}, qkv.options());
+  Tensor q = team_empty({n, num_q_heads, d}, qkv.options());
+  Tensor k = team_empty({n, num_kv_heads, d}, qkv.options());
   dispatch_dtype(qkv.scalar_type(), "rope_qk", [&](auto t) {
     rope_qk_impl<decltype(t)>(qkv, cos, sin, num_q_heads, num_kv_heads, d, q, k);
   });
@@ -509,8 +516,8 @@ std::tuple<Tensor, Tensor> kv_read_i8(const Tensor& k_buffer, const Tensor& v_bu
   const Tensor sl = checked_slots(slots, k_buffer.size(0), "kv_read_i8");
   const int64_t* sp = sl.data_ptr<int64_t>();
   const int64_t n = slots.numel(), heads = k_buffer.size(1), d = k_buffer.size(2);
-  Tensor k = at::empty({n, heads, d}, k_buffer.options().dtype(dtype));
-  Tensor v = at::empty({n, heads, d}, k_buffer.options().dtype(dtype));
+  Tensor k = team_empty({n, heads, d}, k_buffer.options().dtype(dtype));
+  Tensor v = team_empty({n, heads, d}, k_buffer.options().dtype(dtype));
   const int8_t* kb = k_buffer.data_ptr<int8_t>();
   const int8_t* vb = v_buffer.data_ptr<int8_t>();
   const float* ks = k_scale.data_ptr<float>();

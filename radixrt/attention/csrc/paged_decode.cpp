@@ -38,6 +38,7 @@
 #include <torch/library.h>
 
 #include "kv_pool_layout.h"
+#include "team.h"
 #include "vec_util.h"
 #include "work_queue.h"
 
@@ -94,8 +95,18 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int64_t kMinParallelWork = 16384;
 
 // Whether this call runs on the calling thread alone: inside another parallel region (a nested
-// one runs on its caller) or with one intra-op thread.
-inline bool runs_alone() { return at::in_parallel_region() || at::get_num_threads() == 1; }
+// one runs on its caller) or with one intra-op thread; in a decode team (team.h), when the team
+// has one member.
+inline bool runs_alone() {
+  if (const TeamMember* m = team_member()) return m->size == 1;
+  return at::in_parallel_region() || at::get_num_threads() == 1;
+}
+
+// Threads sharing this call's work items.
+inline int64_t call_threads() {
+  if (const TeamMember* m = team_member()) return m->size;
+  return runs_alone() ? 1 : at::get_num_threads();
+}
 
 // Blocks ahead the AVX-512 scans prefetch in this call.
 inline int64_t prefetch_blocks() { return runs_alone() ? kPrefetchBlocksAlone : kPrefetchBlocks; }
@@ -925,11 +936,21 @@ void paged_decode_run(const Tensor& q, int64_t Hkv, int64_t slots, const Tensor&
 
   // Phase 1: shared prefixes. State of (row b, head) saved for the row's own pass.
   std::vector<uint8_t> grouped(B, 0);
-  std::vector<float> pre_m, pre_l, pre_acc;
+  // (m, l, acc) per (row, head): one buffer, shared by a team's members (team_empty), each
+  // initializing its share before any is written.
+  Tensor pre;
+  float *pre_m = nullptr, *pre_l = nullptr, *pre_acc = nullptr;
   if (num_groups > 0) {
-    pre_m.assign(B * H, kNegInf);
-    pre_l.assign(B * H, 0.f);
-    pre_acc.assign(B * H * D, 0.f);
+    pre = team_empty({B * H * (D + 2)}, at::TensorOptions().dtype(at::kFloat));
+    pre_m = pre.data_ptr<float>();
+    pre_l = pre_m + B * H;
+    pre_acc = pre_l + B * H;
+    TeamMember* member = team_member();
+    const auto [p0, p1] = member ? member->rows(B * H) : std::pair<int64_t, int64_t>{0, B * H};
+    std::fill(pre_m + p0, pre_m + p1, kNegInf);
+    std::fill(pre_l + p0, pre_l + p1, 0.f);
+    std::fill(pre_acc + p0 * D, pre_acc + p1 * D, 0.f);
+    if (member) member->barrier();
     std::vector<Item> items;
     for (int64_t g = 0; g < num_groups; ++g) {
       const int64_t r0 = gptr[g], r1 = gptr[g + 1];
@@ -943,7 +964,7 @@ void paged_decode_run(const Tensor& q, int64_t Hkv, int64_t slots, const Tensor&
     }
     // Split each group's rows into chunks so every thread has work; a chunk reads the prefix
     // once for all of its rows.
-    const int64_t threads = runs_alone() ? 1 : at::get_num_threads();
+    const int64_t threads = call_threads();
     const int64_t per_group = std::max<int64_t>(1, (2 * threads + num_groups * Hkv - 1) /
                                                        (num_groups * Hkv));
     const int64_t max_rows = std::max<int64_t>(1, kMaxChunkRows * 3 / std::max<int64_t>(G, 1));
@@ -1002,9 +1023,9 @@ void paged_decode_run(const Tensor& q, int64_t Hkv, int64_t slots, const Tensor&
     load_queries(b, h, qbuf.data());
     const int64_t base = b * H + h * G;
     if (grouped[b]) {
-      mbuf.assign(pre_m.begin() + base, pre_m.begin() + base + G);
-      lbuf.assign(pre_l.begin() + base, pre_l.begin() + base + G);
-      abuf.assign(pre_acc.begin() + base * D, pre_acc.begin() + (base + G) * D);
+      mbuf.assign(pre_m + base, pre_m + base + G);
+      lbuf.assign(pre_l + base, pre_l + base + G);
+      abuf.assign(pre_acc + base * D, pre_acc + (base + G) * D);
     } else {
       mbuf.assign(G, kNegInf);
       lbuf.assign(G, 0.f);
@@ -1142,8 +1163,8 @@ std::tuple<Tensor, Tensor> paged_decode(const Tensor& q, const Tensor& k_buffer,
   TORCH_CHECK(q.scalar_type() == k_buffer.scalar_type() &&
                   q.scalar_type() == v_buffer.scalar_type(),
               "paged_decode: q, k_buffer and v_buffer must have one dtype");
-  Tensor out = at::empty_like(q);
-  Tensor lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
+  Tensor out = team_empty(q.sizes(), q.options());
+  Tensor lse = team_empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
   if (q.size(0) == 0) return {out, lse};
   const float s = static_cast<float>(scale);
   with_float_dtype(q, "paged_decode", [&](auto zero) {
@@ -1202,8 +1223,8 @@ std::tuple<Tensor, Tensor> paged_decode_i8(const Tensor& q, const Tensor& k_buff
               "paged_decode_i8: k_scale / v_scale must be float32 [slots, kv_heads] alike");
   TORCH_CHECK(k_scale.stride(0) >= 0 && k_scale.stride(0) * slots < (int64_t{1} << 31),
               "paged_decode_i8: scale offsets must fit int32");
-  Tensor out = at::empty_like(q);
-  Tensor lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
+  Tensor out = team_empty(q.sizes(), q.options());
+  Tensor lse = team_empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
   if (q.size(0) == 0) return {out, lse};
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512VNNI__)
   const float s = static_cast<float>(scale);

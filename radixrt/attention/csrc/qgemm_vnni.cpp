@@ -59,6 +59,7 @@
 #include <torch/library.h>
 
 #include "silu_mul.h"
+#include "team.h"
 #include "vec_util.h"
 
 #include <algorithm>
@@ -474,8 +475,8 @@ uint8_t* acts_buffer(int64_t bytes, Tensor& owned) {
   };
   thread_local std::unique_ptr<uint8_t, Free> buf;
   thread_local int64_t capacity = 0;
-  if (bytes > kMaxScratch) {
-    owned = at::empty({bytes}, at::TensorOptions().dtype(at::kByte));
+  if (bytes > kMaxScratch || team_member() != nullptr) {  // a team's members share it
+    owned = team_empty({bytes}, at::TensorOptions().dtype(at::kByte));
     return owned.data_ptr<uint8_t>();
   }
   if (bytes > capacity) {
@@ -504,6 +505,36 @@ struct alignas(64) ShareCounter {
   std::atomic<int64_t> next;
 };
 
+// quantize_then_work on a decode team (team.h): the same lanes and shares over the team's
+// members, claimed from the team's counters; then each member's equal run of the items, and the
+// team meets.
+template <typename W>
+void team_quantize_then_work(TeamMember& m, const ActInput& in, int64_t items, const W& work) {
+  Team& t = *m.team;
+  const int64_t units = in.units(), groups = in.m * in.groups;
+  const int64_t lanes = std::clamp<int64_t>(groups / kMinGroupsPerShare, 1,
+                                            std::min<int64_t>(m.size, Team::kLanes));
+  const int64_t per_lane =
+      std::clamp<int64_t>(groups / kMinGroupsPerShare / lanes, 1, kSharesPerThread);
+  const int64_t shares = lanes * per_lane;
+  const int64_t own = m.id * lanes / m.size;
+  for (int64_t o = 0; o < lanes; ++o) {
+    const int64_t lane = (own + o) % lanes;
+    std::atomic<int64_t>& next = t.lanes[lane].v;
+    const int64_t base = lane * per_lane;
+    for (int64_t j = next.fetch_add(1, std::memory_order_relaxed) - m.lane_base[lane];
+         j < per_lane; j = next.fetch_add(1, std::memory_order_relaxed) - m.lane_base[lane]) {
+      in.quantize((base + j) * units / shares, (base + j + 1) * units / shares);
+      t.done.v.fetch_add(1, std::memory_order_release);
+    }
+  }
+  for (int64_t lane = 0; lane < lanes; ++lane) m.lane_base[lane] += per_lane + m.size;
+  m.done_base += shares;
+  t.wait(t.done, m.done_base);
+  work(m.id * items / m.size, (m.id + 1) * items / m.size);
+  m.barrier();
+}
+
 // One parallel region for a call: the activation quantization, a barrier (every share done),
 // then work(i0, i1) on this thread's equal run of the `items` work items (`slots` runs).
 // The layout's units are split into `lanes` contiguous ranges (one per slot, at most
@@ -515,6 +546,7 @@ struct alignas(64) ShareCounter {
 // nothing), or one.
 template <typename W>
 void quantize_then_work(const ActInput& in, int64_t items, int64_t slots, const W& work) {
+  if (TeamMember* m = team_member()) return team_quantize_then_work(*m, in, items, work);
   const int64_t units = in.units(), groups = in.m * in.groups;
   const int64_t lanes =
       std::clamp<int64_t>(groups / kMinGroupsPerShare, 1, std::min(slots, kMaxLanes));
@@ -599,7 +631,7 @@ Tensor qgemm_vnni_impl(const Tensor& xc, bool silu, const Tensor& packed, int64_
   const int64_t code_bytes = 64 * bits;
   const int64_t m = xc.size(0), k = packed.size(1) * kGroup, n_tiles = packed.size(0);
   const int64_t n = n_tiles * kTile;
-  Tensor y = at::empty({m, n}, f32_out ? xc.options().dtype(at::kFloat) : xc.options());
+  Tensor y = team_empty({m, n}, f32_out ? xc.options().dtype(at::kFloat) : xc.options());
   if (m == 0 || n == 0) return y;
   if (k == 0) return y.zero_();
   Tensor owned;  // the quantized activations' buffer when the thread's scratch is too small
@@ -616,7 +648,8 @@ Tensor qgemm_vnni_impl(const Tensor& xc, bool silu, const Tensor& packed, int64_
   const int64_t row_chunks = (m + kRowChunk - 1) / kRowChunk;
   const int64_t row_chunk =
       ((m + row_chunks - 1) / row_chunks + kRowBlock - 1) / kRowBlock * kRowBlock;
-  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  TeamMember* member = team_member();
+  const int64_t threads = member ? member->size : std::max<int64_t>(1, at::get_num_threads());
   const int64_t tiles_per_item = std::clamp<int64_t>(
       kMinWeightsPerTask / std::max<int64_t>(1, kTile * k * std::min(m, row_chunk)), 4, 64);
   int64_t tile_chunks = (n_tiles + tiles_per_item - 1) / tiles_per_item;
@@ -626,7 +659,9 @@ Tensor qgemm_vnni_impl(const Tensor& xc, bool silu, const Tensor& packed, int64_
   // One thread: quantize, then every item. Else one parallel region quantizes (split over its
   // threads), waits for all of it, and runs the items.
   const bool serial = items == 1 || threads == 1 || m * n * k < 2 * kMinWeightsPerTask;
-  if (serial) in.quantize_all();
+  // Serial in a team: its first member computes it all, then the team meets.
+  const bool idle = serial && member != nullptr && member->id != 0;
+  if (serial && !idle) in.quantize_all();
   auto run = [&](auto* yp) {
     auto work = [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) {
@@ -642,7 +677,8 @@ Tensor qgemm_vnni_impl(const Tensor& xc, bool silu, const Tensor& packed, int64_
       }
     };
     if (serial) {
-      work(0, items);
+      if (!idle) work(0, items);
+      if (member != nullptr) member->barrier();
     } else {
       quantize_then_work(in, items, std::min(threads, items), work);
     }

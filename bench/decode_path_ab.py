@@ -1,0 +1,89 @@
+"""The one-call decode step's paths against each other, alternating step by step in one
+process on one `ModelRunner` (default SmolLM2): one pass as a team of threads (`team`), one
+pass with a parallel region per op (`regions`, `--disable-decode-team`), two micro-batches
+(`split`, `decode_microbatch_rows`).
+
+    python bench/decode_path_ab.py --batch-sizes 8 12 16 --paths team regions split \
+        [--kv-cache-dtype int8]
+
+Each round starts `bs` requests over `--ctx` random cached tokens (bench/decode_steps.py) and
+runs the paths in turn every step (the order rotating), so all see the same context lengths;
+they give bitwise the same logits (tests/test_decode_layers.py). Prints the medians per batch
+size and, for each path after the first, the median ratio of its step to the first path's
+adjacent step (> 1: the first is faster), which cancels slow drifts of the machine. Used to
+choose `decode_microbatch_rows`' default and the team's.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench import _path
+
+    _path.fix()
+
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+
+import torch  # noqa: E402
+
+NEVER = 1 << 30  # decode_microbatch_rows no batch reaches: one pass
+PATHS = ("team", "regions", "split")
+
+
+def use(model: object, path: str) -> None:
+    """Sets the model's decode path (see the module docstring)."""
+    model.decode_microbatch_rows = 2 if path == "split" else NEVER  # type: ignore[attr-defined]
+    model.decode_team = path != "regions"  # type: ignore[attr-defined]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 10, 12, 14, 16])
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=16, help="steps per path per round")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="as the server's (auto, int8)")
+    ap.add_argument("--paths", nargs="+", default=["team", "split"], choices=PATHS,
+                    help="paths to alternate; ratios are against the first")
+    a = ap.parse_args()
+    torch.set_num_threads(2)  # micro-batches need exactly 2 threads
+    from bench.decode_steps import RandomKVDecoder
+    from radixrt.config import ServerArgs
+    from radixrt.model.runner import ModelRunner
+
+    bs_max, ctx_max = max(a.batch_sizes), a.ctx + 2 * a.steps + 8
+    runner = ModelRunner(ServerArgs(max_running_requests=bs_max,
+                                    max_total_tokens=bs_max * ctx_max + 64,
+                                    max_context_len=ctx_max, log_level="warning", num_threads=2,
+                                    kv_cache_dtype=a.kv_cache_dtype))
+    model = runner.model
+    print(f"decode path: {model.decode_path()}; KV {a.kv_cache_dtype}; ctx {a.ctx}", flush=True)
+    paths = list(dict.fromkeys(a.paths))
+    for bs in a.batch_sizes:
+        times: dict[str, list[float]] = {p: [] for p in paths}
+        ratios: dict[str, list[float]] = {p: [] for p in paths[1:]}
+        for _ in range(a.rounds):
+            d = RandomKVDecoder(runner, bs, a.ctx)
+            for path in paths:  # warm-up
+                use(model, path)
+                d.step()
+            for i in range(a.steps):
+                step = {}
+                k = i % len(paths)
+                for path in paths[k:] + paths[:k]:
+                    use(model, path)
+                    step[path] = d.step()
+                    times[path].append(step[path])
+                for path in paths[1:]:
+                    ratios[path].append(step[path] / step[paths[0]])
+        med = "  ".join(f"{p} {statistics.median(times[p]) * 1e3:6.2f} ms" for p in paths)
+        rel = "  ".join(f"{p}/{paths[0]} {statistics.median(ratios[p]):.3f}x"
+                        for p in paths[1:])
+        print(f"batch {bs:3d}: {med}  paired {rel}", flush=True)
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+// A decode step's threads as one team (radixrt::decode_layers' one-pass path): every thread runs
+// the whole layer loop inside one parallel region and the ops split their work among the team
+// instead of opening a parallel region each. Between two ops the team meets at a spin barrier
+// (tens of ns between two hyperthreads of a core, a few hundred between cores) instead of an
+// OpenMP fork and join per op (~0.4 us between hyperthreads, far more between cores), and the
+// ops that ran on one thread (norms, RoPE, kv_store) run on all.
+//
+// How an op sees the team: `team_member()` is the calling thread's membership while it runs a
+// team's layers (null everywhere else: the ops then run as they always do). Every member calls
+// the same ops in the same order on the same shapes, so:
+// - `team_empty` hands each member the same memory for an op's output: each member bumps its
+//   own offset through the team's arena by the same sizes (no communication). The arena has two
+//   halves, one per layer parity (`next_layer`), so a layer's outputs are never overwritten
+//   while the next layer reads them (a half is reused two layers later, past several barriers).
+// - the shared counters never reset: a use of the work queue makes exactly n + members claims
+//   (every member makes one failing claim), so every member advances its own base by the same
+//   amount; a barrier separates one use from the next.
+// Invariants: every member reaches every barrier (the ops' checks see the same inputs on every
+// member, so they raise on every member or on none); a member that raises anyway marks the team
+// failed, and the others leave their barriers with an error instead of waiting forever.
+
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
+
+namespace radixrt_cpu {
+
+// A counter alone on its cache line.
+struct alignas(64) TeamCounter {
+  std::atomic<int64_t> v{0};
+};
+
+inline void team_pause() {
+#if defined(__x86_64__) || defined(_M_X64)
+  _mm_pause();
+#endif
+}
+
+// Shared state of one team (one decode step's region).
+struct Team {
+  static constexpr int64_t kLanes = 8;  // lane counters (qgemm_vnni's activation quantization)
+  static constexpr int64_t kSpinsBeforeYield = 20000;
+
+  TeamCounter joined, claimed;  // forming the team (see TeamMember::join)
+  TeamCounter arrive;  // barriers
+  TeamCounter queue;  // work-queue claims
+  TeamCounter done;  // finished quantization shares
+  TeamCounter lanes[kLanes];
+  std::atomic<bool> failed{false};
+  int64_t expected;  // parallel_for indices handed out
+  int64_t arena_bytes;  // per half
+  std::unique_ptr<uint8_t, void (*)(void*)> arena{nullptr, &std::free};
+
+  Team(int64_t expected_, int64_t arena_bytes_)
+      : expected(expected_), arena_bytes((arena_bytes_ + 63) & ~int64_t{63}) {
+    arena.reset(static_cast<uint8_t*>(std::aligned_alloc(64, 2 * arena_bytes)));
+    TORCH_CHECK(arena, "decode team: cannot allocate ", 2 * arena_bytes, " bytes");
+  }
+
+  // Spins until `c` reaches `target` (yielding after a while), or raises once the team failed.
+  void wait(const TeamCounter& c, int64_t target) const {
+    for (int64_t spins = 0; c.v.load(std::memory_order_acquire) < target; ++spins) {
+      TORCH_CHECK(!failed.load(std::memory_order_relaxed),
+                  "decode team: another thread of the step failed");
+      if (spins < kSpinsBeforeYield) {
+        team_pause();
+      } else {
+        std::this_thread::yield();
+      }
+    }
+  }
+};
+
+// One thread's membership: its index, the team size, and its bases of the shared counters.
+struct TeamMember {
+  Team* team;
+  int64_t id = 0, size = 1;
+  int64_t barriers = 0, queue_base = 0, done_base = 0;
+  int64_t lane_base[Team::kLanes]{};
+  int64_t parity = 0, offset = 0;  // arena half and bump offset in it
+
+  // Joins the team from a parallel_for body that got indices [b, e): the team is the set of
+  // bodies that run (one thread may get several indices, e.g. when nested: then it is a
+  // team of fewer members). Returns once every index has been handed out.
+  TeamMember(Team& t, int64_t b, int64_t e) : team(&t) {
+    id = t.joined.v.fetch_add(1, std::memory_order_acq_rel);
+    t.claimed.v.fetch_add(e - b, std::memory_order_acq_rel);
+    t.wait(t.claimed, t.expected);
+    size = t.joined.v.load(std::memory_order_acquire);
+  }
+
+  // Every member has arrived (and everything written before is visible).
+  void barrier() {
+    ++barriers;
+    if (size == 1) return;
+    team->arrive.v.fetch_add(1, std::memory_order_acq_rel);
+    team->wait(team->arrive, barriers * size);
+  }
+
+  // Calls f(i) for each i in [0, n) claimed by this member from the shared queue (largest
+  // first when the caller sorted them so); no barrier.
+  template <typename F>
+  void share(int64_t n, const F& f) {
+    for (int64_t t = team->queue.v.fetch_add(1, std::memory_order_relaxed) - queue_base; t < n;
+         t = team->queue.v.fetch_add(1, std::memory_order_relaxed) - queue_base) {
+      f(t);
+    }
+    queue_base += n + size;
+  }
+
+  // This member's equal share [lo, hi) of n rows.
+  std::pair<int64_t, int64_t> rows(int64_t n) const { return {id * n / size, (id + 1) * n / size}; }
+
+  // The next layer: its op outputs go to the other half of the arena.
+  void next_layer() {
+    parity ^= 1;
+    offset = 0;
+  }
+
+  at::Tensor empty(at::IntArrayRef sizes, const at::TensorOptions& options) {
+    int64_t numel = 1;
+    for (int64_t s : sizes) numel *= s;
+    const int64_t bytes = (numel * static_cast<int64_t>(options.dtype().itemsize()) + 63) &
+                          ~int64_t{63};
+    TORCH_CHECK(offset + bytes <= team->arena_bytes, "decode team: arena of ",
+                team->arena_bytes, " bytes too small");
+    uint8_t* p = team->arena.get() + parity * team->arena_bytes + offset;
+    offset += bytes;
+    return at::from_blob(p, sizes, options);
+  }
+};
+
+// The calling thread's team membership while it runs a team's layers, else null (set by
+// TeamScope only).
+inline thread_local TeamMember* tls_team_member = nullptr;
+
+inline TeamMember* team_member() { return tls_team_member; }
+
+// Sets the calling thread's membership for a scope.
+struct TeamScope {
+  explicit TeamScope(TeamMember& m) { tls_team_member = &m; }
+  ~TeamScope() { tls_team_member = nullptr; }
+  TeamScope(const TeamScope&) = delete;
+  TeamScope& operator=(const TeamScope&) = delete;
+};
+
+// An op's output: the team's shared memory in a team, else a new tensor.
+inline at::Tensor team_empty(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  TeamMember* m = team_member();
+  return m != nullptr ? m->empty(sizes, options) : at::empty(sizes, options);
+}
+
+}  // namespace radixrt_cpu
