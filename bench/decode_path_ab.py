@@ -10,8 +10,9 @@ Each round starts `bs` requests over `--ctx` random cached tokens (bench/decode_
 runs the paths in turn every step (the order rotating), so all see the same context lengths;
 they give bitwise the same logits (tests/test_decode_layers.py). Prints the medians per batch
 size and, for each path after the first, the median ratio of its step to the first path's
-adjacent step (> 1: the first is faster), which cancels slow drifts of the machine. Used to
-choose `decode_microbatch_rows`' default and the team's.
+adjacent step (> 1: the first is faster), which cancels slow drifts of the machine, and where
+the two threads ran before and after (`bench/roofline.py` `thread_placement`). Used to choose
+`decode_microbatch_rows`' default and the team's.
 """
 
 from __future__ import annotations
@@ -55,15 +56,19 @@ def main() -> None:
     from radixrt.config import ServerArgs
     from radixrt.model.runner import ModelRunner
 
-    bs_max, ctx_max = max(a.batch_sizes), a.ctx + 2 * a.steps + 8
+    paths = list(dict.fromkeys(a.paths))
+    # a round: one warm-up step per path, then every path every step
+    bs_max, ctx_max = max(a.batch_sizes), a.ctx + len(paths) * (a.steps + 1) + 8
     runner = ModelRunner(ServerArgs(max_running_requests=bs_max,
                                     max_total_tokens=bs_max * ctx_max + 64,
                                     max_context_len=ctx_max, log_level="warning", num_threads=2,
                                     kv_cache_dtype=a.kv_cache_dtype))
     model = runner.model
     print(f"decode path: {model.decode_path()}; KV {a.kv_cache_dtype}; ctx {a.ctx}", flush=True)
-    paths = list(dict.fromkeys(a.paths))
+    from bench.roofline import thread_placement
+
     for bs in a.batch_sizes:
+        where = [thread_placement()["placement"]]
         times: dict[str, list[float]] = {p: [] for p in paths}
         ratios: dict[str, list[float]] = {p: [] for p in paths[1:]}
         for _ in range(a.rounds):
@@ -83,7 +88,9 @@ def main() -> None:
         med = "  ".join(f"{p} {statistics.median(times[p]) * 1e3:6.2f} ms" for p in paths)
         rel = "  ".join(f"{p}/{paths[0]} {statistics.median(ratios[p]):.3f}x"
                         for p in paths[1:])
-        print(f"batch {bs:3d}: {med}  paired {rel}", flush=True)
+        where.append(thread_placement()["placement"])
+        print(f"batch {bs:3d}: {med}  paired {rel}  [threads on "
+              f"{' -> '.join(dict.fromkeys(where))}]", flush=True)
 
 if __name__ == "__main__":
     main()

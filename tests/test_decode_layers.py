@@ -128,17 +128,23 @@ def test_quantized_rows_under_max_rows_run_the_kernel_in_the_op(tmp_path: Path,
     assert torch.equal(out[True], out[False])
 
 
+def _tiny_vnni_gguf(tmp_path: Path, seed: int, layer_quant: str) -> tuple[Path, QuantPlan]:
+    """A 3-layer tiny Llama (tied embeddings) as GGUF, `layer_quant` layers and a Q8_0 head,
+    with every matmul on the vnni kernel (skips where there is no AVX512-VNNI)."""
+    if not vnni_kernel_available():
+        pytest.skip("no AVX512-VNNI here")
+    hf = make_tiny_checkpoint(tmp_path / "hf", "llama", seed=seed, num_hidden_layers=3,
+                              tie_word_embeddings=True)
+    path = write_tiny_gguf(hf, tmp_path / "m.gguf", "llama", layer_quant, "Q8_0")
+    return path, QuantPlan("gguf", dense_copy=False, kernel="vnni")
+
+
 def test_vnni_down_projection_takes_the_silu_input_bitwise_the_loop(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every matmul on the vnni kernel at 4 decode rows (Q4_1 layers, Q8_0 head): in the op the
     down projection runs `qgemm_vnni_silu` on gate_up (no `silu_mul`), the loop `silu_mul` then
     `qgemm_vnni`; the logits are bitwise equal."""
-    if not vnni_kernel_available():
-        pytest.skip("no AVX512-VNNI here")
-    hf = make_tiny_checkpoint(tmp_path / "hf", "llama", seed=5, num_hidden_layers=3,
-                              tie_word_embeddings=True)
-    path = write_tiny_gguf(hf, tmp_path / "m.gguf", "llama", "Q4_1", "Q8_0")
-    plan = QuantPlan("gguf", dense_copy=False, kernel="vnni")
+    path, plan = _tiny_vnni_gguf(tmp_path, 5, "Q4_1")
     runs, ops = {}, {}
     for fused in (True, False):
         runner = _runner(path, torch.bfloat16, plan)
@@ -398,14 +404,9 @@ def test_team_is_bitwise_a_region_per_op(tmp_path: Path, kv_dtype: torch.dtype |
     prefix (a cascade group) beside an unrelated one, on a bf16 and an int8 pool."""
     from radixrt.attention.paged_decode import paged_decode_i8_unavailable_reason
 
-    if not vnni_kernel_available():
-        pytest.skip("no AVX512-VNNI here")
+    path, plan = _tiny_vnni_gguf(tmp_path, 13, "Q4_0")
     if kv_dtype is torch.int8 and paged_decode_i8_unavailable_reason():
         pytest.skip(str(paged_decode_i8_unavailable_reason()))
-    hf = make_tiny_checkpoint(tmp_path / "hf", "llama", seed=13, num_hidden_layers=3,
-                              tie_word_embeddings=True)
-    path = write_tiny_gguf(hf, tmp_path / "m.gguf", "llama", "Q4_0", "Q8_0")
-    plan = QuantPlan("gguf", dense_copy=False, kernel="vnni")
     runs, ropes = {}, {}
     for team in (True, False):
         config = ModelConfig.from_path(path)

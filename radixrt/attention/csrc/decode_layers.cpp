@@ -367,11 +367,13 @@ int64_t team_layer_bytes(const Stack& st, int64_t rows, int64_t hidden, int64_t 
 
 // One pass as a team: every intra-op thread runs every layer (run_layers), the ops sharing their
 // work among the team; the result is bitwise the per-op-region pass (each op computes each
-// output as it does there). Returns copies (the arena dies with the team).
+// output as it does there). Returns copies (the next step reuses the arena).
 std::tuple<Tensor, Tensor> run_team(const Stack& st, const Tensor& h0, const Tensor& loc,
                                     const Plan& plan) {
   const int64_t n = h0.size(0), threads = at::get_num_threads();
-  Team team(threads, team_layer_bytes(st, n, h0.size(1), h0.element_size()));
+  const int64_t bytes = team_layer_bytes(st, n, h0.size(1), h0.element_size());
+  const int64_t half = (bytes + 63) & ~int64_t{63};
+  Team team(threads, half, team_arena(2 * half));
   std::tuple<Tensor, Tensor> out;
   const at::ThreadLocalState tls;  // the caller's (inference mode, dispatch keys) on each thread
   at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {

@@ -28,7 +28,7 @@
 #include <cstdlib>
 #include <memory>
 #include <thread>
-#include <vector>
+#include <utility>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -60,13 +60,10 @@ struct Team {
   std::atomic<bool> failed{false};
   int64_t expected;  // parallel_for indices handed out
   int64_t arena_bytes;  // per half
-  std::unique_ptr<uint8_t, void (*)(void*)> arena{nullptr, &std::free};
+  uint8_t* arena;  // 2 * arena_bytes, 64-byte aligned, owned by the caller (team_arena)
 
-  Team(int64_t expected_, int64_t arena_bytes_)
-      : expected(expected_), arena_bytes((arena_bytes_ + 63) & ~int64_t{63}) {
-    arena.reset(static_cast<uint8_t*>(std::aligned_alloc(64, 2 * arena_bytes)));
-    TORCH_CHECK(arena, "decode team: cannot allocate ", 2 * arena_bytes, " bytes");
-  }
+  Team(int64_t expected_, int64_t arena_bytes_, uint8_t* arena_)
+      : expected(expected_), arena_bytes(arena_bytes_), arena(arena_) {}
 
   // Spins until `c` reaches `target` (yielding after a while), or raises once the team failed.
   void wait(const TeamCounter& c, int64_t target) const {
@@ -128,6 +125,8 @@ struct TeamMember {
     offset = 0;
   }
 
+  // An op's output of `sizes`: the next bytes of this layer's half of the arena, the same
+  // memory on every member (raises on every member when the half is full).
   at::Tensor empty(at::IntArrayRef sizes, const at::TensorOptions& options) {
     int64_t numel = 1;
     for (int64_t s : sizes) numel *= s;
@@ -135,11 +134,29 @@ struct TeamMember {
                           ~int64_t{63};
     TORCH_CHECK(offset + bytes <= team->arena_bytes, "decode team: arena of ",
                 team->arena_bytes, " bytes too small");
-    uint8_t* p = team->arena.get() + parity * team->arena_bytes + offset;
+    uint8_t* p = team->arena + parity * team->arena_bytes + offset;
     offset += bytes;
     return at::from_blob(p, sizes, options);
   }
 };
+
+// An arena of at least `bytes` (64-byte aligned) for the calling thread's teams, grown when
+// too small and reused from step to step (a team's outputs are copied out before its region
+// ends, so the next step may overwrite them).
+inline uint8_t* team_arena(int64_t bytes) {
+  struct Free {
+    void operator()(uint8_t* p) const { std::free(p); }
+  };
+  thread_local std::unique_ptr<uint8_t, Free> buf;
+  thread_local int64_t capacity = 0;
+  if (bytes > capacity) {
+    const int64_t cap = (bytes + 4095) & ~int64_t{4095};
+    buf.reset(static_cast<uint8_t*>(std::aligned_alloc(64, cap)));
+    capacity = buf ? cap : 0;
+    TORCH_CHECK(buf, "decode team: cannot allocate ", cap, " bytes");
+  }
+  return buf.get();
+}
 
 // The calling thread's team membership while it runs a team's layers, else null (set by
 // TeamScope only).
