@@ -408,6 +408,27 @@ def test_cache_key_covers_cpu_flags_torch_and_isa(monkeypatch: pytest.MonkeyPatc
     assert cpu_kernels.build_spec().key != base.key  # another torch
 
 
+def test_a_stale_extension_lock_is_removed_before_building(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A build killed mid-way leaves torch's cpp_extension `lock` file in the build directory;
+    the next build (under radixrt's own flock, so no other build of the key runs) removes it
+    instead of waiting on it forever."""
+    monkeypatch.setenv("RADIXRT_KERNEL_CACHE", str(tmp_path))
+    spec = cpu_kernels.build_spec()
+    spec.directory.mkdir(parents=True)
+    (spec.directory / "lock").write_text("")
+    seen = []
+
+    def compile_(s: object, verbose: bool) -> None:
+        seen.append((spec.directory / "lock").exists())
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(cpu_kernels, "_compile", compile_)
+    with pytest.raises(RuntimeError, match="no compiler here"):
+        cpu_kernels._build_and_load(spec, force=False, verbose=False)
+    assert seen == [False]
+
+
 def test_failed_build_warns_once_and_falls_back(monkeypatch: pytest.MonkeyPatch,
                                                 tmp_path: Path,
                                                 caplog: pytest.LogCaptureFixture) -> None:

@@ -261,6 +261,13 @@ def _build_and_load(spec: BuildSpec, force: bool, verbose: bool) -> None:
             return
         if spec.failed_log.exists() and not force:
             raise RuntimeError(f"an earlier build failed (see {spec.failed_log})")
+        # torch's cpp_extension marks a build in progress with a `lock` file that a build
+        # killed mid-way leaves behind, and the next build would wait on it forever. Under our
+        # flock no other build of this key runs, so one found here is stale.
+        stale = spec.directory / "lock"
+        if stale.exists():
+            logger.warning("removing a stale build lock left by a killed build: %s", stale)
+            stale.unlink(missing_ok=True)
         t0 = time.perf_counter()
         try:
             _compile(spec, verbose)
