@@ -52,7 +52,7 @@ struct Team {
   static constexpr int64_t kLanes = 8;  // lane counters (qgemm_vnni's activation quantization)
   static constexpr int64_t kSpinsBeforeYield = 20000;
 
-  TeamCounter joined, claimed;  // forming the team (see TeamMember::join)
+  TeamCounter joined, claimed;  // forming the team (see the TeamMember constructor)
   TeamCounter arrive;  // barriers
   TeamCounter queue;  // work-queue claims
   TeamCounter done;  // finished quantization shares
