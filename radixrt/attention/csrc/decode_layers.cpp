@@ -230,6 +230,7 @@ struct Stack {
   at::TensorList k_buffers, v_buffers, k_scales, v_scales;
   int64_t num_heads, num_kv_heads, head_dim;
   double eps, scale;
+  int64_t team_rows;  // the most rows a team pass may take (team_row_limit)
 };
 
 // How far a micro-batch has got: attentions finished (`kDone` once it has left the layers,
@@ -336,19 +337,28 @@ void check_stack(at::TensorList norms, const OptTensors& weights, c10::IntArrayR
               "decode_layers: head counts and head_dim must be positive");
 }
 
-// Whether one pass over `rows` rows can run as a team (team.h): 2+ intra-op threads, not inside
-// another parallel region, and every linear on the vnni kernel (a dense or qgemv linear would
-// run whole on every member).
-bool team_fits(const Stack& st, int64_t rows) {
-  if (at::in_parallel_region() || at::get_num_threads() < 2 || rows < 1) return false;
-  const int64_t linears = static_cast<int64_t>(st.meta.size()) / kMetaPerLinear;
+// The most rows a team pass (team.h) may take over these linears: -1 unless every linear is on
+// the vnni kernel without a bias (a dense or qgemv linear would run whole on every member),
+// else the smallest max_rows of those with a dense copy (above it they take the copy). The
+// same for every step of a stack: DecodeStack computes it once.
+int64_t team_row_limit(const OptTensors& weights, c10::IntArrayRef meta) {
+  int64_t limit = std::numeric_limits<int64_t>::max();
+  const int64_t linears = static_cast<int64_t>(meta.size()) / kMetaPerLinear;
   for (int64_t i = 0; i < linears; ++i) {
-    if (st.meta[i * kMetaPerLinear] != 2) return false;
-    const bool dense = slot(st.weights, i * kSlotsPerLinear + 3).has_value();
-    if (dense && rows > st.meta[i * kMetaPerLinear + 2]) return false;
-    if (slot(st.weights, i * kSlotsPerLinear + 4).has_value()) return false;  // a bias
+    if (meta[i * kMetaPerLinear] != 2) return -1;
+    if (slot(weights, i * kSlotsPerLinear + 4).has_value()) return -1;  // a bias
+    if (slot(weights, i * kSlotsPerLinear + 3).has_value()) {
+      limit = std::min(limit, meta[i * kMetaPerLinear + 2]);
+    }
   }
-  return true;
+  return limit;
+}
+
+// Whether one pass over `rows` rows can run as a team: within the stack's team_rows, on 2+
+// intra-op threads, not inside another parallel region.
+bool team_fits(const Stack& st, int64_t rows) {
+  return rows >= 1 && rows <= st.team_rows && !at::in_parallel_region() &&
+         at::get_num_threads() >= 2;
 }
 
 // Bytes of one layer's op outputs over `rows` rows in a team (an upper bound of what the ops
@@ -435,7 +445,8 @@ std::tuple<Tensor, Tensor> decode_layers(
   check_stack(norms, weights, meta, k_buffers, v_buffers, k_scales, v_scales, num_heads,
               num_kv_heads, head_dim);
   const Stack st{cos, sin, norms, weights, meta, k_buffers, v_buffers, k_scales, v_scales,
-                 num_heads, num_kv_heads, head_dim, eps, scale};
+                 num_heads, num_kv_heads, head_dim, eps, scale,
+                 team ? team_row_limit(weights, meta) : -1};
   return run_stack(st, h0, loc,
                    {kv_indices, row_start, row_len, group_start, group_len, group_row_ptr,
                     group_rows},
@@ -455,6 +466,7 @@ struct DecodeStack : torch::CustomClassHolder {
   std::vector<Tensor> k_buffers, v_buffers, k_scales, v_scales;
   int64_t num_heads, num_kv_heads, head_dim;
   double eps, scale;
+  int64_t team_rows;  // team_row_limit of the linears, computed once
 
   DecodeStack(Tensor embed_, Tensor cos_table_, Tensor sin_table_, Tensor final_norm_,
               double final_eps_, std::vector<Tensor> norms_, OptTensors weights_,
@@ -473,6 +485,7 @@ struct DecodeStack : torch::CustomClassHolder {
                 num_kv_heads, head_dim);
     TORCH_CHECK(embed.dim() == 2 && cos_table.dim() == 2 && sin_table.dim() == 2,
                 "DecodeStack: embed, cos_table and sin_table must be 2-D");
+    team_rows = team_row_limit(weights, meta);
   }
 };
 
@@ -494,7 +507,7 @@ Tensor decode_step(const c10::intrusive_ptr<DecodeStack>& s, const Tensor& ids,
   // the stack was checked when built
   const Stack st{cos, sin, s->norms, s->weights, s->meta, s->k_buffers, s->v_buffers,
                  s->k_scales, s->v_scales, s->num_heads, s->num_kv_heads, s->head_dim, s->eps,
-                 s->scale};
+                 s->scale, s->team_rows};
   const auto [h, residual] = run_stack(
       st, h0, loc,
       {kv_indices, row_start, row_len, group_start, group_len, group_row_ptr, group_rows}, split,
