@@ -285,6 +285,9 @@ std::tuple<Tensor, Tensor> run_layers(const Stack& st, const Tensor& h0, const T
     }
     const int64_t lin = kLinearsPerLayer * l;
     const Tensor qkv = run_linear(ops, x, st.weights, st.meta, lin);
+    // kv_store splits the rows as rope_qk does: each member stores the K rows it rotated, so
+    // the team need not meet between the two (v is qkv's, complete at the matmul's barrier).
+    if (member != nullptr) member->rows_stay = true;
     auto [q, k] = ops.rope_qk.call(qkv, cos, sin, st.num_heads, st.num_kv_heads);
     const Tensor v = qkv.slice(1, q_size + kv_size).view({n, st.num_kv_heads, st.head_dim});
     const Tensor& kb = st.k_buffers[l];

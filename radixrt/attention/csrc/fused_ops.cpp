@@ -131,6 +131,10 @@ void for_rows(int64_t rows, int64_t elems_per_row, const F& f) {
   if (TeamMember* m = team_member()) {  // this member's rows, then the team meets
     const auto [lo, hi] = m->rows(rows);
     if (lo < hi) f(lo, hi);
+    if (m->rows_stay) {  // the next op reads these rows on this member only (team.h)
+      m->rows_stay = false;
+      return;
+    }
     m->barrier();
     return;
   }
