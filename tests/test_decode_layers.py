@@ -401,7 +401,9 @@ def test_team_is_bitwise_a_region_per_op(tmp_path: Path, kv_dtype: torch.dtype |
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """One pass as a team of the 2 threads (each op then runs on both: its calls double) gives
     the logits of the pass with a parallel region per op, bitwise: 3 rows sharing a cached
-    prefix (a cascade group) beside an unrelated one, on a bf16 and an int8 pool."""
+    prefix (a cascade group) beside an unrelated one, on a bf16 and an int8 pool. Each step
+    attends over the K/V the steps before it stored, so the K rows each member stores right
+    after rotating them (no meeting between RoPE and kv_store) are checked too."""
     from radixrt.attention.paged_decode import paged_decode_i8_unavailable_reason
 
     path, plan = _tiny_vnni_gguf(tmp_path, 13, "Q4_0")
