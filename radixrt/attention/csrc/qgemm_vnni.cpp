@@ -505,31 +505,46 @@ struct alignas(64) ShareCounter {
   std::atomic<int64_t> next;
 };
 
+// How a call's activation quantization is cut: the units in `lanes` contiguous ranges (at most
+// `max_lanes`), each into `per_lane` shares of at least kMinGroupsPerShare groups.
+struct QuantShares {
+  int64_t lanes, per_lane;
+
+  QuantShares(const ActInput& in, int64_t max_lanes)
+      : lanes(std::clamp<int64_t>(in.m * in.groups / kMinGroupsPerShare, 1, max_lanes)),
+        per_lane(std::clamp<int64_t>(in.m * in.groups / kMinGroupsPerShare / lanes, 1,
+                                     kSharesPerThread)) {}
+
+  int64_t shares() const { return lanes * per_lane; }
+
+  // Quantizes every share this thread claims, lane `own` first, then the others' (claim(lane):
+  // the lane's next share, per_lane or more once none is left), counting each in `done`.
+  template <typename Claim>
+  void quantize(const ActInput& in, int64_t own, const Claim& claim,
+                std::atomic<int64_t>& done) const {
+    const int64_t units = in.units();
+    for (int64_t o = 0; o < lanes; ++o) {
+      const int64_t lane = (own + o) % lanes, base = lane * per_lane;
+      for (int64_t j = claim(lane); j < per_lane; j = claim(lane)) {
+        in.quantize((base + j) * units / shares(), (base + j + 1) * units / shares());
+        done.fetch_add(1, std::memory_order_release);
+      }
+    }
+  }
+};
+
 // quantize_then_work on a decode team (team.h): the same lanes and shares over the team's
 // members, claimed from the team's counters; then each member's equal run of the items, and the
 // team meets.
 template <typename W>
 void team_quantize_then_work(TeamMember& m, const ActInput& in, int64_t items, const W& work) {
   Team& t = *m.team;
-  const int64_t units = in.units(), groups = in.m * in.groups;
-  const int64_t lanes = std::clamp<int64_t>(groups / kMinGroupsPerShare, 1,
-                                            std::min<int64_t>(m.size, Team::kLanes));
-  const int64_t per_lane =
-      std::clamp<int64_t>(groups / kMinGroupsPerShare / lanes, 1, kSharesPerThread);
-  const int64_t shares = lanes * per_lane;
-  const int64_t own = m.id * lanes / m.size;
-  for (int64_t o = 0; o < lanes; ++o) {
-    const int64_t lane = (own + o) % lanes;
-    std::atomic<int64_t>& next = t.lanes[lane].v;
-    const int64_t base = lane * per_lane;
-    for (int64_t j = next.fetch_add(1, std::memory_order_relaxed) - m.lane_base[lane];
-         j < per_lane; j = next.fetch_add(1, std::memory_order_relaxed) - m.lane_base[lane]) {
-      in.quantize((base + j) * units / shares, (base + j + 1) * units / shares);
-      t.done.v.fetch_add(1, std::memory_order_release);
-    }
-  }
-  for (int64_t lane = 0; lane < lanes; ++lane) m.lane_base[lane] += per_lane + m.size;
-  m.done_base += shares;
+  const QuantShares q(in, std::min<int64_t>(m.size, Team::kLanes));
+  q.quantize(in, m.id * q.lanes / m.size, [&](int64_t lane) {
+    return t.lanes[lane].v.fetch_add(1, std::memory_order_relaxed) - m.lane_base[lane];
+  }, t.done.v);
+  for (int64_t lane = 0; lane < q.lanes; ++lane) m.lane_base[lane] += q.per_lane + m.size;
+  m.done_base += q.shares();
   t.wait(t.done, m.done_base);
   work(m.id * items / m.size, (m.id + 1) * items / m.size);
   m.barrier();
@@ -547,27 +562,15 @@ void team_quantize_then_work(TeamMember& m, const ActInput& in, int64_t items, c
 template <typename W>
 void quantize_then_work(const ActInput& in, int64_t items, int64_t slots, const W& work) {
   if (TeamMember* m = team_member()) return team_quantize_then_work(*m, in, items, work);
-  const int64_t units = in.units(), groups = in.m * in.groups;
-  const int64_t lanes =
-      std::clamp<int64_t>(groups / kMinGroupsPerShare, 1, std::min(slots, kMaxLanes));
-  const int64_t per_lane =
-      std::clamp<int64_t>(groups / kMinGroupsPerShare / lanes, 1, kSharesPerThread);
-  const int64_t shares = lanes * per_lane;
+  const QuantShares q(in, std::min(slots, kMaxLanes));
   ShareCounter lane_next[kMaxLanes];
-  for (int64_t l = 0; l < lanes; ++l) lane_next[l].next.store(0, std::memory_order_relaxed);
+  for (int64_t l = 0; l < q.lanes; ++l) lane_next[l].next.store(0, std::memory_order_relaxed);
   std::atomic<int64_t> done{0};
   at::parallel_for(0, slots, 1, [&](int64_t s0, int64_t s1) {
-    const int64_t own = s0 * lanes / slots;
-    for (int64_t o = 0; o < lanes; ++o) {
-      std::atomic<int64_t>& next = lane_next[(own + o) % lanes].next;
-      const int64_t base = (own + o) % lanes * per_lane;
-      for (int64_t j = next.fetch_add(1, std::memory_order_relaxed); j < per_lane;
-           j = next.fetch_add(1, std::memory_order_relaxed)) {
-        in.quantize((base + j) * units / shares, (base + j + 1) * units / shares);
-        done.fetch_add(1, std::memory_order_release);
-      }
-    }
-    wait_for(done, shares);
+    q.quantize(in, s0 * q.lanes / slots, [&](int64_t lane) {
+      return lane_next[lane].next.fetch_add(1, std::memory_order_relaxed);
+    }, done);
+    wait_for(done, q.shares());
     work(s0 * items / slots, s1 * items / slots);
   });
 }
