@@ -172,27 +172,38 @@ def measure_matmul(threads: int, dtype: Any, n: int = 2048, reps: int = 5) -> fl
     return 2 * n**3 / best / 1e9
 
 
-# Round trips below this are two hyperthreads of one core (they share its L1 / L2); above, two
-# cores (seen here: ~50 ns against ~350-400 ns, cpu_probe.cpp).
-HYPERTHREAD_ROUND_TRIP_NS = 150.0
+# Round trips below this are "near" (the two threads share a cache: one core's, or one cache
+# complex's L3); above, "far" (seen here: ~50 ns against ~350-400 ns, cpu_probe.cpp).
+NEAR_ROUND_TRIP_NS = 150.0
+# Compute scaling of two threads over one below this: they share one core's execution units.
+SAME_CORE_SCALING = 1.5
 
 
-def thread_placement(rounds: int = 2000) -> dict[str, Any]:
-    """Where torch's first two intra-op threads run now: {"round_trip_ns", "placement"} with
-    placement "hyperthreads", "cores" or "unknown" (fewer than 2 threads, or no kernel
-    library). The hypervisor of a 2-vCPU VM may move it between the two from minute to
+def thread_placement(rounds: int = 2000, iters: int = 2_000_000) -> dict[str, Any]:
+    """Where torch's first two intra-op threads run now: {"round_trip_ns", "placement",
+    "compute_scaling", "same_core"}, placement "near", "far" or "unknown" (fewer than 2
+    threads, or no kernel library; then the other fields are None). compute_scaling is two
+    threads' multiply-add throughput over one's; same_core is whether it shows the two sharing
+    one core. The hypervisor of a 2-vCPU VM may move it between placements from minute to
     minute; they differ in bandwidth and in what sharing costs (radixrt/attention/csrc/
     cpu_probe.cpp), so a benchmark records this next to its steps."""
     import math
 
     import torch
 
-    op = getattr(getattr(torch.ops, "radixrt", None), "thread_round_trip_ns", None)
-    ns = float(op(rounds)) if op is not None else float("nan")
+    ops = getattr(torch.ops, "radixrt", None)
+    trip = getattr(ops, "thread_round_trip_ns", None)
+    scaling_op = getattr(ops, "thread_compute_scaling", None)
+    ns = float(trip(rounds)) if trip is not None else float("nan")
+    scaling = float(scaling_op(iters)) if scaling_op is not None else float("nan")
     if math.isnan(ns):
-        return {"round_trip_ns": None, "placement": "unknown"}
-    where = "hyperthreads" if ns < HYPERTHREAD_ROUND_TRIP_NS else "cores"
-    return {"round_trip_ns": round(ns, 1), "placement": where}
+        return {"round_trip_ns": None, "placement": "unknown", "compute_scaling": None,
+                "same_core": None}
+    known = not math.isnan(scaling)
+    return {"round_trip_ns": round(ns, 1),
+            "placement": "near" if ns < NEAR_ROUND_TRIP_NS else "far",
+            "compute_scaling": round(scaling, 2) if known else None,
+            "same_core": scaling < SAME_CORE_SCALING if known else None}
 
 
 def measure_ceilings(threads: int, dtype: Any, n: int = 2048) -> Ceilings:

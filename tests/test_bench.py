@@ -342,15 +342,22 @@ def test_thread_placement_from_the_round_trip_op(monkeypatch):
         torch.set_num_threads(2)
         ns = torch.ops.radixrt.thread_round_trip_ns(500)
         assert 0 < ns < 1e6
-        got = R.thread_placement(500)
-        assert got["placement"] in ("hyperthreads", "cores") and got["round_trip_ns"] > 0
-        assert (got["placement"] == "hyperthreads") == (
-            got["round_trip_ns"] < R.HYPERTHREAD_ROUND_TRIP_NS)
+        got = R.thread_placement(500, 200_000)
+        assert got["placement"] in ("near", "far") and got["round_trip_ns"] > 0
+        assert (got["placement"] == "near") == (got["round_trip_ns"] < R.NEAR_ROUND_TRIP_NS)
+        # Two threads do between ~1x (sharing a core, or one waiting for the other's time
+        # slice) and ~2x one thread's multiply-adds.
+        assert 0.3 < got["compute_scaling"] < 3.0
+        assert got["same_core"] == (got["compute_scaling"] < R.SAME_CORE_SCALING)
         with pytest.raises(RuntimeError, match="rounds must be positive"):
             torch.ops.radixrt.thread_round_trip_ns(0)
+        with pytest.raises(RuntimeError, match="iters must be positive"):
+            torch.ops.radixrt.thread_compute_scaling(0)
         torch.set_num_threads(1)
         assert math.isnan(torch.ops.radixrt.thread_round_trip_ns(500))
-        assert R.thread_placement(500) == {"round_trip_ns": None, "placement": "unknown"}
+        assert math.isnan(torch.ops.radixrt.thread_compute_scaling(1000))
+        assert R.thread_placement(500) == {"round_trip_ns": None, "placement": "unknown",
+                                           "compute_scaling": None, "same_core": None}
     finally:
         torch.set_num_threads(before)
 

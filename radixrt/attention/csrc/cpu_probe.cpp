@@ -1,19 +1,27 @@
-// What a benchmark records about the two CPUs a 2-thread step runs on: the round trip of a
-// cache line between torch's first two intra-op threads.
+// What a benchmark records about the two CPUs a 2-thread step runs on.
 //
-//   thread_round_trip_ns(rounds) -> float: mean ns of one round trip (thread 0 writes, thread 1
-//   sees it and answers, thread 0 sees the answer), over `rounds` round trips; NaN when fewer
-//   than 2 threads run the region.
+//   thread_round_trip_ns(rounds) -> float: mean ns of one round trip of a cache line between
+//   torch's first two intra-op threads (thread 0 writes, thread 1 sees it and answers, thread 0
+//   sees the answer), over `rounds` round trips; NaN when fewer than 2 threads run the region.
+//   thread_compute_scaling(iters) -> float: the multiply-add throughput of those two threads
+//   running a loop of `iters` steps together, over the calling thread's running it alone (best
+//   of 3 each): ~2 when each thread has a core of its own, ~1-1.3 when they are two hardware
+//   threads of one core sharing its execution units; NaN when fewer than 2 threads run.
 //
-// On the 2-vCPU machines seen here it tells two placements apart that move a decode step by
-// 10-25%: two hyperthreads of one core (~50 ns: they share the core's caches and its memory
-// bandwidth, ~45 GB/s) or two cores (~350-400 ns: twice the bandwidth, every cache line one
-// thread writes and the other reads costs a trip between them). The hypervisor moves a VM
-// between the two from minute to minute, so a benchmark measures this next to its steps.
+// On the 2-vCPU machines seen here the round trip tells two placements apart that move a decode
+// step by 10-25%: "near" (~50 ns: the two vCPUs share a cache, and with it the memory
+// bandwidth of one cache complex, ~45 GB/s) or "far" (~350-400 ns: twice the bandwidth, every
+// cache line one thread writes and the other reads costs a trip between them). The compute
+// scaling was 2.0 in both (stop 30): each vCPU is a core of its own either way, "near" being
+// two cores behind one L3, not two hardware threads of one core. The hypervisor moves a VM
+// between the two placements from minute to minute, so a benchmark measures this next to its
+// steps.
 
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -77,9 +85,69 @@ double thread_round_trip_ns(int64_t rounds) {
   return ns;
 }
 
+// Seconds for `iters` steps of kChains independent vector multiply-adds (enough chains to keep
+// the FMA units busy rather than waiting on one chain's latency).
+double fma_loop_seconds(int64_t iters, float factor) {
+  using V = at::vec::Vectorized<float>;
+  constexpr int kChains = 12;
+  V acc[kChains];
+  for (int c = 0; c < kChains; ++c) acc[c] = V(static_cast<float>(c) * 1e-3f);
+  const V a(factor), b(1e-7f);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int64_t i = 0; i < iters; ++i) {
+    for (int c = 0; c < kChains; ++c) acc[c] = at::vec::fmadd(acc[c], a, b);
+  }
+  const auto t1 = std::chrono::steady_clock::now();
+  float sink = 0.f;
+  for (int c = 0; c < kChains; ++c) {
+    float lanes[V::size()];
+    acc[c].store(lanes);
+    sink += lanes[0];
+  }
+  static std::atomic<float> keep{0.f};  // the loop's result is used
+  keep.store(sink, std::memory_order_relaxed);
+  return std::chrono::duration<double>(t1 - t0).count();
+}
+
+double thread_compute_scaling(int64_t iters) {
+  TORCH_CHECK(iters > 0, "thread_compute_scaling: iters must be positive, got ", iters);
+  if (at::in_parallel_region() || at::get_num_threads() < 2) {
+    return std::numeric_limits<double>::quiet_NaN();
+  }
+  const float factor = 0.999999f;
+  double alone = std::numeric_limits<double>::infinity();
+  double together = std::numeric_limits<double>::infinity();
+  std::atomic<bool> split{true};
+  for (int rep = 0; rep < 3; ++rep) {
+    alone = std::min(alone, fma_loop_seconds(iters, factor));
+    double secs[2] = {0.0, 0.0};
+    std::atomic<int64_t> arrived{0};
+    at::parallel_for(0, 2, 1, [&](int64_t b, int64_t e) {
+      if (e - b != 1) {  // one thread got both: nothing to measure
+        split.store(false, std::memory_order_relaxed);
+        return;
+      }
+      arrived.fetch_add(1, std::memory_order_acq_rel);
+      for (int64_t spins = 0; arrived.load(std::memory_order_acquire) < 2; ++spins) {
+        if (spins > (int64_t{1} << 26)) {
+          split.store(false, std::memory_order_relaxed);
+          return;
+        }
+        relax();
+      }
+      secs[b] = fma_loop_seconds(iters, factor);
+    });
+    if (!split.load(std::memory_order_relaxed)) return std::numeric_limits<double>::quiet_NaN();
+    together = std::min(together, std::max(secs[0], secs[1]));
+  }
+  return 2.0 * alone / together;
+}
+
 }  // namespace
 }  // namespace radixrt_cpu
 
 TORCH_LIBRARY_FRAGMENT(radixrt, m) {
   m.def("thread_round_trip_ns(int rounds=2000) -> float", &radixrt_cpu::thread_round_trip_ns);
+  m.def("thread_compute_scaling(int iters=2000000) -> float",
+        &radixrt_cpu::thread_compute_scaling);
 }
