@@ -7,8 +7,8 @@ The sources are compiled with `torch.utils.cpp_extension` into one shared librar
 quantized small-M matmul (`csrc/qgemv.cpp`), the int8-activation VNNI quantized matmul
 (`csrc/qgemm_vnni.cpp`, AVX512-VNNI CPUs only), the fused layer ops (`csrc/fused_ops.cpp`), the
 decode step's layer loop over them (`csrc/decode_layers.cpp`, its thread team in
-`csrc/team.h`), greedy sampling's row-wise argmax (`csrc/argmax.cpp`) and the round trip
-between two threads that benchmarks record (`csrc/cpu_probe.cpp`);
+`csrc/team.h`), greedy sampling's row-wise argmax (`csrc/argmax.cpp`) and what benchmarks
+record about two threads, their round trip and compute scaling (`csrc/cpu_probe.cpp`);
 `csrc/*.h` are their shared headers. The instruction set
 is chosen from this CPU's flags at build time (AVX-512 F/BW/VL/DQ, else AVX2 + FMA + F16C, else
 the compiler's baseline; never `-march=native`), and the library is cached under

@@ -68,11 +68,11 @@ class DecodeLayers:
         self.row_invariant = all(
             meta[3 * i] in (KIND_QGEMV, KIND_VNNI) and weights[5 * i + 3] is None
             for i in range(len(meta) // 3))
-        # Every matmul on the vnni kernel, none with a bias: one pass may run as a team of
-        # threads (decode_layers.cpp, team.h; the op also needs 2+ threads, and rows within a
-        # dense copy's max_rows).
-        self.team_capable = all(meta[3 * i] == KIND_VNNI and weights[5 * i + 4] is None
-                                for i in range(len(meta) // 3))
+        # The most rows one pass may take as a team of threads (decode_layers.cpp, team.h:
+        # every matmul on the vnni kernel without a bias, rows within a dense copy's
+        # max_rows), -1 for none; the op also needs 2+ threads.
+        self.team_rows = int(torch.ops.radixrt.decode_team_rows(weights, meta))
+        self.team_capable = self.team_rows >= 1
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.eps, self.scale = eps, scale
         # (the arguments it was built from, the radixrt.DecodeStack): see run_step

@@ -40,6 +40,20 @@ inline void relax() {
 #endif
 }
 
+// Spins until `ready()`; false, with `gave_up` set, once it has waited ~seconds (the other
+// thread may never come) or the other thread gave up.
+template <typename F>
+bool spin_until(const F& ready, std::atomic<bool>& gave_up) {
+  for (int64_t spins = 0; !ready(); ++spins) {
+    if (spins > (int64_t{1} << 26) || gave_up.load(std::memory_order_relaxed)) {
+      gave_up.store(true, std::memory_order_relaxed);
+      return false;
+    }
+    relax();
+  }
+  return true;
+}
+
 double thread_round_trip_ns(int64_t rounds) {
   TORCH_CHECK(rounds > 0, "thread_round_trip_ns: rounds must be positive, got ", rounds);
   if (at::in_parallel_region() || at::get_num_threads() < 2) {
@@ -50,18 +64,7 @@ double thread_round_trip_ns(int64_t rounds) {
   };
   Line ball, arrived;
   std::atomic<bool> gave_up{false};
-  // Spins until `ready()`; false once it waited ~seconds (the other thread may never come) or
-  // the other gave up.
-  auto wait = [&](const auto& ready) {
-    for (int64_t spins = 0; !ready(); ++spins) {
-      if (spins > (int64_t{1} << 26) || gave_up.load(std::memory_order_relaxed)) {
-        gave_up.store(true, std::memory_order_relaxed);
-        return false;
-      }
-      relax();
-    }
-    return true;
-  };
+  auto wait = [&](const auto& ready) { return spin_until(ready, gave_up); };
   double ns = std::numeric_limits<double>::quiet_NaN();
   at::parallel_for(0, 2, 1, [&](int64_t b, int64_t e) {
     if (e - b != 1) return;  // one thread got both: nothing to measure
@@ -117,27 +120,23 @@ double thread_compute_scaling(int64_t iters) {
   const float factor = 0.999999f;
   double alone = std::numeric_limits<double>::infinity();
   double together = std::numeric_limits<double>::infinity();
-  std::atomic<bool> split{true};
+  std::atomic<bool> gave_up{false};  // or one thread got both indices
   for (int rep = 0; rep < 3; ++rep) {
     alone = std::min(alone, fma_loop_seconds(iters, factor));
     double secs[2] = {0.0, 0.0};
     std::atomic<int64_t> arrived{0};
     at::parallel_for(0, 2, 1, [&](int64_t b, int64_t e) {
       if (e - b != 1) {  // one thread got both: nothing to measure
-        split.store(false, std::memory_order_relaxed);
+        gave_up.store(true, std::memory_order_relaxed);
         return;
       }
       arrived.fetch_add(1, std::memory_order_acq_rel);
-      for (int64_t spins = 0; arrived.load(std::memory_order_acquire) < 2; ++spins) {
-        if (spins > (int64_t{1} << 26)) {
-          split.store(false, std::memory_order_relaxed);
-          return;
-        }
-        relax();
+      if (!spin_until([&] { return arrived.load(std::memory_order_acquire) >= 2; }, gave_up)) {
+        return;
       }
       secs[b] = fma_loop_seconds(iters, factor);
     });
-    if (!split.load(std::memory_order_relaxed)) return std::numeric_limits<double>::quiet_NaN();
+    if (gave_up.load(std::memory_order_relaxed)) return std::numeric_limits<double>::quiet_NaN();
     together = std::min(together, std::max(secs[0], secs[1]));
   }
   return 2.0 * alone / together;

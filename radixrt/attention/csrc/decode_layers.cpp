@@ -32,7 +32,7 @@
 // team, meeting at spin barriers (team.h), instead of a parallel region per op with the norms,
 // RoPE and kv_store on one thread. Each op computes each output as it does alone, so the result
 // is bitwise the same. Zen 5, 2 vCPUs, 8 rows: 0.88-0.90x the step time whether the two vCPUs
-// were hyperthreads of one core or two cores (bench/results/2026-11-25-s28-decode-team.md).
+// shared a cache or not (bench/results/2026-11-25-s28-decode-team.md).
 //
 // Micro-batches (`split` > 0, rows >= 2): rows [0, split) and [split, rows) run as two
 // micro-batches, each through every layer on its own thread of one parallel region, the ops
@@ -357,6 +357,15 @@ int64_t team_row_limit(const OptTensors& weights, c10::IntArrayRef meta) {
   return limit;
 }
 
+// team_row_limit for Python (`DecodeLayers.team_rows`): the same rule, not restated there.
+int64_t decode_team_rows(const OptTensors& weights, c10::IntArrayRef meta) {
+  TORCH_CHECK(meta.size() % kMetaPerLinear == 0 &&
+                  static_cast<int64_t>(weights.size()) ==
+                      static_cast<int64_t>(meta.size()) / kMetaPerLinear * kSlotsPerLinear,
+              "decode_team_rows: weights and meta must describe the same linears");
+  return team_row_limit(weights, meta);
+}
+
 // Whether one pass over `rows` rows can run as a team: within the stack's team_rows, on 2+
 // intra-op threads, not inside another parallel region.
 bool team_fits(const Stack& st, int64_t rows) {
@@ -539,6 +548,8 @@ TORCH_LIBRARY_FRAGMENT(radixrt, m) {
       "Tensor row_start, Tensor row_len, Tensor group_start, Tensor group_len, "
       "Tensor group_row_ptr, Tensor group_rows, int num_heads, int num_kv_heads, int head_dim, "
       "float eps, float scale, int split=0, bool team=False) -> (Tensor, Tensor)");
+  m.def("decode_team_rows(Tensor?[] weights, int[] meta) -> int",
+        &radixrt_cpu::decode_team_rows);
 }
 
 TORCH_LIBRARY_IMPL(radixrt, CPU, m) {

@@ -1,9 +1,9 @@
 // A decode step's threads as one team (radixrt::decode_layers' one-pass path): every thread runs
 // the whole layer loop inside one parallel region and the ops split their work among the team
 // instead of opening a parallel region each. Between two ops the team meets at a spin barrier
-// (tens of ns between two hyperthreads of a core, a few hundred between cores) instead of an
-// OpenMP fork and join per op (~0.4 us between hyperthreads, far more between cores), and the
-// ops that ran on one thread (norms, RoPE, kv_store) run on all.
+// (tens of ns between two cores sharing a cache, a few hundred between cores that do not)
+// instead of an OpenMP fork and join per op (~0.4 us between the first, far more between the
+// second), and the ops that ran on one thread (norms, RoPE, kv_store) run on all.
 //
 // How an op sees the team: `team_member()` is the calling thread's membership while it runs a
 // team's layers (null everywhere else: the ops then run as they always do). Every member calls
