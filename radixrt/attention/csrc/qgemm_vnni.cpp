@@ -533,20 +533,17 @@ struct QuantShares {
   }
 };
 
-// quantize_then_work on a decode team (team.h): the same lanes and shares over the team's
-// members, claimed from the team's counters; then each member's equal run of the items, and the
-// team meets.
+// quantize_then_work on a decode team (team.h): each member quantizes its equal share of the
+// units, the team meets, each member runs its equal run of the items, and the team meets again.
+// No shares are claimed: a team's members are all running already, and a claim or done counter
+// shared by two cores without a common cache costs a cache-line transfer per share.
 template <typename W>
 void team_quantize_then_work(TeamMember& m, const ActInput& in, int64_t items, const W& work) {
-  Team& t = *m.team;
-  const QuantShares q(in, std::min<int64_t>(m.size, Team::kLanes));
-  q.quantize(in, m.id * q.lanes / m.size, [&](int64_t lane) {
-    return t.lanes[lane].v.fetch_add(1, std::memory_order_relaxed) - m.lane_base[lane];
-  }, t.done.v);
-  for (int64_t lane = 0; lane < q.lanes; ++lane) m.lane_base[lane] += q.per_lane + m.size;
-  m.done_base += q.shares();
-  t.wait(t.done, m.done_base);
-  work(m.id * items / m.size, (m.id + 1) * items / m.size);
+  const auto [u0, u1] = m.rows(in.units());
+  if (u0 < u1) in.quantize(u0, u1);
+  m.barrier();
+  const auto [i0, i1] = m.rows(items);
+  work(i0, i1);
   m.barrier();
 }
 

@@ -49,14 +49,11 @@ inline void team_pause() {
 
 // Shared state of one team (one decode step's region).
 struct Team {
-  static constexpr int64_t kLanes = 8;  // lane counters (qgemm_vnni's activation quantization)
   static constexpr int64_t kSpinsBeforeYield = 20000;
 
   TeamCounter joined, claimed;  // forming the team (see the TeamMember constructor)
   TeamCounter arrive;  // barriers
   TeamCounter queue;  // work-queue claims
-  TeamCounter done;  // finished quantization shares
-  TeamCounter lanes[kLanes];
   std::atomic<bool> failed{false};
   int64_t expected;  // parallel_for indices handed out
   int64_t arena_bytes;  // per half
@@ -83,8 +80,7 @@ struct Team {
 struct TeamMember {
   Team* team;
   int64_t id = 0, size = 1;
-  int64_t barriers = 0, queue_base = 0, done_base = 0;
-  int64_t lane_base[Team::kLanes]{};
+  int64_t barriers = 0, queue_base = 0;
   int64_t parity = 0, offset = 0;  // arena half and bump offset in it
   // Set by the layer loop before a row-split op (for_rows) whose output rows the next
   // row-split op over the same rows reads on the same member only (rope_qk's K rows, stored by
