@@ -505,34 +505,6 @@ struct alignas(64) ShareCounter {
   std::atomic<int64_t> next;
 };
 
-// How a call's activation quantization is cut: the units in `lanes` contiguous ranges (at most
-// `max_lanes`), each into `per_lane` shares of at least kMinGroupsPerShare groups.
-struct QuantShares {
-  int64_t lanes, per_lane;
-
-  QuantShares(const ActInput& in, int64_t max_lanes)
-      : lanes(std::clamp<int64_t>(in.m * in.groups / kMinGroupsPerShare, 1, max_lanes)),
-        per_lane(std::clamp<int64_t>(in.m * in.groups / kMinGroupsPerShare / lanes, 1,
-                                     kSharesPerThread)) {}
-
-  int64_t shares() const { return lanes * per_lane; }
-
-  // Quantizes every share this thread claims, lane `own` first, then the others' (claim(lane):
-  // the lane's next share, per_lane or more once none is left), counting each in `done`.
-  template <typename Claim>
-  void quantize(const ActInput& in, int64_t own, const Claim& claim,
-                std::atomic<int64_t>& done) const {
-    const int64_t units = in.units();
-    for (int64_t o = 0; o < lanes; ++o) {
-      const int64_t lane = (own + o) % lanes, base = lane * per_lane;
-      for (int64_t j = claim(lane); j < per_lane; j = claim(lane)) {
-        in.quantize((base + j) * units / shares(), (base + j + 1) * units / shares());
-        done.fetch_add(1, std::memory_order_release);
-      }
-    }
-  }
-};
-
 // quantize_then_work on a decode team (team.h): each member quantizes its equal share of the
 // units, the team meets, each member runs its equal run of the items, and the team meets again.
 // No shares are claimed: a team's members are all running already, and a claim or done counter
@@ -559,15 +531,27 @@ void team_quantize_then_work(TeamMember& m, const ActInput& in, int64_t items, c
 template <typename W>
 void quantize_then_work(const ActInput& in, int64_t items, int64_t slots, const W& work) {
   if (TeamMember* m = team_member()) return team_quantize_then_work(*m, in, items, work);
-  const QuantShares q(in, std::min(slots, kMaxLanes));
+  const int64_t units = in.units(), groups = in.m * in.groups;
+  const int64_t lanes =
+      std::clamp<int64_t>(groups / kMinGroupsPerShare, 1, std::min(slots, kMaxLanes));
+  const int64_t per_lane =
+      std::clamp<int64_t>(groups / kMinGroupsPerShare / lanes, 1, kSharesPerThread);
+  const int64_t shares = lanes * per_lane;
   ShareCounter lane_next[kMaxLanes];
-  for (int64_t l = 0; l < q.lanes; ++l) lane_next[l].next.store(0, std::memory_order_relaxed);
+  for (int64_t l = 0; l < lanes; ++l) lane_next[l].next.store(0, std::memory_order_relaxed);
   std::atomic<int64_t> done{0};
   at::parallel_for(0, slots, 1, [&](int64_t s0, int64_t s1) {
-    q.quantize(in, s0 * q.lanes / slots, [&](int64_t lane) {
-      return lane_next[lane].next.fetch_add(1, std::memory_order_relaxed);
-    }, done);
-    wait_for(done, q.shares());
+    const int64_t own = s0 * lanes / slots;
+    for (int64_t o = 0; o < lanes; ++o) {
+      const int64_t lane = (own + o) % lanes, base = lane * per_lane;
+      std::atomic<int64_t>& next = lane_next[lane].next;
+      for (int64_t j = next.fetch_add(1, std::memory_order_relaxed); j < per_lane;
+           j = next.fetch_add(1, std::memory_order_relaxed)) {
+        in.quantize((base + j) * units / shares, (base + j + 1) * units / shares);
+        done.fetch_add(1, std::memory_order_release);
+      }
+    }
+    wait_for(done, shares);
     work(s0 * items / slots, s1 * items / slots);
   });
 }
