@@ -37,11 +37,11 @@ def _runner(path: Path, dtype: torch.dtype, quant: QuantPlan | None = None) -> P
     return PagedRunner.for_model(model)
 
 
-def _decode_run(runner: PagedRunner, fused: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[
-        list[torch.Tensor], int]:
-    """Three requests sharing a 40-token cached prefix plus an unrelated one, then 4 greedy
-    decode steps: (per-step logits, how many steps ran through `DecodeLayers.run_step`; the
-    split row of each is in `_decode_run.splits`)."""
+def _decode_run(runner: PagedRunner, fused: bool, monkeypatch: pytest.MonkeyPatch,
+                prefix_len: int = 40, lone_len: int = 9) -> tuple[list[torch.Tensor], int]:
+    """Three requests sharing a `prefix_len`-token cached prefix plus an unrelated one of
+    `lone_len` tokens, then 4 greedy decode steps: (per-step logits, how many steps ran through
+    `DecodeLayers.run_step`; the split row of each is in `_decode_run.splits`)."""
     runner.model.fused_decode = fused
     calls = []
     real = DecodeLayers.run_step
@@ -52,11 +52,11 @@ def _decode_run(runner: PagedRunner, fused: bool, monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setattr(DecodeLayers, "run_step", counted)
     g = torch.Generator().manual_seed(3)
-    prefix = torch.randint(3, 256, (40,), generator=g).tolist()
+    prefix = torch.randint(3, 256, (prefix_len,), generator=g).tolist()
     first = runner.new_request()
     runner.extend([first], [prefix])
-    rows = [runner.share_prefix(first, 40) for _ in range(3)] + [runner.new_request()]
-    tails = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (3, 6, 1, 9)]
+    rows = [runner.share_prefix(first, prefix_len) for _ in range(3)] + [runner.new_request()]
+    tails = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (3, 6, 1, lone_len)]
     logits = [runner.extend(rows, tails)]
     for _ in range(4):
         logits.append(runner.decode(rows, logits[-1].argmax(-1).tolist()))
@@ -128,13 +128,15 @@ def test_quantized_rows_under_max_rows_run_the_kernel_in_the_op(tmp_path: Path,
     assert torch.equal(out[True], out[False])
 
 
-def _tiny_vnni_gguf(tmp_path: Path, seed: int, layer_quant: str) -> tuple[Path, QuantPlan]:
-    """A 3-layer tiny Llama (tied embeddings) as GGUF, `layer_quant` layers and a Q8_0 head,
-    with every matmul on the vnni kernel (skips where there is no AVX512-VNNI)."""
+def _tiny_vnni_gguf(tmp_path: Path, seed: int, layer_quant: str,
+                    **dims: int) -> tuple[Path, QuantPlan]:
+    """A 3-layer tiny Llama (tied embeddings; `dims` override TINY_DIMS) as GGUF,
+    `layer_quant` layers and a Q8_0 head, with every matmul on the vnni kernel (skips where
+    there is no AVX512-VNNI)."""
     if not vnni_kernel_available():
         pytest.skip("no AVX512-VNNI here")
     hf = make_tiny_checkpoint(tmp_path / "hf", "llama", seed=seed, num_hidden_layers=3,
-                              tie_word_embeddings=True)
+                              tie_word_embeddings=True, **dims)
     path = write_tiny_gguf(hf, tmp_path / "m.gguf", "llama", layer_quant, "Q8_0")
     return path, QuantPlan("gguf", dense_copy=False, kernel="vnni")
 
@@ -395,9 +397,21 @@ def test_micro_batch_errors_raise_and_do_not_hang(tmp_path: Path, two_threads: o
     torch.testing.assert_close(res1, res2)
 
 
+# (model dims over TINY_DIMS, shared prefix, lone row). At "tiny" the matmuls and the attention
+# are too small to split (each runs on one member while the other waits); at "wide" every
+# matmul splits its activation quantization and its tiles between the members, and both
+# attention phases (the shared prefix's, the rows' own keys) their items, by cost.
+_TEAM_CASES: dict[str, tuple[dict[str, int], int, int]] = {
+    "tiny": ({}, 40, 9),
+    "wide": ({"hidden_size": 256, "intermediate_size": 512, "max_position_embeddings": 8192},
+             1500, 4500),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_TEAM_CASES))
 @pytest.mark.parametrize("kv_dtype", [None, torch.int8], ids=["bf16-kv", "int8-kv"])
 def test_team_is_bitwise_a_region_per_op(tmp_path: Path, kv_dtype: torch.dtype | None,
-                                         two_threads: object,
+                                         case: str, two_threads: object,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """One pass as a team of the 2 threads (each op then runs on both: its calls double) gives
     the logits of the pass with a parallel region per op, bitwise: 3 rows sharing a cached
@@ -406,19 +420,20 @@ def test_team_is_bitwise_a_region_per_op(tmp_path: Path, kv_dtype: torch.dtype |
     after rotating them (no meeting between RoPE and kv_store) are checked too."""
     from radixrt.attention.paged_decode import paged_decode_i8_unavailable_reason
 
-    path, plan = _tiny_vnni_gguf(tmp_path, 13, "Q4_0")
+    dims, prefix_len, lone_len = _TEAM_CASES[case]
+    path, plan = _tiny_vnni_gguf(tmp_path, 13, "Q4_0", **dims)
     if kv_dtype is torch.int8 and paged_decode_i8_unavailable_reason():
         pytest.skip(str(paged_decode_i8_unavailable_reason()))
     runs, ropes = {}, {}
     for team in (True, False):
         config = ModelConfig.from_path(path)
         model, _ = load_model(path, None, torch.bfloat16, "cpu", model_config=config, quant=plan)
-        runner = PagedRunner.for_model(model, kv_dtype=kv_dtype)
+        runner = PagedRunner.for_model(model, kv_size=8192, max_context=8192, kv_dtype=kv_dtype)
         runner.model.decode_team = team
         runner.model.decode_microbatch_rows = 0
         assert runner.model.decode_layers().team_capable  # type: ignore[union-attr]
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            runs[team] = _decode_run(runner, True, monkeypatch)
+            runs[team] = _decode_run(runner, True, monkeypatch, prefix_len, lone_len)
         ropes[team] = {e.key: e.count for e in prof.key_averages()}.get("radixrt::rope_qk", 0)
     assert runs[True][1] == runs[False][1] == 4
     # the extend steps (Python loop) call rope_qk alike; the team's second thread, once per

@@ -12,9 +12,9 @@
 //   own offset through the team's arena by the same sizes (no communication). The arena has two
 //   halves, one per layer parity (`next_layer`), so a layer's outputs are never overwritten
 //   while the next layer reads them (a half is reused two layers later, past several barriers).
-// - the shared counters never reset: a use of the work queue makes exactly n + members claims
-//   (every member makes one failing claim), so every member advances its own base by the same
-//   amount; a barrier separates one use from the next.
+// - nothing is claimed from a shared counter: an op splits its work by a rule every member
+//   computes alike (equal shares of rows or items, or the work queue's cost split), since a
+//   counter two cores without a common cache both write costs a round trip per claim.
 // Invariants: every member reaches every barrier (the ops' checks see the same inputs on every
 // member, so they raise on every member or on none); a member that raises anyway marks the team
 // failed, and the others leave their barriers with an error instead of waiting forever.
@@ -53,7 +53,6 @@ struct Team {
 
   TeamCounter joined, claimed;  // forming the team (see the TeamMember constructor)
   TeamCounter arrive;  // barriers
-  TeamCounter queue;  // work-queue claims
   std::atomic<bool> failed{false};
   int64_t expected;  // parallel_for indices handed out
   int64_t arena_bytes;  // per half
@@ -76,11 +75,11 @@ struct Team {
   }
 };
 
-// One thread's membership: its index, the team size, and its bases of the shared counters.
+// One thread's membership: its index, the team size, its barrier count and arena offset.
 struct TeamMember {
   Team* team;
   int64_t id = 0, size = 1;
-  int64_t barriers = 0, queue_base = 0;
+  int64_t barriers = 0;
   int64_t parity = 0, offset = 0;  // arena half and bump offset in it
   // Set by the layer loop before a row-split op (for_rows) whose output rows the next
   // row-split op over the same rows reads on the same member only (rope_qk's K rows, stored by
@@ -104,17 +103,6 @@ struct TeamMember {
     if (size == 1) return;
     team->arrive.v.fetch_add(1, std::memory_order_acq_rel);
     team->wait(team->arrive, barriers * size);
-  }
-
-  // Calls f(i) for each i in [0, n) claimed by this member from the shared queue (largest
-  // first when the caller sorted them so); no barrier.
-  template <typename F>
-  void share(int64_t n, const F& f) {
-    for (int64_t t = team->queue.v.fetch_add(1, std::memory_order_relaxed) - queue_base; t < n;
-         t = team->queue.v.fetch_add(1, std::memory_order_relaxed) - queue_base) {
-      f(t);
-    }
-    queue_base += n + size;
   }
 
   // This member's equal share [lo, hi) of n rows.

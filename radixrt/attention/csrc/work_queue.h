@@ -1,7 +1,8 @@
 // Work queue shared by radixrt's CPU attention kernels (paged_decode.cpp, extend_attention.cpp):
 // independent items of uneven cost run on torch's intra-op threads, largest first, each thread
 // taking the next item when it finishes one (so a few long items do not leave threads idle).
-// In a decode team (team.h) the team's members take the items and meet when all are done.
+// In a decode team (team.h) nothing is claimed: each member runs its share of the items as
+// given, split by cost (team_share), and the team meets when all are done.
 
 #pragma once
 
@@ -16,27 +17,46 @@
 
 namespace radixrt_cpu {
 
+// A team member's items, in their given order: item i is the member's whose equal share of the
+// total cost holds the middle of i's cost, counted from the first item. Every member computes
+// the same split from the same items, so no item is claimed from a shared counter (a claim is a
+// cache-line round trip between the members' cores: ~0.5 us when they share no cache, ~25
+// claims per decode layer). Kept in order, a member's items are contiguous: in a decode step the
+// (row, head) items of the rows whose queries it rotated and stored (fused_ops' row split).
+template <typename Item, typename F>
+void team_share(const TeamMember& m, const std::vector<Item>& items, int64_t total,
+                const F& work) {
+  int64_t before = 0;
+  for (const Item& it : items) {
+    // 2 * (before + cost / 2) in units of total / size, in integers
+    const int64_t owner = (2 * before + it.cost) * m.size / (2 * std::max<int64_t>(1, total));
+    if (std::min(owner, m.size - 1) == m.id) work(it);
+    before += it.cost;
+  }
+}
+
 // Runs work(item) for every item; Item has an int64_t `cost`. Items are sorted by cost,
-// largest first (equal costs keep their order). A call whose total cost is below
-// `min_parallel_cost` runs on the calling thread: waking the other threads costs more than the
-// work (tens of microseconds, far more when the machine is oversubscribed).
+// largest first (equal costs keep their order), except in a team (team_share). A call whose
+// total cost is below `min_parallel_cost` runs on the calling thread: waking the other threads
+// costs more than the work (tens of microseconds, far more when the machine is
+// oversubscribed).
 template <typename Item, typename F>
 void run_largest_first(std::vector<Item>& items, int64_t min_parallel_cost, const F& work) {
-  std::stable_sort(items.begin(), items.end(),
-                   [](const Item& a, const Item& b) { return a.cost > b.cost; });
   const int64_t n = static_cast<int64_t>(items.size());
   if (n == 0) return;
   int64_t total = 0;
   for (const Item& it : items) total += it.cost;
-  if (TeamMember* m = team_member()) {  // the team's queue (or its first member), then it meets
+  if (TeamMember* m = team_member()) {  // its share (or all, on its first member), then it meets
     if (total >= min_parallel_cost) {
-      m->share(n, [&](int64_t i) { work(items[i]); });
+      team_share(*m, items, total, work);
     } else if (m->id == 0) {
       for (const Item& it : items) work(it);
     }
     m->barrier();
     return;
   }
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& a, const Item& b) { return a.cost > b.cost; });
   std::atomic<int64_t> next{0};
   const int64_t workers =
       total < min_parallel_cost ? 1 : std::min<int64_t>(at::get_num_threads(), n);
