@@ -277,6 +277,9 @@ std::tuple<Tensor, Tensor> run_layers(const Stack& st, const Tensor& h0, const T
   for (int64_t l = 0; l < layers; ++l) {
     if (member != nullptr) member->next_layer();
     Tensor x;
+    // The norms' rows go straight into the next matmul's activation quantization, which splits
+    // the rows as they do: the team need not meet between the two (see rows_stay).
+    if (member != nullptr) member->rows_stay = true;
     if (l == 0) {
       residual = h;
       x = ops.rms_norm.call(h, st.norms[0], eps);
@@ -307,6 +310,7 @@ std::tuple<Tensor, Tensor> run_layers(const Stack& st, const Tensor& h0, const T
     if (progress) progress->attentions.store(l + 1, std::memory_order_release);
     o = o.to(q.scalar_type()).reshape({n, q_size});
     const Tensor attn_out = run_linear(ops, o, st.weights, st.meta, lin + 1);
+    if (member != nullptr) member->rows_stay = true;
     std::tie(x, residual) = ops.add_rms_norm.call(attn_out, residual, st.norms[2 * l + 1], eps);
     const Tensor gate_up = run_linear(ops, x, st.weights, st.meta, lin + 2);
     h = run_linear(ops, gate_up, st.weights, st.meta, lin + 3, /*silu=*/true);

@@ -116,10 +116,11 @@ constexpr int64_t kSpinsBeforeYield = 2000;
 constexpr int64_t kMaxScratch = 1 << 20;
 
 // The quantized activations, in row blocks of kRowBlock: for block b, group g, row r of the
-// block: xq at ((b * groups + g) * kRowBlock + r) * 32 (32 bytes), sx and xs at
-// (b * groups + g) * kRowBlock + r. A pass over rows [8b, 8b + MT) then reads each group's
-// activations at fixed offsets from one pointer. Rows past M in the last block are not written
-// nor read.
+// block: xq at ((b * groups + g) * kRowBlock + r) * 32 (32 bytes), so that a pass over rows
+// [8b, 8b + MT) reads each group's activations at fixed offsets from one pointer; sx, xs and
+// corr of row i (8b + r), group g at i * groups + g, so that the rows a team member quantizes
+// are a contiguous range of each (team_quantize_then_work). Rows past M in the last block are
+// not written nor read.
 struct Acts {
   const int8_t* xq;
   const float* sx;
@@ -181,9 +182,10 @@ inline void block(const Problem& p, int64_t m0, int64_t t, Out* y, int64_t ldy, 
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   const int64_t b0 = m0 / kRowBlock * p.groups;
   const int8_t* xg = p.a.xq + b0 * kRowBlock * kGroup;
-  const float* sxg = p.a.sx + b0 * kRowBlock;
-  const float* xsg = p.a.xs + b0 * kRowBlock;
-  const int32_t* corrg = p.a.corr + b0 * kRowBlock;
+  const int64_t ls = p.groups;  // row m's group g: sxg[m * ls] once sxg has moved g groups on
+  const float* sxg = p.a.sx + m0 * ls;
+  const float* xsg = p.a.xs + m0 * ls;
+  const int32_t* corrg = p.a.corr + m0 * ls;
   const uint8_t* wb[TT];
 #pragma GCC unroll 4
   for (int tt = 0; tt < TT; ++tt) wb[tt] = p.w + (t + tt) * p.groups * p.blob;
@@ -201,7 +203,7 @@ inline void block(const Problem& p, int64_t m0, int64_t t, Out* y, int64_t ldy, 
     for (int m = 0; m < MT; ++m)
 #pragma GCC unroll 4
       for (int tt = 0; tt < TT; ++tt)
-        dot[m][tt] = AFFINE ? _mm512_setzero_si512() : _mm512_set1_epi32(corrg[m]);
+        dot[m][tt] = AFFINE ? _mm512_setzero_si512() : _mm512_set1_epi32(corrg[m * ls]);
     if constexpr (BITS == 4) {
 #pragma GCC unroll 4
       for (int v = 0; v < 4; ++v) {
@@ -239,22 +241,22 @@ inline void block(const Problem& p, int64_t m0, int64_t t, Out* y, int64_t ldy, 
       const __m512 d = load_scale(sc, p.half);
 #pragma GCC unroll 8
       for (int m = 0; m < MT; ++m) {
-        const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[m][tt]), _mm512_set1_ps(sxg[m]));
+        const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[m][tt]), _mm512_set1_ps(sxg[m * ls]));
         acc[m][tt] = _mm512_fmadd_ps(f, d, acc[m][tt]);
       }
       if constexpr (AFFINE) {
         const __m512 c = load_scale(sc + kTile * sbytes, p.half);
 #pragma GCC unroll 8
         for (int m = 0; m < MT; ++m)
-          acc[m][tt] = _mm512_fmadd_ps(c, _mm512_set1_ps(xsg[m]), acc[m][tt]);
+          acc[m][tt] = _mm512_fmadd_ps(c, _mm512_set1_ps(xsg[m * ls]), acc[m][tt]);
       }
     }
 #pragma GCC unroll 4
     for (int tt = 0; tt < TT; ++tt) wb[tt] += p.blob;
     xg += kRowBlock * kGroup;
-    sxg += kRowBlock;
-    xsg += kRowBlock;
-    corrg += kRowBlock;
+    ++sxg;
+    ++xsg;
+    ++corrg;
   }
 #pragma GCC unroll 8
   for (int m = 0; m < MT; ++m)
@@ -361,7 +363,7 @@ inline int64_t acts_bytes(int64_t m, int64_t groups) {
 }
 
 // `Acts` over a buffer of acts_bytes(m, groups): xq int8 [B, G, 8, 32], then sx, S float32 and
-// corr int32 [B, G, 8] each; B = ceil(M / 8).
+// corr int32 [B * 8, G] each; B = ceil(M / 8).
 inline Acts acts_at(uint8_t* base, int64_t m, int64_t groups) {
   const int64_t n = (m + kRowBlock - 1) / kRowBlock * groups * kRowBlock;
   const float* sx = reinterpret_cast<const float*>(base + n * kGroup);
@@ -369,11 +371,13 @@ inline Acts acts_at(uint8_t* base, int64_t m, int64_t groups) {
           reinterpret_cast<const int32_t*>(sx + 2 * n)};
 }
 
-// One group (lo, hi: its 32 activations) quantized into entry i of `a` (see the header).
-inline void quantize_group(__m512 lo, __m512 hi, int64_t i, int32_t code_offset, const Acts& a) {
+// One group (lo, hi: its 32 activations) quantized into `a`: its codes at entry q of xq, its
+// scales at entry i of sx, xs and corr (see `Acts`).
+inline void quantize_group(__m512 lo, __m512 hi, int64_t q, int64_t i, int32_t code_offset,
+                           const Acts& a) {
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
   const float s = amax / 127.f;
-  int8_t* dst = const_cast<int8_t*>(a.xq) + i * kGroup;
+  int8_t* dst = const_cast<int8_t*>(a.xq) + q * kGroup;
   float* sx = const_cast<float*>(a.sx);
   float* xs = const_cast<float*>(a.xs);
   int32_t* corr = const_cast<int32_t*>(a.corr);
@@ -398,21 +402,19 @@ inline void quantize_group(__m512 lo, __m512 hi, int64_t i, int32_t code_offset,
 }
 
 // Units [u0, u1) of the quantized layout quantized into `a`, unit u = (row block u / groups,
-// group u % groups): that group of the block's rows (up to kRowBlock; rows past m are not
-// written). A range of units is a contiguous range of the layout, so threads quantizing
-// different ranges write different cache lines; within a block, rows outer (each row's groups
-// are read in order: measured 1.3x faster on 2 threads than groups outer). `code_offset` is
-// 2^(bits-1), the symmetric weights' code offset. Each (row, group) depends on its own 32
-// values only: any split gives the same bytes.
+// group u % groups): that group of the block's rows in [r0, r1) (rows past m are not written).
+// Within a block, rows outer (each row's groups are read in order: measured 1.3x faster on 2
+// threads than groups outer). `code_offset` is 2^(bits-1), the symmetric weights' code offset.
+// Each (row, group) depends on its own 32 values only: any split gives the same bytes.
 template <typename Src>
-void quantize_units(const Src& src, int64_t u0, int64_t u1, int64_t m, int64_t groups,
-                    int32_t code_offset, const Acts& a) {
+void quantize_units(const Src& src, int64_t u0, int64_t u1, int64_t r0, int64_t r1,
+                    int64_t groups, int32_t code_offset, const Acts& a) {
   alignas(64) float buf[kRunGroups * kGroup];
   for (int64_t b = u0 / groups; b * groups < u1; ++b) {
     const int64_t g0 = std::max<int64_t>(u0 - b * groups, 0);
     const int64_t g1 = std::min<int64_t>(u1 - b * groups, groups);
-    const int64_t rows = std::min(kRowBlock, m - b * kRowBlock);
-    for (int64_t rr = 0; rr < rows; ++rr) {
+    const int64_t rows = std::min(kRowBlock, r1 - b * kRowBlock);
+    for (int64_t rr = std::max<int64_t>(0, r0 - b * kRowBlock); rr < rows; ++rr) {
       const int64_t r = b * kRowBlock + rr;
       for (int64_t gs = g0; gs < g1; gs += kRunGroups) {
         const int64_t ge = std::min(g1, gs + kRunGroups);
@@ -424,7 +426,8 @@ void quantize_units(const Src& src, int64_t u0, int64_t u1, int64_t m, int64_t g
           } else {
             load_group(src.x + r * src.ld + g * kGroup, lo, hi);
           }
-          quantize_group(lo, hi, (b * groups + g) * kRowBlock + rr, code_offset, a);
+          quantize_group(lo, hi, (b * groups + g) * kRowBlock + rr, r * groups + g, code_offset,
+                         a);
         }
       }
     }
@@ -432,7 +435,8 @@ void quantize_units(const Src& src, int64_t u0, int64_t u1, int64_t m, int64_t g
 }
 
 // The activation input of one call: x [M, K] or gate_up [M, 2K] (`silu`), contiguous, float32
-// or bfloat16; quantize(u0, u1) quantizes units [u0, u1) of the layout (see quantize_units).
+// or bfloat16; quantize(u0, u1) quantizes units [u0, u1) of the layout (see quantize_units),
+// quantize_rows(r0, r1) rows [r0, r1).
 struct ActInput {
   const Tensor& x;
   bool silu;
@@ -442,12 +446,19 @@ struct ActInput {
 
   int64_t units() const { return (m + kRowBlock - 1) / kRowBlock * groups; }
 
-  void quantize(int64_t u0, int64_t u1) const {
+  void quantize(int64_t u0, int64_t u1) const { quantize_units_rows(u0, u1, 0, m); }
+
+  void quantize_rows(int64_t r0, int64_t r1) const {
+    quantize_units_rows(r0 / kRowBlock * groups, (r1 + kRowBlock - 1) / kRowBlock * groups, r0,
+                        r1);
+  }
+
+  void quantize_units_rows(int64_t u0, int64_t u1, int64_t r0, int64_t r1) const {
     auto run = [&](auto* xp, auto silu_tag) {
       using In = std::remove_const_t<std::remove_pointer_t<decltype(xp)>>;
       constexpr bool kSilu = decltype(silu_tag)::value;
       const ActRows<In, kSilu> src{xp, x.size(1), k, kSilu ? silu_mul_vec_end<In>(k) : 0};
-      quantize_units(src, u0, u1, m, groups, code_offset, acts);
+      quantize_units(src, u0, u1, r0, r1, groups, code_offset, acts);
     };
     if (x.scalar_type() == at::kFloat) {
       silu ? run(x.data_ptr<float>(), std::true_type{})
@@ -506,13 +517,15 @@ struct alignas(64) ShareCounter {
 };
 
 // quantize_then_work on a decode team (team.h): each member quantizes its equal share of the
-// units, the team meets, each member runs its equal run of the items, and the team meets again.
-// No shares are claimed: a team's members are all running already, and a claim or done counter
-// shared by two cores without a common cache costs a cache-line transfer per share.
+// rows (m.rows, the row split of the team's row ops), the team meets, each member runs its
+// equal run of the items, and the team meets again. No shares are claimed: a team's members are
+// all running already, and a claim or done counter shared by two cores without a common cache
+// costs a cache-line transfer per share. A member reads only its own rows of the input, so a
+// row op before (an RMSNorm) need not meet the team first (TeamMember::rows_stay).
 template <typename W>
 void team_quantize_then_work(TeamMember& m, const ActInput& in, int64_t items, const W& work) {
-  const auto [u0, u1] = m.rows(in.units());
-  if (u0 < u1) in.quantize(u0, u1);
+  const auto [r0, r1] = m.rows(in.m);
+  if (r0 < r1) in.quantize_rows(r0, r1);
   m.barrier();
   const auto [i0, i1] = m.rows(items);
   work(i0, i1);
@@ -579,9 +592,8 @@ std::tuple<Tensor, Tensor, Tensor> qgemm_vnni_quantize(const Tensor& x) {
   const int64_t rows = blocks * kRowBlock, n = blocks * groups * kRowBlock;
   const Tensor xq = buf.narrow(0, 0, n * kGroup).view(at::kChar);
   const Tensor sxs = buf.narrow(0, n * kGroup, 2 * n * 4).view(at::kFloat);
-  auto rows_first = [&](const Tensor& t) {  // [B, G, 8] -> [M, G]
-    return t.view({blocks, groups, kRowBlock}).permute({0, 2, 1}).reshape({rows, groups})
-        .narrow(0, 0, m).contiguous();
+  auto rows_first = [&](const Tensor& t) {  // [B * 8, G] -> [M, G]
+    return t.view({rows, groups}).narrow(0, 0, m).contiguous();
   };
   return {xq.view({blocks, groups, kRowBlock, kGroup}).permute({0, 2, 1, 3})
               .reshape({rows, k}).narrow(0, 0, m).contiguous(),
@@ -643,9 +655,16 @@ Tensor qgemm_vnni_impl(const Tensor& xc, bool silu, const Tensor& packed, int64_
   // One thread: quantize, then every item. Else one parallel region quantizes (split over its
   // threads), waits for all of it, and runs the items.
   const bool serial = items == 1 || threads == 1 || m * n * k < 2 * kMinWeightsPerTask;
-  // Serial in a team: its first member computes it all, then the team meets.
+  // Serial in a team: each member quantizes its rows, the team meets, its first member
+  // multiplies, then the team meets again.
   const bool idle = serial && member != nullptr && member->id != 0;
-  if (serial && !idle) in.quantize_all();
+  if (serial && member != nullptr) {  // its rows (as in team_quantize_then_work), then it meets
+    const auto [r0, r1] = member->rows(m);
+    if (r0 < r1) in.quantize_rows(r0, r1);
+    member->barrier();
+  } else if (serial) {
+    in.quantize_all();
+  }
   auto run = [&](auto* yp) {
     auto work = [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) {

@@ -81,10 +81,10 @@ struct TeamMember {
   int64_t id = 0, size = 1;
   int64_t barriers = 0;
   int64_t parity = 0, offset = 0;  // arena half and bump offset in it
-  // Set by the layer loop before a row-split op (for_rows) whose output rows the next
-  // row-split op over the same rows reads on the same member only (rope_qk's K rows, stored by
-  // kv_store): that op ends without the team meeting. Every member sets it alike; cleared by
-  // the op.
+  // Set by the layer loop before a row-split op (for_rows) whose output rows the next op
+  // reads on the same member only (rope_qk's K rows, stored by kv_store; an RMSNorm's rows,
+  // quantized by the next matmul, whose team split takes the same rows): that op ends without
+  // the team meeting. Every member sets it alike; cleared by the op.
   bool rows_stay = false;
 
   // Joins the team from a parallel_for body that got indices [b, e): the team is the set of
