@@ -38,9 +38,11 @@ def _runner(path: Path, dtype: torch.dtype, quant: QuantPlan | None = None) -> P
 
 
 def _decode_run(runner: PagedRunner, fused: bool, monkeypatch: pytest.MonkeyPatch,
-                prefix_len: int = 40, lone_len: int = 9) -> tuple[list[torch.Tensor], int]:
+                prefix_len: int = 40, lone_len: int = 9,
+                own_len: int = 0) -> tuple[list[torch.Tensor], int]:
     """Three requests sharing a `prefix_len`-token cached prefix plus an unrelated one of
-    `lone_len` tokens, then 4 greedy decode steps: (per-step logits, how many steps ran through
+    `lone_len` tokens (with `own_len`: four unrelated requests of `own_len` tokens instead),
+    then 4 greedy decode steps: (per-step logits, how many steps ran through
     `DecodeLayers.run_step`; the split row of each is in `_decode_run.splits`)."""
     runner.model.fused_decode = fused
     calls = []
@@ -52,11 +54,15 @@ def _decode_run(runner: PagedRunner, fused: bool, monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setattr(DecodeLayers, "run_step", counted)
     g = torch.Generator().manual_seed(3)
-    prefix = torch.randint(3, 256, (prefix_len,), generator=g).tolist()
-    first = runner.new_request()
-    runner.extend([first], [prefix])
-    rows = [runner.share_prefix(first, prefix_len) for _ in range(3)] + [runner.new_request()]
-    tails = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (3, 6, 1, lone_len)]
+    if own_len:
+        rows = [runner.new_request() for _ in range(4)]
+        tails = [torch.randint(3, 256, (own_len,), generator=g).tolist() for _ in rows]
+    else:
+        prefix = torch.randint(3, 256, (prefix_len,), generator=g).tolist()
+        first = runner.new_request()
+        runner.extend([first], [prefix])
+        rows = [runner.share_prefix(first, prefix_len) for _ in range(3)] + [runner.new_request()]
+        tails = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (3, 6, 1, lone_len)]
     logits = [runner.extend(rows, tails)]
     for _ in range(4):
         logits.append(runner.decode(rows, logits[-1].argmax(-1).tolist()))
@@ -397,14 +403,17 @@ def test_micro_batch_errors_raise_and_do_not_hang(tmp_path: Path, two_threads: o
     torch.testing.assert_close(res1, res2)
 
 
-# (model dims over TINY_DIMS, shared prefix, lone row). At "tiny" the matmuls and the attention
-# are too small to split (each runs on one member while the other waits); at "wide" every
-# matmul splits its activation quantization and its tiles between the members, and both
-# attention phases (the shared prefix's, the rows' own keys) their items, by cost.
-_TEAM_CASES: dict[str, tuple[dict[str, int], int, int]] = {
-    "tiny": ({}, 40, 9),
-    "wide": ({"hidden_size": 256, "intermediate_size": 512, "max_position_embeddings": 8192},
-             1500, 4500),
+# (model dims over TINY_DIMS, shared prefix, lone row, own rows: _decode_run). At "tiny" the
+# matmuls and the attention are too small to split (each runs on one member while the other
+# waits); at "wide" every matmul splits its activation quantization and its tiles between the
+# members, and both attention phases (the shared prefix's, the rows' own keys) their items, by
+# cost. At "wide-own" (four equal unrelated rows) the attention's split falls on the members'
+# rows, so kv_store and the attention end without the team meeting (attention_keeps_rows).
+_WIDE = {"hidden_size": 256, "intermediate_size": 512, "max_position_embeddings": 8192}
+_TEAM_CASES: dict[str, tuple[dict[str, int], int, int, int]] = {
+    "tiny": ({}, 40, 9, 0),
+    "wide": (_WIDE, 1500, 4500, 0),
+    "wide-own": (_WIDE, 0, 0, 2500),
 }
 
 
@@ -420,7 +429,7 @@ def test_team_is_bitwise_a_region_per_op(tmp_path: Path, kv_dtype: torch.dtype |
     after rotating them (no meeting between RoPE and kv_store) are checked too."""
     from radixrt.attention.paged_decode import paged_decode_i8_unavailable_reason
 
-    dims, prefix_len, lone_len = _TEAM_CASES[case]
+    dims, prefix_len, lone_len, own_len = _TEAM_CASES[case]
     path, plan = _tiny_vnni_gguf(tmp_path, 13, "Q4_0", **dims)
     if kv_dtype is torch.int8 and paged_decode_i8_unavailable_reason():
         pytest.skip(str(paged_decode_i8_unavailable_reason()))
@@ -428,12 +437,12 @@ def test_team_is_bitwise_a_region_per_op(tmp_path: Path, kv_dtype: torch.dtype |
     for team in (True, False):
         config = ModelConfig.from_path(path)
         model, _ = load_model(path, None, torch.bfloat16, "cpu", model_config=config, quant=plan)
-        runner = PagedRunner.for_model(model, kv_size=8192, max_context=8192, kv_dtype=kv_dtype)
+        runner = PagedRunner.for_model(model, kv_size=12288, max_context=8192, kv_dtype=kv_dtype)
         runner.model.decode_team = team
         runner.model.decode_microbatch_rows = 0
         assert runner.model.decode_layers().team_capable  # type: ignore[union-attr]
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            runs[team] = _decode_run(runner, True, monkeypatch, prefix_len, lone_len)
+            runs[team] = _decode_run(runner, True, monkeypatch, prefix_len, lone_len, own_len)
         ropes[team] = {e.key: e.count for e in prof.key_averages()}.get("radixrt::rope_qk", 0)
     assert runs[True][1] == runs[False][1] == 4
     # the extend steps (Python loop) call rope_qk alike; the team's second thread, once per

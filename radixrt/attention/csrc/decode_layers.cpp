@@ -52,6 +52,7 @@
 #include <torch/library.h>
 
 #include "team.h"
+#include "work_queue.h"
 
 #include <atomic>
 #include <cstdint>
@@ -252,6 +253,33 @@ struct alignas(64) Progress {
   }
 };
 
+// Whether a team's attention over `plan` gives each member exactly the (row, kv head) items of
+// its own rows (m.rows, the split of RoPE, kv_store and the matmuls' activation quantization),
+// so that kv_store before it and the attention itself end without the team meeting: no
+// shared-prefix groups (a group's items read every member's queries), the queries already in
+// the pool's dtype (`q_as_pool`: else each member converts all of them first), and the work
+// queue's cost split (work_queue.h, items row-major with cost keys x queries) falling on the row
+// split. The same on every member (the same plan).
+bool attention_keeps_rows(const TeamMember& m, const Plan& plan, int64_t rows, int64_t kv_heads,
+                          int64_t group_size, bool q_as_pool) {
+  if (m.size < 2 || !q_as_pool || plan.group_start.numel() > 0) return false;
+  const Tensor rl = plan.row_len.contiguous();
+  const int64_t* len = rl.data_ptr<int64_t>();
+  int64_t total = 0;
+  for (int64_t b = 0; b < rows; ++b) total += len[b] * group_size * kv_heads;
+  if (total < kMinParallelAttentionWork) return false;  // then the first member runs it all
+  int64_t before = 0;
+  for (int64_t b = 0, id = 0; b < rows; ++b) {
+    while ((id + 1) * rows / m.size <= b) ++id;  // the member whose rows hold b
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const int64_t cost = len[b] * group_size;
+      if (team_share_owner(before, cost, total, m.size) != id) return false;
+      before += cost;
+    }
+  }
+  return true;
+}
+
 // Every layer over rows [r0, r1) of the step (h0, loc, cos / sin rows), reporting each finished
 // attention in `progress` (may be null).
 std::tuple<Tensor, Tensor> run_layers(const Stack& st, const Tensor& h0, const Tensor& loc,
@@ -274,6 +302,10 @@ std::tuple<Tensor, Tensor> run_layers(const Stack& st, const Tensor& h0, const T
 
   Tensor h = h0.slice(0, r0, r1), residual;
   TeamMember* member = team_member();
+  const bool attn_keeps_rows =
+      member != nullptr &&
+      attention_keeps_rows(*member, plan, n, st.num_kv_heads, st.num_heads / st.num_kv_heads,
+                           int8_pool || h0.scalar_type() == st.k_buffers[0].scalar_type());
   for (int64_t l = 0; l < layers; ++l) {
     if (member != nullptr) member->next_layer();
     Tensor x;
@@ -295,8 +327,13 @@ std::tuple<Tensor, Tensor> run_layers(const Stack& st, const Tensor& h0, const T
     const Tensor v = qkv.slice(1, q_size + kv_size).view({n, st.num_kv_heads, st.head_dim});
     const Tensor& kb = st.k_buffers[l];
     const Tensor& vb = st.v_buffers[l];
+    // Where the attention keeps each member's rows, neither it nor kv_store meets the team: a
+    // member attends with the queries and K/V it stored, and the o projection quantizes its
+    // rows of the output.
+    if (attn_keeps_rows) member->rows_stay = true;
     if (int8_pool) ops.kv_store_i8.call(kb, vb, st.k_scales[l], st.v_scales[l], rloc, k, v);
     else ops.kv_store.call(kb, vb, rloc, k, v);
+    if (attn_keeps_rows) member->rows_stay = true;
     Tensor o = std::get<0>(
         int8_pool
             ? ops.paged_decode_i8.call(q.contiguous(), kb, vb, st.k_scales[l], st.v_scales[l],

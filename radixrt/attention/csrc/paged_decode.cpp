@@ -92,7 +92,7 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Below this many (query, key) pairs in a phase, the phase runs on the calling thread: waking
 // the other threads costs more than the work (tens of microseconds at most), and far more when
 // the machine is oversubscribed and a woken thread has to wait for a time slice.
-constexpr int64_t kMinParallelWork = 16384;
+constexpr int64_t kMinParallelWork = kMinParallelAttentionWork;  // work_queue.h
 
 // Whether this call runs on the calling thread alone: inside another parallel region (a nested
 // one runs on its caller) or with one intra-op thread; in a decode team (team.h), when the team

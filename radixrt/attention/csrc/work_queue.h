@@ -17,6 +17,16 @@
 
 namespace radixrt_cpu {
 
+// Attention work (keys x queries) below which paged decode's work queue runs on one thread.
+constexpr int64_t kMinParallelAttentionWork = 16384;
+
+// The team member (of `size`) that team_share gives an item of `cost` after items costing
+// `before` in all, of `total`: the one whose equal share of the total holds the item's middle.
+inline int64_t team_share_owner(int64_t before, int64_t cost, int64_t total, int64_t size) {
+  // 2 * (before + cost / 2) in units of total / size, in integers
+  return std::min(size - 1, (2 * before + cost) * size / (2 * std::max<int64_t>(1, total)));
+}
+
 // A team member's items, in their given order: item i is the member's whose equal share of the
 // total cost holds the middle of i's cost, counted from the first item. Every member computes
 // the same split from the same items, so no item is claimed from a shared counter (a claim is a
@@ -28,9 +38,7 @@ void team_share(const TeamMember& m, const std::vector<Item>& items, int64_t tot
                 const F& work) {
   int64_t before = 0;
   for (const Item& it : items) {
-    // 2 * (before + cost / 2) in units of total / size, in integers
-    const int64_t owner = (2 * before + it.cost) * m.size / (2 * std::max<int64_t>(1, total));
-    if (std::min(owner, m.size - 1) == m.id) work(it);
+    if (team_share_owner(before, it.cost, total, m.size) == m.id) work(it);
     before += it.cost;
   }
 }
@@ -47,8 +55,11 @@ void run_largest_first(std::vector<Item>& items, int64_t min_parallel_cost, cons
   int64_t total = 0;
   for (const Item& it : items) total += it.cost;
   if (TeamMember* m = team_member()) {  // its share (or all, on its first member), then it meets
+    const bool stay = m->rows_stay;  // the caller knows the split keeps each member's rows
+    m->rows_stay = false;
     if (total >= min_parallel_cost) {
       team_share(*m, items, total, work);
+      if (stay) return;
     } else if (m->id == 0) {
       for (const Item& it : items) work(it);
     }
