@@ -89,8 +89,9 @@ double thread_round_trip_ns(int64_t rounds) {
 }
 
 // Seconds for `iters` steps of kChains independent vector multiply-adds (enough chains to keep
-// the FMA units busy rather than waiting on one chain's latency).
-double fma_loop_seconds(int64_t iters, float factor) {
+// the FMA units busy rather than waiting on one chain's latency); their sum is added to `sink`,
+// which the caller uses, so that the loop is not optimized away.
+double fma_loop_seconds(int64_t iters, float factor, float& sink) {
   using V = at::vec::Vectorized<float>;
   constexpr int kChains = 12;
   V acc[kChains];
@@ -101,14 +102,11 @@ double fma_loop_seconds(int64_t iters, float factor) {
     for (int c = 0; c < kChains; ++c) acc[c] = at::vec::fmadd(acc[c], a, b);
   }
   const auto t1 = std::chrono::steady_clock::now();
-  float sink = 0.f;
   for (int c = 0; c < kChains; ++c) {
     float lanes[V::size()];
     acc[c].store(lanes);
     sink += lanes[0];
   }
-  static std::atomic<float> keep{0.f};  // the loop's result is used
-  keep.store(sink, std::memory_order_relaxed);
   return std::chrono::duration<double>(t1 - t0).count();
 }
 
@@ -121,8 +119,9 @@ double thread_compute_scaling(int64_t iters) {
   double alone = std::numeric_limits<double>::infinity();
   double together = std::numeric_limits<double>::infinity();
   std::atomic<bool> gave_up{false};  // or one thread got both indices
+  float sinks[3] = {0.f, 0.f, 0.f};  // the loops' results (alone, thread 0, thread 1)
   for (int rep = 0; rep < 3; ++rep) {
-    alone = std::min(alone, fma_loop_seconds(iters, factor));
+    alone = std::min(alone, fma_loop_seconds(iters, factor, sinks[2]));
     double secs[2] = {0.0, 0.0};
     std::atomic<int64_t> arrived{0};
     at::parallel_for(0, 2, 1, [&](int64_t b, int64_t e) {
@@ -134,11 +133,13 @@ double thread_compute_scaling(int64_t iters) {
       if (!spin_until([&] { return arrived.load(std::memory_order_acquire) >= 2; }, gave_up)) {
         return;
       }
-      secs[b] = fma_loop_seconds(iters, factor);
+      secs[b] = fma_loop_seconds(iters, factor, sinks[b]);
     });
     if (gave_up.load(std::memory_order_relaxed)) return std::numeric_limits<double>::quiet_NaN();
     together = std::min(together, std::max(secs[0], secs[1]));
   }
+  volatile float used = sinks[0] + sinks[1] + sinks[2];  // keeps the loops
+  (void)used;
   return 2.0 * alone / together;
 }
 

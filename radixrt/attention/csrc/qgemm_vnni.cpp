@@ -518,16 +518,19 @@ struct alignas(64) ShareCounter {
 
 // quantize_then_work on a decode team (team.h): each member quantizes its equal share of the
 // rows (m.rows, the row split of the team's row ops), the team meets, each member runs its
-// equal run of the items, and the team meets again. No shares are claimed: a team's members are
-// all running already, and a claim or done counter shared by two cores without a common cache
-// costs a cache-line transfer per share. A member reads only its own rows of the input, so a
-// row op before (an RMSNorm) need not meet the team first (TeamMember::rows_stay).
+// equal run of the items (`first_only`: the first member runs them all), and the team meets
+// again. No shares are claimed: a team's members are all running already, and a claim or done
+// counter shared by two cores without a common cache costs a cache-line transfer per share. A
+// member reads only its own rows of the input, so a row op before (an RMSNorm) need not meet
+// the team first (TeamMember::rows_stay).
 template <typename W>
-void team_quantize_then_work(TeamMember& m, const ActInput& in, int64_t items, const W& work) {
+void team_quantize_then_work(TeamMember& m, const ActInput& in, int64_t items, bool first_only,
+                             const W& work) {
   const auto [r0, r1] = m.rows(in.m);
   if (r0 < r1) in.quantize_rows(r0, r1);
   m.barrier();
-  const auto [i0, i1] = m.rows(items);
+  const auto [i0, i1] = first_only ? std::pair<int64_t, int64_t>{0, m.id == 0 ? items : 0}
+                                   : m.rows(items);
   work(i0, i1);
   m.barrier();
 }
@@ -543,7 +546,6 @@ void team_quantize_then_work(TeamMember& m, const ActInput& in, int64_t items, c
 // nothing), or one.
 template <typename W>
 void quantize_then_work(const ActInput& in, int64_t items, int64_t slots, const W& work) {
-  if (TeamMember* m = team_member()) return team_quantize_then_work(*m, in, items, work);
   const int64_t units = in.units(), groups = in.m * in.groups;
   const int64_t lanes =
       std::clamp<int64_t>(groups / kMinGroupsPerShare, 1, std::min(slots, kMaxLanes));
@@ -652,19 +654,10 @@ Tensor qgemm_vnni_impl(const Tensor& xc, bool silu, const Tensor& packed, int64_
   if (row_chunks % threads) tile_chunks = (tile_chunks + threads - 1) / threads * threads;
   tile_chunks = std::min(tile_chunks, n_tiles);
   const int64_t items = row_chunks * tile_chunks;
-  // One thread: quantize, then every item. Else one parallel region quantizes (split over its
-  // threads), waits for all of it, and runs the items.
+  // In a team: team_quantize_then_work (a serial call's items all on the first member). Else
+  // one thread quantizes, then runs every item, or one parallel region quantizes (split over
+  // its threads), waits for all of it, and runs the items.
   const bool serial = items == 1 || threads == 1 || m * n * k < 2 * kMinWeightsPerTask;
-  // Serial in a team: each member quantizes its rows, the team meets, its first member
-  // multiplies, then the team meets again.
-  const bool idle = serial && member != nullptr && member->id != 0;
-  if (serial && member != nullptr) {  // its rows (as in team_quantize_then_work), then it meets
-    const auto [r0, r1] = member->rows(m);
-    if (r0 < r1) in.quantize_rows(r0, r1);
-    member->barrier();
-  } else if (serial) {
-    in.quantize_all();
-  }
   auto run = [&](auto* yp) {
     auto work = [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) {
@@ -679,9 +672,11 @@ Tensor qgemm_vnni_impl(const Tensor& xc, bool silu, const Tensor& packed, int64_
         }
       }
     };
-    if (serial) {
-      if (!idle) work(0, items);
-      if (member != nullptr) member->barrier();
+    if (member != nullptr) {
+      team_quantize_then_work(*member, in, items, serial, work);
+    } else if (serial) {
+      in.quantize_all();
+      work(0, items);
     } else {
       quantize_then_work(in, items, std::min(threads, items), work);
     }
