@@ -270,7 +270,7 @@ bool attention_keeps_rows(const TeamMember& m, const Plan& plan, int64_t rows, i
   if (total < kMinParallelAttentionWork) return false;  // then the first member runs it all
   int64_t before = 0;
   for (int64_t b = 0, id = 0; b < rows; ++b) {
-    while ((id + 1) * rows / m.size <= b) ++id;  // the member whose rows hold b
+    while (team_rows(id, rows, m.size).second <= b) ++id;  // the member whose rows hold b
     for (int64_t h = 0; h < kv_heads; ++h) {
       const int64_t cost = len[b] * group_size;
       if (team_share_owner(before, cost, total, m.size) != id) return false;

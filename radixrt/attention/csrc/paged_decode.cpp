@@ -89,10 +89,6 @@ constexpr bool kPvBf16 = RADIXRT_PD_PV_BF16;
 // there are enough items for every thread).
 constexpr int64_t kMaxChunkRows = 32;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-// Below this many (query, key) pairs in a phase, the phase runs on the calling thread: waking
-// the other threads costs more than the work (tens of microseconds at most), and far more when
-// the machine is oversubscribed and a woken thread has to wait for a time slice.
-constexpr int64_t kMinParallelWork = kMinParallelAttentionWork;  // work_queue.h
 
 // Whether this call runs on the calling thread alone: inside another parallel region (a nested
 // one runs on its caller) or with one intra-op thread; in a decode team (team.h), when the team
@@ -982,7 +978,7 @@ void paged_decode_run(const Tensor& q, int64_t Hkv, int64_t slots, const Tensor&
         }
       }
     }
-    run_largest_first(items, kMinParallelWork, [&](const Item& it) {
+    run_largest_first(items, kMinParallelAttentionWork, [&](const Item& it) {
       thread_local std::vector<QType> qbuf;
       thread_local std::vector<float> mbuf, lbuf, abuf;
       const int64_t rows = it.last - it.first, nq = rows * G;
@@ -1015,7 +1011,7 @@ void paged_decode_run(const Tensor& q, int64_t Hkv, int64_t slots, const Tensor&
       items.push_back({rl[b] * G, -1, static_cast<int32_t>(b), 0, static_cast<int32_t>(h)});
     }
   }
-  run_largest_first(items, kMinParallelWork, [&](const Item& it) {
+  run_largest_first(items, kMinParallelAttentionWork, [&](const Item& it) {
     thread_local std::vector<QType> qbuf;
     thread_local std::vector<float> mbuf, lbuf, abuf;
     const int64_t b = it.first, h = it.kv_head;

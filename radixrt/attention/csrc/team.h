@@ -47,6 +47,12 @@ inline void team_pause() {
 #endif
 }
 
+// Member `id`'s equal share [lo, hi) of n rows in a team of `size`: the row split of every row
+// op (norms, RoPE, kv_store, a matmul's activation quantization), which rows_stay relies on.
+inline std::pair<int64_t, int64_t> team_rows(int64_t id, int64_t n, int64_t size) {
+  return {id * n / size, (id + 1) * n / size};
+}
+
 // Shared state of one team (one decode step's region).
 struct Team {
   static constexpr int64_t kSpinsBeforeYield = 20000;
@@ -106,7 +112,7 @@ struct TeamMember {
   }
 
   // This member's equal share [lo, hi) of n rows.
-  std::pair<int64_t, int64_t> rows(int64_t n) const { return {id * n / size, (id + 1) * n / size}; }
+  std::pair<int64_t, int64_t> rows(int64_t n) const { return team_rows(id, n, size); }
 
   // The next layer: its op outputs go to the other half of the arena.
   void next_layer() {

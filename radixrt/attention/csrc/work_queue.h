@@ -17,7 +17,10 @@
 
 namespace radixrt_cpu {
 
-// Attention work (keys x queries) below which paged decode's work queue runs on one thread.
+// Paged decode's (query, key) pairs in a phase below which the phase runs on the calling
+// thread: waking the other threads costs more than the work (tens of microseconds at most), and
+// far more when the machine is oversubscribed and a woken thread has to wait for a time slice.
+// decode_layers' attention_keeps_rows reads it too (below it, a team's first member runs all).
 constexpr int64_t kMinParallelAttentionWork = 16384;
 
 // The team member (of `size`) that team_share gives an item of `cost` after items costing
