@@ -426,7 +426,9 @@ def test_team_is_bitwise_a_region_per_op(tmp_path: Path, kv_dtype: torch.dtype |
     the logits of the pass with a parallel region per op, bitwise: 3 rows sharing a cached
     prefix (a cascade group) beside an unrelated one, on a bf16 and an int8 pool. Each step
     attends over the K/V the steps before it stored, so the K rows each member stores right
-    after rotating them (no meeting between RoPE and kv_store) are checked too."""
+    after rotating them (no meeting between RoPE and kv_store) are checked too. The team runs
+    with its norms split by rows (`team_norms_whole` 0), whole on each member (1: each member's
+    own residual stream and quantized rows), and as its placement probe picks (-1)."""
     from radixrt.attention.paged_decode import paged_decode_i8_unavailable_reason
 
     dims, prefix_len, lone_len, own_len = _TEAM_CASES[case]
@@ -434,22 +436,29 @@ def test_team_is_bitwise_a_region_per_op(tmp_path: Path, kv_dtype: torch.dtype |
     if kv_dtype is torch.int8 and paged_decode_i8_unavailable_reason():
         pytest.skip(str(paged_decode_i8_unavailable_reason()))
     runs, ropes = {}, {}
-    for team in (True, False):
+    for team, whole in ((False, -1), (True, 0), (True, 1), (True, -1)):
         config = ModelConfig.from_path(path)
         model, _ = load_model(path, None, torch.bfloat16, "cpu", model_config=config, quant=plan)
         runner = PagedRunner.for_model(model, kv_size=12288, max_context=8192, kv_dtype=kv_dtype)
         runner.model.decode_team = team
         runner.model.decode_microbatch_rows = 0
-        assert runner.model.decode_layers().team_capable  # type: ignore[union-attr]
+        stack = runner.model.decode_layers()
+        assert isinstance(stack, DecodeLayers) and stack.team_capable
+        stack.team_norms_whole = whole
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            runs[team] = _decode_run(runner, True, monkeypatch, prefix_len, lone_len, own_len)
-        ropes[team] = {e.key: e.count for e in prof.key_averages()}.get("radixrt::rope_qk", 0)
-    assert runs[True][1] == runs[False][1] == 4
-    # the extend steps (Python loop) call rope_qk alike; the team's second thread, once per
-    # layer of each of the 4 decode steps
-    assert ropes[True] - ropes[False] == 4 * 3
-    for a, b in zip(runs[True][0], runs[False][0], strict=True):
-        assert torch.equal(a, b), f"max diff {(a - b).abs().max()}"
+            runs[team, whole] = _decode_run(runner, True, monkeypatch, prefix_len, lone_len,
+                                            own_len)
+        ropes[team, whole] = {e.key: e.count for e in prof.key_averages()}.get(
+            "radixrt::rope_qk", 0)
+    region = runs[False, -1]
+    assert region[1] == 4
+    for whole in (0, 1, -1):
+        assert runs[True, whole][1] == 4
+        # the extend steps (Python loop) call rope_qk alike; the team's second thread, once
+        # per layer of each of the 4 decode steps
+        assert ropes[True, whole] - ropes[False, -1] == 4 * 3
+        for a, b in zip(runs[True, whole][0], region[0], strict=True):
+            assert torch.equal(a, b), f"norms_whole {whole}: max diff {(a - b).abs().max()}"
 
 
 def test_team_errors_raise_and_do_not_hang(tmp_path: Path, two_threads: object) -> None:

@@ -73,6 +73,10 @@ class DecodeLayers:
         # max_rows), -1 for none; the op also needs 2+ threads.
         self.team_rows = int(torch.ops.radixrt.decode_team_rows(weights, meta))
         self.team_capable = self.team_rows >= 1
+        # A team's norms and their matmuls' quantization on every row of each member (one
+        # meeting fewer each): 1 always, 0 never, -1 where its two threads share no cache (the
+        # team probes as it forms; decode_layers.cpp). Bitwise alike; tests set it.
+        self.team_norms_whole = -1
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.eps, self.scale = eps, scale
         # (the arguments it was built from, the radixrt.DecodeStack): see run_step
@@ -127,7 +131,8 @@ class DecodeLayers:
                                 v_buffers, k_scales, v_scales)
         return torch.ops.radixrt.decode_step(
             stack, ids, positions, loc, plan.kv_indices, plan.row_start, plan.row_len,
-            plan.group_start, plan.group_len, plan.group_row_ptr, plan.group_rows, split, team)
+            plan.group_start, plan.group_len, plan.group_row_ptr, plan.group_rows, split, team,
+            self.team_norms_whole)
 
     def _stack_for(self, *ends: object) -> torch.ScriptObject:
         """The `radixrt.DecodeStack` of these step-invariant arguments (see `run_step`)."""

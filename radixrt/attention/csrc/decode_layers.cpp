@@ -32,7 +32,12 @@
 // team, meeting at spin barriers (team.h), instead of a parallel region per op with the norms,
 // RoPE and kv_store on one thread. Each op computes each output as it does alone, so the result
 // is bitwise the same. Zen 5, 2 vCPUs, 8 rows: 0.88-0.90x the step time whether the two vCPUs
-// shared a cache or not (bench/results/2026-11-25-s28-decode-team.md).
+// shared a cache or not (bench/results/2026-11-25-s28-decode-team.md). `norms_whole`: whether
+// each member runs the RMSNorms and the activation quantization of qkv and gate_up on every row
+// (one meeting fewer per norm, more arithmetic and crossings; TeamMember::norms_whole): 1
+// always, 0 never, -1 where the team's first two threads share no cache, probed as each team
+// forms (TeamMember::probe_far): whole rows were -0.05 ms a batch-8 step far, +0.04 near
+// (bench/results/2026-11-25-s34-team-norms-whole.md).
 //
 // Micro-batches (`split` > 0, rows >= 2): rows [0, split) and [split, rows) run as two
 // micro-batches, each through every layer on its own thread of one parallel region, the ops
@@ -306,12 +311,21 @@ std::tuple<Tensor, Tensor> run_layers(const Stack& st, const Tensor& h0, const T
       member != nullptr &&
       attention_keeps_rows(*member, plan, n, st.num_kv_heads, st.num_heads / st.num_kv_heads,
                            int8_pool || h0.scalar_type() == st.k_buffers[0].scalar_type());
+  // Before each RMSNorm and the matmul after it: where the team runs them whole on every member
+  // (norms_whole), each member computes every row of both and the team meets once, after the
+  // matmul's tiles; else each member takes its rows (rows_stay) and the matmul meets after its
+  // quantization too.
+  auto before_norm = [&] {
+    if (member == nullptr) return;
+    (member->norms_whole ? member->whole_rows : member->rows_stay) = true;
+  };
+  auto before_norm_matmul = [&] {
+    if (member != nullptr && member->norms_whole) member->quantize_whole = true;
+  };
   for (int64_t l = 0; l < layers; ++l) {
     if (member != nullptr) member->next_layer();
     Tensor x;
-    // The norms' rows go straight into the next matmul's activation quantization, which splits
-    // the rows as they do: the team need not meet between the two (see rows_stay).
-    if (member != nullptr) member->rows_stay = true;
+    before_norm();
     if (l == 0) {
       residual = h;
       x = ops.rms_norm.call(h, st.norms[0], eps);
@@ -319,6 +333,7 @@ std::tuple<Tensor, Tensor> run_layers(const Stack& st, const Tensor& h0, const T
       std::tie(x, residual) = ops.add_rms_norm.call(h, residual, st.norms[2 * l], eps);
     }
     const int64_t lin = kLinearsPerLayer * l;
+    before_norm_matmul();
     const Tensor qkv = run_linear(ops, x, st.weights, st.meta, lin);
     // kv_store splits the rows as rope_qk does: each member stores the K rows it rotated, so
     // the team need not meet between the two (v is qkv's, complete at the matmul's barrier).
@@ -347,8 +362,9 @@ std::tuple<Tensor, Tensor> run_layers(const Stack& st, const Tensor& h0, const T
     if (progress) progress->attentions.store(l + 1, std::memory_order_release);
     o = o.to(q.scalar_type()).reshape({n, q_size});
     const Tensor attn_out = run_linear(ops, o, st.weights, st.meta, lin + 1);
-    if (member != nullptr) member->rows_stay = true;
+    before_norm();
     std::tie(x, residual) = ops.add_rms_norm.call(attn_out, residual, st.norms[2 * l + 1], eps);
+    before_norm_matmul();
     const Tensor gate_up = run_linear(ops, x, st.weights, st.meta, lin + 2);
     h = run_linear(ops, gate_up, st.weights, st.meta, lin + 3, /*silu=*/true);
   }
@@ -432,11 +448,11 @@ int64_t team_layer_bytes(const Stack& st, int64_t rows, int64_t hidden, int64_t 
 // work among the team; the result is bitwise the per-op-region pass (each op computes each
 // output as it does there). Returns copies (the next step reuses the arena).
 std::tuple<Tensor, Tensor> run_team(const Stack& st, const Tensor& h0, const Tensor& loc,
-                                    const Plan& plan) {
+                                    const Plan& plan, int64_t norms_whole) {
   const int64_t n = h0.size(0), threads = at::get_num_threads();
   const int64_t bytes = team_layer_bytes(st, n, h0.size(1), h0.element_size());
   const int64_t half = (bytes + 63) & ~int64_t{63};
-  Team team(threads, half, team_arena(2 * half));
+  Team team(threads, half, team_arena(Team::arena_size(threads, half)));
   std::tuple<Tensor, Tensor> out;
   const at::ThreadLocalState tls;  // the caller's (inference mode, dispatch keys) on each thread
   at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
@@ -444,6 +460,7 @@ std::tuple<Tensor, Tensor> run_team(const Stack& st, const Tensor& h0, const Ten
     TeamMember member(team, b, e);
     const TeamScope scope(member);
     try {
+      member.norms_whole = norms_whole < 0 ? member.probe_far() : norms_whole > 0;
       auto r = run_layers(st, h0, loc, plan, 0, n, nullptr);
       if (member.id == 0) out = std::move(r);
     } catch (...) {
@@ -457,7 +474,8 @@ std::tuple<Tensor, Tensor> run_team(const Stack& st, const Tensor& h0, const Ten
 // Every layer over the step's rows of `plan` on a checked stack (check_stack), as one pass (a
 // team where `team` and it fits) or two micro-batches (`split`).
 std::tuple<Tensor, Tensor> run_stack(const Stack& st, const Tensor& h0, const Tensor& loc,
-                                     const Plan& plan, int64_t split, bool team) {
+                                     const Plan& plan, int64_t split, bool team,
+                                     int64_t norms_whole) {
   TORCH_CHECK(h0.dim() == 2, "decode_layers: h must be [rows, hidden]");
   const int64_t n = h0.size(0);
   TORCH_CHECK(split >= 0 && split < std::max<int64_t>(n, 1),
@@ -465,7 +483,7 @@ std::tuple<Tensor, Tensor> run_stack(const Stack& st, const Tensor& h0, const Te
   TORCH_CHECK(plan.row_start.numel() == n && plan.row_len.numel() == n && loc.numel() == n,
               "decode_layers: row_start, row_len and loc must have one entry per row");
   if (split == 0) {
-    if (team && team_fits(st, n)) return run_team(st, h0, loc, plan);
+    if (team && team_fits(st, n)) return run_team(st, h0, loc, plan, norms_whole);
     return run_layers(st, h0, loc, plan, 0, n, nullptr);
   }
 
@@ -494,7 +512,7 @@ std::tuple<Tensor, Tensor> decode_layers(
     const Tensor& row_start, const Tensor& row_len, const Tensor& group_start,
     const Tensor& group_len, const Tensor& group_row_ptr, const Tensor& group_rows,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-    int64_t split, bool team) {
+    int64_t split, bool team, int64_t norms_whole) {
   check_stack(norms, weights, meta, k_buffers, v_buffers, k_scales, v_scales, num_heads,
               num_kv_heads, head_dim);
   const Stack st{cos, sin, norms, weights, meta, k_buffers, v_buffers, k_scales, v_scales,
@@ -503,7 +521,7 @@ std::tuple<Tensor, Tensor> decode_layers(
   return run_stack(st, h0, loc,
                    {kv_indices, row_start, row_len, group_start, group_len, group_row_ptr,
                     group_rows},
-                   split, team);
+                   split, team, norms_whole);
 }
 
 // What a decode step takes that does not change from step to step: the model's embedding,
@@ -551,7 +569,8 @@ Tensor decode_step(const c10::intrusive_ptr<DecodeStack>& s, const Tensor& ids,
                    const Tensor& positions, const Tensor& loc, const Tensor& kv_indices,
                    const Tensor& row_start, const Tensor& row_len, const Tensor& group_start,
                    const Tensor& group_len, const Tensor& group_row_ptr,
-                   const Tensor& group_rows, int64_t split, bool team) {
+                   const Tensor& group_rows, int64_t split, bool team,
+                   int64_t norms_whole) {
   TORCH_CHECK(ids.dim() == 1 && positions.dim() == 1 && ids.numel() == positions.numel(),
               "decode_step: ids and positions must be 1-D with one entry per row");
   const Tensor h0 = at::embedding(s->embed, ids);
@@ -564,7 +583,7 @@ Tensor decode_step(const c10::intrusive_ptr<DecodeStack>& s, const Tensor& ids,
   const auto [h, residual] = run_stack(
       st, h0, loc,
       {kv_indices, row_start, row_len, group_start, group_len, group_row_ptr, group_rows}, split,
-      team);
+      team, norms_whole);
   return std::get<0>(Ops::get().add_rms_norm.call(h, residual, s->final_norm, s->final_eps));
 }
 
@@ -581,14 +600,15 @@ TORCH_LIBRARY_FRAGMENT(radixrt, m) {
       "decode_step(__torch__.torch.classes.radixrt.DecodeStack stack, Tensor ids, "
       "Tensor positions, Tensor loc, Tensor kv_indices, Tensor row_start, Tensor row_len, "
       "Tensor group_start, Tensor group_len, Tensor group_row_ptr, Tensor group_rows, "
-      "int split=0, bool team=False) -> Tensor");
+      "int split=0, bool team=False, int norms_whole=-1) -> Tensor");
   m.def(
       "decode_layers(Tensor h, Tensor cos, Tensor sin, Tensor[] norms, Tensor?[] weights, "
       "int[] meta, Tensor(a!)[] k_buffers, Tensor(b!)[] v_buffers, Tensor(c!)[] k_scales, "
       "Tensor(d!)[] v_scales, Tensor loc, Tensor kv_indices, "
       "Tensor row_start, Tensor row_len, Tensor group_start, Tensor group_len, "
       "Tensor group_row_ptr, Tensor group_rows, int num_heads, int num_kv_heads, int head_dim, "
-      "float eps, float scale, int split=0, bool team=False) -> (Tensor, Tensor)");
+      "float eps, float scale, int split=0, bool team=False, int norms_whole=-1) -> "
+      "(Tensor, Tensor)");
   m.def("decode_team_rows(Tensor?[] weights, int[] meta) -> int",
         &radixrt_cpu::decode_team_rows);
 }

@@ -129,6 +129,11 @@ inline float sum_squares_like_aten(const float* x, int64_t n) {
 template <typename F>
 void for_rows(int64_t rows, int64_t elems_per_row, const F& f) {
   if (TeamMember* m = team_member()) {  // this member's rows, then the team meets
+    if (m->whole_rows) {  // every row, into this member's own memory (team.h): no meeting
+      m->whole_rows = false;
+      if (rows > 0) f(0, rows);
+      return;
+    }
     const auto [lo, hi] = m->rows(rows);
     if (lo < hi) f(lo, hi);
     if (m->rows_stay) {  // the next op reads these rows on this member only (team.h)

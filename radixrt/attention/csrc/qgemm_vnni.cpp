@@ -480,14 +480,20 @@ struct ActInput {
 // Scratch for the quantized activations of the calling thread's calls, grown to the largest one
 // up to kMaxScratch bytes and reused (a call's workers read it only inside that call's parallel
 // region); a larger (prefill-sized) call allocates a tensor of its own, held in `owned`.
-uint8_t* acts_buffer(int64_t bytes, Tensor& owned) {
+// In a team the buffer is the team's (its members share it), or the member's own (`own`: a
+// member that quantizes every row itself).
+uint8_t* acts_buffer(int64_t bytes, Tensor& owned, bool own) {
   struct Free {
     void operator()(uint8_t* p) const { std::free(p); }
   };
   thread_local std::unique_ptr<uint8_t, Free> buf;
   thread_local int64_t capacity = 0;
-  if (bytes > kMaxScratch || team_member() != nullptr) {  // a team's members share it
-    owned = team_empty({bytes}, at::TensorOptions().dtype(at::kByte));
+  if (TeamMember* m = team_member()) {
+    owned = m->empty({bytes}, at::TensorOptions().dtype(at::kByte), own);
+    return owned.data_ptr<uint8_t>();
+  }
+  if (bytes > kMaxScratch) {
+    owned = at::empty({bytes}, at::TensorOptions().dtype(at::kByte));
     return owned.data_ptr<uint8_t>();
   }
   if (bytes > capacity) {
@@ -522,13 +528,18 @@ struct alignas(64) ShareCounter {
 // again. No shares are claimed: a team's members are all running already, and a claim or done
 // counter shared by two cores without a common cache costs a cache-line transfer per share. A
 // member reads only its own rows of the input, so a row op before (an RMSNorm) need not meet
-// the team first (TeamMember::rows_stay).
+// the team first (TeamMember::rows_stay). `whole` (TeamMember::quantize_whole): each member
+// quantizes every row into its own buffer instead, and the first meeting goes.
 template <typename W>
 void team_quantize_then_work(TeamMember& m, const ActInput& in, int64_t items, bool first_only,
-                             const W& work) {
-  const auto [r0, r1] = m.rows(in.m);
-  if (r0 < r1) in.quantize_rows(r0, r1);
-  m.barrier();
+                             bool whole, const W& work) {
+  if (whole) {
+    in.quantize(0, in.units());
+  } else {
+    const auto [r0, r1] = m.rows(in.m);
+    if (r0 < r1) in.quantize_rows(r0, r1);
+    m.barrier();
+  }
   const auto [i0, i1] = first_only ? std::pair<int64_t, int64_t>{0, m.id == 0 ? items : 0}
                                    : m.rows(items);
   work(i0, i1);
@@ -629,12 +640,15 @@ Tensor qgemm_vnni_impl(const Tensor& xc, bool silu, const Tensor& packed, int64_
   const int64_t code_bytes = 64 * bits;
   const int64_t m = xc.size(0), k = packed.size(1) * kGroup, n_tiles = packed.size(0);
   const int64_t n = n_tiles * kTile;
+  TeamMember* member = team_member();
+  const bool whole = member != nullptr && member->quantize_whole;
+  if (member != nullptr) member->quantize_whole = false;
   Tensor y = team_empty({m, n}, f32_out ? xc.options().dtype(at::kFloat) : xc.options());
   if (m == 0 || n == 0) return y;
   if (k == 0) return y.zero_();
-  Tensor owned;  // the quantized activations' buffer when the thread's scratch is too small
+  Tensor owned;  // the quantized activations' buffer when not the thread's scratch
   const ActInput in{xc, silu, m, k, k / kGroup, int32_t{1} << (bits - 1),
-                    acts_at(acts_buffer(acts_bytes(m, k / kGroup), owned), m, k / kGroup)};
+                    acts_at(acts_buffer(acts_bytes(m, k / kGroup), owned, whole), m, k / kGroup)};
   const bool affine = blob != code_bytes + 32;
   const Problem p{m, n_tiles, k / kGroup, bits, blob, blob != code_bytes + 128,
                   packed.data_ptr<uint8_t>(), in.acts};
@@ -646,7 +660,6 @@ Tensor qgemm_vnni_impl(const Tensor& xc, bool silu, const Tensor& packed, int64_
   const int64_t row_chunks = (m + kRowChunk - 1) / kRowChunk;
   const int64_t row_chunk =
       ((m + row_chunks - 1) / row_chunks + kRowBlock - 1) / kRowBlock * kRowBlock;
-  TeamMember* member = team_member();
   const int64_t threads = member ? member->size : std::max<int64_t>(1, at::get_num_threads());
   const int64_t tiles_per_item = std::clamp<int64_t>(
       kMinWeightsPerTask / std::max<int64_t>(1, kTile * k * std::min(m, row_chunk)), 4, 64);
@@ -673,7 +686,7 @@ Tensor qgemm_vnni_impl(const Tensor& xc, bool silu, const Tensor& packed, int64_
       }
     };
     if (member != nullptr) {
-      team_quantize_then_work(*member, in, items, serial, work);
+      team_quantize_then_work(*member, in, items, serial, whole, work);
     } else if (serial) {
       in.quantize_all();
       work(0, items);

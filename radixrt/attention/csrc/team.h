@@ -12,6 +12,9 @@
 //   own offset through the team's arena by the same sizes (no communication). The arena has two
 //   halves, one per layer parity (`next_layer`), so a layer's outputs are never overwritten
 //   while the next layer reads them (a half is reused two layers later, past several barriers).
+// - `own` memory (TeamMember::empty with own): each member's own part of the arena, for the
+//   outputs of a row op that every member runs on every row (`whole_rows`), which only that
+//   member reads.
 // - nothing is claimed from a shared counter: an op splits its work by a rule every member
 //   computes alike (equal shares of rows or items, or the work queue's cost split), since a
 //   counter two cores without a common cache both write costs a round trip per claim.
@@ -24,6 +27,7 @@
 #include <ATen/ATen.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
@@ -59,13 +63,19 @@ struct Team {
 
   TeamCounter joined, claimed;  // forming the team (see the TeamMember constructor)
   TeamCounter arrive;  // barriers
+  TeamCounter ball;  // the placement probe (TeamMember::probe_far)
   std::atomic<bool> failed{false};
   int64_t expected;  // parallel_for indices handed out
   int64_t arena_bytes;  // per half
-  uint8_t* arena;  // 2 * arena_bytes, 64-byte aligned, owned by the caller (team_arena)
+  // (1 + expected) parts of 2 * arena_bytes (the shared halves, then each member's own), 64-byte
+  // aligned, owned by the caller (team_arena, of arena_size)
+  uint8_t* arena;
 
   Team(int64_t expected_, int64_t arena_bytes_, uint8_t* arena_)
       : expected(expected_), arena_bytes(arena_bytes_), arena(arena_) {}
+
+  // Bytes of the arena of a team of `expected` threads with halves of `half` bytes.
+  static int64_t arena_size(int64_t expected, int64_t half) { return (1 + expected) * 2 * half; }
 
   // Spins until `c` reaches `target` (yielding after a while), or raises once the team failed.
   void wait(const TeamCounter& c, int64_t target) const {
@@ -86,12 +96,25 @@ struct TeamMember {
   Team* team;
   int64_t id = 0, size = 1;
   int64_t barriers = 0;
-  int64_t parity = 0, offset = 0;  // arena half and bump offset in it
+  int64_t parity = 0, offset = 0, own_offset = 0;  // arena half, bump offsets in it
   // Set by the layer loop before a row-split op (for_rows) whose output rows the next op
   // reads on the same member only (rope_qk's K rows, stored by kv_store; an RMSNorm's rows,
   // quantized by the next matmul, whose team split takes the same rows): that op ends without
   // the team meeting. Every member sets it alike; cleared by the op.
   bool rows_stay = false;
+  // Set by the layer loop before a row op (an RMSNorm) whose output only the next op reads and
+  // that op takes every row on each member (a matmul with quantize_whole): the op runs every row
+  // on each member into the member's own memory and ends without the team meeting. Every member
+  // sets it alike; cleared by the op.
+  bool whole_rows = false;
+  // Set by the layer loop before a matmul: each member quantizes every row of the activations
+  // into its own memory, so the team need not meet between the quantization and the tiles (a
+  // member then reads no other member's quantized rows). Cleared by the matmul.
+  bool quantize_whole = false;
+  // Whether the layer loop runs each RMSNorm and the matmul's quantization after it whole on
+  // every member (whole_rows, quantize_whole: one meeting fewer each) instead of splitting
+  // their rows: set as the team forms, the same on every member.
+  bool norms_whole = false;
 
   // Joins the team from a parallel_for body that got indices [b, e): the team is the set of
   // bodies that run (one thread may get several indices, e.g. when nested: then it is a
@@ -101,6 +124,38 @@ struct TeamMember {
     t.claimed.v.fetch_add(e - b, std::memory_order_acq_rel);
     t.wait(t.claimed, t.expected);
     size = t.joined.v.load(std::memory_order_acquire);
+  }
+
+  // Whether the team's first two members are far apart (no shared cache: a cache line's round
+  // trip between them over kFarRoundTripNs), measured as the team forms: the first bounces a
+  // line with the second kProbeRounds times (~0.2 us near, ~1.5 us far) and publishes the
+  // verdict, which every member returns. False for a team of one.
+  static constexpr int64_t kProbeRounds = 4;
+  static constexpr double kFarRoundTripNs = 150;
+  bool probe_far() {
+    if (size == 1) return false;
+    TeamCounter& ball = team->ball;
+    const int64_t verdict_at = 2 * kProbeRounds + 1;  // then + 1 when far
+    if (id == 0) {
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int64_t i = 0; i < kProbeRounds; ++i) {
+        ball.v.store(2 * i + 1, std::memory_order_release);
+        team->wait(ball, 2 * i + 2);
+      }
+      const double ns = std::chrono::duration<double, std::nano>(
+                            std::chrono::steady_clock::now() - t0).count() / kProbeRounds;
+      const bool far = ns > kFarRoundTripNs;
+      ball.v.store(verdict_at + (far ? 1 : 0), std::memory_order_release);
+      return far;
+    }
+    if (id == 1) {
+      for (int64_t i = 0; i < kProbeRounds; ++i) {
+        team->wait(ball, 2 * i + 1);
+        ball.v.store(2 * i + 2, std::memory_order_release);
+      }
+    }
+    team->wait(ball, verdict_at);
+    return ball.v.load(std::memory_order_acquire) > verdict_at;
   }
 
   // Every member has arrived (and everything written before is visible).
@@ -117,20 +172,23 @@ struct TeamMember {
   // The next layer: its op outputs go to the other half of the arena.
   void next_layer() {
     parity ^= 1;
-    offset = 0;
+    offset = own_offset = 0;
   }
 
   // An op's output of `sizes`: the next bytes of this layer's half of the arena, the same
-  // memory on every member (raises on every member when the half is full).
-  at::Tensor empty(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  // memory on every member, or (`own`) of the member's own part (raises on every member when
+  // the half is full).
+  at::Tensor empty(at::IntArrayRef sizes, const at::TensorOptions& options, bool own = false) {
     int64_t numel = 1;
     for (int64_t s : sizes) numel *= s;
     const int64_t bytes = (numel * static_cast<int64_t>(options.dtype().itemsize()) + 63) &
                           ~int64_t{63};
-    TORCH_CHECK(offset + bytes <= team->arena_bytes, "decode team: arena of ",
+    int64_t& off = own ? own_offset : offset;
+    TORCH_CHECK(off + bytes <= team->arena_bytes, "decode team: arena of ",
                 team->arena_bytes, " bytes too small");
-    uint8_t* p = team->arena + parity * team->arena_bytes + offset;
-    offset += bytes;
+    const int64_t part = own ? 1 + id : 0;
+    uint8_t* p = team->arena + (2 * part + parity) * team->arena_bytes + off;
+    off += bytes;
     return at::from_blob(p, sizes, options);
   }
 };
@@ -167,10 +225,11 @@ struct TeamScope {
   TeamScope& operator=(const TeamScope&) = delete;
 };
 
-// An op's output: the team's shared memory in a team, else a new tensor.
+// An op's output: the team's shared memory in a team (the member's own while `whole_rows`),
+// else a new tensor.
 inline at::Tensor team_empty(at::IntArrayRef sizes, const at::TensorOptions& options) {
   TeamMember* m = team_member();
-  return m != nullptr ? m->empty(sizes, options) : at::empty(sizes, options);
+  return m != nullptr ? m->empty(sizes, options, m->whole_rows) : at::empty(sizes, options);
 }
 
 }  // namespace radixrt_cpu
