@@ -1,7 +1,9 @@
 """The one-call decode step's paths against each other, alternating step by step in one
-process on one `ModelRunner` (default SmolLM2): one pass as a team of threads (`team`), one
-pass with a parallel region per op (`regions`, `--disable-decode-team`), two micro-batches
-(`split`, `decode_microbatch_rows`).
+process on one `ModelRunner` (default SmolLM2): one pass as a team of threads (`team`; its
+norms split by rows or whole on each member as its placement probe picks, or always one way:
+`team-split`, `team-whole`, `DecodeLayers.team_norms_whole`), one pass with a parallel region
+per op (`regions`, `--disable-decode-team`), two micro-batches (`split`,
+`decode_microbatch_rows`).
 
     python bench/decode_path_ab.py --batch-sizes 8 12 16 --paths team regions split \
         [--kv-cache-dtype int8]
@@ -12,7 +14,8 @@ they give bitwise the same logits (tests/test_decode_layers.py). Prints the medi
 size and, for each path after the first, the median ratio of its step to the first path's
 adjacent step (> 1: the first is faster), which cancels slow drifts of the machine, and where
 the two threads ran before and after (`bench/roofline.py` `thread_placement`). Used to choose
-`decode_microbatch_rows`' default and the team's.
+`decode_microbatch_rows`' default and the team's, and to measure the team's norms far (in one
+process: two processes of equivalent code differed by ~0.1 ms far, stop 34).
 """
 
 from __future__ import annotations
@@ -32,13 +35,17 @@ import statistics  # noqa: E402
 import torch  # noqa: E402
 
 NEVER = 1 << 30  # decode_microbatch_rows no batch reaches: one pass
-PATHS = ("team", "regions", "split")
+PATHS = ("team", "team-split", "team-whole", "regions", "split")
+NORMS_WHOLE = {"team-split": 0, "team-whole": 1}  # else -1: the team's probe picks
 
 
 def use(model: object, path: str) -> None:
     """Sets the model's decode path (see the module docstring)."""
     model.decode_microbatch_rows = 2 if path == "split" else NEVER  # type: ignore[attr-defined]
     model.decode_team = path != "regions"  # type: ignore[attr-defined]
+    stack = model.decode_layers()  # type: ignore[attr-defined]
+    if not isinstance(stack, str):
+        stack.team_norms_whole = NORMS_WHOLE.get(path, -1)
 
 
 def main() -> None:
