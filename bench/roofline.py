@@ -173,7 +173,8 @@ def measure_matmul(threads: int, dtype: Any, n: int = 2048, reps: int = 5) -> fl
 
 
 # Round trips below this are "near" (the two threads share a cache: one core's, or one cache
-# complex's L3); above, "far" (seen here: ~50 ns against ~350-400 ns, cpu_probe.cpp).
+# complex's L3); above, "far" (seen here: ~50 ns against ~350-400 ns, cpu_probe.cpp). The
+# decode team picks its norms' split by the same threshold (team.h, kFarRoundTripNs).
 NEAR_ROUND_TRIP_NS = 150.0
 # Compute scaling of two threads over one below this: they share one core's execution units.
 SAME_CORE_SCALING = 1.5

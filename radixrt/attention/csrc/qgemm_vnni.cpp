@@ -534,7 +534,7 @@ template <typename W>
 void team_quantize_then_work(TeamMember& m, const ActInput& in, int64_t items, bool first_only,
                              bool whole, const W& work) {
   if (whole) {
-    in.quantize(0, in.units());
+    if (!first_only || m.id == 0) in.quantize(0, in.units());  // only who runs items reads it
   } else {
     const auto [r0, r1] = m.rows(in.m);
     if (r0 < r1) in.quantize_rows(r0, r1);

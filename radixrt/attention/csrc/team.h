@@ -131,7 +131,7 @@ struct TeamMember {
   // line with the second kProbeRounds times (~0.2 us near, ~1.5 us far) and publishes the
   // verdict, which every member returns. False for a team of one.
   static constexpr int64_t kProbeRounds = 4;
-  static constexpr double kFarRoundTripNs = 150;
+  static constexpr double kFarRoundTripNs = 150;  // bench/roofline.py's NEAR_ROUND_TRIP_NS
   bool probe_far() {
     if (size == 1) return false;
     TeamCounter& ball = team->ball;
