@@ -314,13 +314,16 @@ std::tuple<Tensor, Tensor> run_layers(const Stack& st, const Tensor& h0, const T
   // Before each RMSNorm and the matmul after it: where the team runs them whole on every member
   // (norms_whole), each member computes every row of both and the team meets once, after the
   // matmul's tiles; else each member takes its rows (rows_stay) and the matmul meets after its
-  // quantization too.
+  // quantization too. The norm reads only whole_rows / rows_stay; the matmul reads and clears
+  // quantize_whole, so both are set here.
   auto before_norm = [&] {
     if (member == nullptr) return;
-    (member->norms_whole ? member->whole_rows : member->rows_stay) = true;
-  };
-  auto before_norm_matmul = [&] {
-    if (member != nullptr && member->norms_whole) member->quantize_whole = true;
+    if (member->norms_whole) {
+      member->whole_rows = true;
+      member->quantize_whole = true;
+    } else {
+      member->rows_stay = true;
+    }
   };
   for (int64_t l = 0; l < layers; ++l) {
     if (member != nullptr) member->next_layer();
@@ -333,7 +336,6 @@ std::tuple<Tensor, Tensor> run_layers(const Stack& st, const Tensor& h0, const T
       std::tie(x, residual) = ops.add_rms_norm.call(h, residual, st.norms[2 * l], eps);
     }
     const int64_t lin = kLinearsPerLayer * l;
-    before_norm_matmul();
     const Tensor qkv = run_linear(ops, x, st.weights, st.meta, lin);
     // kv_store splits the rows as rope_qk does: each member stores the K rows it rotated, so
     // the team need not meet between the two (v is qkv's, complete at the matmul's barrier).
@@ -364,7 +366,6 @@ std::tuple<Tensor, Tensor> run_layers(const Stack& st, const Tensor& h0, const T
     const Tensor attn_out = run_linear(ops, o, st.weights, st.meta, lin + 1);
     before_norm();
     std::tie(x, residual) = ops.add_rms_norm.call(attn_out, residual, st.norms[2 * l + 1], eps);
-    before_norm_matmul();
     const Tensor gate_up = run_linear(ops, x, st.weights, st.meta, lin + 2);
     h = run_linear(ops, gate_up, st.weights, st.meta, lin + 3, /*silu=*/true);
   }
