@@ -172,10 +172,6 @@ def measure_matmul(threads: int, dtype: Any, n: int = 2048, reps: int = 5) -> fl
     return 2 * n**3 / best / 1e9
 
 
-# Round trips below this are "near" (the two threads share a cache: one core's, or one cache
-# complex's L3); above, "far" (seen here: ~50 ns against ~350-400 ns, cpu_probe.cpp). The
-# decode team picks its norms' split by the same threshold (team.h, kFarRoundTripNs).
-NEAR_ROUND_TRIP_NS = 150.0
 # Compute scaling of two threads over one below this: they share one core's execution units.
 SAME_CORE_SCALING = 1.5
 
@@ -196,13 +192,16 @@ def thread_placement(rounds: int = 2000, iters: int = 2_000_000) -> dict[str, An
     trip = getattr(ops, "thread_round_trip_ns", None)
     scaling_op = getattr(ops, "thread_compute_scaling", None)
     ns = float(trip(rounds)) if trip is not None else float("nan")
+    # over it "far" (no shared cache), else "near": the decode team's own threshold
+    # (radixrt/attention/csrc/placement.h), read from the kernel library
+    far_ns = float(ops.far_round_trip_ns()) if trip is not None else float("nan")
     scaling = float(scaling_op(iters)) if scaling_op is not None else float("nan")
     if math.isnan(ns):
         return {"round_trip_ns": None, "placement": "unknown", "compute_scaling": None,
                 "same_core": None}
     known = not math.isnan(scaling)
     return {"round_trip_ns": round(ns, 1),
-            "placement": "near" if ns < NEAR_ROUND_TRIP_NS else "far",
+            "placement": "far" if ns > far_ns else "near",
             "compute_scaling": round(scaling, 2) if known else None,
             "same_core": scaling < SAME_CORE_SCALING if known else None}
 

@@ -7,6 +7,8 @@
 //   running a loop of `iters` steps together, over the calling thread's running it alone (best
 //   of 3 each): ~2 when each thread has a core of its own, ~1-1.3 when they are two hardware
 //   threads of one core sharing its execution units; NaN when fewer than 2 threads run.
+//   far_round_trip_ns() -> float: the round trip over which two threads are "far" (placement.h),
+//   the decode team's threshold, for benchmarks to judge by the same.
 //
 // On the 2-vCPU machines seen here the round trip tells two placements apart that move a decode
 // step by 10-25%: "near" (~50 ns: the two vCPUs share a cache, and with it the memory
@@ -26,6 +28,8 @@
 #include <chrono>
 #include <cstdint>
 #include <limits>
+
+#include "placement.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -150,4 +154,5 @@ TORCH_LIBRARY_FRAGMENT(radixrt, m) {
   m.def("thread_round_trip_ns(int rounds=2000) -> float", &radixrt_cpu::thread_round_trip_ns);
   m.def("thread_compute_scaling(int iters=2000000) -> float",
         &radixrt_cpu::thread_compute_scaling);
+  m.def("far_round_trip_ns() -> float", [] { return radixrt_cpu::kFarRoundTripNs; });
 }

@@ -26,6 +26,8 @@
 
 #include <ATen/ATen.h>
 
+#include "placement.h"
+
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -127,11 +129,10 @@ struct TeamMember {
   }
 
   // Whether the team's first two members are far apart (no shared cache: a cache line's round
-  // trip between them over kFarRoundTripNs), measured as the team forms: the first bounces a
-  // line with the second kProbeRounds times (~0.2 us near, ~1.5 us far) and publishes the
-  // verdict, which every member returns. False for a team of one.
+  // trip between them over kFarRoundTripNs, placement.h), measured as the team forms: the first
+  // bounces a line with the second kProbeRounds times (~0.2 us near, ~1.5 us far) and publishes
+  // the verdict, which every member returns. False for a team of one.
   static constexpr int64_t kProbeRounds = 4;
-  static constexpr double kFarRoundTripNs = 150;  // bench/roofline.py's NEAR_ROUND_TRIP_NS
   bool probe_far() {
     if (size == 1) return false;
     TeamCounter& ball = team->ball;
