@@ -9,6 +9,7 @@ import pytest
 import torch
 from model_fixtures import PagedRunner, make_tiny_checkpoint
 from test_paged_decode_kernel import _case as float_case
+from test_paged_decode_kernel import _positions, _relocated
 from test_paged_decode_kernel import _reference as float_reference
 
 from radixrt.attention import cpu_kernels
@@ -174,6 +175,27 @@ def test_paged_decode_i8_row_does_not_depend_on_the_batch() -> None:
                    row_len=c["row_len"][b: b + 1].contiguous())
         alone, _ = _run_i8(one, 0.125)
         assert torch.equal(alone[0], full[b])
+
+
+@pytest.mark.parametrize("head_major", [True, False], ids=["head-major", "slot-major"])
+@pytest.mark.parametrize("case", [(LENS, []), CASCADE[0]], ids=["flat", "cascade"])
+def test_paged_decode_i8_does_not_depend_on_where_keys_lie(head_major: bool,
+                                                          case: tuple) -> None:
+    """The same codes and scales in scattered slots, in one run of consecutive slots (a
+    request's allocation), or in runs of 1-40 broken anywhere, in a head-major pool (scales of
+    consecutive slots consecutive too) or a slot-major one: bitwise the same outputs and LSE."""
+    _need_i8_kernels()
+    own, groups = case
+    c = _pool_case(13, torch.bfloat16, 9, 3, 64, own, groups)
+    names = ("kc", "vc", "ks", "vs")
+    if not head_major:
+        c = dict(c, **{n: c[n].contiguous() for n in names})
+    want = _run_i8(c, 0.125)
+    for name, pos in _positions(c["idx"].numel(), 4).items():
+        moved = _relocated(c, pos, names)
+        assert (moved["ks"].stride(0) == 1) == head_major
+        got = _run_i8(moved, 0.125)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), name
 
 
 def test_paged_decode_i8_bad_input_names_the_argument() -> None:

@@ -2,7 +2,8 @@
 
 The op against a float64 reference over random pools (scattered and repeated slots, shared
 prefixes, lengths around the 16-key block, rows long enough to be split into key-range parts),
-LSE included; cascade equal to non-cascade; thread count invariance; bad input; the builder's ISA choice, cache key and failure fallback; other
+LSE included; cascade equal to non-cascade; thread count invariance; the same bits wherever the
+keys lie in the pool (scattered, one run, runs broken anywhere); bad input; the builder's ISA choice, cache key and failure fallback; other
 instruction sets built in a subprocess; a tiny model decoding through it vs the torch path and HF.
 """
 
@@ -553,6 +554,50 @@ def test_head_major_pool_gives_the_same_bits(dtype: torch.dtype, heads: int, kv_
     assert hm["kb"].stride() == (dim, c["kb"].shape[0] * dim, 1)
     want, got = _run(c, dim**-0.5), _run(hm, dim**-0.5)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def _positions(n: int, seed: int) -> dict[str, torch.Tensor]:
+    """New pool slots for the n keys of a case's index list: all consecutive (`run`: one run, as
+    a request's allocation gives), and runs of 1-40 slots in shuffled order (`runs`: blocks of
+    16 keys that are consecutive or not, broken anywhere)."""
+    g = torch.Generator().manual_seed(seed)
+    cuts, at = [], 0
+    while at < n:
+        step = int(torch.randint(1, 41, (1,), generator=g))
+        cuts.append(torch.arange(at, min(n, at + step)))
+        at += step
+    order = torch.randperm(len(cuts), generator=g).tolist()
+    runs = torch.cat([cuts[i] for i in order]) if cuts else torch.zeros(0, dtype=torch.int64)
+    return {"run": torch.arange(n), "runs": runs}
+
+
+def _relocated(c: dict[str, Any], pos: torch.Tensor, names: tuple[str, ...]) -> dict[str, Any]:
+    """`c` with key i of its index list moved to pool slot pos[i] (a pool of len(pos) slots,
+    each pool tensor in `names` keeping its layout: head-major stays head-major)."""
+    out = dict(c, idx=pos.to(torch.int32))
+    src = c["idx"].long()
+    for name in names:
+        t = c[name]
+        moved = torch.empty((pos.numel(), *t.shape[1:]), dtype=t.dtype)
+        moved[pos] = t[src]
+        head_major = t.dim() > 1 and t.stride(0) < t.stride(1)
+        out[name] = _head_major(moved) if head_major else moved
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", [(LENS, []), ([3, 9, 1, 40], [(40, [0, 1, 2])])],
+                         ids=["flat", "cascade"])
+def test_result_does_not_depend_on_where_keys_lie(dtype: torch.dtype, case: tuple) -> None:
+    """The same keys in scattered slots, in one run of consecutive slots, or in runs of 1-40
+    broken anywhere (head-major pools, as the CPU's): bitwise the same outputs and LSE."""
+    own, groups = case
+    c = _case(11, dtype, 9, 3, 64, own, groups)
+    c = dict(c, kb=_head_major(c["kb"]), vb=_head_major(c["vb"]))
+    want = _run(c, 0.125)
+    for name, pos in _positions(c["idx"].numel(), 3).items():
+        got = _run(_relocated(c, pos, ("kb", "vb")), 0.125)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), name
 
 
 def test_k_and_v_of_different_layouts_are_refused() -> None:
