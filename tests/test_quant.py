@@ -316,6 +316,56 @@ def test_runner_wires_quantization_from_server_args(tiny_gguf: Path,
     assert isinstance(runner_mod.ModelRunner(args).model.layers[1].qkv_proj, DenseWeight)
 
 
+@pytest.mark.usefixtures("unforced")
+@pytest.mark.parametrize("always_wins", [True, False])
+def test_auto_dtype_takes_bf16_once_no_matmul_runs_in_it(
+        tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch, always_wins: bool) -> None:
+    """A CPU whose bf16 matmul is slow (the dtype probe says fp32) but where the vnni kernel
+    beats dense fp32 at every row count: every matmul runs on it with no dense copy, so `auto`
+    stores activations and K/V in bf16. Where the kernel loses above 64 rows (a dense fp32 copy
+    for prefill), fp32 stays."""
+    from radixrt.model import quant_probe
+    from radixrt.model import runner as runner_mod
+    from radixrt.model.dtype_probe import ENV_FORCE as DTYPE_FORCE
+    from radixrt.model.dtype_probe import DtypeProbe
+    from radixrt.model.quant_matmul import VnniQuantMatmul, vnni_kernel_available
+
+    if not vnni_kernel_available():
+        pytest.skip("needs the vnni kernel (AVX512-VNNI)")
+    monkeypatch.delenv(DTYPE_FORCE, raising=False)
+    monkeypatch.setattr(runner_mod, "probe_cpu_dtype",
+                        lambda: DtypeProbe(torch.float32, 1.0, 4.0, 2))
+    rows = quant_probe.ROWS
+    ms = {"dense": dict.fromkeys(rows, 10.0)}
+    for kind in ("int4", "int8"):
+        ms[kind] = {r: 2.0 if always_wins or r <= 64 else 20.0 for r in rows}
+    dense_dtypes: list[torch.dtype] = []
+
+    def probe(h: int, i: int, dense_dtype: torch.dtype, kernel: str) -> QuantProbe:
+        dense_dtypes.append(dense_dtype)
+        return QuantProbe(ms, 2, "vnni")
+
+    monkeypatch.setattr(runner_mod, "probe_quant_kernels", probe)
+    r = runner_mod.ModelRunner(ServerArgs(model_path=str(tiny_gguf), max_total_tokens=256,
+                                          attention_backend="torch"))
+    assert dense_dtypes == [torch.float32]  # timed against what fp32 would have run
+    weights = r.model.linear_weights()
+    assert all(isinstance(w, QuantizedWeight) and isinstance(w.kernel, VnniQuantMatmul)
+               for w in weights)
+    assert r.dtype_probe is not None
+    if always_wins:
+        assert r.quant == QuantPlan("gguf", dense_copy=False, kernel="vnni")
+        assert r.dtype == torch.bfloat16 and r.token_to_kv_pool.k_buffer[0].dtype == torch.bfloat16
+        assert all(w.dense is None for w in weights)  # type: ignore[union-attr]
+        assert r.dtype_probe.choice == torch.bfloat16 and "vnni" in r.dtype_probe.describe()
+        assert r.dtype_probe.as_info()["note"]
+    else:
+        assert r.quant == QuantPlan("gguf", 64, 64, kernel="vnni")
+        assert r.dtype == torch.float32 and r.dtype_probe.note is None
+        assert all(w.dense is not None and w.dense.weight.dtype == torch.float32  # type: ignore[union-attr]
+                   for w in weights)
+
+
 # -- choosing: `auto`, overrides, bad values ---------------------------------------------------------
 def _qp(*args: object, **kw: object) -> QuantPlan:
     """A quantizing plan as `resolve_quantization` makes it: kernel "auto" resolved."""
@@ -351,16 +401,17 @@ def test_probe_crossover_is_the_last_row_count_of_the_winning_prefix() -> None:
 
 
 @pytest.mark.usefixtures("unforced")
-def test_auto_quantizes_only_with_bf16_and_a_clearly_faster_kernel() -> None:
+def test_auto_quantizes_where_a_kernel_is_clearly_faster_in_the_model_dtype() -> None:
     probe, calls = _probe(FAST)
     plan, why = resolve_quantization("auto", torch.bfloat16, CPU, True, probe)
     assert plan == _qp("gguf", 8, 2) and "probe" in why
     plan, _ = resolve_quantization("auto", torch.bfloat16, CPU, False, probe)
     assert plan == _qp("int8", 8, 2)  # an HF directory: 8-bit
     assert calls == [torch.bfloat16, torch.bfloat16]
-    # fp32 activations: never quantized, nothing timed.
+    # fp32 activations are timed like bf16 ones (the int8-activation kernel does not need bf16
+    # matmul): quantized when the probe, run in fp32, says so.
     plan, why = resolve_quantization("auto", torch.float32, CPU, True, probe)
-    assert plan == QuantPlan() and "bf16" in why and len(calls) == 2
+    assert plan == _qp("gguf", 8, 2) and "probe" in why and calls[-1] == torch.float32
     # A kernel only 1.1x faster at one row: not worth it.
     slow = {"dense": {1: 1.1}, "int4": {1: 1.0}, "int8": {1: 1.0}}
     plan, why = resolve_quantization("auto", torch.bfloat16, CPU, True, _probe(slow)[0])
@@ -470,6 +521,46 @@ def test_probe_keeps_the_faster_candidate_and_drops_the_dense_copy_when_it_alway
             if r >= 128:
                 ms[f"{kind}:radixrt"][r] = 30.0
     assert measured(ms).kernel == "vnni"
+
+
+def test_probe_times_both_ends_first_in_the_model_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real (tiny) measurement: with no budget left after the first row count, one row and
+    the largest are still timed (the two ends decide decode and the dense copy), and every kind
+    is fed activations in the dense dtype (fp32 here: what an fp32 model passes them)."""
+    from radixrt.model import quant_probe
+    from radixrt.model.linear import DenseWeight as Dense
+
+    monkeypatch.setattr(quant_probe, "BUDGET_S", 0.0)
+    monkeypatch.setattr(quant_probe, "PROBE_PARAMS", 1)
+    seen: set[tuple[str, torch.dtype]] = set()
+    for cls in (Dense, QuantizedWeight):
+        def spy(self: object, x: torch.Tensor, *a: object, _f=cls.forward, _n=cls.__name__,
+                **k: object) -> torch.Tensor:
+            seen.add((_n, x.dtype))
+            return _f(self, x, *a, **k)
+
+        monkeypatch.setattr(cls, "forward", spy)
+    for kernel in ("torch", resolve_quant_kernel("auto")):
+        ms = quant_probe.measure_kernels(64, 128, (kernel,))(quant_probe.ROWS, torch.float32)
+        assert set(ms["dense"]) == {1, quant_probe.ROWS[-1]}
+    assert seen == {("DenseWeight", torch.float32), ("QuantizedWeight", torch.float32)}
+    assert quant_probe.probe_order((1, 2, 4, 512)) == (1, 512, 2, 4)
+    # Unmeasured middle counts do not break a crossover that won at both ends.
+    p = QuantProbe({"dense": {1: 2.0, 512: 9.0}, "int4": {1: 1.0, 512: 5.0},
+                    "int8": {1: 1.0, 512: 5.0}})
+    assert p.wins_everywhere()
+
+
+def test_no_dense_matmul_needs_vnni_every_call_and_every_weight_quantized() -> None:
+    vnni = QuantPlan("gguf", dense_copy=False, kernel="vnni")
+    assert vnni.no_dense_matmul(frozenset({"Q4_1", "Q8_0"}))
+    assert not vnni.no_dense_matmul(frozenset({"Q4_1", "Q6_K"}))  # a Q6_K matmul stays dense
+    assert not vnni.no_dense_matmul(None)
+    assert QuantPlan("int8", dense_copy=False, kernel="vnni").no_dense_matmul(None)
+    assert not QuantPlan("gguf", 64, 64, kernel="vnni").no_dense_matmul(frozenset({"Q4_1"}))
+    assert not QuantPlan("gguf", dense_copy=False, kernel="radixrt").no_dense_matmul(
+        frozenset({"Q4_1"}))
+    assert not QuantPlan().no_dense_matmul(None)
 
 
 def test_choose_kernel_compares_only_cells_every_kernel_has() -> None:

@@ -5,6 +5,12 @@ AVX-512-BF16 or AMX it can be ~2x faster than fp32; without native bf16 it is em
 7-100x slower. So `auto` measures (with the thread count already set for this process) and takes
 bf16 only when it is clearly faster (>= MIN_SPEEDUP), fp32 otherwise.
 
+The matmul timing is the whole story only while matmuls run in the model dtype. Where every
+matmul runs on the int8-activation vnni kernel with no dense copy (`ModelRunner` decides, once
+the quantization is resolved), the dtype only stores activations and the K/V cache, and bf16
+halves those bytes at no matmul cost: `auto` then takes bf16 even where bf16 matmul is slow
+(`without_dense_matmuls`; measured on an AVX512-VNNI Xeon without AVX512-BF16 in bench/results).
+
 `RADIXRT_AUTO_DTYPE=float32|bfloat16` forces the outcome without measuring (tests, or a
 machine whose answer is known); an explicit `--dtype` bypasses `auto` altogether.
 """
@@ -14,7 +20,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -37,6 +43,7 @@ class DtypeProbe:
     bf16_ms: float | None
     threads: int
     forced: bool = False
+    note: str | None = None  # why `choice` is not the matmul timing's answer, when it is not
 
     @property
     def speedup(self) -> float | None:
@@ -45,16 +52,27 @@ class DtypeProbe:
             return None
         return self.fp32_ms / self.bf16_ms
 
+    def without_dense_matmuls(self) -> DtypeProbe:
+        """The choice once no matmul runs in the model dtype (every one on the int8-activation
+        vnni kernel, no dense copy): bfloat16, since the probe's only case against it, slow bf16
+        matmul, no longer applies. A forced outcome stays."""
+        if self.forced or self.choice == torch.bfloat16:
+            return self
+        return replace(self, choice=torch.bfloat16,
+                       note="every matmul runs on the int8-activation vnni kernel, none in the "
+                            "model dtype: bf16 halves the K/V and activation bytes")
+
     def describe(self) -> str:
         if self.forced:
             return f"{_name(self.choice)} (forced by {ENV_FORCE})"
+        note = f"; {self.note}" if self.note else ""
         return (f"{_name(self.choice)} (matmul probe, {self.threads} threads: fp32 "
                 f"{self.fp32_ms:.3f} ms, bf16 {self.bf16_ms:.3f} ms, bf16 speedup "
-                f"{self.speedup:.2f}x, needs >= {MIN_SPEEDUP}x)")
+                f"{self.speedup:.2f}x, needs >= {MIN_SPEEDUP}x{note})")
 
     def as_info(self) -> dict[str, object]:
         return {"choice": _name(self.choice), "fp32_ms": self.fp32_ms, "bf16_ms": self.bf16_ms,
-                "threads": self.threads, "forced": self.forced}
+                "threads": self.threads, "forced": self.forced, "note": self.note}
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -158,6 +158,15 @@ class GGUFLoader(WeightLoader):
         return f"model.layers.{m.group(1)}.{self._BLOCK[m.group(2)]}.{m.group(3)}"
 
 
+def gguf_matrix_types(path: str | os.PathLike[str]) -> frozenset[str]:
+    """The GGML types of a GGUF file's 2-D tensors (every matmul weight, the embedding, which
+    may be the LM head) without reading their data."""
+    from gguf import GGUFReader
+
+    return frozenset(t.tensor_type.name for t in GGUFReader(str(path)).tensors
+                     if len(t.shape) == 2)
+
+
 def _unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     """Inverse of llama.cpp's `permute`: rows `[n_head, dim, 2]` -> `[n_head, 2, dim]`."""
     dim = w.shape[0] // n_head // 2

@@ -1,13 +1,15 @@
 """`quantization="auto"` on CPU, and the row count up to which quantized kernels win: measured
 once at start-up, like `dtype_probe`.
 
-torch's weight-only int4 CPU kernel reads 4-8x fewer weight bytes than a dense GEMM, so it wins
-when a matmul is bound by reading weights (decode: a few rows), and loses when it is bound by
-arithmetic (prefill: it dequantizes on the fly). It is only fast with bf16 activations (20-60x
-slower with fp32 ones), and bf16 itself is fast only on some CPUs. So:
+A weight-only kernel reads 4-8x fewer weight bytes than a dense GEMM, so it wins when a matmul is
+bound by reading weights (decode: a few rows), and loses when it is bound by arithmetic (prefill:
+it dequantizes on the fly). How fast each kernel is with the model's activations depends on the
+CPU (torch's is fast only with native bf16; the int8-activation vnni kernel does not care, it
+quantizes them), so nothing is assumed from the dtype:
 
-- `auto` quantizes only when the model dtype is bfloat16 (itself measured by `dtype_probe`) and
-  the quantized kernel is at least MIN_SPEEDUP x faster than the dense matmul at one row;
+- `auto` quantizes when the quantized kernel, timed against the dense matmul with activations in
+  the model dtype (itself measured by `dtype_probe`), is at least MIN_SPEEDUP x faster at one
+  row;
 - the crossover (`max_rows`: the largest call run on the kernel; larger ones use the dense copy)
   is the largest of ROWS up to which the kernel stays faster, per width (4-bit, 8-bit); a
   kernel faster at every row count up to ROWS[-1] (a prefill size: the int8-activation vnni
@@ -19,10 +21,11 @@ slower with fp32 ones), and bf16 itself is fast only on some CPUs. So:
 The timing runs over a model-shaped weight set of at least PROBE_PARAMS parameters, more than a
 CPU cache holds, so it sees memory bandwidth as a real forward pass does (timing one small
 matrix in a loop measures a cache-resident weight and misjudges decode); row counts from
-LARGE_ROWS on (compute-bound) time the first 1/LARGE_SHARE of it, to stay in budget. Widths and
-the dense
-path alternate call by call and each keeps its best time, so load from other processes hits all
-alike. `RADIXRT_AUTO_QUANTIZATION=none|gguf|int8|int4` forces the `auto` outcome (the test suite
+LARGE_ROWS on (compute-bound) time the first 1/LARGE_SHARE of it, to stay in budget. One row and
+the largest count (the two ends that decide decode and the dense copy) are timed first, the rest
+only while BUDGET_S lasts, so a slow dense path on a loaded machine shortens the middle, never
+the ends. Widths and the dense path alternate call by call and each keeps its best time, so load
+from other processes hits all alike. `RADIXRT_AUTO_QUANTIZATION=none|gguf|int8|int4` forces the `auto` outcome (the test suite
 sets `none`); an explicit `--quantization` bypasses `auto`, `--quant-max-rows` the crossover.
 """
 
@@ -166,6 +169,14 @@ def _probe_weights(hidden: int, intermediate: int, dense_dtype: torch.dtype,
     return out
 
 
+def probe_order(rows_list: tuple[int, ...]) -> tuple[int, ...]:
+    """The order row counts are timed in: the first and the last (decode's one row, prefill's
+    largest), then the rest ascending (see the module docstring)."""
+    if len(rows_list) <= 2:
+        return rows_list
+    return (rows_list[0], rows_list[-1], *rows_list[1:-1])
+
+
 def measure_kernels(hidden: int, intermediate: int, kernels: tuple[str, ...] = ("auto",)
                     ) -> Measure:
     """The real measurement for a model of this shape on `kernels` (see the module
@@ -177,15 +188,14 @@ def measure_kernels(hidden: int, intermediate: int, kernels: tuple[str, ...] = (
         best: dict[str, dict[int, float]] = {k: {} for k in names}
         losses = dict.fromkeys(names, 0)
         start = time.perf_counter()
-        for rows in rows_list:
+        for i, rows in enumerate(probe_order(rows_list)):
             kinds = [k for k in names if k == "dense" or losses[k] < 2]
-            if kinds == ["dense"] or time.perf_counter() - start > BUDGET_S:
+            if kinds == ["dense"] or (i >= 2 and time.perf_counter() - start > BUDGET_S):
                 break
             share = LARGE_SHARE if rows >= LARGE_ROWS else 1
             widths = {w.in_features for w in weights["dense"]}
-            inputs = {(kind, k): torch.randn(rows, k).to(
-                dense_dtype if kind == "dense" else torch.bfloat16)
-                for kind in kinds for k in widths}
+            inputs = {(kind, k): torch.randn(rows, k).to(dense_dtype)
+                      for kind in kinds for k in widths}
 
             def run(kind: str) -> float:
                 ws = weights[kind][: max(2, len(weights[kind]) // share)]  # noqa: B023
@@ -270,9 +280,6 @@ def resolve_quantization(requested: str, dtype: torch.dtype, device: torch.devic
     if mode == "gguf" and not is_gguf:
         raise ValueError("ServerArgs.quantization: 'gguf' keeps a GGUF file's blocks; the model is "
                          "not a .gguf file (use int8 or int4)")
-    if requested == "auto" and not forced and dtype != torch.bfloat16:
-        return QuantPlan(), (f"none (dtype {str(dtype).removeprefix('torch.')}: the weight-only "
-                             "kernels are fast only with bf16 activations)")
     if not dense_copy:
         return (QuantPlan(mode, dense_copy=False, kernel=kernel),
                 f"{mode} ({kernel} kernel for every call, no dense copy)")

@@ -16,7 +16,13 @@ from radixrt.core.forward_batch import ForwardBatch
 from radixrt.mem.huge_pages import move_to_huge_pages
 from radixrt.mem.memory_pool import ReqToTokenPool, TokenToKVPool, kv_bytes_per_token
 from radixrt.model.dtype_probe import DtypeProbe, probe_cpu_dtype
-from radixrt.model.loader import default_model_path, load_model, resolve_device, resolve_dtype
+from radixrt.model.loader import (
+    default_model_path,
+    gguf_matrix_types,
+    load_model,
+    resolve_device,
+    resolve_dtype,
+)
 from radixrt.model.model_config import ModelConfig, resolve_gguf_file
 from radixrt.model.quant import QuantPlan
 from radixrt.model.quant_probe import QuantProbe, probe_quant_kernels, resolve_quantization
@@ -65,8 +71,6 @@ class ModelRunner:
             return self.dtype_probe
 
         self.dtype = resolve_dtype(args.dtype, self.device, self.model_config, probe)
-        if self.dtype_probe is not None:
-            logger.info("dtype auto -> %s", self.dtype_probe.describe())
         cfg = self.model_config
         self.quant_probe: QuantProbe | None = None  # set when the kernels were timed
 
@@ -76,10 +80,17 @@ class ModelRunner:
             return self.quant_probe
 
         self.quant: QuantPlan
+        gguf_file = resolve_gguf_file(Path(self.model_path))
         self.quant, why = resolve_quantization(
-            args.quantization, self.dtype, self.device,
-            resolve_gguf_file(Path(self.model_path)) is not None, qprobe, args.quant_max_rows,
-            dense_copy=not args.disable_quant_dense_copy, kernel=args.quant_kernel)
+            args.quantization, self.dtype, self.device, gguf_file is not None, qprobe,
+            args.quant_max_rows, dense_copy=not args.disable_quant_dense_copy,
+            kernel=args.quant_kernel)
+        if self.dtype_probe is not None and self.quant.no_dense_matmul(
+                None if gguf_file is None else gguf_matrix_types(gguf_file)):
+            self.dtype_probe = self.dtype_probe.without_dense_matmuls()
+            self.dtype = self.dtype_probe.choice
+        if self.dtype_probe is not None:
+            logger.info("dtype auto -> %s", self.dtype_probe.describe())
         logger.info("quantization %s -> %s", args.quantization, why)
         self.sizes = plan_pools(args, cfg, self.dtype, self.device)
         self.req_to_token_pool = ReqToTokenPool(
