@@ -3,7 +3,8 @@
 A decode step reads every weight once (plus each request's K/V) and does 2 FLOPs per weight
 per token; on a CPU it is bound by memory bandwidth, so its lower bound is
 `max(bytes / bandwidth, flops / matmul peak)`. A prefill is bound by the matmul peak. Both
-ceilings are measured here, at the thread count and in the dtype the step runs with, and the
+ceilings are measured here, at the thread count the step runs with and in its dtype (or fp32
+where that is faster: `measure_ceilings`), and the
 `fraction` of a step is `lower bound / measured time` (1.0 = at the roofline).
 
 Cost formulas are pure functions of the model's shape (`ModelConfig` fields), so a test can
@@ -207,12 +208,16 @@ def thread_placement(rounds: int = 2000, iters: int = 2_000_000) -> dict[str, An
 
 
 def measure_ceilings(threads: int, dtype: Any, n: int = 2048) -> Ceilings:
+    """Read bandwidth and the matmul peak: the faster of `dtype` and float32. A step judged
+    against a dtype that is slower than fp32 on this CPU (bf16 emulated, where the model's
+    matmuls run on the int8 kernel anyway) would get an easy bound; fp32 is always there."""
     import torch
 
-    name = str(dtype).removeprefix("torch.")
     with torch.inference_mode():
-        return Ceilings(measure_bandwidth(threads), measure_matmul(threads, dtype, n), name,
-                        threads, n)
+        peaks = {dt: measure_matmul(threads, dt, n) for dt in dict.fromkeys((dtype, torch.float32))}
+        best = max(peaks, key=peaks.__getitem__)
+        return Ceilings(measure_bandwidth(threads), peaks[best],
+                        str(best).removeprefix("torch."), threads, n)
 
 
 def bound_s(cost: StepCost, c: Ceilings, memory: bool = True) -> float:

@@ -325,6 +325,23 @@ def test_roofline_bound_and_fraction():
     assert R.bound_s(mem_bound, c, memory=False) == pytest.approx(2e-6)
 
 
+@pytest.mark.parametrize("bf16_gflops,expect", [(61.0, "float32"), (440.0, "bfloat16")])
+def test_ceilings_take_the_faster_of_the_dtype_and_fp32(monkeypatch, bf16_gflops, expect):
+    """Where bf16 matmul is emulated (an AVX512-VNNI Xeon without AVX512-BF16: ~61 against
+    ~320 GFLOP/s fp32) a bf16 model's step is judged against the fp32 peak, not an easy one."""
+    import torch
+
+    from bench import roofline as R
+
+    peaks = {torch.float32: 320.0, torch.bfloat16: bf16_gflops}
+    monkeypatch.setattr(R, "measure_matmul", lambda threads, dtype, n: peaks[dtype])
+    monkeypatch.setattr(R, "measure_bandwidth", lambda threads: 30.0)
+    c = R.measure_ceilings(2, torch.bfloat16)
+    assert c.dtype == expect and c.matmul_gflops == max(320.0, bf16_gflops)
+    fp32 = R.measure_ceilings(2, torch.float32)
+    assert fp32.dtype == "float32" and fp32.matmul_gflops == 320.0
+
+
 def test_thread_placement_from_the_round_trip_op(monkeypatch):
     """`radixrt::thread_round_trip_ns` times round trips between 2 threads (NaN with one; bad
     rounds refused naming them); `thread_placement` labels it, "unknown" without the op."""
