@@ -50,6 +50,7 @@ MODES: tuple[tuple[str, str, str, str, str], ...] = (
     ("gguf, vnni kernel (int8 act per group of 32)", "bfloat16", "gguf", "vnni", "auto"),
     ("gguf, vnni kernel, int8 KV cache", "bfloat16", "gguf", "vnni", "int8"),
     ("bf16, int8 KV cache", "bfloat16", "none", "auto", "int8"),
+    ("gguf, vnni kernel, fp32 act", "float32", "gguf", "vnni", "auto"),
 )
 
 SYSTEM = "You are a concise, helpful assistant."
