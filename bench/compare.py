@@ -296,6 +296,17 @@ def one_batch_section(ob: dict[str, Any]) -> list[str]:
     return L
 
 
+def resolved_config(server_info: dict[str, Any]) -> dict[str, Any]:
+    """What a radixrt server resolved at start-up, from its `/get_server_info`: the dtype (and
+    why, when `auto` chose it), the quantization, the KV cache's dtype."""
+    eng, given = server_info["engine"], server_info["server_args"]
+    probe = eng.get("dtype_probe") or {}
+    dtype = str(eng["dtype"]).removeprefix("torch.")
+    kv = given["kv_cache_dtype"]
+    return {"dtype": dtype, "dtype_note": probe.get("note"), "quantization": eng["quantization"],
+            "kv_cache_dtype": dtype if kv == "auto" else kv}
+
+
 def write_markdown(path: Path, records: list[dict[str, Any]], meta: dict[str, Any],
                    workloads: list[str], charts: list[str]) -> None:
     L: list[str] = []
@@ -330,6 +341,10 @@ def write_markdown(path: Path, records: list[dict[str, Any]], meta: dict[str, An
                  + ("" if meta["radixrt_mode"] == "server" else
                     " — radixrt itself ran in-process here; `--radixrt-mode server` puts both "
                     "behind HTTP"))
+    for tag, c in (meta.get("radixrt_resolved") or {}).items():
+        L.append(f"- {tag} resolved at start-up: dtype {c['dtype']}"
+                 + (f" ({c['dtype_note']})" if c.get("dtype_note") else "")
+                 + f", weights {c['quantization']}, KV cache {c['kv_cache_dtype']}")
     if meta.get("repeat", 1) > 1:
         L.append(f"- {meta['repeat']} interleaved rounds of every system; each row is the run with "
                  "the median total throughput (the note gives the range)")
@@ -632,6 +647,10 @@ def main(argv: list[str] | None = None) -> Path:
                 rc, tail = run_subprocess(cmd, a.timeout_per_system, raw / f"{tag}.log",
                                           a.threads)
                 results = {r["workload"]: r for r in read_results(out)}
+                info = out.with_suffix(".server_info.json")
+                if info.exists():
+                    meta.setdefault("radixrt_resolved", {})[tag] = resolved_config(
+                        json.loads(info.read_text()))
                 if rc is None:
                     note = f"timed out after {a.timeout_per_system:.0f} s (--timeout-per-system)"
                 elif rc != 0:

@@ -327,6 +327,12 @@ def main() -> None:
         port = int(a.base_url.rsplit(":", 1)[1].split("/")[0])
         log = open(a.server_log, "ab") if a.server_log else subprocess.DEVNULL
         proc = launch_radixrt(port, a.threads, a.server_args.split(), log)
+        if a.out:  # what the server resolved (dtype, quantization, ...), beside the records
+            import httpx
+
+            info = httpx.get(a.base_url.rstrip("/") + "/get_server_info", timeout=30)
+            info.raise_for_status()
+            Path(a.out).with_suffix(".server_info.json").write_text(info.text)
     try:
         client = Client(a.base_url, a.model, a.endpoint, a.prompt_format, a.api_key,
                         not a.no_ignore_eos, tok)

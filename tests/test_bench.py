@@ -437,6 +437,45 @@ def test_compare_smoke_tiny_radixrt_only(tmp_path):
         (r["workload"], r["total_tok_per_s"], r["hit_rate"]) for r in recs]
 
 
+def test_report_states_what_radixrt_resolved(tmp_path):
+    """compare.py keeps what each radixrt server resolved (its `/get_server_info`, saved by
+    serving.py) and the report says it: `auto`'s dtype differs from one CPU to the next."""
+    from bench import compare
+
+    info = {"server_args": {"dtype": "auto", "kv_cache_dtype": "auto", "api_key": None},
+            "engine": {"dtype": "torch.bfloat16", "quantization": "gguf (vnni kernel, kernels "
+                       "for every call)", "dtype_probe": {"choice": "bfloat16", "note": "why"}}}
+    c = compare.resolved_config(info)
+    assert c == {"dtype": "bfloat16", "dtype_note": "why", "kv_cache_dtype": "bfloat16",
+                 "quantization": "gguf (vnni kernel, kernels for every call)"}
+    info["server_args"]["kv_cache_dtype"] = "int8"
+    info["engine"]["dtype_probe"] = None
+    assert compare.resolved_config(info)["kv_cache_dtype"] == "int8"
+    meta = {"date": "d", "host": "h", "preset": "tiny", "seed": 0, "threads": 2, "cpu": "c",
+            "cores": 2, "torch": "t", "radixrt_mode": "server", "radixrt_resolved": {"radixrt": c}}
+    compare.write_markdown(tmp_path / "r.md", [], meta, [], [])
+    assert ("- radixrt resolved at start-up: dtype bfloat16 (why), weights gguf (vnni kernel, "
+            "kernels for every call), KV cache bfloat16") in (tmp_path / "r.md").read_text()
+
+
+@pytest.mark.slow
+def test_compare_server_mode_records_what_the_server_resolved(tmp_path):
+    """A live `radixrt serve` run through serving.py: its `/get_server_info` lands beside the
+    records and in the report."""
+    from bench import compare
+
+    compare.main(["--preset", "tiny", "--systems", "radixrt", "--radixrt-mode", "server",
+                  "--workloads", "gsp", "--skip-one-batch", "--out-dir", str(tmp_path),
+                  "--name", "srv", "--timeout-per-system", "300"])
+    info = json.loads((tmp_path / "srv-raw" / "radixrt.server_info.json").read_text())
+    assert info["server_args"]["port"] and info["engine"]["max_total_tokens"] > 0
+    c = compare.resolved_config(info)
+    meta = json.loads((tmp_path / "srv-raw" / "meta.json").read_text())
+    assert meta["radixrt_resolved"]["radixrt"] == c
+    md = (tmp_path / "srv.md").read_text()
+    assert f"- radixrt resolved at start-up: dtype {c['dtype']}" in md
+
+
 def test_median_run_of_repeats():
     from bench import compare
 

@@ -250,6 +250,17 @@ def test_echo_logprobs_cover_the_prompt(server, engine):
     server.assert_clean()
 
 
+def test_server_info_reports_what_start_up_resolved(server, tiny_llama_dir):
+    """`/get_server_info`: the flags as given and what the engine resolved from them."""
+    info = server.get("/get_server_info").json()
+    args, eng = info["server_args"], info["engine"]
+    assert args["model_path"] == str(tiny_llama_dir) and args["dtype"] == "float32"
+    assert args["quantization"] == "auto" and args["api_key"] is None
+    assert eng["dtype"] == "torch.float32" and eng["quantization"] == "none"  # conftest: none
+    assert eng["max_total_tokens"] == 8192 and eng["num_threads"] == 1
+    assert eng["dtype_probe"] is None  # an explicit dtype is not probed
+
+
 def test_tokenizer_endpoints_live(server, tiny_llama_dir):
     from transformers import AutoTokenizer
 
@@ -389,6 +400,9 @@ def test_api_key_overload_and_dead_scheduler(tiny_llama_dir):
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
         assert httpx.get(srv.url + "/health", timeout=30).status_code == 200
         assert httpx.get(srv.url + "/metrics", timeout=30).status_code == 200
+        assert httpx.get(srv.url + "/get_server_info", timeout=30).status_code == 401
+        given = srv.get("/get_server_info").json()["server_args"]
+        assert given["api_key"] == "<redacted>" and "sekret" not in json.dumps(given)
         c = srv.client()
         assert c.completions.create(model="default", prompt="hi", max_tokens=2).choices
 

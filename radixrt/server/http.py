@@ -585,6 +585,18 @@ def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
         return JSONResponse({"epoch": ev.epoch, "next_seq": ev.next_seq,
                              "prefixes": ev.prefixes, "lost": ev.lost})
 
+    @app.get("/get_server_info")
+    async def server_info() -> Response:
+        """What this server resolved at start-up (SGLang's endpoint name): `server_args` as
+        given (API keys redacted) and `engine`, `Engine.info` (the dtype and quantization `auto`
+        chose and the probe figures behind them, pool sizes, threads)."""
+        server.check_alive()
+        given = {k: ("<redacted>" if "api_key" in k and v else v)
+                 for k, v in dataclasses.asdict(args).items()}
+        return Response(orjson.dumps({"server_args": given, "engine": engine.info},
+                                     default=str, option=orjson.OPT_SERIALIZE_NUMPY),
+                        media_type="application/json")
+
     @app.get("/debug/stats")
     async def stats() -> Response:
         server.check_alive()
