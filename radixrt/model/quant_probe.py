@@ -25,8 +25,9 @@ LARGE_ROWS on (compute-bound) time the first 1/LARGE_SHARE of it, to stay in bud
 the largest count (the two ends that decide decode and the dense copy) are timed first, the rest
 only while BUDGET_S lasts, so a slow dense path on a loaded machine shortens the middle, never
 the ends. Widths and the dense path alternate call by call and each keeps its best time, so load
-from other processes hits all alike. `RADIXRT_AUTO_QUANTIZATION=none|gguf|int8|int4` forces the `auto` outcome (the test suite
-sets `none`); an explicit `--quantization` bypasses `auto`, `--quant-max-rows` the crossover.
+from other processes hits all alike. `RADIXRT_AUTO_QUANTIZATION=none|gguf|int8|int4` forces the
+`auto` outcome (the test suite sets `none`); an explicit `--quantization` bypasses `auto`,
+`--quant-max-rows` the crossover.
 """
 
 from __future__ import annotations
