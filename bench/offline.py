@@ -227,9 +227,10 @@ def one_batch(batch_sizes: Sequence[int], input_len: int, output_len: int, threa
     # bytes per K/V element as stored (an int8 pool's scales included)
     kv_elem = kp.bytes_per_token() / (2 * cfg.num_layers * cfg.kv_size)
     w_bytes = roofline.weight_bytes(runner.model)
-    # The matmul weights' share of w_bytes as `weight_bytes` counts them (every storage), to be
-    # replaced per step by what the (possibly quantized) weights read at that row count.
-    dense_linear = sum(w.nbytes() for w in runner.model.linear_weights())
+    # Everything but the matmul weights, to which each step adds what the (possibly quantized)
+    # weights read at its row count. (w_bytes minus the matmul weights' own sizes went wrong
+    # where a tied embedding shares the LM head's dense copy: that copy was taken off twice.)
+    other_bytes = roofline.weight_bytes(runner.model, skip_linear=True)
     first_ceil = roofline.measure_ceilings(threads, runner.dtype) if with_ceiling else None
     g = torch.Generator().manual_seed(0)
     rows_out = []
@@ -288,12 +289,11 @@ def one_batch(batch_sizes: Sequence[int], input_len: int, output_len: int, threa
             row["ceilings"] = ceil.as_dict()
             # the median step attends over about input_len + output_len / 2 keys
             mid = input_len + (output_len + 1) // 2
-            step_w = w_bytes - dense_linear + weight_bytes_per_step(runner.model, bs)
+            step_w = other_bytes + weight_bytes_per_step(runner.model, bs)
             dec = roofline.decode_cost(cfg, [mid] * bs, step_w, kv_elem)
             row["decode_roofline"] = roofline.roofline_fields(dec, ceil, d)
             if prefill_s:
-                pre_w = w_bytes - dense_linear + weight_bytes_per_step(runner.model,
-                                                                        bs * input_len)
+                pre_w = other_bytes + weight_bytes_per_step(runner.model, bs * input_len)
                 pre = roofline.prefill_cost(cfg, bs, input_len, pre_w, kv_elem)
                 row["prefill_roofline"] = roofline.roofline_fields(pre, ceil, p, memory=False)
         rows_out.append(row)

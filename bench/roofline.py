@@ -96,13 +96,18 @@ def prefill_cost(cfg: Any, batch: int, input_len: int, weight_bytes_read: int,
     return StepCost(weight_bytes_read + kv_bytes(cfg, tokens, kv_elem_bytes), flops)
 
 
-def weight_bytes(model: Any) -> int:
+def weight_bytes(model: Any, skip_linear: bool = False) -> int:
     """Bytes a step reads in full from a built model: every parameter and buffer (each tensor's
     own bytes, a tensor starting where another does counted once, so a tied LM head counts
     once), except rotary tables and an untied embedding table (both only gathered by row).
     Counted per tensor, not per storage: the runner moves all of them into one huge-page
-    buffer (radixrt/mem/huge_pages.py)."""
+    buffer (radixrt/mem/huge_pages.py). `skip_linear` leaves out every tensor of the matmul
+    weights (`model.linear_weights()`, all their representations), for a caller that adds what
+    they read at a given row count."""
     seen: set[int] = set()
+    if skip_linear:
+        seen = {t.data_ptr() for w in model.linear_weights()
+                for t in [*w.parameters(), *w.buffers()]}
     lm_head = getattr(model, "lm_head", None)
     embed = getattr(model, "embed_tokens", None)
     untied_embed = embed is not None and lm_head is not None and embed is not lm_head

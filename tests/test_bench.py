@@ -402,6 +402,32 @@ def test_weight_bytes_of_a_built_model_match_the_formula(tiny_llama_dir, dtype):
     assert R.weight_bytes(model) == R.dense_params_read(cfg) * elem
 
 
+def test_step_weight_bytes_with_a_dense_copy_and_a_tied_head(tmp_path):
+    """A quantized GGUF with dense copies whose tied embedding shares the LM head's copy: a
+    step reads the norms plus what each matmul weight reads at its row count (the kernels'
+    blocks up to max_rows, the dense copies above). one_batch once took the shared copy off
+    twice (a 1-row step of SmolLM2 came out at 9 MiB)."""
+    import torch
+    from model_fixtures import make_tiny_checkpoint, write_tiny_gguf
+
+    from bench import roofline as R
+    from bench.offline import weight_bytes_per_step
+    from radixrt.model.loader import load_model
+    from radixrt.model.quant import QuantPlan
+    from radixrt.model.quant_matmul import resolve_quant_kernel
+
+    hf = make_tiny_checkpoint(tmp_path, "llama", seed=3, tie_word_embeddings=True)
+    gguf = write_tiny_gguf(hf, tmp_path / "t.Q4_1.gguf", "llama", matrix_qtype="Q4_1",
+                           embd_qtype="Q8_0")
+    plan = QuantPlan("gguf", 4, 4, kernel=resolve_quant_kernel("auto"))
+    model, cfg = load_model(gguf, None, torch.float32, "cpu", quant=plan)
+    other = R.weight_bytes(model, skip_linear=True)
+    assert other == (2 * cfg.num_layers + 1) * cfg.hidden_size * 4  # the norms
+    blocks = sum(w.kernel.nbytes() for w in model.linear_weights())
+    assert weight_bytes_per_step(model, 4) == blocks
+    assert other + weight_bytes_per_step(model, 5) == R.dense_params_read(cfg) * 4
+
+
 # -- compare.py smoke run -------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_compare_smoke_tiny_radixrt_only(tmp_path):
