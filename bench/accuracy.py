@@ -38,8 +38,9 @@ import torch  # noqa: E402
 
 from bench.common import common_prefix, cpu_name, markdown_table  # noqa: E402
 
-# (name, dtype, quantization, quant_kernel, kv_cache_dtype); "auto" without a probe
-# (quant_max_rows given, or no dense copy) is radixrt's qgemv where its library builds.
+# (name, dtype, quantization, quant_kernel, kv_cache_dtype); "auto" here means the untimed
+# default, radixrt's qgemv where its library builds (`resolve_quant_kernel`), so the rows mean
+# the same on every CPU (the server's `auto` times vnni against it where both exist).
 MODES: tuple[tuple[str, str, str, str, str], ...] = (
     ("fp32", "float32", "none", "auto", "auto"),
     ("bf16", "bfloat16", "none", "auto", "auto"),
@@ -93,8 +94,11 @@ class _Runner:
                  max_tokens: int, max_reqs: int, quant_kernel: str = "auto",
                  kv_cache_dtype: str = "auto"):
         from radixrt.config import ServerArgs
+        from radixrt.model.quant_matmul import resolve_quant_kernel
         from radixrt.model.runner import ModelRunner
 
+        if quant_kernel == "auto" and quantization != "none":
+            quant_kernel = resolve_quant_kernel("auto")
         args = ServerArgs(model_path=model_path, dtype=dtype, quantization=quantization,
                           quant_max_rows=16, disable_quant_dense_copy=not dense_copy,
                           quant_kernel=quant_kernel, kv_cache_dtype=kv_cache_dtype,
