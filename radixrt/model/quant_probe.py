@@ -282,25 +282,21 @@ def resolve_quantization(requested: str, dtype: torch.dtype, device: torch.devic
         raise ValueError("ServerArgs.quantization: 'gguf' keeps a GGUF file's blocks; the model is "
                          "not a .gguf file (use int8 or int4)")
 
-    def timed_kernel(p: QuantProbe) -> str:
-        """The kernel `p` kept among several `auto` candidates (timed, the fastest), else the
-        one already resolved."""
-        return p.kernel if requested_kernel == "auto" and p.kernel in candidates else kernel
-
-    # With the rows given (no crossover to measure), the probe still picks among several `auto`
-    # candidates: untimed, `radixrt` ran 2.6x slower than `vnni` at batch 8 on a CPU without
-    # AVX512-BF16 (stop 37).
-    choose = len(candidates) > 1
+    # The probe runs for the crossover and the `auto` decision, and, where `auto` has several
+    # candidate kernels, to pick one even when the rows are given (no crossover to measure):
+    # untimed, `radixrt` ran 2.6x slower than `vnni` at batch 8 on a CPU without AVX512-BF16
+    # (stop 37).
+    rows_given = not dense_copy or (max_rows is not None and requested != "auto")
+    p = probe(dtype) if not rows_given or len(candidates) > 1 else None
+    if p is not None and requested_kernel == "auto" and p.kernel in candidates:
+        kernel = p.kernel  # the probe timed the candidates and kept the fastest
     if not dense_copy:
-        kernel = timed_kernel(probe(dtype)) if choose else kernel
         return (QuantPlan(mode, dense_copy=False, kernel=kernel),
                 f"{mode} ({kernel} kernel for every call, no dense copy)")
     if max_rows is not None and requested != "auto":
-        kernel = timed_kernel(probe(dtype)) if choose else kernel
         return (QuantPlan(mode, max_rows, max_rows, kernel=kernel),
                 f"{mode} ({kernel} kernel, max_rows {max_rows} given)")
-    p = probe(dtype)
-    kernel = timed_kernel(p)
+    assert p is not None  # rows not given: probed above
     if requested == "auto" and not forced:
         kind = "int4" if mode == "gguf" else mode
         s = p.speedup(kind)
