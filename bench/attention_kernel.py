@@ -449,6 +449,8 @@ def build_op_sources(sources: dict[str, str], namespace: str, headers: dict[str,
                 raise SystemExit(f"no {macros[0]}radixrt, ...) in {source}")
             for m in macros:
                 src = src.replace(f"{m}radixrt,", f"{m}{namespace},")
+        # custom classes are named by their library in every schema that takes one
+        src = src.replace("torch.classes.radixrt.", f"torch.classes.{namespace}.")
         renamed[source] = src
     spec = cpu_kernels.build_spec()
     cflags = [*spec.cflags, *(f"-D{d}" for d in defines)]

@@ -82,13 +82,14 @@ def timed_source(src: str) -> str:
 
 
 def build() -> object:
-    """The timed op library, loaded; returns its op namespace (decode_layers.cpp includes no
-    radixrt header, so none is copied beside it)."""
+    """The timed op library, loaded; returns its op namespace (every csrc header is copied
+    beside it: decode_layers.cpp includes the team's)."""
     from bench.attention_kernel import build_op_sources
 
-    root = Path(__file__).resolve().parents[1]
-    src = (root / "radixrt/attention/csrc/decode_layers.cpp").read_text()
-    build_op_sources({"decode_layers.cpp": timed_source(src)}, NAMESPACE, {})
+    csrc = Path(__file__).resolve().parents[1] / "radixrt/attention/csrc"
+    src = (csrc / "decode_layers.cpp").read_text()
+    headers = {h.name: h.read_text() for h in sorted(csrc.glob("*.h"))}
+    build_op_sources({"decode_layers.cpp": timed_source(src)}, NAMESPACE, headers)
     return getattr(torch.ops, NAMESPACE)
 
 
@@ -115,6 +116,8 @@ def main() -> None:
                                     num_threads=a.threads, kv_cache_dtype=a.kv_cache_dtype))
     # one pass per step: the laps are summed over threads, which micro-batches would mix up
     runner.model.decode_microbatch_rows = 0
+    # a region per op: the laps are per thread, a team's threads would interleave them
+    runner.model.decode_team = False
     print(f"dtype {runner.dtype}, quant {runner.quant}, KV {runner.token_to_kv_pool.kv_dtype}; "
           f"{a.threads} threads; ctx {a.ctx}")
     for bs in a.batch_sizes:

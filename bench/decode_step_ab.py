@@ -62,14 +62,17 @@ def use(op: object) -> None:
     def run(self: DecodeLayers, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             loc: torch.Tensor, plan: object, k_buffers: list[torch.Tensor],
             v_buffers: list[torch.Tensor], k_scales: list[torch.Tensor] | None = None,
-            v_scales: list[torch.Tensor] | None = None, split: int = 0
+            v_scales: list[torch.Tensor] | None = None, split: int = 0, team: bool = False
             ) -> tuple[torch.Tensor, torch.Tensor]:
         p = plan
         schema = str(op.default._schema)  # type: ignore[attr-defined]
         # revisions before the int8 KV cache have no scale lists in the op's schema, those
-        # before the micro-batches no split (they run the step as one batch)
+        # before the micro-batches no split (they run the step as one batch), those before
+        # the team no team (a region per op)
         scales = [k_scales or [], v_scales or []] if "k_scales" in schema else []
         tail = [split] if "int split" in schema else []
+        if "bool team" in schema:
+            tail += [team, self.team_norms_whole]
         return op(h, cos.squeeze(1), sin.squeeze(1), self.norms, self.weights,  # type: ignore
                   self.meta, k_buffers, v_buffers, *scales, loc, p.kv_indices,  # type: ignore
                   p.row_start,  # type: ignore

@@ -404,37 +404,63 @@ def test_micro_batch_errors_raise_and_do_not_hang(tmp_path: Path, two_threads: o
 
 
 # (model dims over TINY_DIMS, shared prefix, lone row, own rows: _decode_run). At "tiny" the
-# matmuls and the attention are too small to split (each runs on one member while the other
-# waits); at "wide" every matmul splits its activation quantization and its tiles between the
-# members, and both attention phases (the shared prefix's, the rows' own keys) their items, by
-# cost. At "wide-own" (four equal unrelated rows) the attention's split falls on the members'
-# rows, so kv_store and the attention end without the team meeting (attention_keeps_rows).
+# matmuls are too small to split (each runs on one member while the other waits); at "wide"
+# every matmul splits its activation quantization and its tiles between the members. At
+# "wide-own" (four equal unrelated rows) the attention's split falls on the members' rows, so
+# kv_store and the attention end without the team meeting (attention_keeps_rows).
 _WIDE = {"hidden_size": 256, "intermediate_size": 512, "max_position_embeddings": 8192}
 _TEAM_CASES: dict[str, tuple[dict[str, int], int, int, int]] = {
     "tiny": ({}, 40, 9, 0),
     "wide": (_WIDE, 1500, 4500, 0),
     "wide-own": (_WIDE, 0, 0, 2500),
 }
+# (team, regions) thresholds of an attention phase's (query, key) pairs below which it runs on
+# one thread (`radixrt::attention_parallel_work`): built in; never split (a team's first member
+# runs every phase while the other waits, one thread per region); every phase split by cost
+# (both attention phases, the shared prefix's and the rows' own keys, however small).
+_THRESHOLDS: dict[str, tuple[int, int] | None] = {
+    "built-in": None,
+    "one-thread": (1 << 40, 1 << 40),
+    "split-all": (0, 0),
+}
 
 
+@pytest.fixture
+def attention_thresholds(request: pytest.FixtureRequest) -> object:
+    """The attention thresholds of `_THRESHOLDS[request.param]`, restored after."""
+    from radixrt.attention import cpu_kernels
+
+    if not cpu_kernels.load_cpu_kernels():
+        pytest.skip("the CPU kernels are not loaded")
+    setting = _THRESHOLDS[request.param]
+    before = torch.ops.radixrt.attention_parallel_work()
+    if setting is not None:
+        torch.ops.radixrt.attention_parallel_work(*setting)
+    yield
+    torch.ops.radixrt.attention_parallel_work(*before)
+
+
+@pytest.mark.parametrize("attention_thresholds", sorted(_THRESHOLDS), indirect=True)
 @pytest.mark.parametrize("case", sorted(_TEAM_CASES))
 @pytest.mark.parametrize("kv_dtype", [None, torch.int8], ids=["bf16-kv", "int8-kv"])
 def test_team_is_bitwise_a_region_per_op(tmp_path: Path, kv_dtype: torch.dtype | None,
                                          case: str, two_threads: object,
+                                         attention_thresholds: object,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """One pass as a team of the 2 threads (each op then runs on both: its calls double) gives
     the logits of the pass with a parallel region per op, bitwise: 3 rows sharing a cached
-    prefix (a cascade group) beside an unrelated one, on a bf16 and an int8 pool. Each step
-    attends over the K/V the steps before it stored, so the K rows each member stores right
-    after rotating them (no meeting between RoPE and kv_store) are checked too. The team runs
-    with its norms split by rows (`team_norms_whole` 0), whole on each member (1: each member's
-    own residual stream and quantized rows), and as its placement probe picks (-1)."""
+    prefix (a cascade group) beside an unrelated one, on a bf16 and an int8 pool, whichever
+    attention phases run on one thread. Each step attends over the K/V the steps before it
+    stored, so the K rows each member stores right after rotating them (no meeting between RoPE
+    and kv_store) are checked too. The team runs with its norms split by rows
+    (`team_norms_whole` 0), whole on each member (1: each member's own residual stream and
+    quantized rows), and as its placement probe picks (-1)."""
     from radixrt.attention.paged_decode import paged_decode_i8_unavailable_reason
 
     dims, prefix_len, lone_len, own_len = _TEAM_CASES[case]
-    path, plan = _tiny_vnni_gguf(tmp_path, 13, "Q4_0", **dims)
     if kv_dtype is torch.int8 and paged_decode_i8_unavailable_reason():
         pytest.skip(str(paged_decode_i8_unavailable_reason()))
+    path, plan = _tiny_vnni_gguf(tmp_path, 13, "Q4_0", **dims)
     runs, ropes = {}, {}
     for team, whole in ((False, -1), (True, 0), (True, 1), (True, -1)):
         config = ModelConfig.from_path(path)

@@ -256,6 +256,32 @@ def test_result_does_not_depend_on_thread_count() -> None:
         assert torch.equal(one[0], many[0]) and torch.equal(one[1], many[1])
 
 
+def test_result_does_not_depend_on_the_one_thread_threshold() -> None:
+    """Whether an attention phase (a group's shared prefix, the rows' own keys) runs on one
+    thread or is split over two (`radixrt::attention_parallel_work`, the regions' threshold
+    here: no team) changes no bit; the setter returns the previous [team, regions] and leaves a
+    negative argument's value as it is."""
+    op = torch.ops.radixrt.attention_parallel_work
+    c = _case(11, torch.bfloat16, 9, 3, 64, [200] * 8, [(400, list(range(8)))])
+    before, threads = op(), torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert op(-1, 0) == before
+        assert op(7, -1) == [before[0], 0]
+        assert op() == [7, 0]
+        split = _run(c, 0.125)
+        op(-1, 1 << 40)
+        alone = _run(c, 0.125)
+    finally:
+        op(*before)
+        torch.set_num_threads(threads)
+    assert op() == before
+    assert torch.equal(split[0], alone[0]) and torch.equal(split[1], alone[1])
+    ref_out, ref_lse = _reference(c, 0.125)
+    torch.testing.assert_close(split[0].double(), ref_out, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(split[1].double(), ref_lse, atol=1e-3, rtol=1e-3)
+
+
 def test_bad_input_raises_naming_the_argument() -> None:
     c = _case(1, torch.float32, 4, 2, 16, [3, 4], [])
     bad_slot = dict(c, idx=c["idx"].clone())

@@ -272,7 +272,7 @@ bool attention_keeps_rows(const TeamMember& m, const Plan& plan, int64_t rows, i
   const int64_t* len = rl.data_ptr<int64_t>();
   int64_t total = 0;
   for (int64_t b = 0; b < rows; ++b) total += len[b] * group_size * kv_heads;
-  if (total < kMinParallelAttentionWork) return false;  // then the first member runs it all
+  if (total < min_parallel_attention_work()) return false;  // then the first member runs all
   int64_t before = 0;
   for (int64_t b = 0, id = 0; b < rows; ++b) {
     while (team_rows(id, rows, m.size).second <= b) ++id;  // the member whose rows hold b

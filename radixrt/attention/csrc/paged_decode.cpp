@@ -978,7 +978,7 @@ void paged_decode_run(const Tensor& q, int64_t Hkv, int64_t slots, const Tensor&
         }
       }
     }
-    run_largest_first(items, kMinParallelAttentionWork, [&](const Item& it) {
+    run_largest_first(items, min_parallel_attention_work(), [&](const Item& it) {
       thread_local std::vector<QType> qbuf;
       thread_local std::vector<float> mbuf, lbuf, abuf;
       const int64_t rows = it.last - it.first, nq = rows * G;
@@ -1011,7 +1011,7 @@ void paged_decode_run(const Tensor& q, int64_t Hkv, int64_t slots, const Tensor&
       items.push_back({rl[b] * G, -1, static_cast<int32_t>(b), 0, static_cast<int32_t>(h)});
     }
   }
-  run_largest_first(items, kMinParallelAttentionWork, [&](const Item& it) {
+  run_largest_first(items, min_parallel_attention_work(), [&](const Item& it) {
     thread_local std::vector<QType> qbuf;
     thread_local std::vector<float> mbuf, lbuf, abuf;
     const int64_t b = it.first, h = it.kv_head;
@@ -1254,6 +1254,14 @@ std::vector<int64_t> paged_decode_head_dims() { return {16, 32, 64, 80, 96, 128,
 
 std::string paged_decode_isa() { return RADIXRT_STR(CPU_CAPABILITY); }
 
+std::vector<int64_t> set_attention_parallel_work(int64_t team, int64_t regions) {
+  AttentionParallelWork& w = attention_parallel_work();
+  std::vector<int64_t> previous{w.team.load(), w.regions.load()};
+  if (team >= 0) w.team.store(team);
+  if (regions >= 0) w.regions.store(regions);
+  return previous;
+}
+
 }  // namespace
 }  // namespace radixrt_cpu
 
@@ -1269,6 +1277,11 @@ TORCH_LIBRARY(radixrt, m) {
   m.def("paged_decode_i8_available() -> bool", &radixrt_cpu::paged_decode_i8_available);
   m.def("paged_decode_head_dims() -> int[]", &radixrt_cpu::paged_decode_head_dims);
   m.def("paged_decode_isa() -> str", &radixrt_cpu::paged_decode_isa);
+  // Benchmarks / tests: the (query, key) pairs of an attention phase below which it runs on one
+  // thread, in a decode team and with a parallel region per op (work_queue.h); a negative value
+  // leaves that one as it is. Returns the previous [team, regions].
+  m.def("attention_parallel_work(int team=-1, int regions=-1) -> int[]",
+        &radixrt_cpu::set_attention_parallel_work);
 }
 
 TORCH_LIBRARY_IMPL(radixrt, CPU, m) {

@@ -17,11 +17,34 @@
 
 namespace radixrt_cpu {
 
-// Paged decode's (query, key) pairs in a phase below which the phase runs on the calling
-// thread: waking the other threads costs more than the work (tens of microseconds at most), and
-// far more when the machine is oversubscribed and a woken thread has to wait for a time slice.
-// decode_layers' attention_keeps_rows reads it too (below it, a team's first member runs all).
-constexpr int64_t kMinParallelAttentionWork = 16384;
+// Paged decode's (query, key) pairs in a phase below which the phase runs on one thread
+// (min_parallel_attention_work). Outside a team (a parallel region per op) the other threads
+// must be woken first, which costs more than a small phase (tens of microseconds, far more when
+// the machine is oversubscribed and a woken thread has to wait for a time slice). In a team the
+// members are already running and meet after the phase either way: only a phase too small to
+// pay for its items' crossings stays on the first member. decode_layers' attention_keeps_rows
+// reads the team's (below it, a team's first member runs all).
+// The same pairs cost 1-7 ns each on one thread from Zen 5's bf16 dot to an fp32-FMA scan; a
+// shared-prefix group's rows leave few keys of their own, so a decode step's second phase
+// (every row's own keys) often fell under the old single threshold of 16384 and ran on one
+// thread: ~1.45x the attention time of a batch-8 step sharing 400 of 600 keys per row, slower
+// than reading every row's keys without the group (bench/results/2026-12-01-s38-*).
+struct AttentionParallelWork {
+  std::atomic<int64_t> regions{4096};
+  std::atomic<int64_t> team{512};
+};
+
+// The process's thresholds (benchmarks and tests change them: radixrt::attention_parallel_work).
+inline AttentionParallelWork& attention_parallel_work() {
+  static AttentionParallelWork w;
+  return w;
+}
+
+// The threshold for a phase run by the calling thread: its team's, else the regions'.
+inline int64_t min_parallel_attention_work() {
+  const AttentionParallelWork& w = attention_parallel_work();
+  return (team_member() != nullptr ? w.team : w.regions).load(std::memory_order_relaxed);
+}
 
 // The team member (of `size`) that team_share gives an item of `cost` after items costing
 // `before` in all, of `total`: the one whose equal share of the total holds the item's middle.
