@@ -12,10 +12,11 @@ layer) against the same op compiled from `extend_attention.cpp` at `--baseline` 
 with its shared-prefix groups off, on `EXTEND_KERNEL_SHAPES` (agent waves with own or 700-token
 shared prefixes, a mixed batch, fresh prefills).
 
-`extend-phases`: where the bf16 (vdpbf16ps) extend kernel's time goes on those shapes: the current
-`extend_attention.cpp` built whole and without each phase (`RADIXRT_EXT_SKIP_PHASES`: scores,
-softmax, P V, V packing; results wrong), interleaved on one layer's K/V; a phase's cost is the
-difference.
+`extend-phases`: where the bf16 extend kernel's time goes on those shapes, on the path this CPU
+takes (vdpbf16ps with AVX512-BF16, else fp32 FMA): the current `extend_attention.cpp` built whole
+and without each phase (`RADIXRT_EXT_SKIP_PHASES`: scores, softmax, P V, V packing: on the fp32
+path the K/V block conversion; results wrong), interleaved on one layer's K/V; a phase's cost is
+the difference.
 
 `kernel`: the op alone (`PagedDecodePlan.run` on every layer, plan built once) against the same op
 compiled from `paged_decode.cpp` at git revision `--baseline` (built beside the current one with
@@ -308,7 +309,7 @@ EXTEND_PHASES = {"scores": 1, "softmax": 2, "P V": 4, "V packing": 8}
 
 
 def bench_extend_phases(shapes: list[str], reps: int) -> list[dict[str, Any]]:
-    """The bf16 vdpbf16ps path's phases: this `extend_attention.cpp` built once whole and once
+    """The bf16 path's phases: this `extend_attention.cpp` built once whole and once
     without each phase (wrong results), interleaved on one layer's K/V (hot); a phase's cost is
     the whole's time minus the time without it."""
     csrc = Path(cpu_kernels.__file__).resolve().parent / "csrc"

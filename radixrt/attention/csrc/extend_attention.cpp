@@ -45,8 +45,10 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+#if defined(CPU_CAPABILITY_AVX512)
 #include <immintrin.h>
+#endif
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
 #define RADIXRT_EXTEND_BF16_DOT 1
 #endif
 
@@ -162,6 +164,14 @@ struct Tiles {
   }
 };
 
+// Phase costs (`bench/attention_kernel.py extend-phases`): RADIXRT_EXT_SKIP_PHASES compiles the
+// phases of this bit mask out of either path ("V packing": the fp32 path's K/V block
+// conversion), leaving wrong results and the time of the rest.
+#ifndef RADIXRT_EXT_SKIP_PHASES
+#define RADIXRT_EXT_SKIP_PHASES 0
+#endif
+constexpr int kSkipScores = 1, kSkipSoftmax = 2, kSkipPV = 4, kSkipVPack = 8;
+constexpr int kSkipPhases = RADIXRT_EXT_SKIP_PHASES;
 
 // Online-softmax step of one score row (kKeyBlock entries, `visible` >= 1 of them real):
 // s masked past `visible`; new running max m, alpha = exp(m_old - m), s becomes the
@@ -182,6 +192,122 @@ inline void softmax_row(float* s, int64_t visible, float& m, float& l, float& al
   l = l * alpha + hsum(sum);
   m = m_new;
 }
+
+#if defined(CPU_CAPABILITY_AVX512)
+// Transpose-reduce of 16 vectors: lane i of the result is op over the lanes of v[i] (pairs of
+// vectors, then quads, then 128-bit lanes twice: 15 combines instead of 16 horizontal
+// reductions).
+template <typename Op>
+inline __m512 transpose_reduce16(const __m512* v, const Op& op) {
+  __m512 pair[8], quad[4], half[2];
+  for (int i = 0; i < 8; ++i) {
+    pair[i] = op(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                 _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(pair[2 * i]), y = _mm512_castps_pd(pair[2 * i + 1]);
+    quad[i] = op(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                 _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i) {
+    half[i] = op(_mm512_shuffle_f32x4(quad[2 * i], quad[2 * i + 1], 0x88),
+                 _mm512_shuffle_f32x4(quad[2 * i], quad[2 * i + 1], 0xDD));
+  }
+  return op(_mm512_shuffle_f32x4(half[0], half[1], 0x88),
+            _mm512_shuffle_f32x4(half[0], half[1], 0xDD));
+}
+
+// r[i] = row i of a 16 x 16 block -> r[j] = its column j (lane i = row i's lane j): pairs of
+// rows interleaved, then quads, then 128-bit lanes twice.
+inline void transpose16(__m512* r) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  // r[4q + e], 128-bit lane L: element 4L + e of rows 4q .. 4q + 3
+  for (int q = 0; q < 16; q += 4) {
+    for (int e = 0; e < 2; ++e) {
+      const __m512d x = _mm512_castps_pd(t[q + e]), y = _mm512_castps_pd(t[q + 2 + e]);
+      r[q + 2 * e] = _mm512_castpd_ps(_mm512_unpacklo_pd(x, y));
+      r[q + 2 * e + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(x, y));
+    }
+  }
+  for (int e = 0; e < 4; ++e) {
+    const __m512 u0 = _mm512_shuffle_f32x4(r[e], r[4 + e], 0x88);
+    const __m512 v0 = _mm512_shuffle_f32x4(r[e], r[4 + e], 0xDD);
+    const __m512 u1 = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], 0x88);
+    const __m512 v1 = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], 0xDD);
+    t[e] = _mm512_shuffle_f32x4(u0, u1, 0x88);
+    t[4 + e] = _mm512_shuffle_f32x4(v0, v1, 0x88);
+    t[8 + e] = _mm512_shuffle_f32x4(u0, u1, 0xDD);
+    t[12 + e] = _mm512_shuffle_f32x4(v0, v1, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// softmax_row on n <= 16 rows (stride kKeyBlock, row i's first visible[i] >= 1 entries real):
+// the rows' maxima and sums reduced together (transpose_reduce16) instead of one horizontal
+// reduction each. The same m and alpha bits as softmax_row; l sums a row's probabilities in
+// another order.
+inline void softmax_rows16(float* s, int n, const int64_t* visible, float* m, float* l,
+                           float* alpha) {
+  static_assert(kKeyBlock == 64, "four vectors per score row");
+  const __m512 neg_inf = _mm512_set1_ps(kNegInf);
+  __m512 part[16];
+  for (int i = 0; i < 16; ++i) {
+    if (i >= n) {
+      part[i] = neg_inf;
+      continue;
+    }
+    float* row = s + i * kKeyBlock;
+    __m512 mx = neg_inf;
+    for (int c = 0; c < 4; ++c) {
+      const int64_t k = visible[i] - 16 * c;  // real entries in this vector
+      __m512 v = _mm512_loadu_ps(row + 16 * c);
+      if (k < 16) {
+        const __mmask16 real = k <= 0 ? 0 : static_cast<__mmask16>((1u << k) - 1u);
+        v = _mm512_mask_mov_ps(neg_inf, real, v);
+        _mm512_storeu_ps(row + 16 * c, v);
+      }
+      mx = _mm512_max_ps(mx, v);
+    }
+    part[i] = mx;
+  }
+  const __mmask16 rows = static_cast<__mmask16>((1u << n) - 1u);
+  const __m512 row_max = transpose_reduce16(part, [](__m512 a, __m512 b) {
+    return _mm512_max_ps(a, b);
+  });
+  alignas(64) float m_old[16], m_new[16];
+  _mm512_store_ps(m_old, _mm512_mask_loadu_ps(neg_inf, rows, m));
+  _mm512_store_ps(m_new, _mm512_max_ps(_mm512_load_ps(m_old), row_max));
+  for (int i = 0; i < n; ++i) {
+    alpha[i] = std::exp(m_old[i] - m_new[i]);  // 0 while m is -inf
+    m[i] = m_new[i];
+  }
+  for (int i = 0; i < 16; ++i) {
+    if (i >= n) {
+      part[i] = _mm512_setzero_ps();
+      continue;
+    }
+    float* row = s + i * kKeyBlock;
+    const Vec vm(m_new[i]);
+    Vec sum(0.f);
+    for (int c = 0; c < kKeyBlock; c += kVec) {
+      const Vec p = (Vec::loadu(row + c) - vm).exp_u20();  // exp(-inf) = 0
+      p.store(row + c);
+      sum = sum + p;
+    }
+    part[i] = __m512(sum);
+  }
+  const __m512 sums = transpose_reduce16(part, [](__m512 a, __m512 b) {
+    return _mm512_add_ps(a, b);
+  });
+  alignas(64) float lsum[16];
+  _mm512_store_ps(lsum, sums);
+  for (int i = 0; i < n; ++i) l[i] = l[i] * alpha[i] + lsum[i];
+}
+#endif
 
 #ifdef RADIXRT_EXTEND_BF16_DOT
 // bf16 pools on CPUs with AVX512-BF16: scores and P·V by vdpbf16ps (products of bf16 pairs
@@ -206,13 +332,6 @@ constexpr float kLog2e = 1.4426950408889634f;
 #ifndef RADIXRT_EXT_PREFETCH
 #define RADIXRT_EXT_PREFETCH 1
 #endif
-// Phase costs (`bench/attention_kernel.py extend-phases`): RADIXRT_EXT_SKIP_PHASES compiles the
-// phases of this bit mask out of the path, leaving wrong results and the time of the rest.
-#ifndef RADIXRT_EXT_SKIP_PHASES
-#define RADIXRT_EXT_SKIP_PHASES 0
-#endif
-constexpr int kSkipScores = 1, kSkipSoftmax = 2, kSkipPV = 4, kSkipVPack = 8;
-constexpr int kSkipPhases = RADIXRT_EXT_SKIP_PHASES;
 
 // 2^x as 2^f * 2^n, x = n + f, n = round(x), |f| <= 1/2, 2^f by the polynomial with
 // coefficients c (highest degree first, Horner's rule).
@@ -812,11 +931,38 @@ void extend_impl(const Tensor& q, const Tensor& k_buffer, const Tensor& v_buffer
       const Vec vs(scale);
       for (int64_t e = 0; e < G * D; e += kVec) (load_f32<T>(src + e) * vs).store(dst + e);
     }
+#if !defined(CPU_CAPABILITY_AVX512)
     alignas(64) float krow[D];
+#endif
     for (int64_t j0 = 0; j0 < key_end; j0 += kKeyBlock) {
       const int64_t nb = std::min(kKeyBlock, key_end - j0);
-      // Convert the block to fp32: K transposed, V row-major.
-      for (int64_t jj = 0; jj < nb; ++jj) {
+      // Convert the block to fp32: K transposed (keys past nb zero), V row-major.
+#if defined(CPU_CAPABILITY_AVX512)
+      // 16 keys at a time: each 16-dim chunk of their rows transposed in registers.
+      for (int64_t g0 = 0; g0 < kKeyBlock && !(kSkipPhases & kSkipVPack); g0 += 16) {
+        const T* kr[16];
+        const int real = static_cast<int>(std::clamp<int64_t>(nb - g0, 0, 16));
+        for (int i = 0; i < real; ++i) {
+          const int64_t slot = slot_of(j0 + g0 + i);
+          kr[i] = kb + slot * slot_stride + h * head_stride;
+          const T* vr = vb + slot * slot_stride + h * head_stride;
+          for (int64_t c = 0; c < D; c += kVec) {
+            load_f32<T>(vr + c).store(sc.vp.data() + (g0 + i) * D + c);
+          }
+        }
+        for (int64_t c = 0; c < D; c += 16) {
+          __m512 rows[16];
+          for (int i = 0; i < 16; ++i) {
+            rows[i] = i < real ? __m512(load_f32<T>(kr[i] + c)) : _mm512_setzero_ps();
+          }
+          transpose16(rows);
+          for (int d = 0; d < 16; ++d) {
+            _mm512_storeu_ps(sc.kt.data() + (c + d) * kKeyBlock + g0, rows[d]);
+          }
+        }
+      }
+#else
+      for (int64_t jj = 0; jj < nb && !(kSkipPhases & kSkipVPack); ++jj) {
         const int64_t slot = slot_of(j0 + jj);
         const T* kr = kb + slot * slot_stride + h * head_stride;
         const T* vr = vb + slot * slot_stride + h * head_stride;
@@ -829,22 +975,35 @@ void extend_impl(const Tensor& q, const Tensor& k_buffer, const Tensor& v_buffer
       for (int64_t jj = nb; jj < kKeyBlock; ++jj) {
         for (int64_t d = 0; d < D; ++d) sc.kt[d * kKeyBlock + jj] = 0.f;
       }
+#endif
       // Rows whose token sees no key of this block are skipped (a suffix of tokens is active).
       const int64_t t_lo = std::max<int64_t>(0, j0 - p_len - pt.t0);
       const int64_t r_lo = t_lo * G;
       if (r_lo >= nq) continue;
-      for (int64_t r0 = r_lo; r0 < nq; r0 += Tl::R_S) {
+      for (int64_t r0 = r_lo; r0 < nq && !(kSkipPhases & kSkipScores); r0 += Tl::R_S) {
         with_rows<Tl::R_S>(static_cast<int>(std::min<int64_t>(Tl::R_S, nq - r0)), [&](auto rr) {
           Tl::template scores<decltype(rr)::value>(sc.q.data() + r0 * D, sc.kt.data(),
                                                    sc.s.data() + r0 * kKeyBlock);
         });
       }
       // Causal limit, online softmax: probabilities in place, alpha rescales the old rows.
-      for (int64_t r = r_lo; r < nq; ++r) {
+#if defined(CPU_CAPABILITY_AVX512)
+      for (int64_t r0 = r_lo; r0 < nq && !(kSkipPhases & kSkipSoftmax); r0 += 16) {
+        const int n = static_cast<int>(std::min<int64_t>(16, nq - r0));
+        int64_t visible[16];
+        for (int i = 0; i < n; ++i) {
+          visible[i] = std::min(nb, p_len + pt.t0 + (r0 + i) / G - j0 + 1);  // >= 1
+        }
+        softmax_rows16(sc.s.data() + r0 * kKeyBlock, n, visible, sc.m.data() + r0,
+                       sc.l.data() + r0, sc.alpha.data() + r0);
+      }
+#else
+      for (int64_t r = r_lo; r < nq && !(kSkipPhases & kSkipSoftmax); ++r) {
         const int64_t visible = std::min(nb, p_len + pt.t0 + r / G - j0 + 1);  // >= 1
         softmax_row(sc.s.data() + r * kKeyBlock, visible, sc.m[r], sc.l[r], sc.alpha[r]);
       }
-      for (int64_t r0 = r_lo; r0 < nq; r0 += Tl::R_O) {
+#endif
+      for (int64_t r0 = r_lo; r0 < nq && !(kSkipPhases & kSkipPV); r0 += Tl::R_O) {
         with_rows<Tl::R_O>(static_cast<int>(std::min<int64_t>(Tl::R_O, nq - r0)), [&](auto rr) {
           Tl::template accumulate<decltype(rr)::value>(
               sc.s.data() + r0 * kKeyBlock, sc.vp.data(), nb, sc.alpha.data() + r0,
