@@ -256,6 +256,31 @@ def test_result_does_not_depend_on_thread_count() -> None:
         assert torch.equal(one[0], many[0]) and torch.equal(one[1], many[1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_large_group_matches_reference_and_keeps_each_rows_bits(dtype: torch.dtype) -> None:
+    """A cascade group of 16+ rows (on pools scanned without a dot-product instruction it passes
+    over its prefix in register-tiled key blocks, the rows' own keys then by the scan): the
+    float64 reference, and each row's bits the same in a 20-row group and in a 17-row one, on 1
+    and on 2 threads (the chunks differ)."""
+    own = [1 + (5 * i) % 37 for i in range(22)]
+    members = [0, 1, 2, 3, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 21]
+    big = _case(12, dtype, 9, 3, 64, own, [(300, members)])
+    out, lse = _run(big, 0.125)
+    ref_out, ref_lse = _reference(big, 0.125)
+    torch.testing.assert_close(out.double(), ref_out, atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=2e-5)
+    fewer = dict(big, g_rows=_i64(members[:17]), g_ptr=_i64([0, 17]))
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            sub_out, sub_lse = _run(fewer, 0.125)
+            for b in members[:17]:
+                assert torch.equal(sub_out[b], out[b]) and torch.equal(sub_lse[b], lse[b]), (n, b)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_result_does_not_depend_on_the_one_thread_threshold() -> None:
     """Whether an attention phase (a group's shared prefix, the rows' own keys) runs on one
     thread or is split over two (`radixrt::attention_parallel_work`, the regions' threshold

@@ -12,10 +12,14 @@
 // whatever the pool's dtype. Outputs: the attention output in q's dtype and the natural-log
 // log-sum-exp of the scaled scores (m + log l) in fp32, so callers can merge partial results by
 // log-sum-exp. A row with no key at all gets output 0 and LSE -inf. Every query's arithmetic is
-// the same whatever else is in the batch (batch-invariant, bitwise).
+// the same whatever else is in the batch (batch-invariant, bitwise), given its plan: whether it
+// is in a cascade group, and on pools scanned without a dot-product instruction whether that
+// group has kBlockGroupRows rows or more.
 //
 // Cascade: a group's shared prefix keys are read once per (group chunk, KV head) for all of the
-// chunk's query rows; each row then continues the same online softmax over its own keys.
+// chunk's query rows; each row then continues the same online softmax over its own keys. Large
+// groups on pools without a dot-product instruction pass over the prefix in register-tiled key
+// blocks (fma_attention.h) instead of the scan.
 // GQA: query head h uses KV head h / (heads / kv_heads); K/V are never expanded.
 //
 // Two scans (KeyScan), chosen by the instruction set this file is compiled for (by the builder,
@@ -37,6 +41,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "fma_attention.h"
 #include "kv_pool_layout.h"
 #include "team.h"
 #include "vec_util.h"
@@ -85,6 +90,14 @@ constexpr int64_t kBlock16 = 16;
 constexpr int64_t kPrefetchBlocks = RADIXRT_PD_PREFETCH_BLOCKS;
 constexpr int64_t kPrefetchBlocksAlone = RADIXRT_PD_PREFETCH_BLOCKS_ALONE;
 constexpr bool kPvBf16 = RADIXRT_PD_PV_BF16;
+// Cascade groups of at least this many rows pass over their shared prefix in register-tiled
+// key blocks where the scan has no dot-product instruction (KeyScan::run_group). A row's result
+// then depends on whether its group is that large (never on the threads or the chunking): from
+// 16 rows the blocks were 1.37-1.39x the scan on one thread (8 rows 1.14x, 4 rows 0.99x, 2
+// rows 0.78x: the block conversion is amortized over the chunk's queries), and a 16-row group's
+// chunks on two threads hold 8 rows each (Xeon without AVX512-BF16, bench/results/
+// 2026-12-01-s38-*).
+constexpr int64_t kBlockGroupRows = 16;
 // Most query rows per cascade work item (rows of one group are split into chunks so that
 // there are enough items for every thread).
 constexpr int64_t kMaxChunkRows = 32;
@@ -318,6 +331,13 @@ struct TiledScan {
     run_tiles<TQ, D>(static_cast<const Scan&>(*this), q, nq, idx, n, m, l, acc);
   }
 
+  // `run` for a cascade group's rows over their shared prefix (the same state in and out);
+  // `large`: the group has at least kBlockGroupRows rows.
+  void run_group(const QType* q, int64_t nq, const int32_t* idx, int64_t n, float* m, float* l,
+                 float* acc, bool /*large*/) const {
+    static_cast<const Scan&>(*this).run(q, nq, idx, n, m, l, acc);
+  }
+
   template <int R>
   using Acc = AccTile<R, NV>;
 
@@ -392,6 +412,30 @@ struct KeyScan : TiledScan<KeyScan<T, D>, typename RowDot<T, D, kBf16Dot<T>>::QT
   // Value row `row`'s dims 16 c .. 16 c + 15 as fp32 (the fp32 FMA P V).
   static inline __m512 value_chunk(const T* row, int c) {
     return __m512(load_f32<T>(row + c * 16));
+  }
+
+  // A cascade group's pass over its shared prefix. For a large group (`large`) without a
+  // dot-product instruction (fp32 FMA on converted rows): fma_attention::attend, each key block
+  // converted once for all of the item's queries (a chunk of the group's rows x the KV head's
+  // query heads) and register-tiled like extend, instead of once per tile of TQ queries with a
+  // transpose-reduce per key and query. Same state in and out: m, l in scaled-score units, acc
+  // unnormalized in natural order (kPairPV is false here).
+  void run_group(const QType* q, int64_t nq, const int32_t* idx, int64_t n, float* m, float* l,
+                 float* acc, bool large) const {
+    if constexpr (kDot) {
+      Base::run(q, nq, idx, n, m, l, acc);
+    } else {
+      if (!large) return Base::run(q, nq, idx, n, m, l, acc);
+      thread_local std::vector<float> qs;
+      thread_local fma_attention::Scratch sc;
+      qs.resize(nq * D);
+      const Vec vs(scale);
+      for (int64_t e = 0; e < nq * D; e += kVec) (Vec::loadu(q + e) * vs).store(qs.data() + e);
+      fma_attention::attend<T, D>(
+          qs.data(), nq, n, [idx](int64_t j) { return static_cast<int64_t>(idx[j]); },
+          [](int64_t) { return int64_t{0}; }, [](int64_t, int64_t, int64_t nb) { return nb; },
+          kbase, vbase, stride, m, l, acc, sc);
+    }
   }
 
   template <int R>
@@ -776,6 +820,12 @@ struct KeyScan {
     for (int64_t e = 0; e < n * D; ++e) dst[e] = static_cast<float>(src[e]) * scale;
   }
 
+  // `run` for a cascade group's rows over their shared prefix.
+  void run_group(const float* q, int64_t nq, const int32_t* idx, int64_t n, float* m, float* l,
+                 float* acc, bool /*large*/) const {
+    run(q, nq, idx, n, m, l, acc);
+  }
+
   // Runs keys idx[0..n) through the state (m[i], l[i], acc[i, :]) of each query q[i, :].
   void run(const float* q, int64_t nq, const int32_t* idx, int64_t n, float* m, float* l,
            float* acc) const {
@@ -988,8 +1038,9 @@ void paged_decode_run(const Tensor& q, int64_t Hkv, int64_t slots, const Tensor&
       abuf.assign(nq * D, 0.f);
       for (int64_t r = 0; r < rows; ++r) load_queries(grows[it.first + r], it.kv_head, &qbuf[r * G * D]);
       scan_for(it.kv_head)
-          .run(qbuf.data(), nq, idx + gs[it.group], gl[it.group], mbuf.data(), lbuf.data(),
-               abuf.data());
+          .run_group(qbuf.data(), nq, idx + gs[it.group], gl[it.group], mbuf.data(),
+                     lbuf.data(), abuf.data(),
+                     gptr[it.group + 1] - gptr[it.group] >= kBlockGroupRows);
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t base = grows[it.first + r] * H + it.kv_head * G;
         for (int64_t i = 0; i < G; ++i) {
