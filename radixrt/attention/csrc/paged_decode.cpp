@@ -244,6 +244,33 @@ struct RowDot<T, D, false> {
   }
 };
 
+// fp32 FMA on a bf16 row widened by unpacking it against zero (a bf16 is the top half of its
+// fp32: one instruction per 16 elements instead of a zero-extension and a shift), which leaves
+// each 32-element chunk in the pair layout (load_pair_layout); q fp32 in that layout too.
+template <int D>
+struct RowDotUnpacked {
+  static_assert(D % 32 == 0, "whole 32-element chunks");
+  static constexpr int N = D / 16;
+  using QType = float;
+  __m512 c[N];
+  static inline __m512 widened(const at::BFloat16* row, int i) {  // vector i of the layout
+    const __m512i x = _mm512_loadu_si512(row + (i / 2) * 32);
+    const __m512i zero = _mm512_setzero_si512();
+    return _mm512_castsi512_ps(i % 2 ? _mm512_unpackhi_epi16(zero, x)
+                                     : _mm512_unpacklo_epi16(zero, x));
+  }
+  inline void load(const at::BFloat16* row) {
+#pragma GCC unroll 16
+    for (int i = 0; i < N; ++i) c[i] = widened(row, i);
+  }
+  inline __m512 dot(const QType* q) const {
+    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q), c[0]);
+#pragma GCC unroll 16
+    for (int i = 1; i < N; ++i) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + i * 16), c[i], a);
+    return a;
+  }
+};
+
 #if defined(__AVX512BF16__)
 // vdpbf16ps: bf16 row and query as they are (exact products, fp32 sums), 32 elements per
 // instruction; a last chunk of 16 is loaded zero-padded.
@@ -274,14 +301,7 @@ constexpr bool kHaveBf16Dot = true;
 constexpr bool kHaveBf16Dot = false;
 #endif
 
-// Calls f(std::integral_constant<int, r>) for a runtime 1 <= r <= R.
-template <int R, typename F>
-inline void with_rows(int r, const F& f) {
-  if constexpr (R > 1) {
-    if (r < R) return with_rows<R - 1>(r, f);
-  }
-  f(std::integral_constant<int, R>{});
-}
+using fma_attention::with_rows;  // f(std::integral_constant<int, r>) for a runtime r <= R
 
 // A scan's `run`: queries in tiles of TQ (the last one smaller), each tile's state in registers
 // over all the keys via scan.scan<R>; the first tile prefetches rows ahead, later tiles find
@@ -307,8 +327,9 @@ struct AccTile {
 
 // What the AVX-512 scans share (CRTP; `Scan` derives from it): head_dim D in vectors of 16,
 // queries in tiles of TQ, taken as QT, and `run` over run_tiles; the P V accumulators, in the
-// pair layout where the scan's P V runs over pairs of keys (`Scan::kPairPV`), else in natural
-// order, and P V in fp32 on value rows converted by `Scan::value_chunk`.
+// pair layout where the scan's rows come in it (`Scan::kPairAcc`: its P V runs over pairs of
+// keys, or it widens bf16 rows by unpacking), else in natural order, and P V in fp32 on value
+// rows converted by `Scan::value_chunk`.
 template <typename Scan, typename QT, int D>
 struct TiledScan {
   static_assert(D % 16 == 0, "head_dim must be a multiple of 16");
@@ -345,7 +366,7 @@ struct TiledScan {
   static inline void load_acc(const float* acc, Acc<R>& a) {
 #pragma GCC unroll 4
     for (int t = 0; t < R; ++t) {
-      if constexpr (Scan::kPairPV) {
+      if constexpr (Scan::kPairAcc) {
         load_pair_layout<D>(acc + t * D, a.v[t]);
       } else {
 #pragma GCC unroll 16
@@ -358,7 +379,7 @@ struct TiledScan {
   static inline void store_acc(const Acc<R>& a, float* acc) {
 #pragma GCC unroll 4
     for (int t = 0; t < R; ++t) {
-      if constexpr (Scan::kPairPV) {
+      if constexpr (Scan::kPairAcc) {
         store_pair_layout<D>(a.v[t], acc + t * D);
       } else {
 #pragma GCC unroll 16
@@ -398,7 +419,11 @@ struct KeyScan : TiledScan<KeyScan<T, D>, typename RowDot<T, D, kBf16Dot<T>>::QT
   static constexpr bool kDot = kBf16Dot<T>;
   // P V in bf16 pairs (vdpbf16ps) needs whole 32-element chunks.
   static constexpr bool kPairPV = kDot && kPvBf16 && D % 32 == 0;
-  using Dot = RowDot<T, D, kDot>;
+  // bf16 rows without vdpbf16ps: widened by unpacking (RowDotUnpacked), queries and P V
+  // accumulators in the pair layout.
+  static constexpr bool kUnpack = !kDot && std::is_same_v<T, at::BFloat16> && D % 32 == 0;
+  static constexpr bool kPairAcc = kPairPV || kUnpack;
+  using Dot = std::conditional_t<kUnpack, RowDotUnpacked<D>, RowDot<T, D, kDot>>;
 
   const T* kbase;  // k_buffer + kv_head * D
   const T* vbase;  // v_buffer + kv_head * D
@@ -409,9 +434,27 @@ struct KeyScan : TiledScan<KeyScan<T, D>, typename RowDot<T, D, kBf16Dot<T>>::QT
   template <int R>
   using Acc = typename Base::template Acc<R>;
 
-  // Value row `row`'s dims 16 c .. 16 c + 15 as fp32 (the fp32 FMA P V).
+  // Value row `row`'s vector c as fp32 (the fp32 FMA P V): dims 16 c .. 16 c + 15, or vector c
+  // of the pair layout (kUnpack).
   static inline __m512 value_chunk(const T* row, int c) {
-    return __m512(load_f32<T>(row + c * 16));
+    if constexpr (kUnpack) {
+      return RowDotUnpacked<D>::widened(row, c);
+    } else {
+      return __m512(load_f32<T>(row + c * 16));
+    }
+  }
+
+  // Queries as the scan takes them: QType, unscaled, in the pair layout where kUnpack.
+  template <typename S>
+  static void load_queries(const S* src, int64_t n, float scale, QType* dst) {
+    Base::load_queries(src, n, scale, dst);
+    if constexpr (kUnpack) {
+      for (int64_t i = 0; i < n; ++i) {
+        __m512 v[NV];
+        load_pair_layout<D>(dst + i * D, v);
+        for (int c = 0; c < NV; ++c) _mm512_storeu_ps(dst + i * D + c * 16, v[c]);
+      }
+    }
   }
 
   // A cascade group's pass over its shared prefix. For a large group (`large`) without a
@@ -419,7 +462,7 @@ struct KeyScan : TiledScan<KeyScan<T, D>, typename RowDot<T, D, kBf16Dot<T>>::QT
   // converted once for all of the item's queries (a chunk of the group's rows x the KV head's
   // query heads) and register-tiled like extend, instead of once per tile of TQ queries with a
   // transpose-reduce per key and query. Same state in and out: m, l in scaled-score units, acc
-  // unnormalized in natural order (kPairPV is false here).
+  // unnormalized in natural order.
   void run_group(const QType* q, int64_t nq, const int32_t* idx, int64_t n, float* m, float* l,
                  float* acc, bool large) const {
     if constexpr (kDot) {
@@ -429,8 +472,16 @@ struct KeyScan : TiledScan<KeyScan<T, D>, typename RowDot<T, D, kBf16Dot<T>>::QT
       thread_local std::vector<float> qs;
       thread_local fma_attention::Scratch sc;
       qs.resize(nq * D);
-      const Vec vs(scale);
-      for (int64_t e = 0; e < nq * D; e += kVec) (Vec::loadu(q + e) * vs).store(qs.data() + e);
+      const __m512 vs = _mm512_set1_ps(scale);
+      for (int64_t i = 0; i < nq; ++i) {  // natural order (load_queries' layout undone), scaled
+        __m512 v[NV];
+        for (int c = 0; c < NV; ++c) v[c] = _mm512_mul_ps(_mm512_loadu_ps(q + i * D + c * 16), vs);
+        if constexpr (kUnpack) {
+          store_pair_layout<D>(v, qs.data() + i * D);
+        } else {
+          for (int c = 0; c < NV; ++c) _mm512_storeu_ps(qs.data() + i * D + c * 16, v[c]);
+        }
+      }
       fma_attention::attend<T, D>(
           qs.data(), nq, n, [idx](int64_t j) { return static_cast<int64_t>(idx[j]); },
           [](int64_t) { return int64_t{0}; }, [](int64_t, int64_t, int64_t nb) { return nb; },
@@ -577,6 +628,7 @@ struct KeyScanI8 : TiledScan<KeyScanI8<D>, float, D> {
   // P V in int16 pairs (vpdpwssd) needs whole 32-element chunks; other head dims take fp32 FMA
   // on the codes converted to fp32.
   static constexpr bool kPairPV = D % 32 == 0;
+  static constexpr bool kPairAcc = kPairPV;
 
   const int8_t* kbase;  // k codes + kv_head * head stride
   const int8_t* vbase;
