@@ -1382,7 +1382,8 @@ TORCH_LIBRARY(radixrt, m) {
   m.def("paged_decode_isa() -> str", &radixrt_cpu::paged_decode_isa);
   // Benchmarks / tests: the (query, key) pairs of an attention phase below which it runs on one
   // thread, in a decode team and with a parallel region per op (work_queue.h); a negative value
-  // leaves that one as it is. Returns the previous [team, regions].
+  // leaves that one as it is. Returns the previous [team, regions]. Not while a decode step
+  // runs (a team's members read the team's threshold each).
   m.def("attention_parallel_work(int team=-1, int regions=-1) -> int[]",
         &radixrt_cpu::set_attention_parallel_work);
 }

@@ -34,7 +34,8 @@ struct AttentionParallelWork {
   std::atomic<int64_t> team{512};
 };
 
-// The process's thresholds (benchmarks and tests change them: radixrt::attention_parallel_work).
+// The process's thresholds (benchmarks and tests change them: radixrt::attention_parallel_work,
+// between calls only: a team's members each read the team's and must agree).
 inline AttentionParallelWork& attention_parallel_work() {
   static AttentionParallelWork w;
   return w;
