@@ -46,10 +46,8 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(CPU_CAPABILITY_AVX512)
-#include <immintrin.h>
-#endif
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+#include <immintrin.h>
 #define RADIXRT_EXTEND_BF16_DOT 1
 #endif
 
