@@ -42,7 +42,8 @@ class RandomKVDecoder:
         fb = ForwardBatch.build(ForwardMode.DECODE, self.nxt, self.rows, [self.seq] * bs,
                                 [1] * bs, rp.req_to_token, self.runner.device)
         t = self.clock()
-        self.nxt = row_argmax(self.runner.forward(fb)).tolist()  # as the sampler
+        logits, picked = self.runner.forward_greedy(fb)  # as the scheduler's greedy steps
+        self.nxt = (picked if picked is not None else row_argmax(logits)).tolist()
         dt = self.clock() - t
         self.seq += 1
         return dt

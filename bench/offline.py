@@ -253,7 +253,8 @@ def one_batch(batch_sizes: Sequence[int], input_len: int, output_len: int, threa
             if timed_prefill:
                 fb = ForwardBatch.build(ForwardMode.EXTEND, ids, rows, [0] * bs,
                                         [input_len] * bs, rp.req_to_token, runner.device)
-                nxt = row_argmax(runner.forward(fb)).tolist()  # as the sampler
+                logits, picked = runner.forward_greedy(fb)  # as the scheduler's greedy steps
+                nxt = (picked if picked is not None else row_argmax(logits)).tolist()
                 prefill_s.append(time.perf_counter() - t)
             else:
                 for layer in range(cfg.num_layers):
@@ -268,7 +269,8 @@ def one_batch(batch_sizes: Sequence[int], input_len: int, output_len: int, threa
                 rp.write(rows, [seq] * bs, [1] * bs, kp.alloc(bs))
                 fb = ForwardBatch.build(ForwardMode.DECODE, nxt, rows, [seq] * bs, [1] * bs,
                                         rp.req_to_token, runner.device)
-                nxt = row_argmax(runner.forward(fb)).tolist()  # as the sampler
+                logits, picked = runner.forward_greedy(fb)  # as the scheduler's greedy steps
+                nxt = (picked if picked is not None else row_argmax(logits)).tolist()
                 steps.append(time.perf_counter() - t)
                 seq += 1
             if run:

@@ -33,7 +33,7 @@ from kernel_isa import assert_flag_only_with, assert_rows_independent, run_isa_c
 from model_fixtures import PagedRunner, make_tiny_checkpoint, write_tiny_gguf
 
 from radixrt.attention import cpu_kernels
-from radixrt.model.linear import QuantizedWeight
+from radixrt.model.linear import DenseWeight, QuantizedWeight
 from radixrt.model.loader import load_model
 from radixrt.model.quant import GGUFQuantTensor, Int4Groups, QuantPlan
 from radixrt.model.quant_matmul import (
@@ -45,6 +45,7 @@ from radixrt.model.quant_matmul import (
     vnni_kernel_available,
     vnni_symmetric,
 )
+from radixrt.sampling.sampler import row_argmax
 
 SUM_EPS = 1e-5
 BF16_EPS = 2.0**-8
@@ -206,6 +207,100 @@ def test_f32_output_is_the_sums_the_bf16_output_rounds(layout: str, rows: int) -
         torch.ops.radixrt.qgemm_vnni_f32(x[:, :96].contiguous(), vm.packed, vm.bits)
 
 
+# -- greedy picks fused into an fp32 call (qgemm_vnni_f32_argmax) -------------------------------
+def _argmax_case(rows: int, n: int, k: int, threads: int, vm: VnniQuantMatmul,
+                 x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, ids) of the fused op at `threads`, checked against the unfused op and torch."""
+    y, ids = _with_threads(threads, lambda: vm.forward_f32_argmax(x))
+    assert ids.dtype == torch.int64 and ids.shape == (rows,)
+    ref = _with_threads(threads, lambda: vm.forward_f32(x))
+    assert torch.equal(y.view(torch.int32), ref.view(torch.int32))  # bitwise, NaNs included
+    assert torch.equal(ids, y.argmax(-1))  # torch: the first maximum, a row's first NaN
+    assert torch.equal(ids, row_argmax(y))
+    return y, ids
+
+
+@pytest.mark.parametrize("layout", ["Q4_1", "Q4_0", "Q8_0"])
+@pytest.mark.parametrize("shape", [(1, 1024, 160), (3, 960, 576), (8, 2048, 64), (9, 320, 576),
+                                   (64, 576, 96), (100, 320, 160), (130, 64, 96)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fused_argmax_is_the_logits_argmax_bitwise(shape: tuple[int, int, int], threads: int,
+                                                   layout: str) -> None:
+    """Every row blocking, several work items per thread and several row chunks (100, 130 rows):
+    the logits are `qgemm_vnni_f32`'s bits and the ids `argmax(-1)` of them, at 1 and 2
+    threads (a run per thread, merged after the call)."""
+    rows, n, k = shape
+    vm, x = _region_case(rows, n, k, layout, torch.bfloat16)
+    _argmax_case(rows, n, k, threads, vm, x)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fused_argmax_ties_nans_and_equal_rows(threads: int) -> None:
+    """Ties go to the first column whichever run (thread) holds each copy and whatever lane; a
+    row holding NaN gives its first NaN even where a larger value comes earlier; a row whose
+    outputs are all equal (zero input) gives 0."""
+    n, k, rows = 16 * 64, 96, 5
+    rng = np.random.default_rng(11)
+    w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+    x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32))
+    x[2] = 0.0  # every output exactly 0
+    best = np.sign(x[0].numpy()) * 2.0  # the largest output of row 0, far above the rest
+    copies = [37, 42, 517, n - 3]  # lanes 5, 10, 5, 13; the first and last thread's columns
+    for c in copies:
+        w[c] = best
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    raw = quantize(w, GGMLQuantizationType.Q4_1)
+    vm = VnniQuantMatmul.from_groups(GGUFQuantTensor("Q4_1", raw, (n, k)).to_groups())
+    packed = vm.packed.clone()
+    # NaN scales (fp16 d of group 0, lane l of a tile): NaN outputs in that column, every row
+    code = 64 * vm.bits
+    for col in (700, 300):  # the later column is set first: the answer is still the lower
+        t, lane = divmod(col, 16)
+        packed[t, 0, code + 2 * lane: code + 2 * lane + 2] = torch.tensor([0x00, 0x7E],
+                                                                        dtype=torch.uint8)
+    nan_vm = VnniQuantMatmul(packed, vm.bits)
+    y, ids = _argmax_case(rows, n, k, threads, vm, x)
+    assert ids[0] == copies[0] and (y[0, copies] == y[0].max()).all()
+    assert ids[2] == 0 and (y[2] == 0).all()
+    y, ids = _argmax_case(rows, n, k, threads, nan_vm, x)
+    assert y[:, 300].isnan().all() and y[:, 700].isnan().all() and not y[:, :300].isnan().any()
+    assert ids.tolist() == [300] * rows  # row 0's maximum at column 37 comes first
+
+
+def test_fused_argmax_bad_input_names_the_op() -> None:
+    vm = VnniQuantMatmul.from_groups(_gguf_groups(32, 64, "Q4_1", seed=0))
+    op = torch.ops.radixrt.qgemm_vnni_f32_argmax
+    y, ids = op(torch.zeros(0, 64), vm.packed, 4)
+    assert y.shape == (0, 32) and ids.shape == (0,) and ids.dtype == torch.int64
+    with pytest.raises(RuntimeError, match="qgemm_vnni_f32_argmax: x must be"):
+        op(torch.zeros(2, 96), vm.packed, 4)
+    with pytest.raises(RuntimeError, match="qgemm_vnni_f32_argmax: bits"):
+        op(torch.zeros(2, 64), vm.packed, 5)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        op(torch.zeros(2, 64, dtype=torch.float16), vm.packed, 4)
+
+
+def test_lm_head_picks_greedy_ids_on_the_kernel_only() -> None:
+    """`QuantizedWeight.logits_argmax`: on the vnni kernel the logits are `logits`' bits and the
+    ids their argmax; on the dense copy (rows above `max_rows`, invariant calls) and on a dense
+    weight there are no ids (the sampler takes the argmax itself)."""
+    groups = _gguf_groups(16 * 6, 64, "Q8_0", seed=3)
+    dense = groups.dequantize(None).bfloat16()
+    w = QuantizedWeight.from_groups(groups, dense, max_rows=8, kernel="vnni")
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(4)).bfloat16()
+    lg, ids = w.logits_argmax(x)
+    assert torch.equal(lg, w.logits(x)) and ids is not None and torch.equal(ids, lg.argmax(-1))
+    big = torch.randn(9, 64, generator=torch.Generator().manual_seed(5)).bfloat16()
+    lg, ids = w.logits_argmax(big)
+    assert ids is None and torch.equal(lg, w.logits(big))
+    lg, ids = w.logits_argmax(x, invariant=True)
+    assert ids is None and torch.equal(lg, w.logits(x, invariant=True))
+    lg, ids = DenseWeight(dense).logits_argmax(x)
+    assert ids is None and torch.equal(lg, DenseWeight(dense).logits(x))
+
+
 def test_quantized_lm_head_logits_skip_the_bf16_rounding() -> None:
     """`QuantizedWeight.logits` on the vnni kernel returns the fp32 sums; its dense path (rows
     above `max_rows`, or invariant calls) is the dense weight's output in float32."""
@@ -334,6 +429,10 @@ _FEWER_THREADS_CHECK = textwrap.dedent("""
     for x, packed, bits, silu, want in cases:
         op = torch.ops.radixrt.qgemm_vnni_silu if silu else torch.ops.radixrt.qgemm_vnni
         assert torch.equal(op(x, packed, bits), want)
+        if not silu:  # the fused argmax: one run over both slots
+            y, ids = torch.ops.radixrt.qgemm_vnni_f32_argmax(x, packed, bits)
+            assert torch.equal(y, torch.ops.radixrt.qgemm_vnni_f32(x, packed, bits))
+            assert torch.equal(ids, y.argmax(-1))
     print("ok", len(cases))
 """)
 
@@ -445,3 +544,45 @@ def test_gguf_model_on_the_vnni_kernel_stays_close_to_fp32(tiny_gguf: Path) -> N
     clear = (top2[:, 0] - top2[:, 1]) > 2 * VNNI_LOGIT_TOL
     assert clear.float().mean() > 0.5  # not vacuous
     assert torch.equal(got.argmax(-1)[clear], ref.argmax(-1)[clear])
+
+
+def test_gguf_model_greedy_step_picks_the_argmax_of_its_logits(tiny_gguf: Path) -> None:
+    """`forward_greedy` on a GGUF model whose LM head is on the vnni kernel: the same logits as
+    `forward` (bitwise) and their argmax, for an extend batch and a decode batch; a dense fp32
+    model returns no ids."""
+    from radixrt.core.forward_batch import ForwardBatch, ForwardMode
+
+    plan = QuantPlan("gguf", dense_copy=False, kernel="vnni")
+    model, _ = load_model(tiny_gguf, None, torch.bfloat16, "cpu", quant=plan)
+    r = PagedRunner.for_model(model)
+    rows = [r.new_request() for _ in range(3)]
+    prompts = [list(range(3, 12)), list(range(20, 25)), list(range(40, 53))]
+
+    def step(mode: ForwardMode, chunks: list[list[int]]) -> torch.Tensor:
+        ext = [len(c) for c in chunks]
+        loc = r.kv_pool.alloc(sum(ext))
+        prefix = [r.cached[row] for row in rows]
+        r.req_pool.write(rows, prefix, ext, loc)
+        fb = ForwardBatch.build(mode, [t for c in chunks for t in c], rows, prefix, ext,
+                                r.req_pool.req_to_token)
+        model.attn_backend.init_forward_metadata(fb)
+        logits = model(fb)  # writes the step's K/V; the greedy pass writes the same again
+        model.attn_backend.init_forward_metadata(fb)
+        lg, ids = model.forward_greedy(fb)
+        assert torch.equal(lg, logits) and ids is not None
+        assert torch.equal(ids, row_argmax(logits))
+        for row, e in zip(rows, ext, strict=True):
+            r.cached[row] += e
+        return ids
+
+    ids = step(ForwardMode.EXTEND, prompts)
+    for _ in range(3):
+        ids = step(ForwardMode.DECODE, [[t] for t in ids.tolist()])
+    ref_model, _ = load_model(tiny_gguf, None, torch.float32, "cpu")
+    ref = PagedRunner.for_model(ref_model)
+    row = ref.new_request()
+    ref.req_pool.write([row], [0], [len(prompts[0])], ref.kv_pool.alloc(len(prompts[0])))
+    fb = ForwardBatch.build(ForwardMode.EXTEND, prompts[0], [row], [0], [len(prompts[0])],
+                            ref.req_pool.req_to_token)
+    ref_model.attn_backend.init_forward_metadata(fb)
+    assert ref_model.forward_greedy(fb)[1] is None  # a dense head: the sampler picks

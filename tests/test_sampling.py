@@ -144,6 +144,21 @@ def test_greedy_is_argmax_fast_path() -> None:
     assert out.logprobs == [None] * 6
 
 
+def test_fast_path_takes_the_picked_greedy_ids_and_only_there() -> None:
+    """`greedy_ids` (the LM head's own argmax) is the sample of an all-greedy step; a step with
+    a sampled or logprobs row ignores it; a wrong shape is refused naming it."""
+    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(2))
+    picked = torch.tensor([5, 6, 7, 8])  # forged, so that taking them shows
+    info = build([SamplingParams(temperature=0)] * 4, 30)
+    assert Sampler().sample(logits, info, picked).next_token_ids == [5, 6, 7, 8]
+    with pytest.raises(ValueError, match="greedy_ids"):
+        Sampler().sample(logits, info, picked[:3])
+    for other in (SamplingParams(temperature=0, logprobs=True), SamplingParams(temperature=0.7)):
+        info = build([SamplingParams(temperature=0)] * 3 + [other], 30)
+        ids = Sampler().sample(logits, info, picked).next_token_ids
+        assert ids[:3] == logits[:3].argmax(-1).tolist()
+
+
 def test_mixed_batch_greedy_rows_are_argmax() -> None:
     torch.manual_seed(1)
     logits = torch.randn(8, 40)

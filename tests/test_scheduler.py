@@ -552,6 +552,42 @@ def pressure_jobs(seed: int = 0, n: int = 6) -> dict[str, tuple[list[int], int]]
 TINY_POOL = {"max_total_tokens": 64, "init_new_token_ratio": 0.1, "min_new_token_ratio": 0.05}
 
 
+# -- the greedy fast path takes the LM head's picks ---------------------------------------------
+def test_all_greedy_steps_sample_the_ids_the_lm_head_picked(
+        make_sched: Callable[..., Scheduler], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step whose rows are all greedy runs `ModelRunner.forward_greedy` and samples its ids
+    (here forged: token 7); a step with a sampled row or a logprobs row runs `forward` and the
+    sampler picks from the logits."""
+    sched = make_sched()
+    runner = sched.runner
+    calls = {"greedy": 0, "plain": 0}
+    real_greedy, real_forward = runner.forward_greedy, runner.forward
+
+    def forged(fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        calls["greedy"] += 1
+        logits, _ = real_greedy(fb)
+        return logits, torch.full((fb.batch_size,), 7, dtype=torch.long)
+
+    def plain(fb: ForwardBatch) -> torch.Tensor:
+        calls["plain"] += 1
+        return real_forward(fb)
+
+    monkeypatch.setattr(runner, "forward_greedy", forged)
+    monkeypatch.setattr(runner, "forward", plain)
+    ids = prompt(random.Random(5), 10)
+    sched.handle(GenerateReq("g", ids, greedy(4)))
+    run = Run().drive(sched)
+    assert run.tokens["g"] == [7] * 4 and calls == {"greedy": 4, "plain": 0}
+    sampled = SamplingParams(max_new_tokens=3, temperature=1.0, seed=3, ignore_eos=True)
+    sched.handle(GenerateReq("s", ids, sampled))
+    sched.handle(GenerateReq("l", ids, greedy(3, logprobs=True)))
+    run = Run().drive(sched)
+    assert calls["greedy"] == 4 and calls["plain"] >= 3
+    ref = reference(make_sched, {"l": (ids, 3)})["l"]
+    assert run.tokens["l"] == ref  # picked from the logits, not forged
+    assert_clean(sched)
+
+
 # -- (a) retraction keeps outputs ---------------------------------------------------------------
 @pytest.mark.parametrize("name", POLICIES)
 def test_outputs_identical_under_retraction(make_sched: Callable[..., Scheduler], name: str) -> None:
@@ -982,7 +1018,7 @@ def test_failed_batch_aborts_its_requests_only(make_sched: Callable[..., Schedul
     sched = make_sched(chunked_prefill_size=chunk)
     calls = [0]
     last_batch: list[list[str]] = [[]]
-    orig_forward = sched.runner.forward
+    orig_forward, orig_greedy = sched.runner.forward, sched.runner.forward_greedy
     orig_ext, orig_dec = sched.builder.build_extend, sched.builder.build_decode
 
     def forward(fb: ForwardBatch) -> torch.Tensor:
@@ -990,6 +1026,12 @@ def test_failed_batch_aborts_its_requests_only(make_sched: Callable[..., Schedul
         if calls[0] == fail_call:
             raise RuntimeError("boom")
         return orig_forward(fb)
+
+    def forward_greedy(fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        calls[0] += 1  # all-greedy steps (every step here) take this path
+        if calls[0] == fail_call:
+            raise RuntimeError("boom")
+        return orig_greedy(fb)
 
     def ext(reqs: list[Req]) -> ForwardBatch:
         last_batch[0] = rids(reqs)
@@ -1000,6 +1042,7 @@ def test_failed_batch_aborts_its_requests_only(make_sched: Callable[..., Schedul
         return orig_dec(reqs)
 
     sched.runner.forward = forward  # type: ignore[method-assign]
+    sched.runner.forward_greedy = forward_greedy  # type: ignore[method-assign]
     sched.builder.build_extend = ext  # type: ignore[method-assign]
     sched.builder.build_decode = dec  # type: ignore[method-assign]
     submit(sched, jobs)
@@ -1239,8 +1282,10 @@ def test_step_failure_at_any_point_keeps_ownership(make_sched: Callable[..., Sch
             return orig(*args, **kw)
         return wrapper
 
-    if point == "forward":
+    if point == "forward":  # either way a step runs the model (all-greedy steps: the second)
         sched.runner.forward = failing(sched.runner.forward)  # type: ignore[method-assign]
+        sched.runner.forward_greedy = failing(  # type: ignore[method-assign]
+            sched.runner.forward_greedy)
     elif point == "sample":
         sched.sampler.sample = failing(sched.sampler.sample)  # type: ignore[method-assign]
     elif point == "append":

@@ -190,6 +190,11 @@ def _register_fakes() -> None:
     def _(x, packed, bits):
         return x.new_empty(x.shape[0], packed.shape[0] * 16, dtype=torch.float32)
 
+    @torch.library.register_fake("radixrt::qgemm_vnni_f32_argmax")
+    def _(x, packed, bits):
+        return (x.new_empty(x.shape[0], packed.shape[0] * 16, dtype=torch.float32),
+                x.new_empty(x.shape[0], dtype=torch.int64))
+
     @torch.library.register_fake("radixrt::rms_norm")
     def _(x, weight, eps):
         return x.new_empty(x.shape)

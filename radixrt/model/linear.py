@@ -62,6 +62,12 @@ class LinearWeight(nn.Module, ABC):
         good to ~0.06 at 10)."""
         return self(x, None, invariant).float()
 
+    def logits_argmax(self, x: torch.Tensor,
+                      invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`logits(x)` and each row's argmax over them where the kernel picks it while writing
+        the logits (bitwise `sampler.row_argmax(logits)`), else None in its place."""
+        return self.logits(x, invariant), None
+
     @abstractmethod
     def bytes_read(self, rows: int) -> int:
         """Weight bytes one call with `rows` input rows reads (the representation it runs on)."""
@@ -146,6 +152,13 @@ class QuantizedWeight(LinearWeight):
         if self._on_dense(x.shape[0], invariant):
             return self.dense.logits(x, invariant)
         return self._on_kernel(x, invariant, f32=True)
+
+    def logits_argmax(self, x: torch.Tensor,
+                      invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self._on_dense(x.shape[0], invariant) or (
+                invariant and isinstance(self.kernel, TorchInt4Matmul)):
+            return self.logits(x, invariant), None
+        return self.kernel.forward_f32_argmax(x)
 
     def bytes_read(self, rows: int) -> int:
         if self.dense is not None and rows > self.max_rows:

@@ -235,6 +235,32 @@ class LlamaForCausalLM(nn.Module):
         The caller runs `attn_backend.init_forward_metadata(fb)` first (once per step, as
         `ModelRunner.forward` does), so it can plan, e.g. for CUDA graphs, outside the model.
         """
+        logits, hidden, _ = self._forward(fb, greedy=False)
+        return logits, hidden
+
+    @torch.inference_mode()
+    def forward_greedy(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward`'s logits and each row's argmax over them (int64 `[B]`, bitwise
+        `sampler.row_argmax(logits)`) where the LM head's kernel picks it while writing the
+        logits (`LinearWeight.logits_argmax`), else None in its place. Metadata as in
+        `forward_scored`; `fb` scores no prompt rows."""
+        if fb.score_rows is not None:
+            raise ValueError("forward_greedy: the batch scores prompt rows (use forward_scored)")
+        logits, _, ids = self._forward(fb, greedy=True)
+        return logits, ids
+
+    def _head(self, last: torch.Tensor, fb: ForwardBatch,
+              greedy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The LM head over the normed `last` rows: logits, and their argmax with `greedy`
+        where the head's kernel picks it."""
+        invariant = invariant_step(self.attn_backend, fb)
+        if greedy:
+            return self.lm_head.logits_argmax(last, invariant)
+        return self.lm_head.logits(last, invariant), None
+
+    def _forward(self, fb: ForwardBatch, greedy: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(logits, the scored rows' hidden states or None, the logits' argmax or None)."""
         attn = self.attn_backend
         if attn is None:
             raise RuntimeError("LlamaForCausalLM.attn_backend is not set")
@@ -249,7 +275,8 @@ class LlamaForCausalLM(nn.Module):
                                   pool.k_buffer, pool.v_buffer, pool.k_scale, pool.v_scale,
                                   split=self.decode_split(fb.batch_size),
                                   team=self.decode_team)
-            return self.lm_head.logits(last, invariant_step(attn, fb)), None
+            logits, ids = self._head(last, fb, greedy)
+            return logits, None, ids
         h = F.embedding(fb.input_ids, self.embed_tokens)
         cos, sin = self.rotary.cos_sin(fb.positions)
         residual: torch.Tensor | None = None
@@ -263,8 +290,8 @@ class LlamaForCausalLM(nn.Module):
         last, _ = self.ops.add_rms_norm(torch.index_select(h, 0, idx),
                                         torch.index_select(residual, 0, idx), self.norm,
                                         self.config.rms_norm_eps)
-        logits = self.lm_head.logits(last[:b], invariant_step(attn, fb))
-        return logits, (last[b:] if fb.score_rows is not None else None)
+        logits, ids = self._head(last[:b], fb, greedy)
+        return logits, (last[b:] if fb.score_rows is not None else None), ids
 
     def linear_weights(self) -> list[LinearWeight]:
         """Every matmul weight of one forward step, in order (each layer's four, the LM head)."""

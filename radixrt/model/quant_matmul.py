@@ -50,6 +50,11 @@ class QuantMatmul(nn.Module, ABC):
         return the sums before their rounding to x's dtype."""
         return self(x).float()
 
+    def forward_f32_argmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward_f32(x)` and, where the kernel picks them as it writes its outputs, each
+        row's argmax (int64 `[M]`, `sampler.row_argmax`'s index); else None in its place."""
+        return self.forward_f32(x), None
+
     @abstractmethod
     def nbytes(self) -> int:
         """Bytes the packed weight holds (what one call reads)."""
@@ -299,6 +304,13 @@ class VnniQuantMatmul(QuantMatmul):
     def forward_f32(self, x: torch.Tensor) -> torch.Tensor:
         """The fp32 sums `forward` rounds to x's dtype (bitwise: `forward(x)` is this rounded)."""
         return torch.ops.radixrt.qgemm_vnni_f32(self._checked(x), self.packed, self.bits)
+
+    def forward_f32_argmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward_f32` and each row's argmax, picked by every thread over the outputs it has
+        just written (`qgemm_vnni_f32_argmax`), so the logits are not read again."""
+        y, ids = torch.ops.radixrt.qgemm_vnni_f32_argmax(self._checked(x), self.packed,
+                                                          self.bits)
+        return y, ids
 
     def dequantize(self) -> torch.Tensor:
         u, d, c = unpack_vnni(self.packed, self.bits)

@@ -158,3 +158,15 @@ class ModelRunner:
             with self.compiled.active():
                 return self.model(fb)
         return self.model(fb)
+
+    @torch.inference_mode()
+    def forward_greedy(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward`'s logits and, where the LM head's kernel picks them as it writes the
+        logits, each row's argmax (bitwise `sampler.row_argmax(logits)`; None elsewhere: CUDA
+        graphs, a compiled step, a dense or torch-kernel head). For steps whose rows are all
+        greedy (`SamplingBatchInfo.is_fast_path`): the argmax is then the sample."""
+        if (self.cuda_graphs is not None and self.cuda_graphs.can_run(fb)) or (
+                self.compiled is not None and fb.is_decode):
+            return self.forward(fb), None
+        self.attn_backend.init_forward_metadata(fb)
+        return self.model.forward_greedy(fb)

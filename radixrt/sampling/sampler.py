@@ -158,14 +158,21 @@ class Sampler:
         # Keep log(E) finite so a -inf (masked) score can never become NaN or win.
         return noise.clamp_(min=torch.finfo(torch.float32).tiny)
 
-    def sample(self, logits: Tensor, info: SamplingBatchInfo) -> SampleOutput:
-        """Pick one token per row of `logits` [B, V] (float32; other dtypes are upcast)."""
+    def sample(self, logits: Tensor, info: SamplingBatchInfo,
+               greedy_ids: Tensor | None = None) -> SampleOutput:
+        """Pick one token per row of `logits` [B, V] (float32; other dtypes are upcast).
+        `greedy_ids`: `row_argmax(logits)` already picked (`ModelRunner.forward_greedy`), the
+        sample when every row is greedy (`info.is_fast_path`); ignored otherwise."""
         if logits.dim() != 2 or logits.shape != (info.batch_size, info.vocab_size):
             raise ValueError(
                 f"logits must be [{info.batch_size}, {info.vocab_size}], got {tuple(logits.shape)}"
             )
         batch = info.batch_size
         if info.is_fast_path:
+            if greedy_ids is not None:
+                if greedy_ids.shape != (batch,):
+                    raise ValueError(f"greedy_ids must be [{batch}], got {tuple(greedy_ids.shape)}")
+                return SampleOutput(greedy_ids.tolist(), [None] * batch)
             return SampleOutput(row_argmax(logits).tolist(), [None] * batch)
         if logits.is_cuda:  # FlashInfer's fused kernels where they cover the rows' settings
             ids = flashinfer_sample(logits, info)

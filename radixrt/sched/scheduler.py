@@ -324,20 +324,26 @@ class Scheduler:
         else:
             fb = self.builder.build_decode(reqs)
         t1 = time.perf_counter()
-        if fb.score_rows is not None:
-            top_k = max((sc.top_k for sc, _ in self.builder.scored), default=0)
-            logits, scores = self.runner.forward_scored(fb, top_k)
-            record_scores(self.builder.scored, scores)
-        else:
-            logits = self.runner.forward(fb)
-        t2 = time.perf_counter()
+        # The step's sampling settings first: a step whose rows are all greedy takes the argmax
+        # the LM head picks as it writes the logits (ModelRunner.forward_greedy).
         vocab_mask = self._grammar_masks(reqs)
         tg = time.perf_counter()
         info = SamplingBatchInfo.build(
             [r.sampling for r in reqs], [r.origin_input_ids for r in reqs],
-            [r.output_ids for r in reqs], self.vocab_size, logits.device, self.eos_token_ids,
-            vocab_mask)
-        sample = self.sampler.sample(logits, info)
+            [r.output_ids for r in reqs], self.vocab_size, self.runner.device,
+            self.eos_token_ids, vocab_mask)
+        ti = time.perf_counter()
+        greedy_ids = None
+        if fb.score_rows is not None:
+            top_k = max((sc.top_k for sc, _ in self.builder.scored), default=0)
+            logits, scores = self.runner.forward_scored(fb, top_k)
+            record_scores(self.builder.scored, scores)
+        elif info.is_fast_path:
+            logits, greedy_ids = self.runner.forward_greedy(fb)
+        else:
+            logits = self.runner.forward(fb)
+        t2 = time.perf_counter()
+        sample = self.sampler.sample(logits, info, greedy_ids)
         t3 = time.perf_counter()
         before = sum(len(r.output_ids) for r in reqs)
         ids, lps = sample.next_token_ids, sample.logprobs
@@ -363,9 +369,9 @@ class Scheduler:
         self.counters.forward_steps += 1
         t4 = time.perf_counter()
         self.step_times["build"] += t1 - t0
-        self.step_times["forward"] += t2 - t1
-        self.step_times["grammar"] += tg - t2
-        self.step_times["sample"] += t3 - tg
+        self.step_times["forward"] += t2 - ti
+        self.step_times["grammar"] += tg - t1
+        self.step_times["sample"] += (ti - tg) + (t3 - t2)
         self.step_times["process"] += t4 - t3
         n_dec = len(reqs) if mode == "decode" else len(reqs) - n_ext
         if mode != "decode":
@@ -375,7 +381,7 @@ class Scheduler:
             logger.debug("step %s: %d prefill rows / %d tokens on %d cached, %d decode rows, "
                          "%d waiting; %.1f ms (forward %.1f); prefill cap %d", mode, n_pre,
                          fb.num_tokens - n_dec, sum(fb.prefix_lens_cpu[:n_pre]), n_dec,
-                         len(self.waiting), (t4 - t0) * 1e3, (t2 - t1) * 1e3, self.pacer.cap())
+                         len(self.waiting), (t4 - t0) * 1e3, (t2 - ti) * 1e3, self.pacer.cap())
         if mode == "decode":
             self.decode_totals["steps"] += 1
             self.decode_totals["rows"] += len(reqs)

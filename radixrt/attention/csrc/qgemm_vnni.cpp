@@ -68,6 +68,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -522,6 +523,99 @@ struct alignas(64) ShareCounter {
   std::atomic<int64_t> next;
 };
 
+// Greedy picks fused into a float32 call (qgemm_vnni_f32_argmax: an LM head and the argmax of
+// its logits): each run of work items (one per thread) keeps, for every row it computes, the
+// largest value of each of 16 lanes and the first column reaching it (only a strictly greater
+// value replaces, and a run visits a row's columns in increasing order), plus the row's first
+// NaN, reading each item's outputs right after the item wrote them (still in L1). The runs'
+// (value, column) pairs are reduced after the call by the largest value, then the lowest
+// column; a row holding a NaN gives its first NaN. That is a total order, so the pick is the
+// same whatever the runs: torch.argmax's (and radixrt::argmax_rows's) index.
+struct RowPick {
+  float value = 0.f;
+  int64_t column = -1;  // -1: the run did not compute this row
+  int64_t first_nan = -1;
+};
+
+// One row's lanes over the columns a run has visited.
+struct LanePick {
+  __m512 vmax;
+  __m512i vidx;
+  int64_t first_nan = -1;
+  bool started = false;
+
+  void visit(const float* y, int32_t column) {
+    const __m512 v = _mm512_loadu_ps(y);
+    const __m512i idx =
+        _mm512_add_epi32(_mm512_set1_epi32(column),
+                         _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    if (nan != 0 && first_nan < 0) first_nan = column + __builtin_ctz(nan);
+    if (!started) {
+      vmax = v;
+      vidx = idx;
+      started = true;
+      return;
+    }
+    const __mmask16 gt = _mm512_cmp_ps_mask(v, vmax, _CMP_GT_OQ);
+    vmax = _mm512_mask_mov_ps(vmax, gt, v);
+    vidx = _mm512_mask_mov_epi32(vidx, gt, idx);
+  }
+
+  RowPick reduce() const {
+    RowPick p;
+    if (!started) return p;
+    alignas(64) float m[kTile];
+    alignas(64) int32_t ix[kTile];
+    _mm512_store_ps(m, vmax);
+    _mm512_store_si512(ix, vidx);
+    p.value = m[0];
+    p.column = ix[0];
+    for (int64_t l = 1; l < kTile; ++l) {
+      if (m[l] > p.value || (m[l] == p.value && ix[l] < p.column)) {
+        p.value = m[l];
+        p.column = ix[l];
+      }
+    }
+    p.first_nan = first_nan;
+    return p;
+  }
+};
+
+// a merged with b, by the order above (either may be a row the run did not compute).
+inline RowPick merge_picks(RowPick a, const RowPick& b) {
+  if (b.column < 0) return a;
+  if (a.column < 0) return b;
+  if (b.first_nan >= 0 && (a.first_nan < 0 || b.first_nan < a.first_nan)) a.first_nan = b.first_nan;
+  if (b.value > a.value || (b.value == a.value && b.column < a.column)) {
+    a.value = b.value;
+    a.column = b.column;
+  }
+  return a;
+}
+
+// The picks of one call: each run claims a slot of `runs` (at most `slots` runs) and fills the
+// rows it computed.
+struct Picks {
+  int64_t m = 0, slots = 0;
+  std::vector<RowPick> runs;  // [slots, m]
+  std::atomic<int64_t> claimed{0};
+
+  Picks(int64_t rows, int64_t max_runs)
+      : m(rows), slots(max_runs), runs(static_cast<size_t>(rows * max_runs)) {}
+
+  // Each row's index into `out` (int64 [m]).
+  void finish(int64_t* out) const {
+    const int64_t n = std::min(claimed.load(std::memory_order_acquire), slots);
+    for (int64_t r = 0; r < m; ++r) {
+      RowPick p;
+      for (int64_t s = 0; s < n; ++s) p = merge_picks(p, runs[s * m + r]);
+      TORCH_CHECK(p.column >= 0, "qgemm_vnni_f32_argmax: row ", r, " was not computed");
+      out[r] = p.first_nan >= 0 ? p.first_nan : p.column;
+    }
+  }
+};
+
 // quantize_then_work on a decode team (team.h): each member quantizes its equal share of the
 // rows (m.rows, the row split of the team's row ops), the team meets, each member runs its
 // equal run of the items (`first_only`: the first member runs them all), and the team meets
@@ -634,8 +728,9 @@ int64_t checked_blob(const Tensor& packed, int64_t bits, const char* op) {
 // silu(gate) * up of xc = [gate | up] (K = xc.size(1) / 2); shapes and dtypes checked.
 // `f32_out`: y in float32 whatever x's dtype (the fp32 accumulators as they are; otherwise they
 // are rounded to x's dtype on store, so a bf16 call's result is this one's rounded to bf16).
+// `picks` (f32_out only): each row's argmax over y into it (int64 [m], see `Picks`).
 Tensor qgemm_vnni_impl(const Tensor& xc, bool silu, const Tensor& packed, int64_t bits,
-                       int64_t blob, bool f32_out = false) {
+                       int64_t blob, bool f32_out = false, int64_t* picks = nullptr) {
 #if defined(RADIXRT_QGEMM_VNNI)
   const int64_t code_bytes = 64 * bits;
   const int64_t m = xc.size(0), k = packed.size(1) * kGroup, n_tiles = packed.size(0);
@@ -671,8 +766,16 @@ Tensor qgemm_vnni_impl(const Tensor& xc, bool silu, const Tensor& packed, int64_
   // one thread quantizes, then runs every item, or one parallel region quantizes (split over
   // its threads), waits for all of it, and runs the items.
   const bool serial = items == 1 || threads == 1 || m * n * k < 2 * kMinWeightsPerTask;
+  // One run per thread at most (quantize_then_work's slots, a team's members, or one).
+  std::optional<Picks> pick_runs;
+  if (picks != nullptr) pick_runs.emplace(m, member ? member->size : std::min(threads, items));
   auto run = [&](auto* yp) {
+    using Out = std::remove_pointer_t<decltype(yp)>;
     auto work = [&](int64_t i0, int64_t i1) {
+      std::vector<LanePick> lanes;
+      if constexpr (std::is_same_v<Out, float>) {
+        if (pick_runs && i0 < i1) lanes.resize(static_cast<size_t>(m));
+      }
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t rc = i / tile_chunks, tc = i % tile_chunks;
         const int64_t r0 = rc * row_chunk, r1 = std::min(m, r0 + row_chunk);
@@ -683,6 +786,18 @@ Tensor qgemm_vnni_impl(const Tensor& xc, bool silu, const Tensor& packed, int64_
         } else {
           affine ? item<8, true>(p, r0, r1, t0, t1, yp, n) : item<8, false>(p, r0, r1, t0, t1, yp, n);
         }
+        if constexpr (std::is_same_v<Out, float>) {
+          if (!lanes.empty()) {
+            for (int64_t r = r0; r < r1; ++r)
+              for (int64_t t = t0; t < t1; ++t)
+                lanes[r].visit(yp + r * n + t * kTile, static_cast<int32_t>(t * kTile));
+          }
+        }
+      }
+      if (!lanes.empty()) {
+        const int64_t slot = pick_runs->claimed.fetch_add(1, std::memory_order_acq_rel);
+        TORCH_CHECK(slot < pick_runs->slots, "qgemm_vnni_f32_argmax: more runs than threads");
+        for (int64_t r = 0; r < m; ++r) pick_runs->runs[slot * m + r] = lanes[r].reduce();
       }
     };
     if (member != nullptr) {
@@ -699,6 +814,7 @@ Tensor qgemm_vnni_impl(const Tensor& xc, bool silu, const Tensor& packed, int64_
   } else {
     run(y.data_ptr<float>());
   }
+  if (pick_runs) pick_runs->finish(picks);
   return y;
 #else
   TORCH_CHECK(false, "qgemm_vnni: this kernel library was built without AVX512-VNNI");
@@ -721,6 +837,28 @@ Tensor qgemm_vnni(const Tensor& x, const Tensor& packed, int64_t bits) {
 // qgemm_vnni with float32 output (LM heads: logits without a rounding to the model dtype).
 Tensor qgemm_vnni_f32(const Tensor& x, const Tensor& packed, int64_t bits) {
   return qgemm_vnni_x(x, packed, bits, "qgemm_vnni_f32", true);
+}
+
+// qgemm_vnni_f32 and each row's argmax over its outputs (int64 [M]): torch.argmax(y, -1)'s
+// index (the first maximum; a row holding a NaN gives its first NaN), for greedy steps. Each
+// thread reads back the outputs it has just written (see `Picks`), so the logits are not read
+// again from another core's cache.
+std::tuple<Tensor, Tensor> qgemm_vnni_f32_argmax(const Tensor& x, const Tensor& packed,
+                                                 int64_t bits) {
+  const char* op = "qgemm_vnni_f32_argmax";
+  const int64_t blob = checked_blob(packed, bits, op);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == packed.size(1) * kGroup, op, ": x must be [M, ",
+              packed.size(1) * kGroup, "] for this weight, got ", x.sizes());
+  TORCH_CHECK(packed.size(0) > 0, op, ": the weight has no output features");
+  TORCH_CHECK(packed.size(0) * kTile < (int64_t{1} << 31), op, ": at most 2^31 outputs");
+  const Tensor xc = checked_x(x, op, "x");
+  Tensor ids = at::empty({xc.size(0)}, xc.options().dtype(at::kLong));
+  if (xc.size(0) == 0) {
+    return {qgemm_vnni_impl(xc, false, packed, bits, blob, true), ids};
+  }
+  TORCH_CHECK(xc.size(1) > 0, op, ": x has no features");
+  Tensor y = qgemm_vnni_impl(xc, false, packed, bits, blob, true, ids.data_ptr<int64_t>());
+  return {y, ids};
 }
 
 // qgemm_vnni(silu_mul(gate_up), packed, bits), bitwise, without the intermediate: the SiLU-mul
@@ -748,6 +886,7 @@ std::string qgemm_vnni_isa() {
 TORCH_LIBRARY_FRAGMENT(radixrt, m) {
   m.def("qgemm_vnni(Tensor x, Tensor packed, int bits) -> Tensor");
   m.def("qgemm_vnni_f32(Tensor x, Tensor packed, int bits) -> Tensor");
+  m.def("qgemm_vnni_f32_argmax(Tensor x, Tensor packed, int bits) -> (Tensor, Tensor)");
   m.def("qgemm_vnni_silu(Tensor gate_up, Tensor packed, int bits) -> Tensor");
   m.def("qgemm_vnni_quantize(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.def("qgemm_vnni_isa() -> str", &radixrt_cpu::qgemm_vnni_isa);
@@ -756,6 +895,7 @@ TORCH_LIBRARY_FRAGMENT(radixrt, m) {
 TORCH_LIBRARY_IMPL(radixrt, CPU, m) {
   m.impl("qgemm_vnni", &radixrt_cpu::qgemm_vnni);
   m.impl("qgemm_vnni_f32", &radixrt_cpu::qgemm_vnni_f32);
+  m.impl("qgemm_vnni_f32_argmax", &radixrt_cpu::qgemm_vnni_f32_argmax);
   m.impl("qgemm_vnni_silu", &radixrt_cpu::qgemm_vnni_silu);
   m.impl("qgemm_vnni_quantize", &radixrt_cpu::qgemm_vnni_quantize);
 }
