@@ -128,6 +128,57 @@ def test_agrees_with_torch_int4_kernel_on_the_same_groups() -> None:
     assert ((a - b).abs() <= 2 * BF16_EPS * mag).all()
 
 
+def _with_threads(n: int, fn: object) -> object:
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(n)
+        return fn()  # type: ignore[operator]
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_fused_argmax_is_the_outputs_argmax(bits: int, dtype: torch.dtype, threads: int) -> None:
+    """`qgemv_argmax` (an LM head's greedy step): the outputs are `qgemv`'s bits and the ids
+    their argmax, with the tiles split over the threads (200 tiles of K 96: several chunks at
+    2 threads); ties across lanes and chunks go to the first column, a NaN column (a NaN
+    scale) wins over an earlier maximum, an all-zero row gives 0."""
+    n, k, rows = 16 * 200, 96, 6
+    g = torch.Generator().manual_seed(bits)
+    w = torch.randn(n, k, generator=g) * 0.05
+    x = torch.randn(rows, k, generator=g)
+    x[2] = 0.0
+    best = x[0].sign() * 2.0
+    copies = [37, 42, 1700, n - 3]  # lanes 5, 10, 4, 13; the first and the last chunk
+    w[copies] = best
+    groups = quantize_int4(w) if bits == 4 else quantize_int8(w)
+    tm = TiledQuantMatmul.from_groups(groups)
+    xd = x.to(dtype)
+
+    def check(m: TiledQuantMatmul) -> torch.Tensor:
+        y, ids = _with_threads(threads, lambda: m.forward_f32_argmax(xd))  # type: ignore[misc]
+        ref = _with_threads(threads, lambda: m(xd)).float()  # type: ignore[union-attr]
+        assert y.dtype == torch.float32 and ids.dtype == torch.int64 and ids.shape == (rows,)
+        assert torch.equal(y.view(torch.int32), ref.view(torch.int32))  # bitwise, NaNs too
+        assert torch.equal(ids, y.argmax(-1))
+        return ids
+
+    ids = check(tm)
+    assert ids[0] == copies[0] and ids[2] == 0
+    scale = tm.scale.clone()
+    for col in (2900, 300):
+        scale[col // 16, 0, col % 16] = float("nan")
+    ids = check(TiledQuantMatmul(tm.codes, scale, tm.offset, bits))
+    assert ids.tolist() == [300] * rows
+    y, ids = torch.ops.radixrt.qgemv_argmax(torch.zeros(0, k), tm.codes, tm.scale, tm.offset,
+                                            bits)
+    assert y.shape == (0, n) and ids.shape == (0,)
+    with pytest.raises(RuntimeError, match="qgemv_argmax: x must be"):
+        torch.ops.radixrt.qgemv_argmax(torch.zeros(k), tm.codes, tm.scale, tm.offset, bits)
+
+
 def test_empty_rows_and_bad_input() -> None:
     tm = TiledQuantMatmul.from_groups(_groups(32, 64, 4, seed=0))
     assert tm(torch.zeros(0, 64)).shape == (0, 32)
@@ -168,6 +219,8 @@ _SUBPROCESS_CHECK = textwrap.dedent("""
             ref = x.double() @ w.t()
             assert ((y - ref).abs() <= 1e-5 * (x.double().abs() @ w.abs().t())).all()
             assert torch.equal(tm(x[:1]), tm(x)[:1])
+            lg, ids = tm.forward_f32_argmax(x)
+            assert torch.equal(lg, tm(x)) and torch.equal(ids, lg.argmax(-1))
     print("ok")
 """)
 

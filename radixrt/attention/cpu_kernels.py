@@ -182,6 +182,11 @@ def _register_fakes() -> None:
     def _(x, codes, scale, offset, bits):
         return x.new_empty(x.shape[0], codes.shape[0] * 16)
 
+    @torch.library.register_fake("radixrt::qgemv_argmax")
+    def _(x, codes, scale, offset, bits):
+        return (x.new_empty(x.shape[0], codes.shape[0] * 16),
+                x.new_empty(x.shape[0], dtype=torch.int64))
+
     @torch.library.register_fake("radixrt::qgemm_vnni")
     def _(x, packed, bits):
         return x.new_empty(x.shape[0], packed.shape[0] * 16)

@@ -197,6 +197,16 @@ class TiledQuantMatmul(QuantMatmul):
         return torch.ops.radixrt.qgemv(x.contiguous(), self.codes, self.scale, self.offset,
                                        self.bits)
 
+    def forward_f32_argmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward_f32` and each row's argmax, picked by every chunk of tiles over the outputs
+        it has just written (`qgemv_argmax`; in x's dtype, whose float32 is exact)."""
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"x has {x.shape[-1]} input features, the weight "
+                             f"{self.in_features}")
+        y, ids = torch.ops.radixrt.qgemv_argmax(x.contiguous(), self.codes, self.scale,
+                                                self.offset, self.bits)
+        return y.float(), ids
+
     def dequantize(self) -> torch.Tensor:
         return unpack_tiles(self.codes, self.scale, self.offset, self.bits)
 

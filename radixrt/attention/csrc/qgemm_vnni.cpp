@@ -58,6 +58,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "argmax.h"
 #include "silu_mul.h"
 #include "team.h"
 #include "vec_util.h"
@@ -530,12 +531,8 @@ struct alignas(64) ShareCounter {
 // NaN, reading each item's outputs right after the item wrote them (still in L1). The runs'
 // (value, column) pairs are reduced after the call by the largest value, then the lowest
 // column; a row holding a NaN gives its first NaN. That is a total order, so the pick is the
-// same whatever the runs: torch.argmax's (and radixrt::argmax_rows's) index.
-struct RowPick {
-  float value = 0.f;
-  int64_t column = -1;  // -1: the run did not compute this row
-  int64_t first_nan = -1;
-};
+// same whatever the runs: torch.argmax's (and radixrt::argmax_rows's) index (`RowPick`,
+// `merge_picks`: argmax.h).
 
 // One row's lanes over the columns a run has visited.
 struct LanePick {
@@ -582,18 +579,6 @@ struct LanePick {
   }
 };
 
-// a merged with b, by the order above (either may be a row the run did not compute).
-inline RowPick merge_picks(RowPick a, const RowPick& b) {
-  if (b.column < 0) return a;
-  if (a.column < 0) return b;
-  if (b.first_nan >= 0 && (a.first_nan < 0 || b.first_nan < a.first_nan)) a.first_nan = b.first_nan;
-  if (b.value > a.value || (b.value == a.value && b.column < a.column)) {
-    a.value = b.value;
-    a.column = b.column;
-  }
-  return a;
-}
-
 // The picks of one call: each run claims a slot of `runs` (at most `slots` runs) and fills the
 // rows it computed.
 struct Picks {
@@ -611,7 +596,7 @@ struct Picks {
       RowPick p;
       for (int64_t s = 0; s < n; ++s) p = merge_picks(p, runs[s * m + r]);
       TORCH_CHECK(p.column >= 0, "qgemm_vnni_f32_argmax: row ", r, " was not computed");
-      out[r] = p.first_nan >= 0 ? p.first_nan : p.column;
+      out[r] = p.index();
     }
   }
 };

@@ -27,10 +27,15 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "argmax.h"
+
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -356,10 +361,14 @@ void tiles_bf16(const Problem& p, const uint16_t* x, const float* xsum, Out* y, 
 }
 #endif  // RADIXRT_QGEMV_BF16
 
+int64_t tiles_grain(const Problem& p) {
+  const int64_t weights_per_tile = kTile * p.k;
+  return std::max<int64_t>(1, kMinWeightsPerTask / std::max<int64_t>(1, weights_per_tile));
+}
+
 template <typename Fn>
 void for_tiles(const Problem& p, const Fn& fn) {
-  const int64_t weights_per_tile = kTile * p.k;
-  const int64_t grain = std::max<int64_t>(1, kMinWeightsPerTask / std::max<int64_t>(1, weights_per_tile));
+  const int64_t grain = tiles_grain(p);
   if (p.n_tiles <= grain) {
     fn(0, p.n_tiles);  // small: stay on the calling thread
   } else {
@@ -367,8 +376,33 @@ void for_tiles(const Problem& p, const Fn& fn) {
   }
 }
 
-Tensor qgemv(const Tensor& x, const Tensor& codes, const Tensor& scale, const Tensor& offset,
-             int64_t bits) {
+// Greedy picks (qgemv_argmax): each chunk of tiles, right after computing them, picks every
+// row's argmax over its own columns (range_pick, argmax.h: still in this core's cache) into a
+// slot it claims; the slots are merged after the call (merge_picks: the order is total, so the
+// index is torch.argmax's whatever the chunks). More chunks than slots (a parallel_for that
+// split finer than its threads) leaves `overflow` set: the caller then picks over whole rows.
+struct ChunkPicks {
+  int64_t m, slots;
+  std::vector<RowPick> picks;  // [slots, m]
+  std::atomic<int64_t> claimed{0};
+  std::atomic<bool> overflow{false};
+
+  ChunkPicks(int64_t rows, int64_t max_chunks)
+      : m(rows), slots(max_chunks), picks(static_cast<size_t>(rows * max_chunks)) {}
+
+  template <typename Out>
+  void pick(const Out* y, int64_t ldy, int64_t c0, int64_t c1) {
+    const int64_t s = claimed.fetch_add(1, std::memory_order_acq_rel);
+    if (s >= slots) {
+      overflow.store(true, std::memory_order_relaxed);
+      return;
+    }
+    for (int64_t r = 0; r < m; ++r) picks[s * m + r] = range_pick(y + r * ldy, c0, c1);
+  }
+};
+
+Tensor qgemv_impl(const Tensor& x, const Tensor& codes, const Tensor& scale,
+                  const Tensor& offset, int64_t bits, Tensor* ids) {
   TORCH_CHECK(bits == 4 || bits == 8, "qgemv: bits must be 4 or 8, got ", bits);
   TORCH_CHECK(x.dim() == 2, "qgemv: x must be [M, K], got ", x.sizes());
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
@@ -396,6 +430,18 @@ Tensor qgemv(const Tensor& x, const Tensor& codes, const Tensor& scale, const Te
   TORCH_CHECK(x.stride(1) == 1 && x.stride(0) == k, "qgemv: x must be contiguous");
   Problem p{m, n_tiles, groups, k, bits, codes.data_ptr<uint8_t>(), scale.data_ptr(),
             offset.data_ptr(), half};
+  std::optional<ChunkPicks> chunk_picks;
+  if (ids != nullptr) {
+    const int64_t chunks = (n_tiles + tiles_grain(p) - 1) / tiles_grain(p);
+    chunk_picks.emplace(m, std::clamp<int64_t>(at::get_num_threads(), 1, chunks));
+  }
+  // fn(t0, t1) computes tiles [t0, t1) into yp; then, with picks, picks over their columns.
+  auto picked = [&](auto* yp, const auto& fn) {
+    return [&, yp](int64_t t0, int64_t t1) {
+      fn(t0, t1);
+      if (chunk_picks && t0 < t1) chunk_picks->pick(yp, n, t0 * kTile, t1 * kTile);
+    };
+  };
 
 #if defined(RADIXRT_QGEMV_BF16)
   const Tensor xb = x.scalar_type() == at::kBFloat16 ? x : x.to(at::kBFloat16);
@@ -411,10 +457,14 @@ Tensor qgemv(const Tensor& x, const Tensor& codes, const Tensor& scale, const Te
   const float* sp = xsum.data();
   if (x.scalar_type() == at::kBFloat16) {
     auto* yp = y.data_ptr<at::BFloat16>();
-    for_tiles(p, [&](int64_t t0, int64_t t1) { tiles_bf16(p, xp, sp, yp, n, t0, t1); });
+    for_tiles(p, picked(yp, [&](int64_t t0, int64_t t1) {
+                tiles_bf16(p, xp, sp, yp, n, t0, t1);
+              }));
   } else {
     auto* yp = y.data_ptr<float>();
-    for_tiles(p, [&](int64_t t0, int64_t t1) { tiles_bf16(p, xp, sp, yp, n, t0, t1); });
+    for_tiles(p, picked(yp, [&](int64_t t0, int64_t t1) {
+                tiles_bf16(p, xp, sp, yp, n, t0, t1);
+              }));
   }
 #else
   const Tensor xf = x.to(at::kFloat).contiguous();
@@ -426,14 +476,55 @@ Tensor qgemv(const Tensor& x, const Tensor& codes, const Tensor& scale, const Te
 #endif
   if (x.scalar_type() == at::kBFloat16) {
     auto* yp = y.data_ptr<at::BFloat16>();
-    for_tiles(p, [&](int64_t t0, int64_t t1) { RADIXRT_QGEMV_TILES(p, xp, yp, n, t0, t1); });
+    for_tiles(p, picked(yp, [&](int64_t t0, int64_t t1) {
+                RADIXRT_QGEMV_TILES(p, xp, yp, n, t0, t1);
+              }));
   } else {
     auto* yp = y.data_ptr<float>();
-    for_tiles(p, [&](int64_t t0, int64_t t1) { RADIXRT_QGEMV_TILES(p, xp, yp, n, t0, t1); });
+    for_tiles(p, picked(yp, [&](int64_t t0, int64_t t1) {
+                RADIXRT_QGEMV_TILES(p, xp, yp, n, t0, t1);
+              }));
   }
 #undef RADIXRT_QGEMV_TILES
 #endif
+  if (chunk_picks) {
+    int64_t* out = ids->data_ptr<int64_t>();
+    const int64_t used = std::min(chunk_picks->claimed.load(), chunk_picks->slots);
+    for (int64_t r = 0; r < m; ++r) {
+      if (chunk_picks->overflow.load()) {  // some columns were not picked: whole rows
+        out[r] = y.scalar_type() == at::kFloat
+                     ? row_argmax(y.data_ptr<float>() + r * n, n)
+                     : row_argmax(y.data_ptr<at::BFloat16>() + r * n, n);
+        continue;
+      }
+      RowPick pk;
+      for (int64_t s = 0; s < used; ++s) pk = merge_picks(pk, chunk_picks->picks[s * m + r]);
+      TORCH_CHECK(pk.column >= 0, "qgemv_argmax: row ", r, " was not picked");
+      out[r] = pk.index();
+    }
+  }
   return y;
+}
+
+Tensor qgemv(const Tensor& x, const Tensor& codes, const Tensor& scale, const Tensor& offset,
+             int64_t bits) {
+  return qgemv_impl(x, codes, scale, offset, bits, nullptr);
+}
+
+// qgemv and each row's argmax over its outputs (int64 [M]; the index torch.argmax(y.float(), -1)
+// gives: the first maximum, a row's first NaN), picked by each chunk of tiles over the columns
+// it has just written (see `ChunkPicks`), for an LM head's greedy steps.
+std::tuple<Tensor, Tensor> qgemv_argmax(const Tensor& x, const Tensor& codes,
+                                        const Tensor& scale, const Tensor& offset, int64_t bits) {
+  TORCH_CHECK(codes.dim() == 3 && codes.size(0) > 0, "qgemv_argmax: the weight has no outputs");
+  TORCH_CHECK(codes.size(0) * kTile < (int64_t{1} << 24),
+              "qgemv_argmax: at most 2^24 outputs (argmax_rows' exact index range)");
+  TORCH_CHECK(x.dim() == 2, "qgemv_argmax: x must be [M, K], got ", x.sizes());
+  Tensor ids = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  if (x.size(0) == 0) return {qgemv_impl(x, codes, scale, offset, bits, nullptr), ids};
+  TORCH_CHECK(x.size(1) > 0, "qgemv_argmax: x has no features");
+  Tensor y = qgemv_impl(x, codes, scale, offset, bits, &ids);
+  return {y, ids};
 }
 
 std::string qgemv_isa() {
@@ -451,7 +542,12 @@ std::string qgemv_isa() {
 
 TORCH_LIBRARY_FRAGMENT(radixrt, m) {
   m.def("qgemv(Tensor x, Tensor codes, Tensor scale, Tensor offset, int bits) -> Tensor");
+  m.def("qgemv_argmax(Tensor x, Tensor codes, Tensor scale, Tensor offset, int bits) -> "
+        "(Tensor, Tensor)");
   m.def("qgemv_isa() -> str", &radixrt_cpu::qgemv_isa);
 }
 
-TORCH_LIBRARY_IMPL(radixrt, CPU, m) { m.impl("qgemv", &radixrt_cpu::qgemv); }
+TORCH_LIBRARY_IMPL(radixrt, CPU, m) {
+  m.impl("qgemv", &radixrt_cpu::qgemv);
+  m.impl("qgemv_argmax", &radixrt_cpu::qgemv_argmax);
+}
