@@ -150,6 +150,7 @@ def test_fast_path_takes_the_picked_greedy_ids_and_only_there() -> None:
     logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(2))
     picked = torch.tensor([5, 6, 7, 8])  # forged, so that taking them shows
     info = build([SamplingParams(temperature=0)] * 4, 30)
+    assert info.temperatures is None and info.top_ks is None  # nothing sampled: not built
     assert Sampler().sample(logits, info, picked).next_token_ids == [5, 6, 7, 8]
     with pytest.raises(ValueError, match="greedy_ids"):
         Sampler().sample(logits, info, picked[:3])

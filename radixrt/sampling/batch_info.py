@@ -60,10 +60,12 @@ class SamplingBatchInfo:
     batch_size: int
     vocab_size: int
     device: torch.device
-    temperatures: Tensor  # [B] float32, as requested (greedy rows may hold 0)
-    top_ps: Tensor  # [B] float32
-    top_ks: Tensor  # [B] int64, disabled -> vocab_size; clamped to vocab_size
-    min_ps: Tensor  # [B] float32
+    # The sampled rows' settings, [B] each; None when no row is sampled (an all-greedy step
+    # builds no tensor for them):
+    temperatures: Tensor | None  # float32, as requested (greedy rows may hold 0)
+    top_ps: Tensor | None  # float32
+    top_ks: Tensor | None  # int64, disabled -> vocab_size; clamped to vocab_size
+    min_ps: Tensor | None  # float32
     greedy_rows: list[int]
     sampled_rows: list[int]
     sampled_idx: Tensor | None  # [Ns] int64 on device; None when all rows (or none) are sampled
@@ -191,10 +193,11 @@ class SamplingBatchInfo:
             batch_size=batch,
             vocab_size=vocab,
             device=dev,
-            temperatures=torch.tensor(temps, dtype=torch.float32, device=dev),
-            top_ps=torch.tensor(top_ps, dtype=torch.float32, device=dev),
-            top_ks=torch.tensor(top_ks, dtype=torch.long, device=dev),
-            min_ps=torch.tensor(min_ps, dtype=torch.float32, device=dev),
+            temperatures=(torch.tensor(temps, dtype=torch.float32, device=dev)
+                          if sampled_rows else None),
+            top_ps=torch.tensor(top_ps, dtype=torch.float32, device=dev) if sampled_rows else None,
+            top_ks=torch.tensor(top_ks, dtype=torch.long, device=dev) if sampled_rows else None,
+            min_ps=torch.tensor(min_ps, dtype=torch.float32, device=dev) if sampled_rows else None,
             greedy_rows=greedy_rows,
             sampled_rows=sampled_rows,
             sampled_idx=sampled_idx,

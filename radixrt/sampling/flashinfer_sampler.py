@@ -67,6 +67,9 @@ def flashinfer_sample(
         return x.argmax(dim=-1)
 
     idx = info.sampled_idx  # None: every row is sampled
+    # a step with a sampled row has its settings' tensors (SamplingBatchInfo.build)
+    assert info.temperatures is not None and info.top_ks is not None
+    assert info.top_ps is not None and info.min_ps is not None
 
     def rows(t: Tensor) -> Tensor:
         return t if idx is None else t.index_select(0, idx)
