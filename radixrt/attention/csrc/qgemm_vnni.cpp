@@ -831,6 +831,8 @@ Tensor qgemm_vnni_f32(const Tensor& x, const Tensor& packed, int64_t bits) {
 std::tuple<Tensor, Tensor> qgemm_vnni_f32_argmax(const Tensor& x, const Tensor& packed,
                                                  int64_t bits) {
   const char* op = "qgemm_vnni_f32_argmax";
+  // A team's members each run the op with picks of their own: they would not be merged.
+  TORCH_CHECK(team_member() == nullptr, op, ": not inside a decode team");
   const int64_t blob = checked_blob(packed, bits, op);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == packed.size(1) * kGroup, op, ": x must be [M, ",
               packed.size(1) * kGroup, "] for this weight, got ", x.sizes());
