@@ -586,3 +586,59 @@ def test_gguf_model_greedy_step_picks_the_argmax_of_its_logits(tiny_gguf: Path) 
                             ref.req_pool.req_to_token)
     ref_model.attn_backend.init_forward_metadata(fb)
     assert ref_model.forward_greedy(fb)[1] is None  # a dense head: the sampler picks
+
+
+def test_scheduler_greedy_tokens_are_the_same_with_and_without_the_picked_ids(
+        tiny_gguf: Path) -> None:
+    """A scheduler serving the GGUF model with its LM head on the vnni kernel: greedy requests
+    (all-greedy steps take `forward_greedy`'s ids) give the same tokens as when every step
+    takes the logits and `row_argmax`; a sampled request alongside (steps not all greedy) is
+    served too. Mixed prefill + decode steps included (staggered arrivals)."""
+    from radixrt.config import ServerArgs
+    from radixrt.core.messages import GenerateReq
+    from radixrt.core.sampling_params import SamplingParams
+    from radixrt.model.runner import ModelRunner
+    from radixrt.sched.scheduler import Scheduler
+
+    args = ServerArgs(model_path=str(tiny_gguf), dtype="bfloat16", quantization="gguf",
+                      quant_kernel="vnni", quant_max_rows=4096, max_total_tokens=1024,
+                      attention_backend="torch", num_threads=2)
+
+    def serve(picked: bool) -> dict[str, list[int]]:
+        sched = Scheduler(args, ModelRunner(args))
+        assert sched.runner.model.lm_head.kernel.name == "vnni"
+        used = [0]
+        real = sched.runner.forward_greedy
+
+        def greedy(fb: object) -> tuple[torch.Tensor, torch.Tensor | None]:
+            logits, ids = real(fb)  # type: ignore[arg-type]
+            assert ids is not None  # the head is on the kernel: it picked
+            used[0] += 1
+            return (logits, ids) if picked else (logits, None)
+
+        sched.runner.forward_greedy = greedy  # type: ignore[method-assign]
+        out: dict[str, list[int]] = {}
+        prompts = {f"g{i}": list(range(3 + 7 * i, 15 + 9 * i)) for i in range(4)}
+        for rid, ids in list(prompts.items())[:2]:
+            sched.handle(GenerateReq(rid, ids, SamplingParams(max_new_tokens=10, temperature=0,
+                                                              ignore_eos=True)))
+        steps = 0
+        while sched.has_work or steps < 3:
+            if steps == 3:  # arrive mid-decode: mixed steps
+                for rid, ids in list(prompts.items())[2:]:
+                    sched.handle(GenerateReq(rid, ids, SamplingParams(
+                        max_new_tokens=10, temperature=0, ignore_eos=True)))
+                sched.handle(GenerateReq("s", prompts["g0"], SamplingParams(
+                    max_new_tokens=4, temperature=0.8, seed=5, ignore_eos=True)))
+            res = sched.step()
+            sched.check_invariants()
+            for o in (res.outs if res is not None else []):
+                out.setdefault(o.rid, []).extend(o.new_ids)
+            steps += 1
+        assert used[0] > 0
+        assert all(len(out[r]) == 10 for r in prompts) and len(out["s"]) == 4
+        return out
+
+    with_ids, without = serve(True), serve(False)
+    assert {r: with_ids[r] for r in with_ids if r != "s"} == {
+        r: without[r] for r in without if r != "s"}
