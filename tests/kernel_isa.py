@@ -4,6 +4,7 @@
 One kernel library is loaded per process, so each ISA is checked in a fresh interpreter with
 `RADIXRT_CPU_ISA` set; the build is cached after the first run. `assert_rows_independent`:
 batch invariance of a row-wise op. `assert_flag_only_with`: an ISA's extra compiler flag.
+`with_threads`: a call at a given intra-op thread count.
 """
 
 from __future__ import annotations
@@ -12,11 +13,24 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 import pytest
 import torch
 
 from radixrt.attention import cpu_kernels
+
+T = TypeVar("T")
+
+
+def with_threads(n: int, fn: Callable[[], T]) -> T:
+    """`fn()` with torch's intra-op thread count set to `n` (restored after)."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(n)
+        return fn()
+    finally:
+        torch.set_num_threads(threads)
 
 
 def run_isa_check(isa: str, script: str, timeout: int = 900) -> str:
@@ -39,12 +53,7 @@ def assert_rows_independent(fn: Callable[[torch.Tensor], torch.Tensor], x: torch
     for m in counts:
         assert torch.equal(fn(x[:m]), full[:m])
         assert torch.equal(fn(x[m - 1 : m]), full[m - 1 : m])
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(fn(x), full)
-    finally:
-        torch.set_num_threads(threads)
+    assert torch.equal(with_threads(1, lambda: fn(x)), full)
 
 
 def assert_flag_only_with(monkeypatch: pytest.MonkeyPatch, cache: str, cpu_flag: str,

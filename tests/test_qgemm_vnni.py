@@ -29,7 +29,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_isa import assert_flag_only_with, assert_rows_independent, run_isa_check
+from kernel_isa import (
+    assert_flag_only_with,
+    assert_rows_independent,
+    run_isa_check,
+    with_threads,
+)
 from model_fixtures import PagedRunner, make_tiny_checkpoint, write_tiny_gguf
 
 from radixrt.attention import cpu_kernels
@@ -211,9 +216,9 @@ def test_f32_output_is_the_sums_the_bf16_output_rounds(layout: str, rows: int) -
 def _argmax_case(rows: int, n: int, k: int, threads: int, vm: VnniQuantMatmul,
                  x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, ids) of the fused op at `threads`, checked against the unfused op and torch."""
-    y, ids = _with_threads(threads, lambda: vm.forward_f32_argmax(x))
+    y, ids = with_threads(threads, lambda: vm.forward_f32_argmax(x))
     assert ids.dtype == torch.int64 and ids.shape == (rows,)
-    ref = _with_threads(threads, lambda: vm.forward_f32(x))
+    ref = with_threads(threads, lambda: vm.forward_f32(x))
     assert torch.equal(y.view(torch.int32), ref.view(torch.int32))  # bitwise, NaNs included
     assert torch.equal(ids, y.argmax(-1))  # torch: the first maximum, a row's first NaN
     assert torch.equal(ids, row_argmax(y))
@@ -352,14 +357,6 @@ REGION_SHAPES = [(1, 1024, 160), (1, 960, 576), (3, 576, 576), (8, 576, 1536), (
                  (64, 576, 1536), (100, 320, 160), (300, 64, 96)]
 
 
-def _with_threads(n: int, fn: object) -> torch.Tensor:
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(n)
-        return fn()  # type: ignore[operator]
-    finally:
-        torch.set_num_threads(threads)
-
 
 def _region_case(rows: int, n: int, k: int, layout: str, dtype: torch.dtype
                  ) -> tuple[VnniQuantMatmul, torch.Tensor]:
@@ -378,8 +375,8 @@ def test_parallel_quantization_is_bitwise_the_single_threaded_path(
     """2 threads quantize inside the matmul's region, split into shares; 1 thread quantizes
     everything first, then multiplies: the same bits."""
     vm, x = _region_case(*shape, layout, dtype)
-    one = _with_threads(1, lambda: vm(x))
-    two = _with_threads(2, lambda: vm(x))
+    one = with_threads(1, lambda: vm(x))
+    two = with_threads(2, lambda: vm(x))
     assert torch.equal(one, two)
     ref, mag = _mm_ref(x, vm)  # the float64 product of the documented quantization
     tol = SUM_EPS * mag + (BF16_EPS * ref.abs() if dtype == torch.bfloat16 else 0) + 1e-12
@@ -397,9 +394,9 @@ def test_silu_input_is_bitwise_silu_mul_then_the_op(shape: tuple[int, int, int],
     gate_up = (torch.randn(rows, 2 * k, generator=g) * 4).to(dtype)
     gate_up[0, k : k + 32] = 0.0  # up all zero in one group: a zero group after the product
     for threads in (1, 2):
-        fused = _with_threads(threads, lambda: torch.ops.radixrt.qgemm_vnni_silu(
+        fused = with_threads(threads, lambda: torch.ops.radixrt.qgemm_vnni_silu(
             gate_up, vm.packed, vm.bits))
-        two_ops = _with_threads(threads, lambda: vm(torch.ops.radixrt.silu_mul(gate_up)))
+        two_ops = with_threads(threads, lambda: vm(torch.ops.radixrt.silu_mul(gate_up)))
         assert fused.dtype == dtype and torch.equal(fused, two_ops), threads
     # and silu_mul is torch's F.silu(gate) * up in the dtype (so the fused op is that, quantized)
     gate, up = gate_up.chunk(2, dim=1)
@@ -447,7 +444,7 @@ def test_region_run_by_fewer_threads_than_it_asked_for(tmp_path: Path) -> None:
         gate_up = torch.cat([x, x.flip(1)], 1)
         for silu, inp in ((False, x), (True, gate_up)):
             op = torch.ops.radixrt.qgemm_vnni_silu if silu else torch.ops.radixrt.qgemm_vnni
-            want = _with_threads(2, lambda: op(inp, vm.packed, vm.bits))  # noqa: B023
+            want = with_threads(2, lambda: op(inp, vm.packed, vm.bits))  # noqa: B023
             cases.append((inp, vm.packed, vm.bits, silu, want))
     path = tmp_path / "cases.pt"
     torch.save(cases, path)

@@ -17,7 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from kernel_isa import assert_flag_only_with, assert_rows_independent, run_isa_check
+from kernel_isa import (
+    assert_flag_only_with,
+    assert_rows_independent,
+    run_isa_check,
+    with_threads,
+)
 
 from radixrt.attention import cpu_kernels
 from radixrt.model.quant import Int4Groups, quantize_int4, quantize_int8
@@ -128,14 +133,6 @@ def test_agrees_with_torch_int4_kernel_on_the_same_groups() -> None:
     assert ((a - b).abs() <= 2 * BF16_EPS * mag).all()
 
 
-def _with_threads(n: int, fn: object) -> object:
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(n)
-        return fn()  # type: ignore[operator]
-    finally:
-        torch.set_num_threads(threads)
-
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -158,8 +155,8 @@ def test_fused_argmax_is_the_outputs_argmax(bits: int, dtype: torch.dtype, threa
     xd = x.to(dtype)
 
     def check(m: TiledQuantMatmul) -> torch.Tensor:
-        y, ids = _with_threads(threads, lambda: m.forward_f32_argmax(xd))  # type: ignore[misc]
-        ref = _with_threads(threads, lambda: m(xd)).float()  # type: ignore[union-attr]
+        y, ids = with_threads(threads, lambda: m.forward_f32_argmax(xd))
+        ref = with_threads(threads, lambda: m(xd)).float()
         assert y.dtype == torch.float32 and ids.dtype == torch.int64 and ids.shape == (rows,)
         assert torch.equal(y.view(torch.int32), ref.view(torch.int32))  # bitwise, NaNs too
         assert torch.equal(ids, y.argmax(-1))
