@@ -155,9 +155,8 @@ class QuantizedWeight(LinearWeight):
 
     def logits_argmax(self, x: torch.Tensor,
                       invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self._on_dense(x.shape[0], invariant) or (
-                invariant and isinstance(self.kernel, TorchInt4Matmul)):
-            return self.logits(x, invariant), None
+        if self._on_dense(x.shape[0], invariant) or isinstance(self.kernel, TorchInt4Matmul):
+            return self.logits(x, invariant), None  # torch's kernel picks nothing
         return self.kernel.forward_f32_argmax(x)
 
     def bytes_read(self, rows: int) -> int:

@@ -190,20 +190,20 @@ class TiledQuantMatmul(QuantMatmul):
     def from_groups(cls, groups: Int4Groups) -> TiledQuantMatmul:
         return cls(*pack_tiles(groups), groups.bits)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _checked(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"x has {x.shape[-1]} input features, the weight "
                              f"{self.in_features}")
-        return torch.ops.radixrt.qgemv(x.contiguous(), self.codes, self.scale, self.offset,
+        return x.contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.radixrt.qgemv(self._checked(x), self.codes, self.scale, self.offset,
                                        self.bits)
 
     def forward_f32_argmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`forward_f32` and each row's argmax, picked by every chunk of tiles over the outputs
         it has just written (`qgemv_argmax`; in x's dtype, whose float32 is exact)."""
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"x has {x.shape[-1]} input features, the weight "
-                             f"{self.in_features}")
-        y, ids = torch.ops.radixrt.qgemv_argmax(x.contiguous(), self.codes, self.scale,
+        y, ids = torch.ops.radixrt.qgemv_argmax(self._checked(x), self.codes, self.scale,
                                                 self.offset, self.bits)
         return y.float(), ids
 

@@ -751,9 +751,9 @@ Tensor qgemm_vnni_impl(const Tensor& xc, bool silu, const Tensor& packed, int64_
   // one thread quantizes, then runs every item, or one parallel region quantizes (split over
   // its threads), waits for all of it, and runs the items.
   const bool serial = items == 1 || threads == 1 || m * n * k < 2 * kMinWeightsPerTask;
-  // One run per thread at most (quantize_then_work's slots, a team's members, or one).
+  // One run per thread at most (quantize_then_work's slots, or one; never in a team).
   std::optional<Picks> pick_runs;
-  if (picks != nullptr) pick_runs.emplace(m, member ? member->size : std::min(threads, items));
+  if (picks != nullptr) pick_runs.emplace(m, std::min(threads, items));
   auto run = [&](auto* yp) {
     using Out = std::remove_pointer_t<decltype(yp)>;
     auto work = [&](int64_t i0, int64_t i1) {
