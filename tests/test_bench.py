@@ -6,6 +6,7 @@ import asyncio
 import json
 import math
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -716,3 +717,39 @@ def test_decode_phases_laps_every_phase_of_the_current_decode_step():
     assert out.count("LAP(0)") == 2 and "phase_times" in out
     with pytest.raises(SystemExit, match="anchor"):
         decode_phases.timed_source(src.replace("ops.kv_store.call(kb, vb, rloc, k, v);", "x;"))
+
+
+def test_team_waits_names_every_phase_and_builds_a_self_contained_library():
+    """bench/team_waits.py relies on the sources: decode_layers.cpp's layer loop names phases
+    0..len(PHASES)-1 (RADIXRT_TEAM_PHASE), team.h's table has the bench's shape, and every op
+    the step looks up by schema is defined by one of the sources it rebuilds (so the renamed
+    library calls only its own, timed, ops)."""
+    from bench import team_waits
+
+    csrc = Path(__file__).resolve().parents[1] / "radixrt/attention/csrc"
+    layers = (csrc / "decode_layers.cpp").read_text()
+    named = {int(k) for k in re.findall(r"RADIXRT_TEAM_PHASE\((\d+)\)", layers)}
+    assert named == set(range(len(team_waits.PHASES)))
+    team = (csrc / "team.h").read_text()
+    assert f"kWaitMembers = {team_waits.MEMBERS}, kWaitPhases = {team_waits.PHASE_SLOTS}" in team
+    assert len(team_waits.PHASES) <= team_waits.PHASE_SLOTS
+    looked_up = set(re.findall(r'findSchemaOrThrow\("radixrt::(\w+)"', layers))
+    assert looked_up, "decode_layers.cpp looks up no op"
+    defined = set()
+    for s in team_waits.SOURCES:
+        defined |= set(re.findall(r'm\.def\(\s*"(\w+)\(', (csrc / s).read_text()))
+    assert looked_up <= defined, sorted(looked_up - defined)
+
+
+def test_team_waits_per_step_reads_the_flat_table():
+    from bench import team_waits
+
+    m, p = team_waits.MEMBERS, team_waits.PHASE_SLOTS
+    raw = [0] * (2 * m * p)
+    raw[0 * p + 5] = 3_000_000  # member 0, attention: 3 ms of waits
+    raw[1 * p + 9] = 500_000  # member 1, down
+    raw[m * p + 0 * p + 5] = 60  # barrier counts
+    raw[m * p + 1 * p + 9] = 30
+    us, count = team_waits.per_step(raw, steps=10)
+    assert us[0][5] == 300.0 and us[1][9] == 50.0 and sum(map(sum, us)) == 350.0
+    assert count[0][5] == 6.0 and count[1][9] == 3.0 and count[2] == [0.0] * len(team_waits.PHASES)

@@ -306,6 +306,7 @@ std::tuple<Tensor, Tensor> run_layers(const Stack& st, const Tensor& h0, const T
   const double eps = st.eps;
 
   Tensor h = h0.slice(0, r0, r1), residual;
+  RADIXRT_TEAM_PHASE(0);
   TeamMember* member = team_member();
   const bool attn_keeps_rows =
       member != nullptr &&
@@ -328,6 +329,7 @@ std::tuple<Tensor, Tensor> run_layers(const Stack& st, const Tensor& h0, const T
   for (int64_t l = 0; l < layers; ++l) {
     if (member != nullptr) member->next_layer();
     Tensor x;
+    RADIXRT_TEAM_PHASE(1);
     before_norm();
     if (l == 0) {
       residual = h;
@@ -336,10 +338,12 @@ std::tuple<Tensor, Tensor> run_layers(const Stack& st, const Tensor& h0, const T
       std::tie(x, residual) = ops.add_rms_norm.call(h, residual, st.norms[2 * l], eps);
     }
     const int64_t lin = kLinearsPerLayer * l;
+    RADIXRT_TEAM_PHASE(2);
     const Tensor qkv = run_linear(ops, x, st.weights, st.meta, lin);
     // kv_store splits the rows as rope_qk does: each member stores the K rows it rotated, so
     // the team need not meet between the two (v is qkv's, complete at the matmul's barrier).
     if (member != nullptr) member->rows_stay = true;
+    RADIXRT_TEAM_PHASE(3);
     auto [q, k] = ops.rope_qk.call(qkv, cos, sin, st.num_heads, st.num_kv_heads);
     const Tensor v = qkv.slice(1, q_size + kv_size).view({n, st.num_kv_heads, st.head_dim});
     const Tensor& kb = st.k_buffers[l];
@@ -347,10 +351,12 @@ std::tuple<Tensor, Tensor> run_layers(const Stack& st, const Tensor& h0, const T
     // Where the attention keeps each member's rows, neither it nor kv_store meets the team: a
     // member attends with the queries and K/V it stored, and the o projection quantizes its
     // rows of the output.
+    RADIXRT_TEAM_PHASE(4);
     if (attn_keeps_rows) member->rows_stay = true;
     if (int8_pool) ops.kv_store_i8.call(kb, vb, st.k_scales[l], st.v_scales[l], rloc, k, v);
     else ops.kv_store.call(kb, vb, rloc, k, v);
     if (attn_keeps_rows) member->rows_stay = true;
+    RADIXRT_TEAM_PHASE(5);
     Tensor o = std::get<0>(
         int8_pool
             ? ops.paged_decode_i8.call(q.contiguous(), kb, vb, st.k_scales[l], st.v_scales[l],
@@ -363,12 +369,17 @@ std::tuple<Tensor, Tensor> run_layers(const Stack& st, const Tensor& h0, const T
                                     plan.group_rows, st.scale));
     if (progress) progress->attentions.store(l + 1, std::memory_order_release);
     o = o.to(q.scalar_type()).reshape({n, q_size});
+    RADIXRT_TEAM_PHASE(6);
     const Tensor attn_out = run_linear(ops, o, st.weights, st.meta, lin + 1);
+    RADIXRT_TEAM_PHASE(7);
     before_norm();
     std::tie(x, residual) = ops.add_rms_norm.call(attn_out, residual, st.norms[2 * l + 1], eps);
+    RADIXRT_TEAM_PHASE(8);
     const Tensor gate_up = run_linear(ops, x, st.weights, st.meta, lin + 2);
+    RADIXRT_TEAM_PHASE(9);
     h = run_linear(ops, gate_up, st.weights, st.meta, lin + 3, /*silu=*/true);
   }
+  RADIXRT_TEAM_PHASE(0);
   return {h, residual};
 }
 
@@ -588,10 +599,27 @@ Tensor decode_step(const c10::intrusive_ptr<DecodeStack>& s, const Tensor& ids,
   return std::get<0>(Ops::get().add_rms_norm.call(h, residual, s->final_norm, s->final_eps));
 }
 
+#if RADIXRT_TEAM_WAITS
+// bench/team_waits.py: [member][phase] barrier wait in ns, then [member][phase] barrier counts,
+// summed since the last reset (see team.h).
+std::vector<int64_t> team_waits_read(bool reset) {
+  std::vector<int64_t> out;
+  for (auto* table : {&team_waits.ns, &team_waits.count}) {
+    for (auto& row : *table) {
+      for (auto& v : row) out.push_back(reset ? v.exchange(0) : v.load());
+    }
+  }
+  return out;
+}
+#endif
+
 }  // namespace
 }  // namespace radixrt_cpu
 
 TORCH_LIBRARY_FRAGMENT(radixrt, m) {
+#if RADIXRT_TEAM_WAITS
+  m.def("team_waits(bool reset) -> int[]", &radixrt_cpu::team_waits_read);
+#endif
   m.class_<radixrt_cpu::DecodeStack>("DecodeStack")
       .def(torch::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, double,
                        std::vector<at::Tensor>, radixrt_cpu::OptTensors, std::vector<int64_t>,

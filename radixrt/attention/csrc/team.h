@@ -28,6 +28,7 @@
 
 #include "placement.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -41,6 +42,26 @@
 #endif
 
 namespace radixrt_cpu {
+
+// Barrier waits by member and phase, for bench/team_waits.py only: a library built with
+// RADIXRT_TEAM_WAITS=1 (under its own op namespace) times every wait of every barrier and adds
+// it to the calling member's entry of the phase the layer loop last named (RADIXRT_TEAM_PHASE);
+// elsewhere the macro is empty and nothing is timed.
+#ifndef RADIXRT_TEAM_WAITS
+#define RADIXRT_TEAM_WAITS 0
+#endif
+#if RADIXRT_TEAM_WAITS
+constexpr int kWaitMembers = 4, kWaitPhases = 16;
+struct TeamWaits {
+  std::atomic<int64_t> ns[kWaitMembers][kWaitPhases];
+  std::atomic<int64_t> count[kWaitMembers][kWaitPhases];
+};
+inline TeamWaits team_waits;
+inline thread_local int team_phase = 0;
+#define RADIXRT_TEAM_PHASE(k) (::radixrt_cpu::team_phase = (k))
+#else
+#define RADIXRT_TEAM_PHASE(k) ((void)0)
+#endif
 
 // A counter alone on its cache line.
 struct alignas(64) TeamCounter {
@@ -163,8 +184,18 @@ struct TeamMember {
   void barrier() {
     ++barriers;
     if (size == 1) return;
+#if RADIXRT_TEAM_WAITS
+    const auto t0 = std::chrono::steady_clock::now();
+#endif
     team->arrive.v.fetch_add(1, std::memory_order_acq_rel);
     team->wait(team->arrive, barriers * size);
+#if RADIXRT_TEAM_WAITS
+    const int64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                           std::chrono::steady_clock::now() - t0).count();
+    const int64_t who = std::min<int64_t>(id, kWaitMembers - 1);
+    team_waits.ns[who][team_phase].fetch_add(ns, std::memory_order_relaxed);
+    team_waits.count[who][team_phase].fetch_add(1, std::memory_order_relaxed);
+#endif
   }
 
   // This member's equal share [lo, hi) of n rows.
