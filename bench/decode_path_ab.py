@@ -1,7 +1,9 @@
 """The one-call decode step's paths against each other, alternating step by step in one
 process on one `ModelRunner` (default SmolLM2): one pass as a team of threads (`team`; its
 norms split by rows or whole on each member as its placement probe picks, or always one way:
-`team-split`, `team-whole`, `DecodeLayers.team_norms_whole`), one pass with a parallel region
+`team-split`, `team-whole`, `DecodeLayers.team_norms_whole`; `team-micro`: the team's region
+as two micro-batches, as it runs far apart, `DecodeLayers.team_far_split`), one pass with a
+parallel region
 per op (`regions`, `--disable-decode-team`), two micro-batches (`split`,
 `decode_microbatch_rows`).
 
@@ -10,12 +12,13 @@ per op (`regions`, `--disable-decode-team`), two micro-batches (`split`,
 
 Each round starts `bs` requests over `--ctx` random cached tokens (bench/decode_steps.py) and
 runs the paths in turn every step (the order rotating), so all see the same context lengths;
-they give bitwise the same logits (tests/test_decode_layers.py). Prints the medians per batch
-size and, for each path after the first, the median ratio of its step to the first path's
-adjacent step (> 1: the first is faster), which cancels slow drifts of the machine, and where
-the two threads ran before and after (`bench/roofline.py` `thread_placement`). Used to choose
-`decode_microbatch_rows`' default and the team's, and to measure the team's norms far (in one
-process: two processes of equivalent code differed by ~0.1 ms far, stop 34).
+they give bitwise the same logits (tests/test_decode_layers.py). Prints the medians per batch size,
+how many of each team path's steps ran as two micro-batches, and, for each path after the first,
+the median ratio of its step to the first path's adjacent step (> 1: the first is faster), which
+cancels slow drifts of the machine, and where the two threads ran before and after
+(`bench/roofline.py` `thread_placement`). Used to choose `decode_microbatch_rows`' default and the
+team's, and to measure the team's norms far (in one process: two processes of equivalent code
+differed by ~0.1 ms far, stop 34).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import statistics  # noqa: E402
 import torch  # noqa: E402
 
 NEVER = 1 << 30  # decode_microbatch_rows no batch reaches: one pass
-PATHS = ("team", "team-split", "team-whole", "regions", "split")
+PATHS = ("team", "team-split", "team-whole", "team-micro", "regions", "split")
 NORMS_WHOLE = {"team-split": 0, "team-whole": 1}  # else -1: the team's probe picks
 
 
@@ -46,6 +49,9 @@ def use(model: object, path: str) -> None:
     stack = model.decode_layers()  # type: ignore[attr-defined]
     if not isinstance(stack, str):
         stack.team_norms_whole = NORMS_WHOLE.get(path, -1)
+        # team-micro: the team's region runs two micro-batches whatever its placement (what it
+        # picks far apart, decode_layers.cpp far_split); else as its probe picks
+        stack.team_far_split = 1 if path == "team-micro" else -1
 
 
 def main() -> None:
@@ -78,6 +84,7 @@ def main() -> None:
         where = [thread_placement()["placement"]]
         times: dict[str, list[float]] = {p: [] for p in paths}
         ratios: dict[str, list[float]] = {p: [] for p in paths[1:]}
+        micro = dict.fromkeys(paths, 0)  # timed steps a team ran as two micro-batches
         for _ in range(a.rounds):
             d = RandomKVDecoder(runner, bs, a.ctx)
             for path in paths:  # warm-up
@@ -88,7 +95,9 @@ def main() -> None:
                 k = i % len(paths)
                 for path in paths[k:] + paths[:k]:
                     use(model, path)
+                    before = torch.ops.radixrt.decode_team_microbatch_steps()
                     step[path] = d.step()
+                    micro[path] += torch.ops.radixrt.decode_team_microbatch_steps() - before
                     times[path].append(step[path])
                 for path in paths[1:]:
                     ratios[path].append(step[path] / step[paths[0]])
@@ -96,8 +105,10 @@ def main() -> None:
         rel = "  ".join(f"{p}/{paths[0]} {statistics.median(ratios[p]):.3f}x"
                         for p in paths[1:])
         where.append(thread_placement()["placement"])
+        split = ", ".join(f"{p} {micro[p]}" for p in paths if p.startswith("team"))
         print(f"batch {bs:3d}: {med}  paired {rel}  [threads on "
-              f"{' -> '.join(dict.fromkeys(where))}]", flush=True)
+              f"{' -> '.join(dict.fromkeys(where))}; team steps as micro-batches: {split}]",
+              flush=True)
 
 if __name__ == "__main__":
     main()

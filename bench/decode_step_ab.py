@@ -73,6 +73,8 @@ def use(op: object) -> None:
         tail = [split] if "int split" in schema else []
         if "bool team" in schema:
             tail += [team, self.team_norms_whole]
+        if "far_split" in schema:
+            tail += [self.team_far_split]
         return op(h, cos.squeeze(1), sin.squeeze(1), self.norms, self.weights,  # type: ignore
                   self.meta, k_buffers, v_buffers, *scales, loc, p.kv_indices,  # type: ignore
                   p.row_start,  # type: ignore

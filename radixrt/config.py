@@ -150,7 +150,9 @@ class ServerArgs:
         12, "a one-call decode step of at least this many rows, on exactly 2 scheduler "
             "threads, runs as two micro-batches, one per thread, so that one's attention "
             "(memory-bound) overlaps the other's matmuls (compute-bound); bitwise the same "
-            "result; 0: never")
+            "result; a decode team whose two threads sit far apart (no shared cache, a cache "
+            "line's round trip over 300 ns, probed every step: two CCDs) splits from 8 rows; "
+            "0: never")
     num_threads: int | None = _f(None, "torch threads of the scheduler (default: cores "
                                        "available)")
     thread_wait: str = _f("brief", "how the scheduler's OpenMP threads wait between parallel "

@@ -454,7 +454,8 @@ def test_team_is_bitwise_a_region_per_op(tmp_path: Path, kv_dtype: torch.dtype |
     stored, so the K rows each member stores right after rotating them (no meeting between RoPE
     and kv_store) are checked too. The team runs with its norms split by rows
     (`team_norms_whole` 0), whole on each member (1: each member's own residual stream and
-    quantized rows), and as its placement probe picks (-1)."""
+    quantized rows), and as its placement probe picks (-1), and as two micro-batches inside the
+    team's region (`team_far_split` 1, what a far placement picks from 8 rows)."""
     from radixrt.attention.paged_decode import paged_decode_i8_unavailable_reason
 
     dims, prefix_len, lone_len, own_len = _TEAM_CASES[case]
@@ -462,29 +463,39 @@ def test_team_is_bitwise_a_region_per_op(tmp_path: Path, kv_dtype: torch.dtype |
         pytest.skip(str(paged_decode_i8_unavailable_reason()))
     path, plan = _tiny_vnni_gguf(tmp_path, 13, "Q4_0", **dims)
     runs, ropes = {}, {}
-    for team, whole in ((False, -1), (True, 0), (True, 1), (True, -1)):
+    splits = {}  # team steps run as two micro-batches during each run
+    for team, whole, far in ((False, -1, 0), (True, 0, 0), (True, 1, 0), (True, -1, -1),
+                             (True, -1, 1), (True, -1, 2)):
         config = ModelConfig.from_path(path)
         model, _ = load_model(path, None, torch.bfloat16, "cpu", model_config=config, quant=plan)
         runner = PagedRunner.for_model(model, kv_size=12288, max_context=8192, kv_dtype=kv_dtype)
         runner.model.decode_team = team
-        runner.model.decode_microbatch_rows = 0
+        # one pass, micro-batches not off; far 2: far_split 1 with micro-batches off (0), which
+        # the model then passes as 0
+        runner.model.decode_microbatch_rows = 0 if far == 2 else 1 << 30
         stack = runner.model.decode_layers()
         assert isinstance(stack, DecodeLayers) and stack.team_capable
         stack.team_norms_whole = whole
+        stack.team_far_split = min(far, 1)
+        before = torch.ops.radixrt.decode_team_microbatch_steps()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            runs[team, whole] = _decode_run(runner, True, monkeypatch, prefix_len, lone_len,
-                                            own_len)
-        ropes[team, whole] = {e.key: e.count for e in prof.key_averages()}.get(
+            runs[team, whole, far] = _decode_run(runner, True, monkeypatch, prefix_len,
+                                                 lone_len, own_len)
+        splits[team, whole, far] = torch.ops.radixrt.decode_team_microbatch_steps() - before
+        ropes[team, whole, far] = {e.key: e.count for e in prof.key_averages()}.get(
             "radixrt::rope_qk", 0)
-    region = runs[False, -1]
+    region = runs[False, -1, 0]
     assert region[1] == 4
-    for whole in (0, 1, -1):
-        assert runs[True, whole][1] == 4
-        # the extend steps (Python loop) call rope_qk alike; the team's second thread, once
-        # per layer of each of the 4 decode steps
-        assert ropes[True, whole] - ropes[False, -1] == 4 * 3
-        for a, b in zip(runs[True, whole][0], region[0], strict=True):
-            assert torch.equal(a, b), f"norms_whole {whole}: max diff {(a - b).abs().max()}"
+    # far_split 1: every decode step (4 rows) as two micro-batches, one per member of the team
+    assert splits[True, -1, 1] == 4
+    assert splits[True, 0, 0] == splits[True, 1, 0] == splits[True, -1, 2] == 0
+    for key in ((True, 0, 0), (True, 1, 0), (True, -1, -1), (True, -1, 1), (True, -1, 2)):
+        assert runs[key][1] == 4
+        # the extend steps (Python loop) call rope_qk alike; the team's second thread (or the
+        # second micro-batch), once per layer of each of the 4 decode steps
+        assert ropes[key] - ropes[False, -1, 0] == 4 * 3
+        for a, b in zip(runs[key][0], region[0], strict=True):
+            assert torch.equal(a, b), f"{key}: max diff {(a - b).abs().max()}"
 
 
 def test_team_errors_raise_and_do_not_hang(tmp_path: Path, two_threads: object) -> None:

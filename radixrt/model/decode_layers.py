@@ -77,6 +77,11 @@ class DecodeLayers:
         # meeting fewer each): 1 always, 0 never, -1 where its two threads share no cache (the
         # team probes as it forms; decode_layers.cpp). Bitwise alike; tests set it.
         self.team_norms_whole = -1
+        # Whether a team of two runs a step as two micro-batches instead, one per thread: -1
+        # where its probe finds the threads far apart (every round trip over 300 ns) and the step
+        # has 8+ rows, 1 always (2+ rows), 0 never (decode_layers.cpp, placement.h). Bitwise
+        # alike; tests and benchmarks set it.
+        self.team_far_split = -1
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.eps, self.scale = eps, scale
         # (the arguments it was built from, the radixrt.DecodeStack): see run_step
@@ -114,7 +119,7 @@ class DecodeLayers:
                  k_buffers: list[torch.Tensor], v_buffers: list[torch.Tensor],
                  k_scales: list[torch.Tensor] | None = None,
                  v_scales: list[torch.Tensor] | None = None, split: int = 0,
-                 team: bool = False) -> torch.Tensor:
+                 team: bool = False, far_split: int | None = None) -> torch.Tensor:
         """The decode step up to the LM head in one call (`radixrt::decode_step`): the embedding
         rows of `ids`, the RoPE table rows of `positions`, every layer (`radixrt::decode_layers`;
         new K/V stored at `loc`, an int8 pool's scales in `k_scales` / `v_scales`), the final
@@ -122,6 +127,7 @@ class DecodeLayers:
         loop's. `split` > 0: rows `[0, split)` and `[split, rows)` run as two micro-batches, one
         per thread. `team` (one pass): as a team of the intra-op threads in one parallel region
         where `team_capable` and 2+ threads, else with a parallel region per op; bitwise alike.
+        `far_split`: the team's choice of micro-batches (`team_far_split`, its default).
 
         The step-invariant arguments (this object's weights, the tables, the pool's buffer
         lists) go to the op as one `radixrt.DecodeStack`, built on the first call and again
@@ -132,7 +138,7 @@ class DecodeLayers:
         return torch.ops.radixrt.decode_step(
             stack, ids, positions, loc, plan.kv_indices, plan.row_start, plan.row_len,
             plan.group_start, plan.group_len, plan.group_row_ptr, plan.group_rows, split, team,
-            self.team_norms_whole)
+            self.team_norms_whole, self.team_far_split if far_split is None else far_split)
 
     def _stack_for(self, *ends: object) -> torch.ScriptObject:
         """The `radixrt.DecodeStack` of these step-invariant arguments (see `run_step`)."""

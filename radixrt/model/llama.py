@@ -219,6 +219,8 @@ class LlamaForCausalLM(nn.Module):
         else:
             one = "one pass as a team of threads"
         if why is None:
+            if one == "one pass as a team of threads" and stack.team_far_split != 0:
+                one += " (two micro-batches from 8 rows where its threads are far apart)"
             return f"one C++ call, {one}, two micro-batches from {self.decode_microbatch_rows} rows"
         return f"one C++ call, {one} (no micro-batches: {why})"
 
@@ -274,7 +276,8 @@ class LlamaForCausalLM(nn.Module):
                                   self.config.rms_norm_eps, fb.out_cache_loc, plan,
                                   pool.k_buffer, pool.v_buffer, pool.k_scale, pool.v_scale,
                                   split=self.decode_split(fb.batch_size),
-                                  team=self.decode_team)
+                                  team=self.decode_team,
+                                  far_split=None if self._microbatches_off() is None else 0)
             logits, ids = self._head(last, fb, greedy)
             return logits, None, ids
         h = F.embedding(fb.input_ids, self.embed_tokens)

@@ -36,8 +36,11 @@
 // each member runs the RMSNorms and the activation quantization of qkv and gate_up on every row
 // (one meeting fewer per norm, more arithmetic and crossings; TeamMember::norms_whole): 1
 // always, 0 never, -1 where the team's first two threads share no cache, probed as each team
-// forms (TeamMember::probe_far): whole rows were -0.05 ms a batch-8 step far, +0.04 near
-// (bench/results/2026-11-25-s34-team-norms-whole.md).
+// forms (TeamMember::probe_placement): whole rows were -0.05 ms a batch-8 step far, +0.04 near
+// (bench/results/2026-11-25-s34-team-norms-whole.md). `far_split`: whether a team of two runs the
+// step as two micro-batches instead (below), one per member: -1 where the probe finds its
+// threads far apart (placement.h kMicrobatchRoundTripNs) and the step has kFarMicrobatchRows
+// rows or more, 1 always (2+ rows), 0 never; radixrt::decode_team_microbatch_steps counts them.
 //
 // Micro-batches (`split` > 0, rows >= 2): rows [0, split) and [split, rows) run as two
 // micro-batches, each through every layer on its own thread of one parallel region, the ops
@@ -456,23 +459,80 @@ int64_t team_layer_bytes(const Stack& st, int64_t rows, int64_t hidden, int64_t 
   return outputs + attention + acts + 64 * 64;
 }
 
+// Team steps run as two micro-batches because the team's threads were far apart (team_splits),
+// since the process started (radixrt::decode_team_microbatch_steps; monotonic).
+std::atomic<int64_t>& team_microbatch_steps() {
+  static std::atomic<int64_t> steps{0};
+  return steps;
+}
+
+int64_t decode_team_microbatch_steps() { return team_microbatch_steps().load(); }
+
+// Two micro-batches of one step: rows [0, split) and [split, rows), each through every layer
+// (run_layers) on its own thread. The second starts once the first has finished its first
+// attention (see the top of the file). `run(i)` is micro-batch i's thread's part.
+struct MicroBatches {
+  const Stack& st;
+  const Tensor& h0;
+  const Tensor& loc;
+  const Plan& plan;
+  int64_t bounds[3];
+  Progress first;  // the first micro-batch's; the second's is awaited by no one
+  std::tuple<Tensor, Tensor> out[2];
+
+  MicroBatches(const Stack& st_, const Tensor& h0_, const Tensor& loc_, const Plan& plan_,
+               int64_t split)
+      : st(st_), h0(h0_), loc(loc_), plan(plan_), bounds{0, split, h0_.size(0)} {}
+
+  void run(int64_t i) {
+    const Plan rows = plan.rows(bounds[i], bounds[i + 1]);
+    if (i == 1) first.wait_for(1);  // the first's first attention done (or it left)
+    out[i] = run_layers(st, h0, loc, rows, bounds[i], bounds[i + 1], i == 0 ? &first : nullptr);
+  }
+
+  std::tuple<Tensor, Tensor> result() const {
+    return {at::cat({std::get<0>(out[0]), std::get<0>(out[1])}),
+            at::cat({std::get<1>(out[0]), std::get<1>(out[1])})};
+  }
+};
+
+// Whether a team of `size` whose placement probe said `placement` runs an `n`-row step as two
+// micro-batches (`far_split`: 1 always where it can, 0 never, -1 where its threads are far
+// apart, placement.h).
+bool team_splits(int64_t far_split, int64_t size, int64_t n, TeamMember::Placement placement) {
+  if (size != 2 || n < 2 || far_split == 0) return false;
+  return far_split > 0 || (placement == TeamMember::kFarApart && n >= kFarMicrobatchRows);
+}
+
 // One pass as a team: every intra-op thread runs every layer (run_layers), the ops sharing their
 // work among the team; the result is bitwise the per-op-region pass (each op computes each
-// output as it does there). Returns copies (the next step reuses the arena).
+// output as it does there). Returns copies (the next step reuses the arena). A team of two
+// whose probe finds its threads far apart (team_splits) runs the step as two micro-batches
+// instead, one per member, outside the team (bitwise alike too).
 std::tuple<Tensor, Tensor> run_team(const Stack& st, const Tensor& h0, const Tensor& loc,
-                                    const Plan& plan, int64_t norms_whole) {
+                                    const Plan& plan, int64_t norms_whole, int64_t far_split) {
   const int64_t n = h0.size(0), threads = at::get_num_threads();
   const int64_t bytes = team_layer_bytes(st, n, h0.size(1), h0.element_size());
   const int64_t half = (bytes + 63) & ~int64_t{63};
   Team team(threads, half, team_arena(Team::arena_size(threads, half)));
   std::tuple<Tensor, Tensor> out;
+  MicroBatches micro(st, h0, loc, plan, n / 2);
+  std::atomic<bool> split{false};
   const at::ThreadLocalState tls;  // the caller's (inference mode, dispatch keys) on each thread
   at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
     const at::ThreadLocalStateGuard guard(tls);
     TeamMember member(team, b, e);
-    const TeamScope scope(member);
     try {
-      member.norms_whole = norms_whole < 0 ? member.probe_far() : norms_whole > 0;
+      const bool probe = norms_whole < 0 || far_split < 0;
+      const TeamMember::Placement placement =
+          probe ? member.probe_placement() : TeamMember::kNear;
+      if (team_splits(far_split, member.size, n, placement)) {
+        if (member.id == 0) split.store(true, std::memory_order_relaxed);
+        micro.run(member.id);  // no TeamScope: its ops run on this thread alone
+        return;
+      }
+      const TeamScope scope(member);
+      member.norms_whole = norms_whole < 0 ? placement != TeamMember::kNear : norms_whole > 0;
       auto r = run_layers(st, h0, loc, plan, 0, n, nullptr);
       if (member.id == 0) out = std::move(r);
     } catch (...) {
@@ -480,6 +540,10 @@ std::tuple<Tensor, Tensor> run_team(const Stack& st, const Tensor& h0, const Ten
       throw;
     }
   });
+  if (split.load(std::memory_order_relaxed)) {
+    team_microbatch_steps().fetch_add(1, std::memory_order_relaxed);
+    return micro.result();
+  }
   return {std::get<0>(out).clone(), std::get<1>(out).clone()};
 }
 
@@ -487,7 +551,7 @@ std::tuple<Tensor, Tensor> run_team(const Stack& st, const Tensor& h0, const Ten
 // team where `team` and it fits) or two micro-batches (`split`).
 std::tuple<Tensor, Tensor> run_stack(const Stack& st, const Tensor& h0, const Tensor& loc,
                                      const Plan& plan, int64_t split, bool team,
-                                     int64_t norms_whole) {
+                                     int64_t norms_whole, int64_t far_split) {
   TORCH_CHECK(h0.dim() == 2, "decode_layers: h must be [rows, hidden]");
   const int64_t n = h0.size(0);
   TORCH_CHECK(split >= 0 && split < std::max<int64_t>(n, 1),
@@ -495,25 +559,16 @@ std::tuple<Tensor, Tensor> run_stack(const Stack& st, const Tensor& h0, const Te
   TORCH_CHECK(plan.row_start.numel() == n && plan.row_len.numel() == n && loc.numel() == n,
               "decode_layers: row_start, row_len and loc must have one entry per row");
   if (split == 0) {
-    if (team && team_fits(st, n)) return run_team(st, h0, loc, plan, norms_whole);
+    if (team && team_fits(st, n)) return run_team(st, h0, loc, plan, norms_whole, far_split);
     return run_layers(st, h0, loc, plan, 0, n, nullptr);
   }
-
-  const int64_t bounds[3] = {0, split, n};
-  const Plan plans[2] = {plan.rows(0, split), plan.rows(split, n)};
-  Progress first;  // the first micro-batch's; the second's is awaited by no one
-  std::tuple<Tensor, Tensor> out[2];
+  MicroBatches micro(st, h0, loc, plan, split);
   const at::ThreadLocalState tls;  // the caller's (inference mode, dispatch keys) on each thread
   at::parallel_for(0, 2, 1, [&](int64_t b, int64_t e) {
     const at::ThreadLocalStateGuard guard(tls);
-    for (int64_t i = b; i < e; ++i) {
-      if (i == 1) first.wait_for(1);  // the first's first attention done (or it left)
-      out[i] = run_layers(st, h0, loc, plans[i], bounds[i], bounds[i + 1],
-                          i == 0 ? &first : nullptr);
-    }
+    for (int64_t i = b; i < e; ++i) micro.run(i);
   });
-  return {at::cat({std::get<0>(out[0]), std::get<0>(out[1])}),
-          at::cat({std::get<1>(out[0]), std::get<1>(out[1])})};
+  return micro.result();
 }
 
 std::tuple<Tensor, Tensor> decode_layers(
@@ -524,7 +579,7 @@ std::tuple<Tensor, Tensor> decode_layers(
     const Tensor& row_start, const Tensor& row_len, const Tensor& group_start,
     const Tensor& group_len, const Tensor& group_row_ptr, const Tensor& group_rows,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-    int64_t split, bool team, int64_t norms_whole) {
+    int64_t split, bool team, int64_t norms_whole, int64_t far_split) {
   check_stack(norms, weights, meta, k_buffers, v_buffers, k_scales, v_scales, num_heads,
               num_kv_heads, head_dim);
   const Stack st{cos, sin, norms, weights, meta, k_buffers, v_buffers, k_scales, v_scales,
@@ -533,7 +588,7 @@ std::tuple<Tensor, Tensor> decode_layers(
   return run_stack(st, h0, loc,
                    {kv_indices, row_start, row_len, group_start, group_len, group_row_ptr,
                     group_rows},
-                   split, team, norms_whole);
+                   split, team, norms_whole, far_split);
 }
 
 // What a decode step takes that does not change from step to step: the model's embedding,
@@ -582,7 +637,7 @@ Tensor decode_step(const c10::intrusive_ptr<DecodeStack>& s, const Tensor& ids,
                    const Tensor& row_start, const Tensor& row_len, const Tensor& group_start,
                    const Tensor& group_len, const Tensor& group_row_ptr,
                    const Tensor& group_rows, int64_t split, bool team,
-                   int64_t norms_whole) {
+                   int64_t norms_whole, int64_t far_split) {
   TORCH_CHECK(ids.dim() == 1 && positions.dim() == 1 && ids.numel() == positions.numel(),
               "decode_step: ids and positions must be 1-D with one entry per row");
   const Tensor h0 = at::embedding(s->embed, ids);
@@ -595,7 +650,7 @@ Tensor decode_step(const c10::intrusive_ptr<DecodeStack>& s, const Tensor& ids,
   const auto [h, residual] = run_stack(
       st, h0, loc,
       {kv_indices, row_start, row_len, group_start, group_len, group_row_ptr, group_rows}, split,
-      team, norms_whole);
+      team, norms_whole, far_split);
   return std::get<0>(Ops::get().add_rms_norm.call(h, residual, s->final_norm, s->final_eps));
 }
 
@@ -629,17 +684,19 @@ TORCH_LIBRARY_FRAGMENT(radixrt, m) {
       "decode_step(__torch__.torch.classes.radixrt.DecodeStack stack, Tensor ids, "
       "Tensor positions, Tensor loc, Tensor kv_indices, Tensor row_start, Tensor row_len, "
       "Tensor group_start, Tensor group_len, Tensor group_row_ptr, Tensor group_rows, "
-      "int split=0, bool team=False, int norms_whole=-1) -> Tensor");
+      "int split=0, bool team=False, int norms_whole=-1, int far_split=-1) -> Tensor");
   m.def(
       "decode_layers(Tensor h, Tensor cos, Tensor sin, Tensor[] norms, Tensor?[] weights, "
       "int[] meta, Tensor(a!)[] k_buffers, Tensor(b!)[] v_buffers, Tensor(c!)[] k_scales, "
       "Tensor(d!)[] v_scales, Tensor loc, Tensor kv_indices, "
       "Tensor row_start, Tensor row_len, Tensor group_start, Tensor group_len, "
       "Tensor group_row_ptr, Tensor group_rows, int num_heads, int num_kv_heads, int head_dim, "
-      "float eps, float scale, int split=0, bool team=False, int norms_whole=-1) -> "
+      "float eps, float scale, int split=0, bool team=False, int norms_whole=-1, "
+      "int far_split=-1) -> "
       "(Tensor, Tensor)");
   m.def("decode_team_rows(Tensor?[] weights, int[] meta) -> int",
         &radixrt_cpu::decode_team_rows);
+  m.def("decode_team_microbatch_steps() -> int", &radixrt_cpu::decode_team_microbatch_steps);
 }
 
 TORCH_LIBRARY_IMPL(radixrt, CPU, m) {
