@@ -62,8 +62,8 @@ def use(op: object) -> None:
     def run(self: DecodeLayers, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             loc: torch.Tensor, plan: object, k_buffers: list[torch.Tensor],
             v_buffers: list[torch.Tensor], k_scales: list[torch.Tensor] | None = None,
-            v_scales: list[torch.Tensor] | None = None, split: int = 0, team: bool = False
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+            v_scales: list[torch.Tensor] | None = None, split: int = 0, team: bool = False,
+            far_split: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         p = plan
         schema = str(op.default._schema)  # type: ignore[attr-defined]
         # revisions before the int8 KV cache have no scale lists in the op's schema, those
@@ -74,7 +74,7 @@ def use(op: object) -> None:
         if "bool team" in schema:
             tail += [team, self.team_norms_whole]
         if "far_split" in schema:
-            tail += [self.team_far_split]
+            tail += [self.team_far_split if far_split is None else far_split]
         return op(h, cos.squeeze(1), sin.squeeze(1), self.norms, self.weights,  # type: ignore
                   self.meta, k_buffers, v_buffers, *scales, loc, p.kv_indices,  # type: ignore
                   p.row_start,  # type: ignore

@@ -498,6 +498,36 @@ def test_team_is_bitwise_a_region_per_op(tmp_path: Path, kv_dtype: torch.dtype |
             assert torch.equal(a, b), f"{key}: max diff {(a - b).abs().max()}"
 
 
+def test_bench_op_swap_passes_every_step_argument(tmp_path: Path, two_threads: object,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/decode_step_ab.py `use` (through which decode_phases.py and team_waits.py run their
+    rebuilt ops) calls a decode_layers op with every argument the model gives run_step: with the
+    team forced to split each step into micro-batches (`team_far_split` 1), the swapped op
+    splits them all too, and the logits are bitwise the model's own decode_step's."""
+    from bench.decode_step_ab import use
+
+    path, plan = _tiny_vnni_gguf(tmp_path, 13, "Q4_0")
+    runs = {}
+    for swapped in (False, True):
+        config = ModelConfig.from_path(path)
+        model, _ = load_model(path, None, torch.bfloat16, "cpu", model_config=config, quant=plan)
+        runner = PagedRunner.for_model(model, kv_size=12288, max_context=8192)
+        runner.model.decode_team = True
+        runner.model.decode_microbatch_rows = 1 << 30  # one pass, micro-batches not off
+        stack = runner.model.decode_layers()
+        assert isinstance(stack, DecodeLayers) and stack.team_capable
+        stack.team_far_split = 1
+        if swapped:  # restored by monkeypatch at the end
+            monkeypatch.setattr(DecodeLayers, "run_step", DecodeLayers.run_step)
+            use(torch.ops.radixrt.decode_layers)
+        before = torch.ops.radixrt.decode_team_microbatch_steps()
+        runs[swapped] = _decode_run(runner, True, monkeypatch)
+        assert torch.ops.radixrt.decode_team_microbatch_steps() - before == 4
+    assert runs[True][1] == runs[False][1] == 4
+    for a, b in zip(runs[True][0], runs[False][0], strict=True):
+        assert torch.equal(a, b), f"max diff {(a - b).abs().max()}"
+
+
 def test_team_errors_raise_and_do_not_hang(tmp_path: Path, two_threads: object) -> None:
     """An error inside a team's pass (a kv slot out of the pool, seen by both threads) reaches
     the caller and leaves no thread waiting at a barrier; the next calls run, bitwise the same
