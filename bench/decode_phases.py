@@ -94,26 +94,16 @@ def build() -> object:
 
 
 def main() -> None:
+    from bench.decode_step_ab import use
+    from bench.decode_steps import RandomKVDecoder, add_step_args, bare_runner
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 64])
-    ap.add_argument("--ctx", type=int, default=512)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--kv-cache-dtype", default="auto", help="ServerArgs.kv_cache_dtype")
+    add_step_args(ap, [8, 64])
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    from bench.decode_step_ab import use
-    from bench.decode_steps import RandomKVDecoder
-    from radixrt.config import ServerArgs
-    from radixrt.model.runner import ModelRunner
-
     ns = build()
     use(ns.decode_layers)
-    bs_max, ctx_max = max(a.batch_sizes), a.ctx + a.steps + 16
-    runner = ModelRunner(ServerArgs(max_running_requests=bs_max,
-                                    max_total_tokens=bs_max * ctx_max + 64,
-                                    max_context_len=ctx_max, log_level="warning",
-                                    num_threads=a.threads, kv_cache_dtype=a.kv_cache_dtype))
+    runner = bare_runner(a, a.ctx + a.steps + 16)
     # one pass per step: the laps are summed over threads, which micro-batches would mix up
     runner.model.decode_microbatch_rows = 0
     # a region per op: the laps are per thread, a team's threads would interleave them
@@ -121,9 +111,7 @@ def main() -> None:
     print(f"dtype {runner.dtype}, quant {runner.quant}, KV {runner.token_to_kv_pool.kv_dtype}; "
           f"{a.threads} threads; ctx {a.ctx}")
     for bs in a.batch_sizes:
-        d = RandomKVDecoder(runner, bs, a.ctx)
-        for _ in range(3):
-            d.step()
+        d = RandomKVDecoder(runner, bs, a.ctx).warmed()
         ns.phase_times(True)
         steps = [d.step() for _ in range(a.steps)]
         per = [t / a.steps / 1e3 for t in ns.phase_times(True)][: len(PHASES)]

@@ -6,6 +6,7 @@ Used by bench/step_overhead.py and bench/step_fusion.py. The pool is filled with
 
 from __future__ import annotations
 
+import argparse
 import time
 from collections.abc import Callable
 from typing import Any
@@ -33,6 +34,12 @@ class RandomKVDecoder:
                       torch.randn(shape, generator=g))
         self.nxt = list(range(100, 100 + bs))
 
+    def warmed(self, steps: int = 3) -> RandomKVDecoder:
+        """This decoder after `steps` untimed steps."""
+        for _ in range(steps):
+            self.step()
+        return self
+
     def step(self) -> float:
         from radixrt.core.forward_batch import ForwardBatch, ForwardMode
         from radixrt.sampling.sampler import row_argmax
@@ -47,3 +54,28 @@ class RandomKVDecoder:
         dt = self.clock() - t
         self.seq += 1
         return dt
+
+
+def add_step_args(ap: argparse.ArgumentParser, batch_sizes: list[int]) -> None:
+    """The options of a bench over `RandomKVDecoder` steps: --batch-sizes, --ctx, --steps,
+    --threads, --kv-cache-dtype."""
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=batch_sizes)
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kv-cache-dtype", default="auto", help="ServerArgs.kv_cache_dtype")
+
+
+def bare_runner(a: argparse.Namespace, ctx_max: int, **server_args: Any) -> Any:
+    """A `ModelRunner` of the default model as the server builds it, for `add_step_args`'
+    options `a`: room for the largest batch at `ctx_max` tokens a row (`server_args` override
+    further `ServerArgs` fields)."""
+    from radixrt.config import ServerArgs
+    from radixrt.model.runner import ModelRunner
+
+    bs_max = max(a.batch_sizes)
+    return ModelRunner(ServerArgs(max_running_requests=bs_max,
+                                  max_total_tokens=bs_max * ctx_max + 64,
+                                  max_context_len=ctx_max, log_level="warning",
+                                  num_threads=a.threads, kv_cache_dtype=a.kv_cache_dtype,
+                                  **server_args))

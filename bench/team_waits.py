@@ -68,39 +68,26 @@ def per_step(raw: list[int], steps: int) -> tuple[list[list[float]], list[list[f
 
 
 def main() -> None:
+    from bench.decode_step_ab import use
+    from bench.decode_steps import RandomKVDecoder, add_step_args, bare_runner
+    from bench.roofline import thread_placement
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--ctx", type=int, default=512)
-    ap.add_argument("--steps", type=int, default=20)
+    add_step_args(ap, [1, 8])
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--kv-cache-dtype", default="auto", help="ServerArgs.kv_cache_dtype")
     ap.add_argument("--decode-microbatch-rows", type=int, default=None,
                     help="ServerArgs.decode_microbatch_rows (default: the server's)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    from bench.decode_step_ab import use
-    from bench.decode_steps import RandomKVDecoder
-    from bench.roofline import thread_placement
-    from radixrt.config import ServerArgs
-    from radixrt.model.runner import ModelRunner
-
     ns = build()
     use(ns.decode_layers)
-    bs_max, ctx_max = max(a.batch_sizes), a.ctx + a.rounds * (a.steps + 3) + 16
     extra = ({} if a.decode_microbatch_rows is None
              else {"decode_microbatch_rows": a.decode_microbatch_rows})
-    runner = ModelRunner(ServerArgs(max_running_requests=bs_max,
-                                    max_total_tokens=bs_max * ctx_max + 64,
-                                    max_context_len=ctx_max, log_level="warning",
-                                    num_threads=a.threads, kv_cache_dtype=a.kv_cache_dtype,
-                                    **extra))
+    runner = bare_runner(a, a.ctx + a.rounds * (a.steps + 3) + 16, **extra)
     print(f"{runner.model.decode_path()}; dtype {runner.dtype}, KV "
           f"{runner.token_to_kv_pool.kv_dtype}; {a.threads} threads; ctx {a.ctx}")
     for bs in a.batch_sizes:
-        d = RandomKVDecoder(runner, bs, a.ctx)
-        for _ in range(3):
-            d.step()
+        d = RandomKVDecoder(runner, bs, a.ctx).warmed()
         for rnd in range(a.rounds):
             place = thread_placement()
             ns.team_waits(True)
