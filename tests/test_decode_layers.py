@@ -396,6 +396,11 @@ def test_micro_batch_errors_raise_and_do_not_hang(tmp_path: Path, two_threads: o
             call(bad, [1, 2])
     with pytest.raises(RuntimeError, match="kv slot 99999 out of range"):
         call(1, [99999, 2])
+    # a malformed group plan, found as each micro-batch cuts its rows' plan inside the region
+    args, _, _ = _direct_args(tmp_path / "bad-groups", [1, 2])
+    args[16] = torch.zeros(3, dtype=torch.int64)  # group_row_ptr of a plan with no group
+    with pytest.raises(RuntimeError, match="group_row_ptr must have one entry more"):
+        torch.ops.radixrt.decode_layers(*args, 1)
     one, res1 = call(0, [1, 2])
     two, res2 = call(1, [1, 2])
     # dense fp32 matmuls here: equal up to torch's GEMM rounding at another row count

@@ -485,6 +485,14 @@ struct MicroBatches {
       : st(st_), h0(h0_), loc(loc_), plan(plan_), bounds{0, split, h0_.size(0)} {}
 
   void run(int64_t i) {
+    // The first marks its progress done on every way out, an error in its rows' plan included
+    // (run_layers marks it only once it runs), so the second never waits on an error.
+    struct Done {
+      Progress* p;
+      ~Done() {
+        if (p) p->attentions.store(Progress::kDone, std::memory_order_release);
+      }
+    } done{i == 0 ? &first : nullptr};
     const Plan rows = plan.rows(bounds[i], bounds[i + 1]);
     if (i == 1) first.wait_for(1);  // the first's first attention done (or it left)
     out[i] = run_layers(st, h0, loc, rows, bounds[i], bounds[i + 1], i == 0 ? &first : nullptr);
