@@ -200,9 +200,14 @@ class LlamaForCausalLM(nn.Module):
     def decode_split(self, rows: int) -> int:
         """Where the second micro-batch of a `rows`-row one-call decode step starts, 0 for one
         batch: halves from `decode_microbatch_rows` rows (see `_microbatches_off`)."""
-        if rows < max(self.decode_microbatch_rows, 2) or self._microbatches_off() is not None:
-            return 0
-        return rows // 2
+        return self._microbatch_args(rows)[0]
+
+    def _microbatch_args(self, rows: int) -> tuple[int, int | None]:
+        """`run_step`'s (split, far_split) for a `rows`-row step: `decode_split`'s split, and
+        far_split 0 where micro-batches are off (else None: the team's own setting)."""
+        if self._microbatches_off() is not None:
+            return 0, 0
+        return (rows // 2 if rows >= max(self.decode_microbatch_rows, 2) else 0), None
 
     def decode_path(self) -> str:
         """How decode steps run on this model, for the start-up log."""
@@ -271,13 +276,12 @@ class LlamaForCausalLM(nn.Module):
         if isinstance(stack, DecodeLayers) and plan is not None and fb.score_rows is None:
             # the whole step up to the LM head in one C++ call (decode batches score nothing)
             pool = attn.kv_pool
+            split, far_split = self._microbatch_args(fb.batch_size)
             last = stack.run_step(fb.input_ids, fb.positions, self.embed_tokens,
                                   self.rotary.cos, self.rotary.sin, self.norm,
                                   self.config.rms_norm_eps, fb.out_cache_loc, plan,
                                   pool.k_buffer, pool.v_buffer, pool.k_scale, pool.v_scale,
-                                  split=self.decode_split(fb.batch_size),
-                                  team=self.decode_team,
-                                  far_split=None if self._microbatches_off() is None else 0)
+                                  split=split, team=self.decode_team, far_split=far_split)
             logits, ids = self._head(last, fb, greedy)
             return logits, None, ids
         h = F.embedding(fb.input_ids, self.embed_tokens)
