@@ -2,7 +2,8 @@
 process on one `ModelRunner` (default SmolLM2): one pass as a team of threads (`team`; its
 norms split by rows or whole on each member as its placement probe picks, or always one way:
 `team-split`, `team-whole`, `DecodeLayers.team_norms_whole`; `team-micro`: the team's region
-as two micro-batches, as it runs far apart, `DecodeLayers.team_far_split`), one pass with a
+as two micro-batches, as it runs far apart, `DecodeLayers.team_far_split`; `team-static`: the
+team without its members taking each other's items, `radixrt::decode_team_steal`), one pass with a
 parallel region
 per op (`regions`, `--disable-decode-team`), two micro-batches (`split`,
 `decode_microbatch_rows`).
@@ -38,7 +39,7 @@ import statistics  # noqa: E402
 import torch  # noqa: E402
 
 NEVER = 1 << 30  # decode_microbatch_rows no batch reaches: one pass
-PATHS = ("team", "team-split", "team-whole", "team-micro", "regions", "split")
+PATHS = ("team", "team-static", "team-split", "team-whole", "team-micro", "regions", "split")
 NORMS_WHOLE = {"team-split": 0, "team-whole": 1}  # else -1: the team's probe picks
 
 
@@ -52,6 +53,8 @@ def use(model: object, path: str) -> None:
         # team-micro: the team's region runs two micro-batches whatever its placement (what it
         # picks far apart, decode_layers.cpp far_split); else as its probe picks
         stack.team_far_split = 1 if path == "team-micro" else -1
+        # team-static: each member runs its own share only (no member takes another's items)
+        torch.ops.radixrt.decode_team_steal(0 if path == "team-static" else 1)
 
 
 def main() -> None:

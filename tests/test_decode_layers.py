@@ -503,6 +503,70 @@ def test_team_is_bitwise_a_region_per_op(tmp_path: Path, kv_dtype: torch.dtype |
             assert torch.equal(a, b), f"{key}: max diff {(a - b).abs().max()}"
 
 
+@pytest.fixture
+def team_steal() -> object:
+    """Restores the team's stealing settings (`radixrt::decode_team_steal`) after the test."""
+    mode, slow_us, _ = torch.ops.radixrt.decode_team_steal()
+    yield
+    torch.ops.radixrt.decode_team_steal(mode, slow_us)
+
+
+@pytest.mark.parametrize("attention_thresholds", ["split-all"], indirect=True)
+@pytest.mark.parametrize("case", sorted(_TEAM_CASES))
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8], ids=["bf16-kv", "int8-kv"])
+def test_members_taking_items_is_bitwise_a_region_per_op(
+        tmp_path: Path, kv_dtype: torch.dtype | None, case: str, two_threads: object,
+        attention_thresholds: object, team_steal: object,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the team's second member slowed before each of its own items (`slow_us`), the first
+    takes some of them (TeamMember::run_items): the matmuls' tiles and the attention's (row,
+    head) items, including at "wide-own", where the attention ends without a meeting and the
+    o projection reads the taken items' rows on their owner. The logits stay bitwise those of
+    a parallel region per op, and `decode_team_steal`'s count of taken items rises; with
+    stealing off (mode 0) nothing is taken, and the logits are the same. At "tiny" the matmuls
+    run whole on the first member, so what is taken there is attention items (both phases
+    split: thresholds "split-all")."""
+    from radixrt.attention.paged_decode import paged_decode_i8_unavailable_reason
+
+    dims, prefix_len, lone_len, own_len = _TEAM_CASES[case]
+    if kv_dtype is torch.int8 and paged_decode_i8_unavailable_reason():
+        pytest.skip(str(paged_decode_i8_unavailable_reason()))
+    path, plan = _tiny_vnni_gguf(tmp_path, 13, "Q4_0", **dims)
+    runs, taken = {}, {}
+    for team, mode in ((False, 1), (True, 1), (True, 0)):
+        config = ModelConfig.from_path(path)
+        model, _ = load_model(path, None, torch.bfloat16, "cpu", model_config=config, quant=plan)
+        runner = PagedRunner.for_model(model, kv_size=12288, max_context=8192, kv_dtype=kv_dtype)
+        runner.model.decode_team = team
+        runner.model.decode_microbatch_rows = 1 << 30  # one pass
+        stack = runner.model.decode_layers()
+        assert isinstance(stack, DecodeLayers) and stack.team_capable
+        stack.team_far_split = 0
+        before = torch.ops.radixrt.decode_team_steal(mode, 300)[2]
+        runs[team, mode] = _decode_run(runner, True, monkeypatch, prefix_len, lone_len, own_len)
+        taken[team, mode] = torch.ops.radixrt.decode_team_steal()[2] - before
+    assert taken[True, 1] > 0
+    assert taken[True, 0] == taken[False, 1] == 0
+    region = runs[False, 1]
+    for key in ((True, 1), (True, 0)):
+        assert runs[key][1] == region[1] == 4
+        for a, b in zip(runs[key][0], region[0], strict=True):
+            assert torch.equal(a, b), f"{key}: max diff {(a - b).abs().max()}"
+
+
+def test_team_steal_settings_are_checked(team_steal: object) -> None:
+    """decode_team_steal refuses a mode or delay out of range, naming it, and leaves the
+    settings as they were."""
+    before = torch.ops.radixrt.decode_team_steal()
+    with pytest.raises(RuntimeError, match="mode must be -1, 0 or 1"):
+        torch.ops.radixrt.decode_team_steal(2)
+    with pytest.raises(RuntimeError, match="slow_us must be in"):
+        torch.ops.radixrt.decode_team_steal(-1, -5)
+    assert torch.ops.radixrt.decode_team_steal()[:2] == before[:2]
+    torch.ops.radixrt.decode_team_steal(0, 0)
+    assert torch.ops.radixrt.decode_team_steal()[:2] == [0, 0]
+
+
 def test_bench_op_swap_passes_every_step_argument(tmp_path: Path, two_threads: object,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """bench/decode_step_ab.py `use` (through which decode_phases.py and team_waits.py run their

@@ -41,6 +41,10 @@
 // step as two micro-batches instead (below), one per member: -1 where the probe finds its
 // threads far apart (placement.h kMicrobatchRoundTripNs) and the step has kFarMicrobatchRows
 // rows or more, 1 always (2+ rows), 0 never; radixrt::decode_team_microbatch_steps counts them.
+// In a team's matmuls and attention a member that has run its share takes the others' last
+// items (TeamMember::run_items; radixrt::decode_team_steal turns it off and counts the items
+// taken): 0.98-0.99x the step with every member on its share alone, 0.95x with a process beside
+// the server taking 300 us of a core every 2.3 ms (bench/results/2026-12-01-s41-*).
 //
 // Micro-batches (`split` > 0, rows >= 2): rows [0, split) and [split, rows) run as two
 // micro-batches, each through every layer on its own thread of one parallel region, the ops
@@ -468,6 +472,20 @@ std::atomic<int64_t>& team_microbatch_steps() {
 
 int64_t decode_team_microbatch_steps() { return team_microbatch_steps().load(); }
 
+// Sets whether a team's members take each other's items (team.h, TeamStealSettings: `mode` 1
+// or 0) and the test delay of its last member's own items (`slow_us`, 0 in use); -1 leaves
+// either. Returns the previous [mode, slow_us] and the items taken so far. Between steps only.
+std::vector<int64_t> decode_team_steal(int64_t mode, int64_t slow_us) {
+  TORCH_CHECK(mode >= -1 && mode <= 1, "decode_team_steal: mode must be -1, 0 or 1, got ", mode);
+  TORCH_CHECK(slow_us >= -1 && slow_us <= 1000000,
+              "decode_team_steal: slow_us must be in [-1, 1e6], got ", slow_us);
+  TeamStealSettings& s = team_steal_settings();
+  std::vector<int64_t> previous{s.mode.load(), s.slow_us.load(), s.taken.load()};
+  if (mode >= 0) s.mode.store(mode);
+  if (slow_us >= 0) s.slow_us.store(slow_us);
+  return previous;
+}
+
 // Two micro-batches of one step: rows [0, split) and [split, rows), each through every layer
 // (run_layers) on its own thread. The second starts once the first has finished its first
 // attention (see the top of the file). `run(i)` is micro-batch i's thread's part.
@@ -541,7 +559,11 @@ std::tuple<Tensor, Tensor> run_team(const Stack& st, const Tensor& h0, const Ten
       }
       const TeamScope scope(member);
       member.norms_whole = norms_whole < 0 ? placement != TeamMember::kNear : norms_whole > 0;
+      TeamStealSettings& steal = team_steal_settings();
+      member.steal = steal.mode.load(std::memory_order_relaxed) != 0;
+      if (member.id == member.size - 1) member.slow_us = steal.slow_us.load();
       auto r = run_layers(st, h0, loc, plan, 0, n, nullptr);
+      if (member.taken > 0) steal.taken.fetch_add(member.taken, std::memory_order_relaxed);
       if (member.id == 0) out = std::move(r);
     } catch (...) {
       team.failed.store(true, std::memory_order_relaxed);
@@ -705,6 +727,8 @@ TORCH_LIBRARY_FRAGMENT(radixrt, m) {
   m.def("decode_team_rows(Tensor?[] weights, int[] meta) -> int",
         &radixrt_cpu::decode_team_rows);
   m.def("decode_team_microbatch_steps() -> int", &radixrt_cpu::decode_team_microbatch_steps);
+  m.def("decode_team_steal(int mode=-1, int slow_us=-1) -> int[]",
+        &radixrt_cpu::decode_team_steal);
 }
 
 TORCH_LIBRARY_IMPL(radixrt, CPU, m) {

@@ -603,9 +603,10 @@ struct Picks {
 
 // quantize_then_work on a decode team (team.h): each member quantizes its equal share of the
 // rows (m.rows, the row split of the team's row ops), the team meets, each member runs its
-// equal run of the items (`first_only`: the first member runs them all), and the team meets
-// again. No shares are claimed: a team's members are all running already, and a claim or done
-// counter shared by two cores without a common cache costs a cache-line transfer per share. A
+// equal run of the items, then takes the others' last ones (TeamMember::run_items;
+// `first_only`: the first member runs them all), and the team meets again. No counter shared
+// by every member hands out the items: two cores without a common cache would pass its line
+// back and forth once per item. A
 // member reads only its own rows of the input, so a row op before (an RMSNorm) need not meet
 // the team first (TeamMember::rows_stay). `whole` (TeamMember::quantize_whole): each member
 // quantizes every row into its own buffer instead, and the first meeting goes.
@@ -619,9 +620,12 @@ void team_quantize_then_work(TeamMember& m, const ActInput& in, int64_t items, b
     if (r0 < r1) in.quantize_rows(r0, r1);
     m.barrier();
   }
-  const auto [i0, i1] = first_only ? std::pair<int64_t, int64_t>{0, m.id == 0 ? items : 0}
-                                   : m.rows(items);
-  work(i0, i1);
+  if (first_only) {
+    if (m.id == 0) work(0, items);
+  } else {  // an item reads the quantized rows, complete at the meeting above (or its own)
+    const auto [i0, i1] = m.rows(items);
+    m.run_items(i0, i1, [&](int64_t i) { work(i, i + 1); });
+  }
   m.barrier();
 }
 

@@ -15,9 +15,12 @@
 // - `own` memory (TeamMember::empty with own): each member's own part of the arena, for the
 //   outputs of a row op that every member runs on every row (`whole_rows`), which only that
 //   member reads.
-// - nothing is claimed from a shared counter: an op splits its work by a rule every member
-//   computes alike (equal shares of rows or items, or the work queue's cost split), since a
-//   counter two cores without a common cache both write costs a round trip per claim.
+// - no shared counter hands out the work: an op splits its items by a rule every member computes
+//   alike (equal shares of rows or items, or the work queue's cost split), since a counter two
+//   cores without a common cache both write costs a round trip per claim. A member that has run
+//   its share may then take the others' last items (TeamMember::run_items, "stealing"): each
+//   member claims its own items from a word on a cache line of its own, which the other cores
+//   touch only when they come to take from it.
 // Invariants: every member reaches every barrier (the ops' checks see the same inputs on every
 // member, so they raise on every member or on none); a member that raises anyway marks the team
 // failed, and the others leave their barriers with an error instead of waiting forever.
@@ -75,6 +78,45 @@ inline void team_pause() {
 #endif
 }
 
+// The process's settings of TeamMember::run_items (radixrt::decode_team_steal; tests and
+// benchmarks change them between steps only: a team reads them as it forms). `mode`: whether a
+// member that has run its share takes other members' items, 1 always, 0 never. `slow_us`
+// (tests only, 0 in use): the team's last member sleeps this long before each of its own items,
+// so that the others take some. `taken`: items run by a member other than their owner, since
+// the process started (monotonic).
+struct TeamStealSettings {
+  std::atomic<int64_t> mode{1};
+  std::atomic<int64_t> slow_us{0};
+  std::atomic<int64_t> taken{0};
+};
+
+inline TeamStealSettings& team_steal_settings() {
+  static TeamStealSettings s;
+  return s;
+}
+
+// One member's items of the current phase, for the others to take from (TeamMember::run_items):
+// `word` packs (phase << 40 | front << 20 | back); the owner claims from the front, the others
+// take from the back, so each item runs once. `done` counts the items others ran for the owner.
+struct TeamShare {
+  static constexpr int kBits = 20;
+  static constexpr uint64_t kMask = (uint64_t{1} << kBits) - 1;
+  static constexpr uint64_t kFront = uint64_t{1} << kBits;  // one front item
+  // Items are numbered below this, so a front one past its back stays in its bits.
+  static constexpr int64_t kMaxItems = int64_t{1} << (kBits - 1);
+
+  alignas(64) std::atomic<uint64_t> word{0};
+  TeamCounter done;
+
+  static uint64_t pack(uint64_t phase, int64_t front, int64_t back) {
+    return phase << (2 * kBits) | static_cast<uint64_t>(front) << kBits |
+           static_cast<uint64_t>(back);
+  }
+  static uint64_t phase(uint64_t w) { return w >> (2 * kBits); }
+  static int64_t front(uint64_t w) { return static_cast<int64_t>((w >> kBits) & kMask); }
+  static int64_t back(uint64_t w) { return static_cast<int64_t>(w & kMask); }
+};
+
 // Member `id`'s equal share [lo, hi) of n rows in a team of `size`: the row split of every row
 // op (norms, RoPE, kv_store, a matmul's activation quantization), which rows_stay relies on.
 inline std::pair<int64_t, int64_t> team_rows(int64_t id, int64_t n, int64_t size) {
@@ -88,6 +130,8 @@ struct Team {
   TeamCounter joined, claimed;  // forming the team (see the TeamMember constructor)
   TeamCounter arrive;  // barriers
   TeamCounter ball;  // the placement probe (TeamMember::probe_placement)
+  static constexpr int64_t kMaxSharing = 8;  // members that may take each other's items
+  TeamShare shares[kMaxSharing];  // member i's items (TeamMember::run_items)
   std::atomic<bool> failed{false};
   int64_t expected;  // parallel_for indices handed out
   int64_t arena_bytes;  // per half
@@ -139,6 +183,13 @@ struct TeamMember {
   // every member (whole_rows, quantize_whole: one meeting fewer each) instead of splitting
   // their rows: set as the team forms, the same on every member.
   bool norms_whole = false;
+  // Whether run_items lets members take each other's items, and the test delay before each of
+  // this member's own items: set as the team forms (team_steal_settings), `steal` the same on
+  // every member.
+  bool steal = false;
+  int64_t slow_us = 0;
+  int64_t phases = 0;  // run_items calls so far (the same on every member: they call alike)
+  int64_t taken = 0;  // of this member's items, those the others took, over every phase
 
   // Joins the team from a parallel_for body that got indices [b, e): the team is the set of
   // bodies that run (one thread may get several indices, e.g. when nested: then it is a
@@ -207,6 +258,60 @@ struct TeamMember {
     team_waits.ns[who][team_phase].fetch_add(ns, std::memory_order_relaxed);
     team_waits.count[who][team_phase].fetch_add(1, std::memory_order_relaxed);
 #endif
+  }
+
+  // Runs items [lo, hi) of a phase whose items every member may run (run(i) writes only item i's
+  // outputs and reads only what its owner had made visible when it started its share), then,
+  // with `steal`, the other members' last items, and returns once every item of [lo, hi) has
+  // run (those another member took included). Every member calls it in the same order, each
+  // with its own share. Without `steal`, the share alone: the team's static split.
+  // A member that runs ahead (its share done first) takes work from one that was slowed (a
+  // busy neighbour, a preempted thread, uneven rows), instead of waiting at the next meeting.
+  // Item outputs being the same whoever runs the item, results do not change.
+  template <typename F>
+  void run_items(int64_t lo, int64_t hi, const F& run) {
+    // counted on every member alike, whether it offers its items or not (a member whose items
+    // do not fit a word runs them alone: its word keeps an earlier phase, so none is taken)
+    const uint64_t phase = static_cast<uint64_t>(++phases);
+    if (!steal || size < 2 || size > Team::kMaxSharing || hi >= TeamShare::kMaxItems) {
+      for (int64_t i = lo; i < hi; ++i) run(i);
+      return;
+    }
+    TeamShare& mine = team->shares[id];
+    mine.word.store(TeamShare::pack(phase, lo, hi), std::memory_order_release);
+    uint64_t w;
+    for (;;) {  // own items, from the front
+      w = mine.word.fetch_add(TeamShare::kFront, std::memory_order_acq_rel);
+      if (TeamShare::front(w) >= TeamShare::back(w)) break;
+      if (slow_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(slow_us));
+      run(TeamShare::front(w));
+    }
+    const int64_t lost = hi - TeamShare::back(w);  // final: front passed back
+    for (int64_t o = 1; o < size; ++o) {  // the others' items, from the back
+      TeamShare& other = team->shares[(id + o) % size];
+      uint64_t ow = other.word.load(std::memory_order_acquire);
+      while (TeamShare::phase(ow) == phase && TeamShare::front(ow) < TeamShare::back(ow)) {
+        if (other.word.compare_exchange_weak(ow, ow - 1, std::memory_order_acq_rel,
+                                             std::memory_order_acquire)) {
+          run(TeamShare::back(ow) - 1);
+          other.done.v.fetch_add(1, std::memory_order_release);
+          ow = other.word.load(std::memory_order_acquire);
+        }
+      }
+    }
+    if (lost > 0) {
+      taken += lost;
+#if RADIXRT_TEAM_WAITS
+      const auto t0 = std::chrono::steady_clock::now();
+#endif
+      team->wait(mine.done, taken);
+#if RADIXRT_TEAM_WAITS
+      const int64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                             std::chrono::steady_clock::now() - t0).count();
+      const int64_t who = std::min<int64_t>(id, kWaitMembers - 1);
+      team_waits.ns[who][team_phase].fetch_add(ns, std::memory_order_relaxed);
+#endif
+    }
   }
 
   // This member's equal share [lo, hi) of n rows.

@@ -1,8 +1,9 @@
 // Work queue shared by radixrt's CPU attention kernels (paged_decode.cpp, extend_attention.cpp):
 // independent items of uneven cost run on torch's intra-op threads, largest first, each thread
 // taking the next item when it finishes one (so a few long items do not leave threads idle).
-// In a decode team (team.h) nothing is claimed: each member runs its share of the items as
-// given, split by cost (team_share), and the team meets when all are done.
+// In a decode team (team.h) each member runs its share of the items as given, split by cost
+// (team_share), then takes the others' last ones (TeamMember::run_items), and the team meets
+// when all are done.
 
 #pragma once
 
@@ -13,6 +14,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 namespace radixrt_cpu {
@@ -54,20 +56,24 @@ inline int64_t team_share_owner(int64_t before, int64_t cost, int64_t total, int
   return std::min(size - 1, (2 * before + cost) * size / (2 * std::max<int64_t>(1, total)));
 }
 
-// A team member's items, in their given order: item i is the member's whose equal share of the
+// A team member's items [lo, hi) of `items`: item i is the member's whose equal share of the
 // total cost holds the middle of i's cost, counted from the first item. Every member computes
-// the same split from the same items, so no item is claimed from a shared counter (a claim is a
-// cache-line round trip between the members' cores: ~0.5 us when they share no cache, ~25
-// claims per decode layer). Kept in order, a member's items are contiguous: in a decode step the
-// (row, head) items of the rows whose queries it rotated and stored (fused_ops' row split).
-template <typename Item, typename F>
-void team_share(const TeamMember& m, const std::vector<Item>& items, int64_t total,
-                const F& work) {
-  int64_t before = 0;
-  for (const Item& it : items) {
-    if (team_share_owner(before, it.cost, total, m.size) == m.id) work(it);
-    before += it.cost;
+// the same split from the same items, so no item is handed out by a shared counter (a claim is
+// a cache-line round trip between the members' cores: ~0.5 us when they share no cache, ~25
+// claims per decode layer). The middles rise with i, so a member's items are contiguous: in a
+// decode step the (row, head) items of the rows whose queries it rotated and stored (fused_ops'
+// row split).
+template <typename Item>
+std::pair<int64_t, int64_t> team_share(const TeamMember& m, const std::vector<Item>& items,
+                                       int64_t total) {
+  int64_t before = 0, lo = 0, hi = 0;
+  for (int64_t i = 0; i < static_cast<int64_t>(items.size()); ++i) {
+    const int64_t owner = team_share_owner(before, items[i].cost, total, m.size);
+    if (owner < m.id) lo = i + 1;
+    if (owner <= m.id) hi = i + 1;
+    before += items[i].cost;
   }
+  return {lo, std::max(lo, hi)};
 }
 
 // Runs work(item) for every item; Item has an int64_t `cost`. Items are sorted by cost,
@@ -85,7 +91,11 @@ void run_largest_first(std::vector<Item>& items, int64_t min_parallel_cost, cons
     const bool stay = m->rows_stay;  // the caller knows the split keeps each member's rows
     m->rows_stay = false;
     if (total >= min_parallel_cost) {
-      team_share(*m, items, total, work);
+      const auto [lo, hi] = team_share(*m, items, total);
+      // Where the rows stay, an item another member takes reads only what this member had
+      // stored before it started its share (its rows' queries and K/V), and this member
+      // returns once its items all ran: the op after reads its rows' outputs.
+      m->run_items(lo, hi, [&](int64_t i) { work(items[i]); });
       if (stay) return;
     } else if (m->id == 0) {
       for (const Item& it : items) work(it);
