@@ -146,6 +146,11 @@ class ServerArgs:
                "as a team of the scheduler's threads in one region (spin barriers between the "
                "ops, the norms / RoPE / kv_store split too; needs every matmul on the vnni "
                "kernel; bitwise the same result)")
+    disable_team_steal: bool = _f(
+        False, "in a decode team, each thread runs only its own share of every matmul's tiles "
+               "and attention's items instead of taking the others' last ones once its share "
+               "is done (a thread slowed by another process or by uneven rows then holds up the "
+               "team; bitwise the same result)")
     decode_microbatch_rows: int = _f(
         12, "a one-call decode step of at least this many rows, on exactly 2 scheduler "
             "threads, runs as two micro-batches, one per thread, so that one's attention "

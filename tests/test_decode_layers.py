@@ -203,6 +203,18 @@ def test_server_args_switch(tmp_path: Path, disable: bool) -> None:
     assert runner.model.fused_decode is (not disable)
 
 
+@pytest.mark.parametrize("disable", [True, False])
+def test_server_args_set_team_steal(tmp_path: Path, disable: bool, team_steal: object) -> None:
+    """`disable_team_steal` reaches the process's team setting as the runner starts (the op's
+    mode: 0 off, 1 on), whatever it was before."""
+    torch.ops.radixrt.decode_team_steal(1 if disable else 0)
+    runner = make_tiny_runner(tmp_path, disable_team_steal=disable)
+    assert isinstance(runner.model.decode_layers(), DecodeLayers)
+    assert torch.ops.radixrt.decode_team_steal()[0] == (0 if disable else 1)
+    assert ("(static shares)" in runner.model.decode_path()) is (
+        disable and torch.get_num_threads() >= 2 and runner.model.decode_layers().team_capable)
+
+
 def _direct_args(tmp_path: Path, kv_indices: list[int], vnni: bool = False
                  ) -> tuple[list[object], DecodeLayers, PagedRunner]:
     """Arguments of a direct `radixrt::decode_layers` call (no `split`) on a 2-layer tiny model

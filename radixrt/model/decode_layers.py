@@ -11,7 +11,8 @@ and the final norm around the layers in the same call.
 
 One pass over the rows can run as a team of threads (`team`): every intra-op thread runs the
 whole layer loop inside one parallel region, the ops sharing their work and meeting at spin
-barriers instead of opening a parallel region each (decode_layers.cpp, team.h).
+barriers instead of opening a parallel region each (decode_layers.cpp, team.h); a member done
+with its share of a matmul or an attention takes the others' last items (`set_team_steal`).
 
 A step of many rows on two threads can run as two micro-batches, one per thread (`split`, see
 `LlamaForCausalLM.decode_split`): each micro-batch goes through every layer on its own thread,
@@ -53,6 +54,14 @@ def _linear_entry(w: LinearWeight, bias: torch.Tensor | None
         dense = None if w.dense is None else w.dense.weight
         return [w.kernel.packed, None, None, dense, bias], [KIND_VNNI, w.kernel.bits, w.max_rows]
     return f"matmul weight {w.describe()} has no C++ path"
+
+
+def set_team_steal(on: bool) -> bool:
+    """Whether a decode team's members, once their share of a matmul's tiles or an attention's
+    items is done, take the others' last ones (`radixrt::decode_team_steal`; team.h
+    `TeamMember::run_items`). Process-wide, between steps only (the runner sets it from
+    `ServerArgs.disable_team_steal`); bitwise alike. Returns the previous setting."""
+    return bool(torch.ops.radixrt.decode_team_steal(1 if on else 0)[0])
 
 
 class DecodeLayers:

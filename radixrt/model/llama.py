@@ -222,9 +222,10 @@ class LlamaForCausalLM(nn.Module):
         elif torch.get_num_threads() < 2:
             one = "one pass on one thread"
         else:
-            one = "one pass as a team of threads"
+            steal = torch.ops.radixrt.decode_team_steal()[0]
+            one = "one pass as a team of threads" + ("" if steal else " (static shares)")
         if why is None:
-            if one == "one pass as a team of threads" and stack.team_far_split != 0:
+            if one.startswith("one pass as a team of threads") and stack.team_far_split != 0:
                 one += " (two micro-batches from 8 rows where its threads are far apart)"
             return f"one C++ call, {one}, two micro-batches from {self.decode_microbatch_rows} rows"
         return f"one C++ call, {one} (no micro-batches: {why})"
