@@ -35,6 +35,7 @@ if __package__ in (None, ""):
 
 import argparse  # noqa: E402
 import statistics  # noqa: E402
+import subprocess  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -66,7 +67,33 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="auto", help="as the server's (auto, int8)")
     ap.add_argument("--paths", nargs="+", default=["team", "split"], choices=PATHS,
                     help="paths to alternate; ratios are against the first")
+    ap.add_argument("--busy-neighbour", type=int, nargs=2, metavar=("BUSY_US", "IDLE_US"),
+                    help="run a process beside the steps that spins BUSY_US, then sleeps "
+                         "IDLE_US, in a loop (as a streaming server's HTTP process and a local "
+                         "client take a core now and then)")
     a = ap.parse_args()
+    neighbour = busy_neighbour(*a.busy_neighbour) if a.busy_neighbour else None
+    try:
+        run(a)
+    finally:
+        if neighbour is not None:
+            neighbour.kill()
+            neighbour.wait()
+
+
+def busy_neighbour(busy_us: int, idle_us: int) -> subprocess.Popen[bytes]:
+    """A process that spins `busy_us`, then sleeps `idle_us`, until killed."""
+    code = ("import time\n"
+            f"busy, idle = {busy_us / 1e6!r}, {idle_us / 1e6!r}\n"
+            "while True:\n"
+            "    t = time.perf_counter()\n"
+            "    while time.perf_counter() - t < busy:\n"
+            "        pass\n"
+            "    time.sleep(idle)\n")
+    return subprocess.Popen([sys.executable, "-c", code])
+
+
+def run(a: argparse.Namespace) -> None:
     torch.set_num_threads(2)  # micro-batches need exactly 2 threads
     from bench.decode_steps import RandomKVDecoder
     from radixrt.config import ServerArgs
@@ -112,6 +139,7 @@ def main() -> None:
         print(f"batch {bs:3d}: {med}  paired {rel}  [threads on "
               f"{' -> '.join(dict.fromkeys(where))}; team steps as micro-batches: {split}]",
               flush=True)
+
 
 if __name__ == "__main__":
     main()

@@ -3,9 +3,12 @@
     python bench/team_waits.py --batch-sizes 1 8 --ctx 512 --steps 20 --rounds 3
 
 The one-call decode step's team (radixrt/attention/csrc/team.h) splits every op among its
-threads by a fixed rule and meets at a spin barrier after most of them. A member that finishes
-its share early waits there: for work split unevenly (3 KV heads of one row on 2 threads), for a
-slower core (another tenant on it, a far cache), or for the barrier's own round trip.
+threads by a fixed rule and meets at a spin barrier after most of them; in the matmuls and the
+attention a member that has run its share takes the others' last items (`--team-static`: not).
+A member waits at a barrier for work split unevenly (3 KV heads of one row on 2 threads), for a
+slower core (another tenant on it, a far cache), for an item the other member is still running,
+or for the barrier's own round trip; the wait of an owner for items taken from it counts to the
+phase too.
 
 The kernel sources are rebuilt under the op namespace `radixrt_waits` with `RADIXRT_TEAM_WAITS=1`
 (every op the step calls too, so that all of its barriers are timed); the layer loop names the
@@ -77,10 +80,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--decode-microbatch-rows", type=int, default=None,
                     help="ServerArgs.decode_microbatch_rows (default: the server's)")
+    ap.add_argument("--team-static", action="store_true",
+                    help="each member runs only its own share of every op's items "
+                         "(ServerArgs.disable_team_steal)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     ns = build()
     use(ns.decode_layers)
+    ns.decode_team_steal(0 if a.team_static else 1)
     extra = ({} if a.decode_microbatch_rows is None
              else {"decode_microbatch_rows": a.decode_microbatch_rows})
     runner = bare_runner(a, a.ctx + a.rounds * (a.steps + 3) + 16, **extra)
