@@ -498,3 +498,59 @@ def test_non_streaming_request_aborted_when_client_disconnects(server):
                                             max_tokens=3, temperature=0,
                                             extra_body={"ignore_eos": True})
     assert ok.usage.completion_tokens == 3
+
+
+def test_guard_is_plain_asgi_around_streams_and_errors() -> None:
+    """The API-key / body-size guard (`radixrt.server.guard.add_guard`, used by `radixrt serve`
+    and `radixrt router`) refuses with OpenAI-style 401 / 413 bodies, lets open paths through
+    without the key, passes a streamed response's chunks through as the endpoint yields them,
+    and turns an `ApiError` raised by an endpoint into its response. It is plain ASGI: no
+    Starlette BaseHTTPMiddleware (`@app.middleware("http")`), which moves every streamed chunk
+    through a memory stream between two tasks."""
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+    from starlette.middleware.base import BaseHTTPMiddleware
+    from starlette.testclient import TestClient
+
+    from radixrt.server.guard import add_guard
+    from radixrt.server.protocol import ApiError
+
+    app = FastAPI()
+    add_guard(app, "sekret", 64, ("/health",))
+
+    @app.get("/health")
+    async def health() -> dict[str, bool]:
+        return {"ok": True}
+
+    @app.post("/stream")
+    async def stream() -> StreamingResponse:
+        async def chunks():  # type: ignore[no-untyped-def]
+            for i in range(5):
+                yield f"data: {i}\n\n"
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    @app.post("/bad")
+    async def bad_request() -> None:
+        raise ApiError(400, "n must be positive", param="n", code="invalid_value")
+
+    assert not any(m.cls is BaseHTTPMiddleware for m in app.user_middleware)
+    key = {"Authorization": "Bearer sekret"}
+    with TestClient(app) as c:
+        r = c.post("/stream")
+        assert r.status_code == 401
+        assert r.json()["error"] == {"message": "invalid or missing API key",
+                                     "type": "authentication_error", "param": None,
+                                     "code": "invalid_api_key"}
+        assert c.post("/stream", headers={"Authorization": "Bearer nope"}).status_code == 401
+        assert c.get("/health").json() == {"ok": True}
+        r = c.post("/stream", headers=key, content=b"x" * 65)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+        with c.stream("POST", "/stream", headers=key) as r:
+            assert r.status_code == 200
+            assert list(r.iter_lines()) == [line for i in range(5)
+                                            for line in (f"data: {i}", "")]
+        r = c.post("/bad", headers=key)
+        assert r.status_code == 400
+        assert r.json()["error"] == {"message": "n must be positive",
+                                     "type": "invalid_request_error", "param": "n",
+                                     "code": "invalid_value"}

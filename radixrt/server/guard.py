@@ -1,6 +1,6 @@
 """What every radixrt HTTP app (`radixrt serve`'s and `radixrt router`'s) does the same way
 before and around its endpoints: OpenAI-style error responses, the API-key and body-size guard
-(a middleware), and reading a JSON-object body.
+(an ASGI middleware), and reading a JSON-object body.
 
 Invariant: every error leaves as `{"error": {"message", "type", "param", "code"}}` with the
 `ApiError`'s status and headers; only `open_paths` are served without the API key.
@@ -14,6 +14,7 @@ from typing import Any
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radixrt.server.protocol import ApiError, bad
 
@@ -30,26 +31,53 @@ def too_large(max_request_bytes: int) -> ApiError:
                     code="request_too_large")
 
 
+class Guard:
+    """ASGI middleware: 401 without `Authorization: Bearer <api_key>` (when a key is set;
+    `open_paths` excepted), 413 when the declared body exceeds `max_request_bytes`; anything
+    else goes to the app untouched. Plain ASGI rather than Starlette's `@app.middleware("http")`
+    (BaseHTTPMiddleware), which passes every chunk of a streamed response through a memory
+    stream between two tasks: per token of every stream, in the process that also shares the
+    scheduler's cores."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_request_bytes: int,
+                 open_paths: Sequence[str]):
+        self.app = app
+        self.auth = f"Bearer {api_key}".encode() if api_key else None
+        self.max_request_bytes = max_request_bytes
+        self.open_paths = frozenset(open_paths)
+
+    def refusal(self, scope: Scope) -> ApiError | None:
+        headers = dict(scope.get("headers") or ())
+        if self.auth is not None and scope.get("path") not in self.open_paths:
+            if headers.get(b"authorization", b"") != self.auth:
+                return ApiError(401, "invalid or missing API key", type="authentication_error",
+                                code="invalid_api_key")
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_request_bytes:
+            return too_large(self.max_request_bytes)
+        return None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            err = self.refusal(scope)
+            if err is not None:
+                await error_response(err)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def add_guard(app: FastAPI, api_key: str | None, max_request_bytes: int,
               open_paths: Sequence[str] = OPEN_PATHS) -> None:
-    """A middleware that answers 401 without `Authorization: Bearer <api_key>` (when a key is
-    set; `open_paths` excepted), 413 when the declared body exceeds `max_request_bytes`, and
-    turns an `ApiError` raised by an endpoint into its response."""
+    """The API-key and body-size guard (`Guard`) around `app`, and an `ApiError` raised by an
+    endpoint answered as its OpenAI-style response."""
+    app.add_middleware(Guard, api_key=api_key, max_request_bytes=max_request_bytes,
+                       open_paths=tuple(open_paths))
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next: Any) -> Response:
-        if api_key and request.url.path not in open_paths:
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                return error_response(ApiError(401, "invalid or missing API key",
-                                               type="authentication_error",
-                                               code="invalid_api_key"))
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > max_request_bytes:
-            return error_response(too_large(max_request_bytes))
-        try:
-            return await call_next(request)
-        except ApiError as e:
-            return error_response(e)
+    async def api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)
+        return error_response(exc)
+
+    app.add_exception_handler(ApiError, api_error)
 
 
 async def json_body(request: Request, max_request_bytes: int) -> tuple[bytes, dict[str, Any]]:
