@@ -554,3 +554,24 @@ def test_guard_is_plain_asgi_around_streams_and_errors() -> None:
         assert r.json()["error"] == {"message": "n must be positive",
                                      "type": "invalid_request_error", "param": "n",
                                      "code": "invalid_value"}
+
+
+def test_next_within_gives_items_in_order_then_times_out() -> None:
+    """`radixrt.server.http.next_within`, through which a request group waits for its outputs:
+    queued items come back in order, and an empty queue raises asyncio.TimeoutError after the
+    timeout (the caller then checks that the runtime is alive), leaving later items intact."""
+    from radixrt.server.http import next_within
+
+    async def run() -> None:
+        q: asyncio.Queue = asyncio.Queue()
+        for i in range(3):
+            q.put_nowait(i)
+        assert [await next_within(q, 1.0) for _ in range(3)] == [0, 1, 2]
+        t = time.monotonic()
+        with pytest.raises(asyncio.TimeoutError):
+            await next_within(q, 0.05)
+        assert time.monotonic() - t >= 0.04
+        asyncio.get_running_loop().call_later(0.01, q.put_nowait, "late")
+        assert await next_within(q, 1.0) == "late"
+
+    asyncio.run(run())

@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import os
 import signal
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -47,6 +48,16 @@ class ClientDisconnected(Exception):
     """The HTTP client of a non-streaming request went away."""
 
 
+async def next_within(queue: asyncio.Queue, timeout_s: float) -> Any:
+    """The queue's next item, or `asyncio.TimeoutError` after `timeout_s`. On Python 3.11+
+    through `asyncio.timeout` (no task per call: `wait_for` there wraps the get in a new task,
+    ~16 against ~9 us an item, once per streamed chunk)."""
+    if sys.version_info >= (3, 11):
+        async with asyncio.timeout(timeout_s):
+            return await queue.get()
+    return await asyncio.wait_for(queue.get(), timeout=timeout_s)
+
+
 class RequestGroup:
     """All samples of one HTTP request (prompts × n), read from one shared queue."""
 
@@ -69,7 +80,7 @@ class RequestGroup:
         m = self.server.metrics
         while len(self.finished) < len(self.states):
             try:
-                item = await asyncio.wait_for(self.queue.get(), timeout=1.0)
+                item = await next_within(self.queue, 1.0)
             except asyncio.TimeoutError:
                 self.server.engine.check_alive()
                 continue
