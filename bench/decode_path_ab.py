@@ -47,6 +47,7 @@ NORMS_WHOLE = {"team-split": 0, "team-whole": 1}  # else -1: the team's probe pi
 def use(model: object, path: str) -> None:
     """Sets the model's decode path (see the module docstring)."""
     model.decode_microbatch_rows = 2 if path == "split" else NEVER  # type: ignore[attr-defined]
+    model.decode_path_tuner = None  # type: ignore[attr-defined]  # each path as named
     model.decode_team = path != "regions"  # type: ignore[attr-defined]
     stack = model.decode_layers()  # type: ignore[attr-defined]
     if not isinstance(stack, str):

@@ -154,10 +154,15 @@ class ServerArgs:
     decode_microbatch_rows: int = _f(
         12, "a one-call decode step of at least this many rows, on exactly 2 scheduler "
             "threads, runs as two micro-batches, one per thread, so that one's attention "
-            "(memory-bound) overlaps the other's matmuls (compute-bound); bitwise the same "
+            "(memory-bound) overlaps the other's matmuls (compute-bound), or as one team pass "
+            "where that is faster as timed (disable_decode_path_tuning); bitwise the same "
             "result; a decode team whose two threads sit far apart (no shared cache, a cache "
             "line's round trip over 300 ns, probed every step: two CCDs) splits from 8 rows; "
             "0: never")
+    disable_decode_path_tuning: bool = _f(
+        False, "from decode_microbatch_rows rows, always run two micro-batches instead of "
+               "timing them against a one-pass team step as the server runs and taking the "
+               "faster, per range of row counts (both bitwise the same result)")
     num_threads: int | None = _f(None, "torch threads of the scheduler (default: cores "
                                        "available)")
     thread_wait: str = _f("brief", "how the scheduler's OpenMP threads wait between parallel "

@@ -338,6 +338,7 @@ def test_micro_batches_are_bitwise_one_batch(tmp_path: Path, case: str, two_thre
         model, _ = load_model(path, None, dtype, "cpu", model_config=config, quant=plan)
         runner = PagedRunner.for_model(model, kv_dtype=kv_dtype)
         runner.model.decode_microbatch_rows = least
+        runner.model.decode_path_tuner = None  # always split from `least` rows
         runs[least] = _decode_run(runner, True, monkeypatch)
         splits[least] = list(_decode_run.splits)  # type: ignore[attr-defined]
     assert runner.model.decode_layers().row_invariant  # type: ignore[union-attr]
@@ -362,6 +363,10 @@ def test_decode_split_policy(tmp_path: Path, two_threads: object) -> None:
     model.decode_microbatch_rows = 16
     one = ("one pass as a team of threads" if model.decode_layers().team_capable  # type: ignore[union-attr]
            else "one pass with a parallel region per op (a matmul is not on the vnni kernel)")
+    timed = (" or the team pass, whichever is faster when timed"
+             if model.decode_layers().team_capable else "")  # type: ignore[union-attr]
+    assert model.decode_path() == f"one C++ call, {one}, two micro-batches from 16 rows{timed}"
+    model.decode_path_tuner = None
     assert model.decode_path() == f"one C++ call, {one}, two micro-batches from 16 rows"
     assert "not on radixrt's row-invariant kernels" in dense.decode_path()
     assert "a matmul is not on the vnni kernel" in dense.decode_path()
@@ -513,6 +518,36 @@ def test_team_is_bitwise_a_region_per_op(tmp_path: Path, kv_dtype: torch.dtype |
         assert ropes[key] - ropes[False, -1, 0] == 4 * 3
         for a, b in zip(runs[key][0], region[0], strict=True):
             assert torch.equal(a, b), f"{key}: max diff {(a - b).abs().max()}"
+
+
+def test_path_tuner_alternates_bitwise_alike(tmp_path: Path, two_threads: object,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where a step could run as two micro-batches or as a team pass, the model's path tuner
+    (`DecodePathTuner`) takes each in turn while it explores: the 4 decode steps of 4 rows
+    (micro-batches from 2 rows here) alternate team, split, split, team; the logits are
+    bitwise those of always splitting (no tuner), and the times it was given come as pairs."""
+    from radixrt.model.decode_path_tuner import DecodePathTuner
+
+    path, plan = _tiny_vnni_gguf(tmp_path, 13, "Q4_0")
+    runs, splits = {}, {}
+    for tuned in (False, True):
+        config = ModelConfig.from_path(path)
+        model, _ = load_model(path, None, torch.bfloat16, "cpu", model_config=config, quant=plan)
+        runner = PagedRunner.for_model(model, kv_size=12288, max_context=8192)
+        runner.model.decode_microbatch_rows = 2
+        stack = runner.model.decode_layers()
+        assert isinstance(stack, DecodeLayers) and stack.team_capable
+        tuner = DecodePathTuner(pairs=8) if tuned else None
+        runner.model.decode_path_tuner = tuner
+        runs[tuned] = _decode_run(runner, True, monkeypatch, own_len=20)
+        splits[tuned] = _decode_run.splits  # type: ignore[attr-defined]
+        if tuner is not None:
+            assert tuner.choices() == {"4-5": "exploring"}
+            assert len(tuner._buckets[tuner.bucket(4)].ratios) == 2
+    assert splits[False] == [2, 2, 2, 2]
+    assert splits[True] == [0, 2, 2, 0]
+    for a, b in zip(runs[True][0], runs[False][0], strict=True):
+        assert torch.equal(a, b), f"max diff {(a - b).abs().max()}"
 
 
 @pytest.fixture

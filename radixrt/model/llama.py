@@ -10,6 +10,7 @@ Parameters are allocated uninitialised; `load_weights` must fill every one (it c
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterable
 
 import torch
@@ -20,6 +21,7 @@ from radixrt.attention.base import AttentionBackend
 from radixrt.config import ServerArgs
 from radixrt.core.forward_batch import ForwardBatch
 from radixrt.model.decode_layers import DecodeLayers
+from radixrt.model.decode_path_tuner import DecodePathTuner
 from radixrt.model.layer_ops import LayerOps, TorchLayerOps, rms_norm, select_layer_ops
 from radixrt.model.linear import DenseWeight, LinearWeight, QuantizedWeight
 from radixrt.model.model_config import ModelConfig
@@ -165,6 +167,10 @@ class LlamaForCausalLM(nn.Module):
         # One pass of a one-call decode step runs as a team of threads where it can (see
         # `DecodeLayers.team_capable`); the runner sets it from its ServerArgs.
         self.decode_team = not ServerArgs.disable_decode_team
+        # From decode_microbatch_rows rows, micro-batches or a team pass, as timed
+        # (`DecodePathTuner`); None: always micro-batches there. The runner sets it.
+        self.decode_path_tuner: DecodePathTuner | None = (
+            None if ServerArgs.disable_decode_path_tuning else DecodePathTuner())
         self._decode_layers: DecodeLayers | str | None = None
         self.set_layer_ops(select_layer_ops(dtype, dev, config.hidden_size,
                                             config.intermediate_size, config.head_dim,
@@ -198,16 +204,35 @@ class LlamaForCausalLM(nn.Module):
         return None
 
     def decode_split(self, rows: int) -> int:
-        """Where the second micro-batch of a `rows`-row one-call decode step starts, 0 for one
-        batch: halves from `decode_microbatch_rows` rows (see `_microbatches_off`)."""
-        return self._microbatch_args(rows)[0]
+        """Where the second micro-batch of a `rows`-row one-call decode step starts when the
+        step splits, 0 for one batch: halves from `decode_microbatch_rows` rows (see
+        `_microbatches_off`). Where a team pass could run such a step instead, the path tuner
+        picks between the two at each step (`_microbatch_args`)."""
+        if self._microbatches_off() is not None or rows < max(self.decode_microbatch_rows, 2):
+            return 0
+        return rows // 2
 
-    def _microbatch_args(self, rows: int) -> tuple[int, int | None]:
-        """`run_step`'s (split, far_split) for a `rows`-row step: `decode_split`'s split, and
-        far_split 0 where micro-batches are off (else None: the team's own setting)."""
+    def _microbatch_args(self, rows: int) -> tuple[int, int | None, bool]:
+        """`run_step`'s (split, far_split) for a `rows`-row step, and whether the path tuner
+        picked the split (it then wants the step's time): far_split 0 where micro-batches are
+        off (else None: the team's own setting); from `decode_microbatch_rows` rows the step
+        splits, or, where a team pass could run it instead and `decode_path_tuner` is set,
+        takes whichever of the two the tuner picks. Reads `_microbatches_off` once."""
         if self._microbatches_off() is not None:
-            return 0, 0
-        return (rows // 2 if rows >= max(self.decode_microbatch_rows, 2) else 0), None
+            return 0, 0, False
+        if rows < max(self.decode_microbatch_rows, 2):
+            return 0, None, False
+        if self.decode_path_tuner is not None and self._team_takes(rows):
+            split = self.decode_path_tuner.pick(rows)
+            return (rows // 2 if split else 0), None, True
+        return rows // 2, None, False
+
+    def _team_takes(self, rows: int) -> bool:
+        """Whether a one-pass step of `rows` rows runs as a team (decode_layers.cpp team_fits;
+        with more than the stack's team_rows it would take a parallel region per op)."""
+        stack = self.decode_layers()
+        return (self.decode_team and isinstance(stack, DecodeLayers) and stack.team_capable
+                and rows <= stack.team_rows and torch.get_num_threads() >= 2)
 
     def decode_path(self) -> str:
         """How decode steps run on this model, for the start-up log."""
@@ -227,7 +252,10 @@ class LlamaForCausalLM(nn.Module):
         if why is None:
             if one.startswith("one pass as a team of threads") and stack.team_far_split != 0:
                 one += " (two micro-batches from 8 rows where its threads are far apart)"
-            return f"one C++ call, {one}, two micro-batches from {self.decode_microbatch_rows} rows"
+            many = f"two micro-batches from {self.decode_microbatch_rows} rows"
+            if self.decode_path_tuner is not None and one.startswith("one pass as a team"):
+                many += " or the team pass, whichever is faster when timed"
+            return f"one C++ call, {one}, {many}"
         return f"one C++ call, {one} (no micro-batches: {why})"
 
     @torch.inference_mode()
@@ -277,12 +305,17 @@ class LlamaForCausalLM(nn.Module):
         if isinstance(stack, DecodeLayers) and plan is not None and fb.score_rows is None:
             # the whole step up to the LM head in one C++ call (decode batches score nothing)
             pool = attn.kv_pool
-            split, far_split = self._microbatch_args(fb.batch_size)
+            split, far_split, tuned = self._microbatch_args(fb.batch_size)
+            t0 = time.perf_counter()
             last = stack.run_step(fb.input_ids, fb.positions, self.embed_tokens,
                                   self.rotary.cos, self.rotary.sin, self.norm,
                                   self.config.rms_norm_eps, fb.out_cache_loc, plan,
                                   pool.k_buffer, pool.v_buffer, pool.k_scale, pool.v_scale,
                                   split=split, team=self.decode_team, far_split=far_split)
+            if tuned:
+                assert self.decode_path_tuner is not None
+                self.decode_path_tuner.record(fb.batch_size, split > 0,
+                                              time.perf_counter() - t0)
             logits, ids = self._head(last, fb, greedy)
             return logits, None, ids
         h = F.embedding(fb.input_ids, self.embed_tokens)

@@ -16,6 +16,7 @@ from radixrt.core.forward_batch import ForwardBatch
 from radixrt.mem.huge_pages import move_to_huge_pages
 from radixrt.mem.memory_pool import ReqToTokenPool, TokenToKVPool, kv_bytes_per_token
 from radixrt.model.decode_layers import DecodeLayers, set_team_steal
+from radixrt.model.decode_path_tuner import DecodePathTuner
 from radixrt.model.dtype_probe import DtypeProbe, probe_cpu_dtype
 from radixrt.model.loader import (
     default_model_path,
@@ -115,6 +116,8 @@ class ModelRunner:
         self.model.fused_decode = not (args.disable_fused_decode or args.compile_decode)
         self.model.decode_microbatch_rows = args.decode_microbatch_rows
         self.model.decode_team = not args.disable_decode_team
+        self.model.decode_path_tuner = (None if args.disable_decode_path_tuning
+                                        else DecodePathTuner())
         if self.device.type == "cpu" and isinstance(self.model.decode_layers(), DecodeLayers):
             set_team_steal(not args.disable_team_steal)
         self.compiled = None
