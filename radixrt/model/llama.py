@@ -228,11 +228,12 @@ class LlamaForCausalLM(nn.Module):
         return rows // 2, None, False
 
     def _team_takes(self, rows: int) -> bool:
-        """Whether a one-pass step of `rows` rows runs as a team (decode_layers.cpp team_fits;
-        with more than the stack's team_rows it would take a parallel region per op)."""
+        """Whether a one-pass step of `rows` rows runs as a team, micro-batches being on (so 2
+        threads: `_microbatches_off`; decode_layers.cpp team_fits: with more than the stack's
+        team_rows the pass would take a parallel region per op)."""
         stack = self.decode_layers()
         return (self.decode_team and isinstance(stack, DecodeLayers) and stack.team_capable
-                and rows <= stack.team_rows and torch.get_num_threads() >= 2)
+                and rows <= stack.team_rows)
 
     def decode_path(self) -> str:
         """How decode steps run on this model, for the start-up log."""
