@@ -606,9 +606,8 @@ struct Picks {
 // equal run of the items, then takes the others' last ones (TeamMember::run_items;
 // `first_only`: the first member runs them all), and the team meets again. No counter shared
 // by every member hands out the items: two cores without a common cache would pass its line
-// back and forth once per item. A
-// member reads only its own rows of the input, so a row op before (an RMSNorm) need not meet
-// the team first (TeamMember::rows_stay). `whole` (TeamMember::quantize_whole): each member
+// back and forth once per item. A member reads only its own rows of the input, so a row op
+// before (an RMSNorm) need not meet the team first (TeamMember::rows_stay). `whole` (TeamMember::quantize_whole): each member
 // quantizes every row into its own buffer instead, and the first meeting goes.
 template <typename W>
 void team_quantize_then_work(TeamMember& m, const ActInput& in, int64_t items, bool first_only,
