@@ -208,9 +208,11 @@ class LlamaForCausalLM(nn.Module):
         step splits, 0 for one batch: halves from `decode_microbatch_rows` rows (see
         `_microbatches_off`). Where a team pass could run such a step instead, the path tuner
         picks between the two at each step (`_microbatch_args`)."""
-        if self._microbatches_off() is not None or rows < max(self.decode_microbatch_rows, 2):
-            return 0
-        return rows // 2
+        return 0 if self._microbatches_off() is not None else self._split_rows(rows)
+
+    def _split_rows(self, rows: int) -> int:
+        """Micro-batches being on: halves from `decode_microbatch_rows` rows, else 0."""
+        return rows // 2 if rows >= max(self.decode_microbatch_rows, 2) else 0
 
     def _microbatch_args(self, rows: int) -> tuple[int, int | None, bool]:
         """`run_step`'s (split, far_split) for a `rows`-row step, and whether the path tuner
@@ -220,12 +222,10 @@ class LlamaForCausalLM(nn.Module):
         takes whichever of the two the tuner picks. Reads `_microbatches_off` once."""
         if self._microbatches_off() is not None:
             return 0, 0, False
-        if rows < max(self.decode_microbatch_rows, 2):
-            return 0, None, False
-        if self.decode_path_tuner is not None and self._team_takes(rows):
-            split = self.decode_path_tuner.pick(rows)
-            return (rows // 2 if split else 0), None, True
-        return rows // 2, None, False
+        half = self._split_rows(rows)
+        if half and self.decode_path_tuner is not None and self._team_takes(rows):
+            return (half if self.decode_path_tuner.pick(rows) else 0), None, True
+        return half, None, False
 
     def _team_takes(self, rows: int) -> bool:
         """Whether a one-pass step of `rows` rows runs as a team, micro-batches being on (so 2

@@ -246,17 +246,25 @@ struct TeamMember {
   void barrier() {
     ++barriers;
     if (size == 1) return;
+    team->arrive.v.fetch_add(1, std::memory_order_acq_rel);
+    timed_wait(team->arrive, barriers * size, true);
+  }
+
+  // team->wait, its time added to this member's entry of the current phase where waits are
+  // timed (RADIXRT_TEAM_WAITS; `barrier`: counted as one of the phase's barriers too).
+  void timed_wait(const TeamCounter& c, int64_t target, bool barrier) {
 #if RADIXRT_TEAM_WAITS
     const auto t0 = std::chrono::steady_clock::now();
 #endif
-    team->arrive.v.fetch_add(1, std::memory_order_acq_rel);
-    team->wait(team->arrive, barriers * size);
+    team->wait(c, target);
 #if RADIXRT_TEAM_WAITS
     const int64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
                            std::chrono::steady_clock::now() - t0).count();
     const int64_t who = std::min<int64_t>(id, kWaitMembers - 1);
     team_waits.ns[who][team_phase].fetch_add(ns, std::memory_order_relaxed);
-    team_waits.count[who][team_phase].fetch_add(1, std::memory_order_relaxed);
+    if (barrier) team_waits.count[who][team_phase].fetch_add(1, std::memory_order_relaxed);
+#else
+    (void)barrier;
 #endif
   }
 
@@ -301,16 +309,7 @@ struct TeamMember {
     }
     if (lost > 0) {
       taken += lost;
-#if RADIXRT_TEAM_WAITS
-      const auto t0 = std::chrono::steady_clock::now();
-#endif
-      team->wait(mine.done, taken);
-#if RADIXRT_TEAM_WAITS
-      const int64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                             std::chrono::steady_clock::now() - t0).count();
-      const int64_t who = std::min<int64_t>(id, kWaitMembers - 1);
-      team_waits.ns[who][team_phase].fetch_add(ns, std::memory_order_relaxed);
-#endif
+      timed_wait(mine.done, taken, false);
     }
   }
 
