@@ -96,9 +96,8 @@ def test_flush_reaches_the_routing_trees(engine):
     engine.generate(SYSTEMS[0] + "y", SamplingParams(max_new_tokens=2), use_tqdm=False)
     assert sum(r["tree_tokens"] for r in engine.routing_stats()) > 0
     assert engine.flush_cache()
-    deadline = time.monotonic() + 10
-    while sum(r["tree_tokens"] for r in engine.routing_stats()) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    # Emptied before flush_cache returns: the notice travels ahead of the flush's reply, so
+    # requests routed right after a flush do not have their prefixes erased under them.
     assert [r["tree_tokens"] for r in engine.routing_stats()] == [0, 0]
     assert engine.evictions_since(0).prefixes[-2:] == [[], []]
 

@@ -26,7 +26,9 @@ from radixrt.core.messages import (
     FINISH_LENGTH,
     FINISH_STOP,
     AbortReq,
+    CacheEvicted,
     CheckInvariantsReq,
+    ControlReply,
     FlushCacheReq,
     GenerateReq,
     ReqTokenOut,
@@ -985,8 +987,13 @@ def test_counters_monotonic_across_flush(make_sched: Callable[..., Scheduler]) -
     run.drive(sched)
     history.append(counters())
     assert sched.cache.total_size() > 0
-    reply = sched.handle(FlushCacheReq(8))
-    assert reply is not None and reply.ok
+    sched.take_evicted()
+    back = sched.answer(FlushCacheReq(8), replica=1)  # the notice goes ahead of the reply
+    assert [type(m) for m in back] == [CacheEvicted, ControlReply]
+    assert back[0].replica == 1 and back[0].prefixes == [[]]
+    assert back[1].req_id == 8 and back[1].ok
+    alone = sched.answer(StatsReq(9))  # no notice pending: the reply alone
+    assert len(alone) == 1 and alone[0].req_id == 9
     history.append(counters())
     assert sched.cache.total_size() == 0
     assert history[-1] == history[-2]  # flush keeps the totals

@@ -458,6 +458,17 @@ class Scheduler:
             "mixed_totals": dict(self.mixed_totals),
         }
 
+    def answer(self, msg: object, replica: int = 0) -> list[object]:
+        """`handle(msg)`, then what goes back to the tokenizer, in order. The eviction notices
+        a control caused (a flush) travel ahead of its reply on the one socket, so the routing
+        trees are emptied by the time the caller learns the flush is done: requests routed
+        right after it are not erased from the trees under them."""
+        reply = self.handle(msg)
+        if reply is None:
+            return []
+        notice = [CacheEvicted(replica, self.take_evicted())] if self.evicted_prefixes else []
+        return [*notice, reply]
+
     def handle(self, msg: object) -> ControlReply | None:
         if isinstance(msg, GenerateReq):
             self.add_request(msg)
@@ -538,9 +549,8 @@ def run_scheduler(args: ServerArgs, paths: ipc.IpcPaths, parent_pid: int,
         if not sched.has_work:
             poller.poll(timeout=sched.idle_poll_ms)
         for msg in ipc.recv_all(recv):
-            reply = sched.handle(msg)
-            if reply is not None:
-                ipc.send(to_tok, reply)
+            for back in sched.answer(msg, replica):
+                ipc.send(to_tok, back)
         out = sched.step()
         if out is not None:
             ipc.send(to_detok, out)
