@@ -163,6 +163,12 @@ class ServerArgs:
         False, "from decode_microbatch_rows rows, always run two micro-batches instead of "
                "timing them against a one-pass team step as the server runs and taking the "
                "faster, per range of row counts (both bitwise the same result)")
+    stream_interval: int = _f(1, "a streamed request's outputs go out every this many tokens "
+                                 "(the first at once, the last when it finishes): larger "
+                                 "sends fewer, larger chunks, so less CPU per token goes to "
+                                 "the detokenizer, the HTTP process and the client. A request "
+                                 "read only once finished (not streamed, no stop strings) "
+                                 "goes out every max(this, 32) tokens")
     num_threads: int | None = _f(None, "torch threads of the scheduler (default: cores "
                                        "available)")
     thread_wait: str = _f("brief", "how the scheduler's OpenMP threads wait between parallel "
@@ -252,6 +258,8 @@ class ServerArgs:
             bad("attention_backend", f"must be auto|torch|flashinfer, got {self.attention_backend!r}")
         if self.prefill_step_target_ms < 0:
             bad("prefill_step_target_ms", f"must be >= 0, got {self.prefill_step_target_ms}")
+        if self.stream_interval < 1:
+            bad("stream_interval", f"must be >= 1, got {self.stream_interval}")
         if self.decode_microbatch_rows < 0:
             bad("decode_microbatch_rows", f"must be >= 0, got {self.decode_microbatch_rows}")
         for name in ("max_total_tokens", "max_context_len", "num_threads"):

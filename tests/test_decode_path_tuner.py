@@ -27,10 +27,17 @@ def test_explores_both_then_keeps_the_faster(team_s: float, split_s: float,
     # alternating, the path going first alternating from pair to pair
     assert picks == [TEAM, SPLIT, SPLIT, TEAM, TEAM, SPLIT, SPLIT, TEAM]
     assert t.choices() == {"16-22": "micro-batches" if choice else "team"}
+    first = t.describe()["16-22"]
+    assert first["ratio"] == pytest.approx(split_s / team_s) and first["decisions"] == 1
     assert _run(t, 16, team_s, split_s, 10) == [choice] * 10
     # after `every` steps it explores again, and follows a change of the machine
-    assert _run(t, 16, split_s, team_s, 8) == [TEAM, SPLIT, SPLIT, TEAM] * 2
+    assert _run(t, 16, split_s, team_s, 4) == [TEAM, SPLIT, SPLIT, TEAM]
+    assert t.describe() == {"16-22": {"path": "exploring", "ratio": first["ratio"],
+                                      "decisions": 1}}  # the last decision's ratio kept
+    assert _run(t, 16, split_s, team_s, 4) == [TEAM, SPLIT, SPLIT, TEAM]
     assert _run(t, 16, split_s, team_s, 3) == [not choice] * 3
+    assert t.describe()["16-22"] == {"path": "micro-batches" if not choice else "team",
+                                     "ratio": pytest.approx(team_s / split_s), "decisions": 2}
 
 
 def test_pairs_need_the_same_rows_and_buckets_are_apart() -> None:

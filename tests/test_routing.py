@@ -344,3 +344,8 @@ def test_merge_stats_sums_and_recomputes_ratios():
     assert m["prompt_tokens_total"] == 400 and m["cache_hit_rate"] == 50 / 400
     assert m["token_usage"] == 5 / 20 and m["new_token_ratio"] == pytest.approx(0.3)
     assert m["step_time_s"] == {"forward": 3.0} and m["replicas"] == [a, b]
+    # what does not add up stays per replica only
+    a["decode_paths"] = {"16-22": {"path": "team", "ratio": 1.04, "decisions": 1}}
+    b["decode_paths"] = {}
+    m = merge_stats([a, b])
+    assert "decode_paths" not in m and m["replicas"][0]["decode_paths"]["16-22"]["path"] == "team"

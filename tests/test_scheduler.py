@@ -961,6 +961,39 @@ def test_prompt_longer_than_context(make_sched: Callable[..., Scheduler]) -> Non
     assert_clean(sched)
 
 
+# -- outs gather per stream_interval ------------------------------------------------------------
+def test_outs_gather_per_stream_interval(make_sched: Callable[..., Scheduler]) -> None:
+    """With stream_interval 4: a streamed request's first token goes out alone, then every 4
+    tokens, the rest with its final out; one not streamed and without stop strings every
+    HELD_INTERVAL (32); one not streamed with stop strings every 4 (the detokenizer finds
+    them). Tokens and logprobs concatenate to the greedy reference; interval 1 sends each."""
+    rng = random.Random(11)
+    ids = prompt(rng, 12)
+    ref = reference(make_sched, {"x": (ids, 70)})["x"]
+    for interval, expect in ((4, {"s": [1, *[4] * 17, 1], "h": [1, 32, 32, 5],
+                                  "t": [1, *[4] * 17, 1]}),
+                             (1, {"s": [1] * 70, "h": [1, 32, 32, 5], "t": [1] * 70})):
+        sched = make_sched(stream_interval=interval)
+        sched.handle(GenerateReq("s", ids, greedy(70, logprobs=True)))
+        sched.handle(GenerateReq("h", ids, greedy(70, logprobs=True), stream=False))
+        sched.handle(GenerateReq("t", ids, greedy(70, stop=("zz",)), stream=False))
+        sizes: dict[str, list[int]] = {}
+        logprobs: dict[str, int] = {}
+        run = Run()
+        while sched.has_work:
+            for o in run.record(sched):
+                sizes.setdefault(o.rid, []).append(len(o.new_ids))
+                if o.logprobs is not None:
+                    assert len(o.logprobs.token_logprobs) == len(o.new_ids)
+                    logprobs[o.rid] = logprobs.get(o.rid, 0) + len(o.new_ids)
+        assert sizes == expect, interval
+        assert all(run.tokens[r] == ref for r in "sht")
+        assert logprobs == {"s": 70, "h": 70}
+        assert_clean(sched)
+    with pytest.raises(ValueError, match="stream_interval"):
+        ServerArgs(stream_interval=0)
+
+
 # -- (g) counters and flush_cache -----------------------------------------------------------------
 def test_counters_monotonic_across_flush(make_sched: Callable[..., Scheduler]) -> None:
     rng = random.Random(8)

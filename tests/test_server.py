@@ -153,6 +153,40 @@ def test_streaming_completion_and_usage(server, engine):
     assert finals[-1] == "length" and all(f is None for f in finals[:-1])
 
 
+def test_stream_interval_through_the_openai_sdk(tiny_llama_dir, engine):
+    """`radixrt serve --stream-interval 3`, driven by the openai SDK: a stream's first token
+    comes alone, then 3 tokens a chunk, the rest with the last; the text is per-token
+    streaming's; a stop string cuts where it does at interval 1; non-streamed is the same."""
+    srv = start_server(str(tiny_llama_dir), "--stream-interval", "3")
+    try:
+        c = srv.client()
+        kw = dict(model="default", prompt="Radix trees", max_tokens=11, temperature=0,
+                  extra_body={"ignore_eos": True})
+        ref = engine.generate("Radix trees", SamplingParams(max_new_tokens=11, temperature=0,
+                                                            ignore_eos=True))
+        chunks = list(c.completions.create(**kw, stream=True, logprobs=1))
+        sizes = [len(ch.choices[0].logprobs.tokens) for ch in chunks
+                 if ch.choices and ch.choices[0].logprobs]
+        assert sizes == [1, 3, 3, 3, 1]
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == ref.text
+        assert c.completions.create(**kw).choices[0].text == ref.text
+        chat = list(c.chat.completions.create(
+            model="default", messages=[{"role": "user", "content": "Hello"}], max_tokens=11,
+            temperature=0, stream=True, logprobs=True))
+        assert [len(ch.choices[0].logprobs.content) for ch in chat
+                if ch.choices and ch.choices[0].logprobs] == [1, 3, 3, 3, 1]
+        stop = ref.text[4:7]
+        cut = ref.text[: ref.text.index(stop)]
+        for stream in (True, False):
+            r = c.completions.create(**kw, stop=[stop], stream=stream)
+            got = [r] if not stream else [ch for ch in r if ch.choices]
+            assert "".join(ch.choices[0].text for ch in got) == cut
+            assert got[-1].choices[0].finish_reason == "stop"
+        srv.assert_clean()
+    finally:
+        stop_server(srv)
+
+
 def test_chat_stream_and_not(server, engine):
     c = server.client()
     msgs = [{"role": "system", "content": LONG}, {"role": "user", "content": "Hello there"}]

@@ -214,7 +214,7 @@ class TokenizerManager:
         assert self.policy is not None
         d = self.policy.route(req.input_ids, exclude=set(self.lost),
                               output_tokens=req.sampling.max_new_tokens)
-        again = GenerateReq(rid=wire, input_ids=req.input_ids, sampling=req.sampling)
+        again = dataclasses.replace(req, rid=wire)
         self._wire[state.rid] = wire
         self._replica_of[wire] = d
         self._reqs[wire] = again
@@ -324,7 +324,7 @@ class TokenizerManager:
                                   output_tokens=sampling.max_new_tokens)
             replica = int(d.worker)  # type: ignore[call-overload]
             self._replica_of[rid] = d
-        req = GenerateReq(rid=rid, input_ids=input_ids, sampling=sampling)
+        req = GenerateReq(rid=rid, input_ids=input_ids, sampling=sampling, stream=state.stream)
         if self.policy is not None:
             self._reqs[rid] = req
         self.states[rid] = state

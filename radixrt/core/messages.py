@@ -27,11 +27,14 @@ FINISH_ABORT = "abort"
 
 @dataclass
 class GenerateReq:
-    """A validated, tokenized request. `rid` is unique per Engine."""
+    """A validated, tokenized request. `rid` is unique per Engine. `stream`: the caller shows
+    outputs as they come, so the scheduler sends them every `stream_interval` tokens; a
+    request read only once finished gets fewer, larger outs (`OutputProcessor.due`)."""
 
     rid: str
     input_ids: list[int]
     sampling: SamplingParams
+    stream: bool = True
 
 
 @dataclass

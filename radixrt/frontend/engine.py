@@ -288,13 +288,14 @@ _RATIOS = ("cache_hit_rate", "token_usage", "new_token_ratio")
 def merge_stats(per: list[dict[str, Any]]) -> dict[str, Any]:
     """One stats dict for several replicas: counters and sizes summed, step times summed per
     phase, ratios recomputed from the sums (`new_token_ratio`: the mean); `replicas` keeps each
-    replica's own."""
+    replica's own (and alone what does not add up: `decode_paths`)."""
     out: dict[str, Any] = {}
     for key, value in per[0].items():
         if key in _RATIOS:
             continue
         if isinstance(value, dict):
-            out[key] = {k: sum(p[key][k] for p in per) for k in value}
+            if all(isinstance(v, int | float) for v in value.values()):
+                out[key] = {k: sum(p[key][k] for p in per) for k in value}
         elif isinstance(value, int | float):
             out[key] = sum(p[key] for p in per)
     prompt = out.get("prompt_tokens_total", 0)

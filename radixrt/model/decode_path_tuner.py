@@ -34,6 +34,8 @@ class _Bucket:
     last: tuple[bool, int, float] | None = None  # (path, rows, seconds) awaiting its pair
     choice: bool | None = None  # None while exploring
     since: int = 0  # steps since the choice
+    decided: float | None = None  # the median ratio behind the latest choice
+    decisions: int = 0  # choices made (monotonic)
 
 
 class DecodePathTuner:
@@ -75,6 +77,7 @@ class DecodePathTuner:
         if len(b.ratios) >= self.pairs:
             ratio = statistics.median(b.ratios)
             b.choice, b.since = ratio < 1.0, 0
+            b.decided, b.decisions = ratio, b.decisions + 1
             logger.info("decode steps of %d-%d rows: %s (micro-batches / team pass %.3fx over "
                         "%d pairs of steps)", *self.rows_of(self.bucket(rows)),
                         "two micro-batches" if b.choice else "one team pass", ratio,
@@ -100,3 +103,12 @@ class DecodePathTuner:
             out[f"{first}-{last}"] = ("exploring" if c is None
                                       else "micro-batches" if c else "team")
         return out
+
+    def describe(self) -> dict[str, dict[str, object]]:
+        """Per row range (`stats()["decode_paths"]`): `path` as `choices`, `ratio` (micro-batch
+        step / team step, the median behind the latest choice; None before the first, kept
+        while exploring again), `decisions` (choices made, monotonic)."""
+        return {rng: {"path": path, "ratio": b.decided, "decisions": b.decisions}
+                for (rng, path), b in zip(self.choices().items(),
+                                          (self._buckets[k] for k in sorted(self._buckets)),
+                                          strict=True)}

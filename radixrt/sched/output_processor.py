@@ -15,12 +15,24 @@ from radixrt.core.messages import (
 from radixrt.sched.kv_owner import KVOwner
 from radixrt.sched.req import Req
 
+# Tokens a request read only once finished (not streamed, no stop strings) gathers between
+# outs: nothing downstream acts on them before it finishes, so each out carries many tokens
+# (fewer detokenizer and front-end wake-ups); not only at the end, so the detokenizer's work
+# and the caller's usage counts advance with it.
+HELD_INTERVAL = 32
+
 
 class OutputProcessor:
-    def __init__(self, kv: KVOwner, eos_token_ids: tuple[int, ...], max_context_len: int):
+    """`stream_interval`: tokens a streamed request gathers between outs (`due`)."""
+
+    def __init__(self, kv: KVOwner, eos_token_ids: tuple[int, ...], max_context_len: int,
+                 stream_interval: int = 1):
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.kv = kv
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_context_len = max_context_len
+        self.stream_interval = stream_interval
 
     def _append(self, req: Req, token: int, logprobs: TokenLogprobs | None) -> None:
         req.output_ids.append(token)
@@ -73,15 +85,32 @@ class OutputProcessor:
             if not req.finished:
                 self._append(req, next_ids[i], logprobs[i])
 
-    @staticmethod
-    def collect(reqs: list[Req]) -> TokenBatchOut:
-        """New tokens since the last send (or a final out) for every request in `reqs`."""
+    def due(self, req: Req) -> bool:
+        """Whether `req` has an out to send now. Always: when it finished (or failed), with its
+        prompt scores, and with its first token (time to first token is the same whatever the
+        interval). Otherwise once `stream_interval` unsent tokens gathered; for a request that
+        is not streamed and has no stop strings, `max(stream_interval, HELD_INTERVAL)` (stop
+        strings are found by the detokenizer, so their text goes down every interval, as
+        streamed: a held one would run past its stop for up to the interval)."""
+        if req.finished or req.pending_prompt_logprobs is not None:
+            return True
+        unsent = len(req.output_ids) - req.send_offset
+        if unsent == 0:
+            return False
+        if req.send_offset == 0:
+            return True
+        held = not req.stream and not req.sampling.stop
+        return unsent >= (max(self.stream_interval, HELD_INTERVAL) if held
+                          else self.stream_interval)
+
+    def collect(self, reqs: list[Req]) -> TokenBatchOut:
+        """The due outs (`due`) among `reqs`: each carries the tokens (and their logprobs)
+        produced since the request's last out."""
         outs = []
         for req in reqs:
-            new = req.output_ids[req.send_offset :]
-            if (not new and not req.finished and req.pending_logprobs is None
-                    and req.pending_prompt_logprobs is None):
+            if not self.due(req):
                 continue
+            new = req.output_ids[req.send_offset :]
             req.send_offset = len(req.output_ids)
             sp = req.sampling
             outs.append(ReqTokenOut(

@@ -26,8 +26,10 @@ class Req:
     by an AST test in tests/test_scheduler.py).
     """
 
-    def __init__(self, rid: str, input_ids: list[int], sampling: SamplingParams):
+    def __init__(self, rid: str, input_ids: list[int], sampling: SamplingParams,
+                 stream: bool = True):
         self.rid = rid
+        self.stream = stream  # outputs are shown as they come (`GenerateReq.stream`)
         self.origin_input_ids = input_ids
         self.output_ids: list[int] = []
         self.sampling = sampling

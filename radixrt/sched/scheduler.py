@@ -100,7 +100,8 @@ class Scheduler:
         cfg = runner.model_config
         self.eos_token_ids = tuple(cfg.eos_token_ids)
         self.max_context_len = runner.sizes.max_context_len
-        self.outputs = OutputProcessor(self.kv, self.eos_token_ids, self.max_context_len)
+        self.outputs = OutputProcessor(self.kv, self.eos_token_ids, self.max_context_len,
+                                       args.stream_interval)
         self.sampler = Sampler(seed=args.random_seed)
         self.vocab_size = cfg.vocab_size
         self.grammars = GrammarCompiler(grammar_backend or self._default_grammar_backend)
@@ -136,7 +137,7 @@ class Scheduler:
 
     # -- inputs -------------------------------------------------------------------------------------
     def add_request(self, msg: GenerateReq) -> None:
-        req = Req(msg.rid, list(msg.input_ids), msg.sampling)
+        req = Req(msg.rid, list(msg.input_ids), msg.sampling, msg.stream)
         try:
             check_context_length(len(req.origin_input_ids), self.max_context_len,
                                  prompt_field="input_ids")
