@@ -4,8 +4,9 @@
     python bench/stream_interval.py --intervals 1 --non-stream --concurrency 8
 
 One server per interval (default SmolLM2, each started once, side by side; only one is driven at
-a time, the others sit idle), driven in turn for `--rounds` rounds, the order rotating: every
-round sends the same `--requests` completions (a shared `--prefix-tokens` head, a short unique
+a time, the others sit idle), driven in turn for `--rounds` rounds, the order rotating, after a
+warm-up round that caches every prompt on every server (so no variant gets a colder cache than
+another): every round sends the same `--requests` completions (a shared `--prefix-tokens` head, a short unique
 tail, greedy, `max_tokens` each with ignore_eos), at most `--concurrency` in flight.
 
 Streamed (default): each request streams; per server, the output tokens per second over the
@@ -124,7 +125,8 @@ def main() -> None:
             servers[n] = (launch_radixrt(port, a.threads, ["--stream-interval", str(n),
                                                             *a.server_args.split()]),
                           f"http://127.0.0.1:{port}")
-        asyncio.run(drive(servers[a.intervals[0]][1], prompts[:4], 8, 4, True, None))  # warm
+        for _, url in servers.values():  # warm: every prompt cached on every server first,
+            asyncio.run(drive(url, prompts, 8, a.concurrency, True, None))  # as in later rounds
         variants = [(n, v) for n in a.intervals
                     for v in (("held", "per-token") if a.non_stream else ("stream",))]
         rows: dict[tuple[int, str], list[dict[str, float]]] = {v: [] for v in variants}
@@ -162,8 +164,11 @@ def main() -> None:
         rs = rows[key]
         med = {k: statistics.median(x[k] for x in rs) for k in rs[0]
                if k not in ("round", "interval", "variant")}
-        ratio = ("" if key == first else "  vs first %.3fx" % statistics.median(
-            x["tok_per_s"] / y["tok_per_s"] for x, y in zip(rs, rows[first], strict=True)))
+        ratio = ""
+        if key != first:
+            r = statistics.median(x["tok_per_s"] / y["tok_per_s"]
+                                  for x, y in zip(rs, rows[first], strict=True))
+            ratio = f"  vs first {r:.3f}x"
         print(f"interval {key[0]:2d} {key[1]:9s} {med['tok_per_s']:7.1f} tok/s  chunks/req "
               f"{med['chunks_per_request']:5.1f}  CPU s per 1k tokens: client "
               f"{med['client_cpu_per_1k']:.3f} http {med['http_cpu_per_1k']:.3f} detok "

@@ -961,6 +961,21 @@ def test_prompt_longer_than_context(make_sched: Callable[..., Scheduler]) -> Non
     assert_clean(sched)
 
 
+def test_stats_report_the_decode_path_tuners_choices(
+        make_sched: Callable[..., Scheduler]) -> None:
+    """`stats()["decode_paths"]`: the runner's tuner's choices per row range (empty when off)."""
+    sched = make_sched()
+    tuner = sched.runner.model.decode_path_tuner
+    assert tuner is not None and sched.stats()["decode_paths"] == {}
+    for _ in range(tuner.pairs):
+        for _ in range(2):
+            p = tuner.pick(20)
+            tuner.record(20, p, 0.012 if p else 0.010)
+    paths = sched.stats()["decode_paths"]
+    assert paths == {"16-22": {"path": "team", "ratio": pytest.approx(1.2), "decisions": 1}}
+    assert make_sched(disable_decode_path_tuning=True).stats()["decode_paths"] == {}
+
+
 # -- outs gather per stream_interval ------------------------------------------------------------
 def test_outs_gather_per_stream_interval(make_sched: Callable[..., Scheduler]) -> None:
     """With stream_interval 4: a streamed request's first token goes out alone, then every 4

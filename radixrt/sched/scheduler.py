@@ -431,6 +431,7 @@ class Scheduler:
 
     def stats(self) -> dict[str, object]:
         c = self.counters
+        tuner = getattr(self.runner.model, "decode_path_tuner", None)
         return {
             "num_requests_total": c.requests,
             "num_finished_requests_total": c.finished_requests,
@@ -457,6 +458,9 @@ class Scheduler:
             "step_time_s": dict(self.step_times),
             "decode_totals": dict(self.decode_totals),
             "mixed_totals": dict(self.mixed_totals),
+            # Per range of decode rows, the path the decode-path tuner took and why (empty
+            # when it is off: `DecodePathTuner.describe`).
+            "decode_paths": tuner.describe() if tuner is not None else {},
         }
 
     def answer(self, msg: object, replica: int = 0) -> list[object]:
