@@ -103,6 +103,14 @@ def test_is_greedy() -> None:
         ("min_new_tokens", 500),
         ("ignore_eos", 1),
         ("logprobs", "yes"),
+        ("logit_bias", {"5": 101}),
+        ("logit_bias", {5: -100.5}),
+        ("logit_bias", {"-3": 1}),
+        ("logit_bias", {"x": 1}),
+        ("logit_bias", {5: "big"}),
+        ("logit_bias", {5: float("inf")}),
+        ("logit_bias", {5: True}),
+        ("logit_bias", [5, 1]),
     ],
 )
 def test_validate_names_field(field: str, value: object) -> None:
@@ -465,6 +473,58 @@ def test_min_new_tokens_masks_eos_and_stop_ids() -> None:
     flat = torch.zeros(n, vocab)
     ids = sample([SamplingParams(min_new_tokens=1, stop_token_ids=[5])] * n, flat, eos=(2, 6))
     assert not {2, 5, 6} & set(ids)
+
+
+def test_logit_bias_normalized_and_round_trips() -> None:
+    p = SamplingParams(logit_bias={"7": 5, 3: -100.0, " 12 ": 0.5})  # type: ignore[dict-item]
+    assert p.logit_bias == {7: 5.0, 3: -100.0, 12: 0.5}
+    p.validate()
+    assert SamplingParams(logit_bias={}).logit_bias is None
+    assert SamplingParams.from_dict(p.to_dict()) == p
+    assert pickle.loads(pickle.dumps(p)) == p
+    from radixrt.core.validation import check_vocab_fields
+
+    check_vocab_fields(p, 13)
+    with pytest.raises(InvalidRequestError, match=r"token id 12 is outside.*\[0, 12\)") as ei:
+        check_vocab_fields(p, 12)
+    assert ei.value.field == "logit_bias"
+
+
+def test_logit_bias_steers_greedy_and_sampled_rows() -> None:
+    vocab = 10
+    torch.manual_seed(9)
+    logits = torch.randn(3, vocab)
+    top = logits.argmax(-1).tolist()
+    second = logits.topk(2, dim=-1).indices[:, 1].tolist()
+    params = [SamplingParams(temperature=0, logit_bias={4: 100}),
+              SamplingParams(temperature=0, logit_bias={top[1]: -100}),
+              SamplingParams(temperature=0)]
+    info = build(params, vocab)
+    assert not info.is_fast_path and info.logit_bias is not None
+    got = apply_penalties(logits, info)
+    want = logits.clone()
+    want[0, 4] += 100
+    want[1, top[1]] -= 100
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert Sampler().sample(logits, info, greedy_ids=torch.tensor(top)).next_token_ids == [
+        4, second[1], top[2]]  # the LM head's picks are not taken: the biases count
+    # the bias adds to the penalties (after them); ids outside the vocabulary are dropped
+    both = build([SamplingParams(frequency_penalty=1.0, logit_bias={2: 3, 99: 5})], vocab,
+                 outputs=[[2, 2]])
+    row = apply_penalties(logits[:1], both)
+    assert row[0, 2].item() == pytest.approx(logits[0, 2].item() - 2.0 + 3.0)
+    # a sampled row never picks a token biased by -100 when others are near
+    n = 400
+    flat = torch.zeros(n, vocab)
+    ids = sample([SamplingParams(temperature=1.0, logit_bias={0: -100, 1: -100})] * n, flat)
+    assert not {0, 1} & set(ids) and len(set(ids)) > 4
+    # logprobs stay the raw logits'
+    lp = Sampler().sample(logits[:1], build([SamplingParams(temperature=0, logprobs=True,
+                                                            logit_bias={4: 100})], vocab))
+    assert lp.next_token_ids == [4]
+    assert lp.logprobs[0] is not None
+    assert lp.logprobs[0].token_logprobs[0] == pytest.approx(
+        torch.log_softmax(logits[0], -1)[4].item(), abs=1e-6)
 
 
 # --------------------------------------------------------------------------- logprobs

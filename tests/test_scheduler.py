@@ -976,6 +976,32 @@ def test_stats_report_the_decode_path_tuners_choices(
     assert make_sched(disable_decode_path_tuning=True).stats()["decode_paths"] == {}
 
 
+def test_logit_bias_greedy_matches_hf_sequence_bias(
+        make_sched: Callable[..., Scheduler], tiny_llama_dir: Path) -> None:
+    """Greedy with `logit_bias`, batched beside an unbiased request, gives HF `generate`'s
+    tokens with the same biases as `sequence_bias` (fp32, token for token); the unbiased
+    request keeps its own reference."""
+    from transformers import AutoModelForCausalLM
+
+    rng = random.Random(21)
+    ids = prompt(rng, 14)
+    plain = reference(make_sched, {"p": (ids, 10)})["p"]
+    other = next(t for t in plain if t != plain[0])
+    bias = {plain[0]: -100.0, other: 4.0, 7: 2.5}
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False,
+                           sequence_bias={(t,): v for t, v in bias.items()})[0, len(ids):]
+    sched = make_sched()
+    sched.handle(GenerateReq("b", ids, greedy(10, logit_bias=bias)))
+    sched.handle(GenerateReq("p", ids, greedy(10)))
+    run = Run().drive(sched)
+    assert run.tokens["b"] == want.tolist()
+    assert run.tokens["b"] != plain and run.tokens["b"][0] != plain[0]
+    assert run.tokens["p"] == plain
+    assert_clean(sched)
+
+
 # -- outs gather per stream_interval ------------------------------------------------------------
 def test_outs_gather_per_stream_interval(make_sched: Callable[..., Scheduler]) -> None:
     """With stream_interval 4: a streamed request's first token goes out alone, then every 4

@@ -187,6 +187,35 @@ def test_stream_interval_through_the_openai_sdk(tiny_llama_dir, engine):
         stop_server(srv)
 
 
+def test_logit_bias_through_the_openai_sdk(server, engine):
+    """`logit_bias` (string token ids, as the SDK sends them): +100 makes greedy pick the token
+    every step; -100 on the unbiased first token moves it; the text equals the Engine's with
+    the same bias, completions and chat, streamed and not."""
+    c = server.client()
+    kw = dict(model="default", prompt="Radix trees", max_tokens=6, temperature=0,
+              extra_body={"ignore_eos": True})
+    plain = engine.generate("Radix trees", SamplingParams(max_new_tokens=6, temperature=0,
+                                                          ignore_eos=True))
+    forced = c.completions.create(**kw, logit_bias={"42": 100}, logprobs=0)
+    assert forced.choices[0].logprobs is not None
+    ref = engine.generate("Radix trees", SamplingParams(max_new_tokens=6, temperature=0,
+                                                        ignore_eos=True, logit_bias={42: 100}))
+    assert ref.token_ids == [42] * 6 and forced.choices[0].text == ref.text
+    moved = {str(plain.token_ids[0]): -100}
+    ref = engine.generate("Radix trees", SamplingParams(
+        max_new_tokens=6, temperature=0, ignore_eos=True, logit_bias={plain.token_ids[0]: -100}))
+    assert ref.token_ids[0] != plain.token_ids[0]
+    assert c.completions.create(**kw, logit_bias=moved).choices[0].text == ref.text
+    chunks = c.completions.create(**kw, logit_bias=moved, stream=True)
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == ref.text
+    msgs = [{"role": "user", "content": "Hi"}]
+    chat = c.chat.completions.create(model="default", messages=msgs, max_tokens=4,
+                                     temperature=0, logit_bias={"42": 100})
+    assert chat.choices[0].message.content == engine.chat(msgs, SamplingParams(
+        max_new_tokens=4, temperature=0, logit_bias={42: 100})).text
+    server.assert_clean()
+
+
 def test_chat_stream_and_not(server, engine):
     c = server.client()
     msgs = [{"role": "system", "content": LONG}, {"role": "user", "content": "Hello there"}]

@@ -157,7 +157,9 @@ BAD = [  # (endpoint, extra body, status, param)
     ("completions", {"regex": "(a"}, "regex"),
     ("completions", {"ebnf": "root ::= nowhere"}, "ebnf"),
     ("completions", {"regex": 5}, "regex"),
-    ("chat", {"logit_bias": {"5": 10}}, "logit_bias"),
+    ("chat", {"logit_bias": {"5": 101}}, "logit_bias"),
+    ("chat", {"logit_bias": {"99999999": 1}}, "logit_bias"),
+    ("chat", {"logit_bias": ["5", 1]}, "logit_bias"),
     ("chat", {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ("chat", {"modalities": ["text", "audio"]}, "modalities"),
     ("chat", {"prediction": {"type": "content", "content": "hi"}}, "prediction"),
@@ -168,7 +170,7 @@ BAD = [  # (endpoint, extra body, status, param)
     ("chat", {"tool_choice": "none"}, "tool_choice"),  # tool_choice without tools
     ("chat", {"temprature": 0.5}, "temprature"),
     ("completions", {"best_of": 3}, "best_of"),
-    ("completions", {"logit_bias": {"1": -100}}, "logit_bias"),
+    ("completions", {"logit_bias": {"tok": -100}}, "logit_bias"),
     ("chat", {"min_tokens": 50, "max_tokens": 10}, "min_tokens"),
 ]
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from radixrt.core.errors import InvalidRequestError
 from radixrt.core.sampling_params import SamplingParams
-from radixrt.core.validation import check_context_length
+from radixrt.core.validation import check_context_length, check_vocab_fields
 from radixrt.grammar import check_params
 
 ParamsLike = SamplingParams | dict[str, Any] | None
@@ -114,6 +114,7 @@ class InputProcessor:
                     for ids, sp in zip(ids_list, params, strict=True)]
         for ids, sp in zip(ids_list, params, strict=True):
             check_logprob_start(len(ids), sp)
+            check_vocab_fields(sp, self.vocab_size)
         return ids_list, params, single
 
 

@@ -19,8 +19,24 @@ from radixrt.core.errors import InvalidRequestError
 # Temperatures below this are treated as greedy (dividing by them would overflow float32 logits).
 GREEDY_TEMPERATURE_EPS = 1e-5
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 # The fields that constrain generation with a grammar; at most one may be set.
 GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
+
+
+def _normalize_bias(value: Any) -> Any:
+    """A logit_bias mapping with its token ids as ints (JSON object keys arrive as strings:
+    "50256" -> 50256); None or empty -> None; anything odd is left for validate()."""
+    if value is None or (isinstance(value, dict) and not value):
+        return None
+    if not isinstance(value, dict):
+        return value
+    out: dict[Any, Any] = {}
+    for k, v in value.items():
+        if isinstance(k, str) and k.strip().isdigit():
+            k = int(k)
+        out[k] = float(v) if isinstance(v, int) and not isinstance(v, bool) else v
+    return out
 
 
 def _normalize_seq(value: Any, elem: type) -> Any:
@@ -45,7 +61,9 @@ class SamplingParams:
     logits are divided, negative multiplied); frequency/presence penalties follow OpenAI (over
     output tokens only: logit -= frequency * count + presence * (count > 0)). min_new_tokens
     bans EOS and stop_token_ids until that many tokens were generated. top_logprobs (0..20)
-    alternatives are returned only when logprobs is True.
+    alternatives are returned only when logprobs is True. logit_bias (OpenAI) maps token ids
+    to values in [-100, 100] added to their logits before sampling, greedy included (after
+    the penalties, before bans and grammar masks); logprobs stay those of the raw logits.
 
     logprob_start_len >= 0 asks for prompt scores: the log-probability of every prompt token
     from that position on given the tokens before it (position 0 has none), with
@@ -79,6 +97,7 @@ class SamplingParams:
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         self.normalize()
@@ -87,6 +106,7 @@ class SamplingParams:
         """Accept a str or list for `stop` and a list / int for `stop_token_ids`; store tuples."""
         self.stop = _normalize_seq(self.stop, str)
         self.stop_token_ids = _normalize_seq(self.stop_token_ids, int)
+        self.logit_bias = _normalize_bias(self.logit_bias)
 
     @property
     def is_greedy(self) -> bool:
@@ -177,7 +197,27 @@ class SamplingParams:
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
         ):
             bad("stop_token_ids", "must be a list of non-negative integers")
+        self._validate_bias()
         self._validate_grammar()
+
+    def _validate_bias(self) -> None:
+        """logit_bias: None, or token id (int >= 0) -> a finite number in [-100, 100]. Whether
+        the ids are in the vocabulary is `core.validation.check_vocab_fields`'s (it knows the
+        model)."""
+        b = self.logit_bias
+        if b is None:
+            return
+        if not isinstance(b, dict):
+            raise InvalidRequestError("logit_bias", "must be an object mapping token ids to "
+                                                    f"bias values, got {type(b).__name__}")
+        for k, v in b.items():
+            if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+                raise InvalidRequestError("logit_bias", "keys must be token ids (non-negative "
+                                                        f"integers), got {k!r}")
+            if (not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v)
+                    or not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS):
+                raise InvalidRequestError("logit_bias", f"values must be numbers in "
+                                                        f"[-100, 100], got {v!r} for token {k}")
 
     def _validate_grammar(self) -> None:
         """At most one grammar field, each a non-empty string; a JSON schema must parse as a
@@ -220,6 +260,7 @@ class SamplingParams:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v)
+            f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple)
+                     else dict(v) if isinstance(v, dict) else v)
             for f in dataclasses.fields(self)
         }

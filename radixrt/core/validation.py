@@ -3,7 +3,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from radixrt.core.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from radixrt.core.sampling_params import SamplingParams
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
@@ -27,3 +32,11 @@ def check_context_length(prompt_len: int, context_len: int, max_new_tokens: int 
             budget_field, f"this model's context is {context_len} tokens; the prompt has "
                           f"{prompt_len} and '{budget_field}' asks for {max_new_tokens} more",
             code=CONTEXT_LENGTH_EXCEEDED)
+
+
+def check_vocab_fields(sp: SamplingParams, vocab_size: int, field: str = "logit_bias") -> None:
+    """The sampling fields that name token ids the model must have: `logit_bias`'s keys."""
+    outside = sorted(t for t in (sp.logit_bias or {}) if not 0 <= t < vocab_size)
+    if outside:
+        raise InvalidRequestError(field, f"token id {outside[0]} is outside the vocabulary "
+                                         f"[0, {vocab_size})")

@@ -78,6 +78,9 @@ class SamplingBatchInfo:
     presence_penalties: Tensor | None  # [B, 1] float32
     output_counts: Tensor | None  # [B, V] float32: occurrences in output
     banned_mask: Tensor | None  # [B, V] bool: min_new_tokens not yet reached -> EOS/stop ids
+    # logit_bias of every row that has one, as (rows, token ids, values) [N] each (int64,
+    # int64, float32 on device); None when no row has one.
+    logit_bias: tuple[Tensor, Tensor, Tensor] | None
     row_seeds: list[int | None]  # per row: generator seed for this step, None when unseeded
     logprob_rows: list[int]  # rows that asked for logprobs
     top_logprobs: list[int]  # per row, number of alternatives (0 when logprobs is off)
@@ -95,6 +98,7 @@ class SamplingBatchInfo:
             and self.repetition_mask is None
             and self.output_counts is None
             and self.banned_mask is None
+            and self.logit_bias is None
             and not self.logprob_rows
             and self.vocab_bitmask is None
         )
@@ -185,6 +189,15 @@ class SamplingBatchInfo:
         if ban_rows:
             banned_mask = _scatter_counts(ban_rows, ban_chunks, batch, vocab, dev) > 0
 
+        bias = None
+        bias_items = [(i, t, v) for i, p in enumerate(params)
+                      for t, v in (p.logit_bias or {}).items() if 0 <= t < vocab]
+        if bias_items:
+            rows_, ids_, vals_ = zip(*bias_items, strict=True)
+            bias = (torch.tensor(rows_, dtype=torch.long, device=dev),
+                    torch.tensor(ids_, dtype=torch.long, device=dev),
+                    torch.tensor(vals_, dtype=torch.float32, device=dev))
+
         row_seeds = [
             None if p.seed is None or p.is_greedy else step_seed(p.seed, len(output_ids[i]))
             for i, p in enumerate(params)
@@ -210,6 +223,7 @@ class SamplingBatchInfo:
             presence_penalties=pres,
             output_counts=counts,
             banned_mask=banned_mask,
+            logit_bias=bias,
             row_seeds=row_seeds,
             logprob_rows=[i for i, p in enumerate(params) if p.logprobs],
             top_logprobs=[p.top_logprobs if p.logprobs else 0 for p in params],

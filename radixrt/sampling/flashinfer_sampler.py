@@ -31,6 +31,7 @@ def flashinfer_covers(info: SamplingBatchInfo) -> bool:
         info.repetition_mask is None
         and info.output_counts is None
         and info.banned_mask is None
+        and info.logit_bias is None
         and info.vocab_bitmask is None
         and not info.logprob_rows
         and all(info.row_seeds[r] is None for r in info.sampled_rows)

@@ -2,7 +2,7 @@
 
 Pipeline per step (`Sampler.sample`):
   1. `apply_penalties`: repetition (HF, prompt + output), then frequency / presence (OpenAI,
-     output only), then min_new_tokens bans (EOS + stop_token_ids -> -inf), then grammar
+     output only), then logit_bias (OpenAI: added per token id), then min_new_tokens bans (EOS + stop_token_ids -> -inf), then grammar
      masks on constrained rows (tokens the grammar forbids -> -inf; where a ban would leave a
      constrained row nothing, the grammar wins and the ban is dropped for that row).
   2. Greedy rows: argmax of the penalized logits.
@@ -17,7 +17,7 @@ Invariants:
     holds regardless of which other requests share the batch. Unseeded rows share one draw
     from the sampler's own generator.
   * Logprobs are computed from log_softmax of the RAW logits (before penalties / temperature).
-  * A batch that is all greedy, without penalties, bans or logprobs, is a bare argmax.
+  * A batch that is all greedy, without penalties, biases, bans or logprobs, is a bare argmax.
   * Every argmax is `row_argmax`: torch's indices (first maximum; a NaN row gives its first NaN).
 """
 
@@ -49,8 +49,9 @@ def apply_penalties(logits: Tensor, info: SamplingBatchInfo) -> Tensor:
     """Penalized logits [B, V]; never mutates `logits` (returns it unchanged if nothing applies).
 
     Repetition (tokens in prompt or output): x > 0 -> x / r, else x * r. Then
-    x -= frequency * count + presence * (count > 0) over output tokens. Then min_new_tokens
-    bans set EOS / stop_token_ids to -inf. Then grammar masks (see the module docstring).
+    x -= frequency * count + presence * (count > 0) over output tokens. Then each row's
+    logit_bias values are added to their tokens. Then min_new_tokens bans set EOS /
+    stop_token_ids to -inf. Then grammar masks (see the module docstring).
     """
     out = logits
     if info.repetition_mask is not None:
@@ -61,6 +62,9 @@ def apply_penalties(logits: Tensor, info: SamplingBatchInfo) -> Tensor:
         assert info.frequency_penalties is not None and info.presence_penalties is not None
         c = info.output_counts
         out = out - info.frequency_penalties * c - info.presence_penalties * (c > 0).float()
+    if info.logit_bias is not None:
+        rows, ids, values = info.logit_bias
+        out = out.index_put((rows, ids), values.to(out.dtype), accumulate=True)
     unbanned = out
     if info.banned_mask is not None:
         out = out.masked_fill(info.banned_mask, float("-inf"))

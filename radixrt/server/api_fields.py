@@ -10,14 +10,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-# Implemented by both endpoints: OpenAI's sampling and streaming fields, the SGLang/vLLM
-# extras (top_k, min_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos,
+# Implemented by both endpoints: OpenAI's sampling and streaming fields (logit_bias
+# included), the SGLang/vLLM extras (top_k, min_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos,
 # skip_special_tokens) and structured outputs (response_format, regex, ebnf).
 COMMON = frozenset({
     "model", "n", "stream", "stream_options", "temperature", "top_p", "top_k", "min_p",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop",
     "stop_token_ids", "min_tokens", "ignore_eos", "skip_special_tokens", "response_format",
-    "regex", "ebnf",
+    "regex", "ebnf", "logit_bias",
 })
 COMPLETIONS = COMMON | {"prompt", "echo", "logprobs", "max_tokens", "suffix"}
 # Tool calling (radixrt/server/tools.py) is chat only.

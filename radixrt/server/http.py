@@ -235,7 +235,8 @@ class Server:
             # max_tokens 0 without logprobs needs a scored position too (the runtime generates
             # nothing only for scoring requests): the last one, whose scores are dropped.
             start = 0 if score_prompt else (len(ids) - 1 if mt == 0 else -1)
-            sp = P.sampling_from_body(body, mt, top_lp is not None, top_lp or 0, start)
+            sp = P.sampling_from_body(body, mt, top_lp is not None, top_lp or 0, start,
+                                      self.engine.vocab_size)
             params.extend(self.per_sample(sp, n))
         all_ids = [ids for ids in ids_list for _ in range(n)]
         self.check_alive()
@@ -326,7 +327,8 @@ class Server:
         self.check_ids(ids, "messages")
         mt = P.max_tokens_from(body, ("max_completion_tokens", "max_tokens"), None, len(ids),
                                self.engine.max_context_len, "messages")
-        sp = self.tool_sampling(P.sampling_from_body(body, mt, want_lp, top_lp), treq)
+        sp = self.tool_sampling(P.sampling_from_body(body, mt, want_lp, top_lp,
+                                                     vocab_size=self.engine.vocab_size), treq)
         params = self.per_sample(sp, n)
         self.check_alive()
         self.check_capacity(n)

@@ -12,7 +12,7 @@ from typing import Any
 from radixrt.core.errors import EngineDeadError, InvalidRequestError, ReplicaDeadError
 from radixrt.core.logprobs import TokenLogprobs
 from radixrt.core.sampling_params import SamplingParams
-from radixrt.core.validation import check_context_length
+from radixrt.core.validation import check_context_length, check_vocab_fields
 from radixrt.grammar import check_params
 from radixrt.server.api_fields import unsupported_field
 
@@ -136,9 +136,11 @@ def grammar_from_body(body: dict[str, Any]) -> dict[str, str]:
 
 
 def sampling_from_body(body: dict[str, Any], max_tokens: int, logprobs: bool,
-                       top_logprobs: int, logprob_start_len: int = -1) -> SamplingParams:
+                       top_logprobs: int, logprob_start_len: int = -1,
+                       vocab_size: int | None = None) -> SamplingParams:
     """Common sampling fields of both endpoints; `max_tokens` already resolved and checked.
-    `logprob_start_len` >= 0 asks for prompt scores (completions with `echo` + `logprobs`)."""
+    `logprob_start_len` >= 0 asks for prompt scores (completions with `echo` + `logprobs`).
+    `vocab_size`: the model's, to check the token ids the fields name (`logit_bias`)."""
     fields = {
         "max_new_tokens": max_tokens,
         "temperature": float(_get(body, "temperature", _NUM, 1.0, "a number >= 0")),
@@ -157,6 +159,8 @@ def sampling_from_body(body: dict[str, Any], max_tokens: int, logprobs: bool,
         "logprobs": logprobs,
         "top_logprobs": top_logprobs,
         "logprob_start_len": logprob_start_len,
+        "logit_bias": _get(body, "logit_bias", (dict,), None,
+                           "an object mapping token ids to bias values"),
         **grammar_from_body(body),
     }
     if fields["temperature"] < 0:
@@ -166,6 +170,8 @@ def sampling_from_body(body: dict[str, Any], max_tokens: int, logprobs: bool,
     try:
         sp = SamplingParams(**fields)
         sp.validate()
+        if vocab_size is not None:
+            check_vocab_fields(sp, vocab_size)
         check_params(sp)  # a grammar that does not compile is a 400 before anything queues
     except InvalidRequestError as e:
         raise invalid(e) from None
