@@ -397,12 +397,14 @@ def test_failed_compile_and_aborts_free_everything(make_sched: Callable[..., Sch
                                                    backend: LLGuidanceBackend) -> None:
     sched = make_sched(grammar_backend=lambda: BrokenBackend(backend))
     sched.handle(GenerateReq("bad", [*SHARED, 1], constrained("regex", "x+")))
+    sched.handle(GenerateReq("bad2", [*SHARED, 3], constrained("regex", "x+")))  # same future
     sched.handle(GenerateReq("ok", [*SHARED, 2], SamplingParams(max_new_tokens=3)))
     res = drive(sched)
-    assert res["bad"][1].finish_reason == FINISH_ABORT
-    assert "backend exploded" in res["bad"][1].error and res["bad"][0] == []
+    for rid in ("bad", "bad2"):  # both: retiring the first must not skip the next in line
+        assert res[rid][1].finish_reason == FINISH_ABORT
+        assert "backend exploded" in res[rid][1].error and res[rid][0] == []
     assert res["ok"][1].finish_reason in (FINISH_LENGTH, FINISH_STOP)
-    assert sched.stats()["num_finished_requests_total"] == 2
+    assert sched.stats()["num_finished_requests_total"] == 3
     clean(sched)
 
     # Abort while compiling and while decoding: the request leaves, its matcher is dropped.

@@ -160,7 +160,7 @@ class Scheduler:
         if not self.grammar_wait:
             return
         still = []
-        for req in self.grammar_wait:
+        for req in list(self.grammar_wait):  # a copy: _retire removes from the list
             fut = req.grammar_future
             assert fut is not None
             if not fut.done():
