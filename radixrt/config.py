@@ -163,6 +163,11 @@ class ServerArgs:
         False, "from decode_microbatch_rows rows, always run two micro-batches instead of "
                "timing them against a one-pass team step as the server runs and taking the "
                "faster, per range of row counts (both bitwise the same result)")
+    disable_grammar_fast_forward: bool = _f(
+        False, "constrained decoding: sample every token of a grammar-constrained request "
+               "under its mask, instead of appending the tokens the grammar forces (a JSON "
+               "schema's keys and punctuation, a const) all at once and computing them in one "
+               "forward pass the next step")
     stream_interval: int = _f(1, "a streamed request's outputs go out every this many tokens "
                                  "(the first at once, the last when it finishes): larger "
                                  "sends fewer, larger chunks, so less CPU per token goes to "

@@ -346,6 +346,8 @@ def test_constrained_and_free_requests_share_batches_and_cache(
     for rid in jobs:  # everyone hit the shared head cached by the warm-up request
         assert res[rid][1].cached_tokens >= len(SHARED), rid
     assert sched.grammars.compiles == 2  # one per distinct grammar, the warm-up's reused
+    # llguidance forced tokens (the schema's `{"name":"` at least) and they were fast-forwarded
+    assert sched.stats()["grammar_forced_tokens_total"] >= 3
     clean(sched)
 
 
@@ -452,3 +454,109 @@ def test_retraction_keeps_the_matcher_in_step(make_sched: Callable[..., Schedule
         assert res[rid][1].finish_reason == FINISH_STOP
         check_text(tok, "json_schema", res[rid][0])
     clean(sched)
+
+
+# -- fast-forward: tokens the grammar forces ------------------------------------------------------
+class SegmentMatcher(GrammarMatcher):
+    """A fake grammar of segments: a list of token ids is forced (only the next one allowed,
+    and `forced_tokens` returns the rest of the list), an int n allows any n tokens; after the
+    last segment only EOS (the request ends)."""
+
+    def __init__(self, segments: list[list[int] | int], vocab: int, eos: int):
+        self.seq: list[int | None] = []  # None: free position
+        for seg in segments:
+            self.seq.extend([None] * seg if isinstance(seg, int) else seg)
+        self.pos, self.vocab, self.eos = 0, vocab, eos
+
+    def accept_token(self, token: int) -> bool:
+        if self.pos >= len(self.seq):
+            return token == self.eos
+        want = self.seq[self.pos]
+        self.pos += 1
+        return want is None or token == want
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row].zero_()
+        if self.pos >= len(self.seq):
+            allowed = [self.eos]
+        elif self.seq[self.pos] is None:
+            allowed = [t for t in range(self.vocab) if t != self.eos]
+        else:
+            allowed = [self.seq[self.pos]]
+        for t in allowed:
+            word = int(bitmask[row, t // 32]) & 0xFFFFFFFF | (1 << (t % 32))
+            bitmask[row, t // 32] = word - (1 << 32) if word >= 1 << 31 else word
+
+    def is_terminated(self) -> bool:
+        return False  # ends on EOS
+
+    def forced_tokens(self) -> list[int]:
+        out = []
+        for t in self.seq[self.pos:]:
+            if t is None:
+                break
+            out.append(t)
+        return out
+
+
+class SegmentBackend(GrammarBackend):
+    def __init__(self, segments: list[list[int] | int], vocab: int, eos: int):
+        self.segments, self.vocab_size, self.eos = segments, vocab, eos
+
+    def compile(self, kind: str, source: str) -> object:
+        return self.segments
+
+    def matcher(self, compiled: object) -> GrammarMatcher:
+        return SegmentMatcher(compiled, self.vocab_size, self.eos)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("mid", [[40, 41, 42, 43, 44, 45, 46], [40, 41]])
+def test_forced_tokens_run_in_one_extend_with_the_same_output(
+        make_sched: Callable[..., Scheduler], tok: Any, mid: list[int]) -> None:
+    """A grammar forcing 9 tokens at its start and 7 (or 2) in the middle: with fast-forward
+    they are appended at once and computed in one extend each (beside a decoding free
+    request, and a constrained twin that asks for logprobs, which is not fast-forwarded): the
+    same greedy tokens as sampling each under its mask (fp32), the request done in fewer
+    steps, counted, every pool clean. A run in the middle shorter than the step's 3 rows is
+    sampled as usual; `disable_grammar_fast_forward` forces none."""
+    eos = tok.eos_token_id
+    segments: list[list[int] | int] = [[11, 12, 13, 14, 15, 16, 17, 18, 19], 5, mid, 6]
+    n_mid = len(mid)
+    free = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True)
+    results = {}
+    for off in (False, True):
+        sched = make_sched(grammar_backend=lambda: SegmentBackend(segments, 400, eos),
+                           disable_grammar_fast_forward=off)
+        sched.handle(GenerateReq("f", [*SHARED, 5], free))
+        tokens: dict[str, list[int]] = {}
+        for _ in range(3):  # the free request decodes before the constrained ones arrive
+            out = sched.step()
+            for o in out.outs if out else []:
+                tokens.setdefault(o.rid, []).extend(o.new_ids)
+        sched.handle(GenerateReq("g", [*SHARED, 6], constrained("regex", "seg")))
+        done_at: dict[str, int] = {}
+        for step in range(200):
+            if step == 2:  # the twin arrives while "g" decodes
+                sched.handle(GenerateReq("lp", [*SHARED, 6], constrained("regex", "seg",
+                                                                         logprobs=True)))
+            if not (sched.has_work or sched.grammar_wait):
+                break
+            out = sched.step()
+            sched.check_invariants()
+            for o in out.outs if out else []:
+                tokens.setdefault(o.rid, []).extend(o.new_ids)
+                if o.finish_reason is not None:
+                    assert o.finish_reason == (FINISH_LENGTH if o.rid == "f" else FINISH_STOP)
+                    done_at[o.rid] = step
+        ids = tokens["g"]
+        assert ids[:9] == segments[0] and ids[14:14 + n_mid] == mid and ids[-1] == eos
+        assert len(ids) == 9 + 5 + n_mid + 6 + 1 and tokens["lp"] == ids
+        stats = sched.stats()
+        assert stats["generated_tokens_total"] == sum(len(t) for t in tokens.values())
+        results[off] = (tokens, done_at["g"], stats["grammar_forced_tokens_total"])
+        clean(sched)
+    (on, on_steps, on_forced), (off, off_steps, off_forced) = results[False], results[True]
+    assert on == off  # fast-forward changes no token (the forced tokens' KV alike)
+    fast_mid = n_mid if n_mid >= 3 else 0  # 3 rows in the step: 2 forced are sampled
+    assert on_forced == 9 + fast_mid and off_forced == 0  # only "g": "lp" reports logprobs
+    assert on_steps <= off_steps - 8 - max(0, fast_mid - 1)  # each run in one extend

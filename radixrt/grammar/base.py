@@ -45,6 +45,12 @@ class GrammarMatcher(ABC):
     def is_terminated(self) -> bool:
         """The grammar accepted and nothing may follow: the request is complete."""
 
+    def forced_tokens(self) -> list[int]:
+        """Tokens the grammar forces from here, in the backend's tokenization of the forced
+        text, not consumed (the caller accepts them); [] when nothing is forced or the backend
+        cannot tell. Only what every continuation shares may be returned."""
+        return []
+
 
 class GrammarBackend(ABC):
     """Compiles grammars against one tokenizer. `compile` may be slow and runs off the

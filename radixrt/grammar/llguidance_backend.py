@@ -79,6 +79,11 @@ class LLGuidanceMatcher(GrammarMatcher):
     def is_terminated(self) -> bool:
         return bool(self._m.is_stopped())
 
+    def forced_tokens(self) -> list[int]:
+        # llguidance's fast-forward tokens: the forced bytes, tokenized only as far as no
+        # later byte could change their tokenization.
+        return list(self._m.compute_ff_tokens())
+
     @property
     def error(self) -> str:
         return self._m.get_error() if self._m.is_error() else ""

@@ -56,15 +56,22 @@ class BatchBuilder:
 
     def build_mixed(self, extend: list[Req], decode: list[Req]) -> ForwardBatch:
         """An extend step that also advances each of `decode` (running requests, whose KV holds
-        all but their last sampled token) by that one token: rows `extend ++ decode`. The
-        decode rows are one-token extends on top of their KV, so one forward pass serves both
-        and the weight reads of the prefill carry the decode tokens."""
+        all but their last sampled token, and any tokens their grammar forced after it) by
+        those `pending()` tokens: rows `extend ++ decode`. The decode rows are short extends
+        on top of their KV, so one forward pass serves both and the weight reads of the
+        prefill carry the decode tokens."""
         for req in decode:
-            req.extend_len = 1
+            req.extend_len = req.pending()
         return self.build_extend([*extend, *decode])
 
     def build_decode(self, reqs: list[Req]) -> ForwardBatch:
-        """One new token per request: the last sampled one, at position `kv_len`."""
+        """One new token per request: the last sampled one, at position `kv_len`. When a
+        grammar forced tokens after it (`pending()` > 1), the step is an extend of every row's
+        pending tokens instead (rows of one token still attend as decode rows there)."""
+        if any(r.pending() != 1 for r in reqs):
+            for req in reqs:
+                req.extend_len = req.pending()
+            return self.build_extend(reqs)
         self.scored = []
         for req in reqs:
             req.extend_len = 1

@@ -20,19 +20,56 @@ from radixrt.sched.req import Req
 # (fewer detokenizer and front-end wake-ups); not only at the end, so the detokenizer's work
 # and the caller's usage counts advance with it.
 HELD_INTERVAL = 32
+# A grammar's forced run after a sampled token is fast-forwarded when it has at least this
+# many tokens per row of the step (`OutputProcessor.fast_forward`).
+MID_RUN_PER_ROW = 2
 
 
 class OutputProcessor:
-    """`stream_interval`: tokens a streamed request gathers between outs (`due`)."""
+    """`stream_interval`: tokens a streamed request gathers between outs (`due`).
+    `fast_forward`: append the tokens a request's grammar forces (`fast_forward`)."""
 
     def __init__(self, kv: KVOwner, eos_token_ids: tuple[int, ...], max_context_len: int,
-                 stream_interval: int = 1):
+                 stream_interval: int = 1, fast_forward: bool = True):
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.kv = kv
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_context_len = max_context_len
         self.stream_interval = stream_interval
+        self.fast_forward_on = fast_forward
+        self.forced_tokens = 0  # tokens appended by fast_forward (monotonic)
+
+    def fast_forward(self, req: Req, min_tokens: int = 1) -> int:
+        """Append the tokens `req`'s grammar forces from here, if at least `min_tokens` (its
+        matcher accepts them, the usual finish rules apply to each); returns how many. They
+        have no KV yet: the next step computes them with the row's next token in one extend
+        (`Req.pending()` > 1, `BatchBuilder`), instead of one decode step each. Not for
+        requests that report logprobs (a forced token has no sampled distribution) or score
+        their prompt.
+
+        Where: at admission (they join the prompt's prefill: free), and after a sampled token
+        when at least `MID_RUN_PER_ROW` x the step's rows are forced. A step with a row to
+        catch up runs as an extend, which cost about 2 more decode steps' time than a one-call
+        decode step at 4-8 rows here; forced tokens of one row save the batch ~k / rows steps
+        of throughput, so a run pays for that from ~2 tokens per row (bench/
+        grammar_fast_forward.py: every forced run fast-forwarded took 1.11x the time of none
+        at 4 rows and 1.08x at 8)."""
+        g = req.grammar
+        if (not self.fast_forward_on or g is None or req.finished or req.sampling.logprobs
+                or req.scoring is not None):
+            return 0
+        forced = g.forced_tokens()
+        if len(forced) < min_tokens:
+            return 0
+        n = 0
+        for token in forced:
+            self._append(req, token, None)
+            n += 1
+            if req.finished:
+                break
+        self.forced_tokens += n
+        return n
 
     def _append(self, req: Req, token: int, logprobs: TokenLogprobs | None) -> None:
         req.output_ids.append(token)
@@ -57,9 +94,12 @@ class OutputProcessor:
             req.finish_reason = FINISH_LENGTH
 
     def process_extend(self, reqs: list[Req], next_ids: list[int],
-                       logprobs: list[TokenLogprobs | None]) -> list[Req]:
+                       logprobs: list[TokenLogprobs | None],
+                       step_rows: int | None = None) -> list[Req]:
         """Requests whose whole sequence is now in KV sample a token; chunked ones do not and
-        are returned (mid-prefill, to continue next step)."""
+        are returned (mid-prefill, to continue next step). `step_rows`: the step's rows
+        (default: `reqs`), for `fast_forward`."""
+        rows = len(reqs) if step_rows is None else step_rows
         chunked = []
         for i, req in enumerate(reqs):
             self.kv.commit(req)
@@ -72,6 +112,7 @@ class OutputProcessor:
                     req.finish_reason = FINISH_LENGTH
                 else:
                     self._append(req, next_ids[i], logprobs[i])
+                    self.fast_forward(req, MID_RUN_PER_ROW * rows)
             else:
                 chunked.append(req)
             if not req.finished:
@@ -79,11 +120,14 @@ class OutputProcessor:
         return chunked
 
     def process_decode(self, reqs: list[Req], next_ids: list[int],
-                       logprobs: list[TokenLogprobs | None]) -> None:
+                       logprobs: list[TokenLogprobs | None],
+                       step_rows: int | None = None) -> None:
+        rows = len(reqs) if step_rows is None else step_rows
         for i, req in enumerate(reqs):
             self.kv.commit(req)
             if not req.finished:
                 self._append(req, next_ids[i], logprobs[i])
+                self.fast_forward(req, MID_RUN_PER_ROW * rows)
 
     def due(self, req: Req) -> bool:
         """Whether `req` has an out to send now. Always: when it finished (or failed), with its

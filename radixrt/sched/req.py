@@ -69,6 +69,11 @@ class Req:
     def seq_len(self) -> int:
         return len(self.origin_input_ids) + len(self.output_ids)
 
+    def pending(self) -> int:
+        """Tokens of `all_ids()` without KV: a decoding request's last sampled token (1), plus
+        the tokens its grammar forced after it (`OutputProcessor.fast_forward`)."""
+        return self.seq_len() - self.kv_len
+
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None

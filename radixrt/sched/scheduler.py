@@ -101,7 +101,8 @@ class Scheduler:
         self.eos_token_ids = tuple(cfg.eos_token_ids)
         self.max_context_len = runner.sizes.max_context_len
         self.outputs = OutputProcessor(self.kv, self.eos_token_ids, self.max_context_len,
-                                       args.stream_interval)
+                                       args.stream_interval,
+                                       not args.disable_grammar_fast_forward)
         self.sampler = Sampler(seed=args.random_seed)
         self.vocab_size = cfg.vocab_size
         self.grammars = GrammarCompiler(grammar_backend or self._default_grammar_backend)
@@ -172,6 +173,11 @@ class Scheduler:
             except Exception as e:  # GrammarError, or a backend that failed to build
                 req.finish_reason = FINISH_ABORT
                 req.error = f"grammar: {e}"
+                self._retire(req)
+                continue
+            # What the grammar forces at its start joins the prompt's prefill.
+            self.counters.generated_tokens += self.outputs.fast_forward(req)
+            if req.finished:  # the grammar alone filled the output (a const, a tiny budget)
                 self._retire(req)
                 continue
             self.waiting.append(req)
@@ -277,11 +283,11 @@ class Scheduler:
             return False
         if any(r.scoring is not None for r in (*extend, *self.running)):
             return False
-        need = sum(r.extend_len for r in extend) + len(self.running)
+        need = sum(r.extend_len for r in extend) + sum(r.pending() for r in self.running)
         return self.kv.room() >= need
 
     def _schedule_decode(self) -> list[Req]:
-        need = len(self.running)
+        need = sum(r.pending() for r in self.running)
         if self.kv.room() < need:
             self._retract(need)
         self.new_token_ratio = max(self.args.min_new_token_ratio,
@@ -289,15 +295,15 @@ class Scheduler:
         return list(self.running)
 
     def _retract(self, need: int) -> None:
-        """Send the newest running requests back to the waiting queue until `need` slots (one per
-        remaining request) can be had. Their KV goes to the tree, so re-admission hits it.
+        """Send the newest running requests back to the waiting queue until `need` slots (each
+        remaining request's `pending()` tokens) can be had. Their KV goes to the tree, so re-admission hits it.
         A mid-prefill `chunked_req` holds KV too: it goes back last, before the oldest request."""
         victims = sorted(self.running, key=lambda r: r.arrival_time)
         while victims and self.kv.room() < need:
             if len(victims) > 1:
                 req = victims.pop()
                 self.running.remove(req)
-                need -= 1
+                need -= req.pending()
             elif self.chunked_req is not None:
                 req, self.chunked_req = self.chunked_req, None  # else: no slot, ever (deadlock)
             else:
@@ -352,9 +358,10 @@ class Scheduler:
             self.outputs.process_decode(reqs, ids, lps)
         else:
             ext = reqs[:n_ext]
-            chunked = self.outputs.process_extend(ext, ids[:n_ext], lps[:n_ext])
+            chunked = self.outputs.process_extend(ext, ids[:n_ext], lps[:n_ext], len(reqs))
             if mode == "mixed":  # the rest are the running requests, in place
-                self.outputs.process_decode(reqs[n_ext:], ids[n_ext:], lps[n_ext:])
+                self.outputs.process_decode(reqs[n_ext:], ids[n_ext:], lps[n_ext:],
+                                            len(reqs))
                 self.mixed_totals["steps"] += 1
                 self.mixed_totals["decode_rows"] += len(reqs) - n_ext
             for req in ext:
@@ -446,6 +453,7 @@ class Scheduler:
             "num_waiting": len(self.waiting) + len(self.grammar_wait),
             "num_grammar_compiling": len(self.grammar_wait),
             "grammars_compiled_total": self.grammars.compiles,
+            "grammar_forced_tokens_total": self.outputs.forced_tokens,
             "max_total_tokens": self.kv_pool.size,
             "free_tokens": self.kv_pool.available_size(),
             "used_tokens": self.kv_pool.size - self.kv_pool.available_size(),
