@@ -296,8 +296,9 @@ class Scheduler:
 
     def _retract(self, need: int) -> None:
         """Send the newest running requests back to the waiting queue until `need` slots (each
-        remaining request's `pending()` tokens) can be had. Their KV goes to the tree, so re-admission hits it.
-        A mid-prefill `chunked_req` holds KV too: it goes back last, before the oldest request."""
+        remaining request's `pending()` tokens) can be had. Their KV goes to the tree, so
+        re-admission hits it. A mid-prefill `chunked_req` holds KV too: it goes back last,
+        before the oldest request."""
         victims = sorted(self.running, key=lambda r: r.arrival_time)
         while victims and self.kv.room() < need:
             if len(victims) > 1:
