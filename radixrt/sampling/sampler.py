@@ -3,8 +3,9 @@
 Pipeline per step (`Sampler.sample`):
   1. `apply_penalties`: repetition (HF, prompt + output), then frequency / presence (OpenAI,
      output only), then logit_bias (OpenAI: added per token id), then min_new_tokens bans
-     (EOS + stop_token_ids -> -inf), then grammar masks on constrained rows (tokens the grammar forbids -> -inf; where a ban would leave a
-     constrained row nothing, the grammar wins and the ban is dropped for that row).
+     (EOS + stop_token_ids -> -inf), then grammar masks on constrained rows (tokens the
+     grammar forbids -> -inf; where a ban would leave a constrained row nothing, the grammar
+     wins and the ban is dropped for that row).
   2. Greedy rows: argmax of the penalized logits.
   3. Sampled rows: `filter_logits` (temperature, then top-k, top-p over the top-k renormalized
      distribution, min-p relative to the max probability; masked tokens become -inf), then the
