@@ -560,3 +560,29 @@ def test_forced_tokens_run_in_one_extend_with_the_same_output(
     fast_mid = n_mid if n_mid >= 3 else 0  # 3 rows in the step: 2 forced are sampled
     assert on_forced == 9 + fast_mid and off_forced == 0  # only "g": "lp" reports logprobs
     assert on_steps <= off_steps - 8 - max(0, fast_mid - 1)  # each run in one extend
+
+
+def test_fast_forward_asks_the_grammar_only_where_a_run_could_pass(
+        make_sched: Callable[..., Scheduler], tok: Any) -> None:
+    """`OutputProcessor.fast_forward`: a rule above MAX_MID_RUN tokens does not call the
+    matcher at all (steps of many rows pay nothing); within it, a run shorter than the rule is
+    left to sampling, a long enough one is appended and accepted by the matcher."""
+    from radixrt.sched.output_processor import MAX_MID_RUN
+    from radixrt.sched.req import Req
+
+    calls = []
+
+    class Counting(SegmentMatcher):
+        def forced_tokens(self) -> list[int]:
+            calls.append(self.pos)
+            return super().forced_tokens()
+
+    sched = make_sched()
+    req = Req("x", [*SHARED, 1], constrained("regex", "seg"))
+    req.grammar = Counting([[5, 6, 7, 8], 3], 400, tok.eos_token_id)
+    out = sched.outputs
+    assert out.fast_forward(req, MAX_MID_RUN + 1) == 0 and calls == []
+    assert out.fast_forward(req, 5) == 0 and calls == [0] and req.output_ids == []
+    assert out.fast_forward(req, 4) == 4 and req.output_ids == [5, 6, 7, 8]
+    assert req.grammar.pos == 4 and out.forced_tokens == 4 and req.pending() == 4 + len(
+        req.origin_input_ids)
