@@ -586,3 +586,36 @@ def test_fast_forward_asks_the_grammar_only_where_a_run_could_pass(
     assert out.fast_forward(req, 4) == 4 and req.output_ids == [5, 6, 7, 8]
     assert req.grammar.pos == 4 and out.forced_tokens == 4 and req.pending() == 4 + len(
         req.origin_input_ids)
+
+
+def test_forced_runs_survive_retraction(make_sched: Callable[..., Scheduler], tok: Any) -> None:
+    """Fast-forwarded requests under a pool so small that they are retracted (some while
+    holding forced tokens without KV): the same greedy tokens as a roomy run with
+    fast-forward off, and every pool clean after."""
+    eos = tok.eos_token_id
+    segments: list[list[int] | int] = [[11, 12, 13, 14, 15, 16], 4, [40, 41, 42, 43, 44, 45,
+                                                                    46, 47], 5, [60, 61, 62], 3]
+    jobs = {f"r{i}": [*SHARED[: 10 + i], 30 + i] for i in range(4)}
+    pending_seen = []
+
+    def run(**kw: Any) -> tuple[dict[str, Any], Scheduler]:
+        sched = make_sched(grammar_backend=lambda: SegmentBackend(segments, 400, eos), **kw)
+        for rid, ids in jobs.items():
+            sched.handle(GenerateReq(rid, ids, constrained("regex", "seg")))
+        retract = sched._retract
+
+        def spy(need: int) -> None:
+            pending_seen.extend(r.pending() for r in sched.running)
+            retract(need)
+
+        sched._retract = spy  # type: ignore[method-assign]
+        return drive(sched), sched
+
+    ref, _ = run(disable_grammar_fast_forward=True)
+    res, sched = run(max_total_tokens=80, init_new_token_ratio=0.1, min_new_token_ratio=0.05)
+    assert sched.counters.retractions > 0 and sched.outputs.forced_tokens > 0
+    for rid in jobs:
+        assert res[rid][0] == ref[rid][0], rid
+        assert res[rid][1].finish_reason == FINISH_STOP
+    clean(sched)
+    assert any(p > 1 for p in pending_seen)  # retracted while holding forced tokens
