@@ -337,3 +337,32 @@ def test_langchain_bind_tools(server, choice):
         ToolMessage(tool_fn.invoke(call["args"]), tool_call_id=call["id"])])
     assert not reply.tool_calls and reply.response_metadata["finish_reason"] in ("stop",
                                                                                  "length")
+
+
+def test_engine_chat_renders_tools_through_the_template(tools_model_dir: Path,
+                                                         tiny_llama_dir: Path) -> None:
+    """`Engine.chat(..., tools=...)`: the template renders the tools (the prompt is the
+    template's with them, longer than without), greedy text equal to generating from those
+    ids; a template that does not take tools, or tools that are not a list of objects, is an
+    error naming `tools` (never a silent drop)."""
+    from radixrt import Engine, SamplingParams
+    from radixrt.core.errors import InvalidRequestError
+
+    sp = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
+    with Engine(model_path=str(tools_model_dir), num_threads=1, dtype="float32",
+                max_total_tokens=8192) as eng:
+        ids = eng.apply_chat_template(ASK, TOOLS)
+        assert len(ids) > len(eng.apply_chat_template(ASK)) + 20
+        out = eng.chat(ASK, sp, tools=TOOLS)
+        assert out.prompt_tokens == len(ids)
+        assert out.token_ids == eng.generate(input_ids=ids, sampling_params=sp).token_ids
+        many = eng.chat([ASK, ASK], sp, use_tqdm=False, tools=TOOLS)
+        assert [o.token_ids for o in many] == [out.token_ids] * 2
+        with pytest.raises(InvalidRequestError, match="tools"):
+            eng.chat(ASK, sp, tools={"name": "f"})  # type: ignore[arg-type]
+        eng.check_invariants()
+    with Engine(model_path=str(tiny_llama_dir), num_threads=1, dtype="float32",
+                max_total_tokens=2048) as plain:
+        with pytest.raises(InvalidRequestError, match="does not render tools") as ei:
+            plain.chat(ASK, sp, tools=TOOLS)
+        assert ei.value.field == "tools"

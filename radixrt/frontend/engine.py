@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from radixrt.config import ServerArgs
-from radixrt.core.errors import EngineDeadError, InvariantError
+from radixrt.core.errors import EngineDeadError, InvalidRequestError, InvariantError
 from radixrt.core.messages import CheckInvariantsReq, FlushCacheReq, ReqTextOut, StatsReq
 from radixrt.core.sampling_params import SamplingParams
 from radixrt.frontend.launcher import Launcher
@@ -167,12 +167,24 @@ class Engine:
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: ParamsLike | list[ParamsLike] = None, use_tqdm: bool = True,
+             tools: list[dict[str, Any]] | None = None,
              ) -> GenerateOutput | list[GenerateOutput]:
-        """One conversation (list of messages) or a list of conversations."""
+        """One conversation (list of messages) or a list of conversations. `tools` (OpenAI
+        function tools) are rendered by the chat template, which must take them (as vLLM's
+        `LLM.chat`); the output is the generated text: reading tool calls out of it (and
+        `tool_choice`) is the HTTP server's (`/v1/chat/completions`)."""
+        if tools is not None:
+            if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+                raise InvalidRequestError("tools", "must be a list of tool objects")
+            if tools and not self.template_takes_tools():
+                raise InvalidRequestError("tools", "this model's chat template does not render "
+                                                   "tools (serve it and use "
+                                                   "/v1/chat/completions, which also parses "
+                                                   "the calls)")
         if isinstance(messages, list) and messages and isinstance(messages[0], dict):
-            return self.generate(input_ids=[self.apply_chat_template(messages)],
+            return self.generate(input_ids=[self.apply_chat_template(messages, tools)],
                                  sampling_params=sampling_params)[0]  # type: ignore[index]
-        return self.generate(input_ids=[self.apply_chat_template(m) for m in messages],
+        return self.generate(input_ids=[self.apply_chat_template(m, tools) for m in messages],
                              sampling_params=sampling_params, use_tqdm=use_tqdm)
 
     async def generate_stream(self, prompt: str | None = None, sampling_params: ParamsLike = None,
