@@ -448,11 +448,17 @@ def test_metrics_parse_and_move(server):
         "radixrt:e2e_request_latency_seconds_count"] == 3
     assert after["radixrt:time_to_first_token_seconds_count"] >= 3
     assert after["radixrt:num_running_reqs"] == 0
+    c.completions.create(model="default", prompt="x", max_tokens=12, temperature=0,
+                         extra_body={"regex": "radixtree[0-9]{2}"})
+    grammar = scrape()
+    assert grammar["radixrt:grammars_compiled_total"] > after["radixrt:grammars_compiled_total"]
+    assert (grammar["radixrt:grammar_forced_tokens_total"]
+            > after["radixrt:grammar_forced_tokens_total"])  # "radixtree" is forced
     for k, v in after.items():  # counters never go down
         if k.endswith("_total"):
             assert v >= before.get(k, 0), k
     assert httpx.post(server.url + "/flush_cache", timeout=30).json() == {"success": True}
-    assert scrape()["radixrt:prompt_tokens_total"] == after["radixrt:prompt_tokens_total"]
+    assert scrape()["radixrt:prompt_tokens_total"] == grammar["radixrt:prompt_tokens_total"]
 
 
 def test_api_key_overload_and_dead_scheduler(tiny_llama_dir):

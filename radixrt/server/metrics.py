@@ -23,6 +23,11 @@ COUNTERS = {
     "retractions_total": ("retractions", "Running requests sent back to the queue for memory."),
     "evicted_tokens_total": ("evicted_tokens", "Cached tokens evicted from the radix tree."),
     "forward_steps_total": ("forward_steps", "Forward passes run."),
+    "grammars_compiled_total": ("grammars_compiled", "Distinct grammars compiled (structured "
+                                                     "outputs, tool calls)."),
+    "grammar_forced_tokens_total": ("grammar_forced_tokens",
+                                    "Tokens a grammar forced, appended without sampling "
+                                    "(fast-forward)."),
 }
 GAUGES = {
     "num_running": ("num_running_reqs", "Requests running (decoding or mid-prefill)."),
