@@ -16,6 +16,7 @@ ROUTING_POLICIES: tuple[str, ...] = ("cache_aware", "round_robin", "least_load")
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "int8")
 QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "gguf", "int8", "int4")
 QUANT_KERNELS: tuple[str, ...] = ("auto", "radixrt", "vnni", "torch")
+SPECULATIVE_ALGORITHMS: tuple[str, ...] = ("none", "ngram")
 
 
 def available_cores() -> int:
@@ -168,6 +169,20 @@ class ServerArgs:
                "under its mask, instead of appending the tokens the grammar forces (a JSON "
                "schema's keys and punctuation, a const) all at once and computing them in one "
                "forward pass the next step")
+    speculative_algorithm: str = _f(
+        "none", "none | ngram: draft tokens by prompt lookup (the longest recent n-gram of the "
+                "request's own prompt and output that ends like its text, and the tokens that "
+                "followed it), verified all at once in the next decode step; greedy requests "
+                "without penalties, bias, logprobs or grammar; the output is the same tokens "
+                "as without it")
+    speculative_num_draft_tokens: int = _f(4, "ngram: the most draft tokens per request and "
+                                              "step")
+    speculative_ngram_min: int = _f(2, "ngram: the shortest n-gram that may match")
+    speculative_ngram_max: int = _f(4, "ngram: the longest n-gram tried first")
+    speculative_max_rows: int = _f(8, "ngram: drafts only while the decode step stays within "
+                                      "this many rows (requests + draft tokens): above it a "
+                                      "step is compute-bound and a rejected draft costs what "
+                                      "an accepted one saves")
     stream_interval: int = _f(1, "a streamed request's outputs go out every this many tokens "
                                  "(the first at once, the last when it finishes): larger "
                                  "sends fewer, larger chunks, so less CPU per token goes to "
@@ -263,6 +278,18 @@ class ServerArgs:
             bad("attention_backend", f"must be auto|torch|flashinfer, got {self.attention_backend!r}")
         if self.prefill_step_target_ms < 0:
             bad("prefill_step_target_ms", f"must be >= 0, got {self.prefill_step_target_ms}")
+        if self.speculative_algorithm not in SPECULATIVE_ALGORITHMS:
+            bad("speculative_algorithm", f"must be one of {SPECULATIVE_ALGORITHMS}, got "
+                                         f"{self.speculative_algorithm!r}")
+        if not 1 <= self.speculative_num_draft_tokens <= 16:
+            bad("speculative_num_draft_tokens", f"must be in 1..16, got "
+                                                f"{self.speculative_num_draft_tokens}")
+        if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max <= 16:
+            bad("speculative_ngram_min", "need 1 <= speculative_ngram_min <= "
+                f"speculative_ngram_max <= 16, got {self.speculative_ngram_min} and "
+                f"{self.speculative_ngram_max}")
+        if self.speculative_max_rows < 2:
+            bad("speculative_max_rows", f"must be >= 2, got {self.speculative_max_rows}")
         if self.stream_interval < 1:
             bad("stream_interval", f"must be >= 1, got {self.stream_interval}")
         if self.decode_microbatch_rows < 0:

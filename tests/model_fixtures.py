@@ -241,3 +241,25 @@ class PagedRunner:
 
     def decode(self, rows: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
         return self._step(ForwardMode.DECODE, rows, [[t] for t in tokens])
+
+    def decode_rows(self, rows: Sequence[int], chunks: Sequence[Sequence[int]]) -> torch.Tensor:
+        """A decode step in which request `rows[i]` computes every token of `chunks[i]`: one
+        decode row per token, consecutive over the request's table row (as the scheduler's
+        `BatchBuilder.build_decode` lays out grammar-forced and draft tokens). Logits
+        `[num_tokens, vocab]`, one per token."""
+        ext = [len(c) for c in chunks]
+        loc = self.kv_pool.alloc(sum(ext))
+        assert loc is not None
+        prefix0 = [self.cached[r] for r in rows]
+        self.req_pool.write(list(rows), prefix0, ext, loc)
+        ids = [t for c in chunks for t in c]
+        flat_rows = [r for r, e in zip(rows, ext, strict=True) for _ in range(e)]
+        prefix = [p + i for p, e in zip(prefix0, ext, strict=True) for i in range(e)]
+        fb = ForwardBatch.build(ForwardMode.DECODE, ids, flat_rows, prefix, [1] * len(ids),
+                                self.req_pool.req_to_token)
+        assert self.model.attn_backend is not None
+        self.model.attn_backend.init_forward_metadata(fb)
+        logits = self.model(fb)
+        for r, e in zip(rows, ext, strict=True):
+            self.cached[r] += e
+        return logits

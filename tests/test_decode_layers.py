@@ -663,3 +663,91 @@ def test_team_errors_raise_and_do_not_hang(tmp_path: Path, two_threads: object) 
         call(True, [99999, 2])
     (h1, r1), (h2, r2) = call(True, [1, 2]), call(False, [1, 2])
     assert torch.equal(h1, h2) and torch.equal(r1, r2)
+
+
+# -- several tokens of one request in one decode step ---------------------------------------------
+def _multi_token_run(runner: PagedRunner, chunks: list[list[int]], prompts: list[list[int]]
+                     ) -> torch.Tensor:
+    """Each request's prompt as one extend, then one decode step computing `chunks[i]` for
+    request i (`PagedRunner.decode_rows`): that step's logits, one row per token."""
+    rows = [runner.new_request() for _ in prompts]
+    runner.extend(rows, prompts)
+    logits = runner.decode_rows(rows, chunks)
+    runner.kv_pool.check_invariants()
+    runner.req_pool.check_invariants()
+    return logits
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["one-call", "layer-loop"])
+def test_multi_token_decode_rows_equal_the_extend(tmp_path: Path, fused: bool) -> None:
+    """A decode step whose requests compute several tokens each (grammar-forced runs, draft
+    tokens), one row per token over the request's table row, gives each token the logits the
+    extend of the same tokens gives it (fp32, both paths through the layers; a request sharing
+    a cached prefix with another, so the plan groups their rows)."""
+    make_tiny_checkpoint(tmp_path / "hf", "llama", seed=5, num_hidden_layers=3)
+    g = torch.Generator().manual_seed(1)
+    head = torch.randint(3, 256, (40,), generator=g).tolist()
+    prompts = [head + [7, 8], torch.randint(3, 256, (9,), generator=g).tolist(), head + [9]]
+    chunks = [[11, 12, 13, 14], [21], [31, 32]]
+    out = {}
+    for how in ("decode_rows", "extend"):
+        runner = PagedRunner.create(tmp_path / "hf", dtype=torch.float32)
+        runner.model.fused_decode = fused
+        rows = [runner.new_request() for _ in prompts]
+        runner.extend(rows, prompts)
+        if how == "decode_rows":
+            out[how] = runner.decode_rows(rows, chunks)
+        else:
+            out[how] = runner.extend(rows, chunks, all_positions=True)
+        runner.kv_pool.check_invariants()
+    assert out["decode_rows"].shape == (7, out["extend"].shape[1])
+    torch.testing.assert_close(out["decode_rows"], out["extend"], atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("attention_thresholds", ["split-all"], indirect=True)
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8], ids=["bf16-kv", "int8-kv"])
+def test_team_and_micro_batches_keep_dependent_rows_apart(
+        tmp_path: Path, two_threads: object, attention_thresholds: object,
+        kv_dtype: torch.dtype | None) -> None:
+    """Rows of one request read the K/V its earlier rows store in the same layer. A team whose
+    members keep their rows through kv_store and the attention (no groups, work split by rows)
+    would read them before they are stored where a request's rows straddle the members, and a
+    micro-batch boundary inside a request would too: the step's logits must be bitwise those of
+    a parallel region per op, the team's micro-batches split only between requests (and not at
+    all when one request holds every row)."""
+    from radixrt.attention.paged_decode import paged_decode_i8_unavailable_reason
+
+    if kv_dtype is torch.int8 and paged_decode_i8_unavailable_reason():
+        pytest.skip(str(paged_decode_i8_unavailable_reason()))
+    path, plan = _tiny_vnni_gguf(tmp_path, 13, "Q4_0")
+    g = torch.Generator().manual_seed(4)
+    # Rows A0 A1 A2 B0 attend over 21, 22, 23 and 20 keys: the members' halves by rows (A0 A1 |
+    # A2 B0) are their halves by attention work, so a team would keep its rows through the
+    # attention, and A2 on the second member reads the K/V of A1, stored by the first.
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (20, 19)]
+    layouts = {
+        "straddling": ([[5, 6, 7], [9]], prompts),  # a split at 2 rows would be inside A
+        "one-request": ([[5, 6, 7, 8, 9]], prompts[:1]),
+    }
+    for name, (chunks, reqs) in layouts.items():
+        runs, splits = {}, {}
+        for team, far in ((False, 0), (True, 0), (True, 1)):
+            config = ModelConfig.from_path(path)
+            model, _ = load_model(path, None, torch.bfloat16, "cpu", model_config=config,
+                                  quant=plan)
+            runner = PagedRunner.for_model(model, kv_size=4096, max_context=512,
+                                           kv_dtype=kv_dtype)
+            runner.model.decode_team = team
+            runner.model.decode_microbatch_rows = 1 << 30
+            stack = runner.model.decode_layers()
+            assert isinstance(stack, DecodeLayers) and stack.team_capable
+            stack.team_far_split = far
+            before = torch.ops.radixrt.decode_team_microbatch_steps()
+            runs[team, far] = _multi_token_run(runner, chunks, reqs)
+            splits[team, far] = torch.ops.radixrt.decode_team_microbatch_steps() - before
+        # far_split 1 splits the straddling rows between the requests (at row 3), never inside
+        # the one request's rows
+        assert splits[True, 1] == (1 if name == "straddling" else 0), name
+        for key in ((True, 0), (True, 1)):
+            a, b = runs[key], runs[False, 0]
+            assert torch.equal(a, b), f"{name} {key}: max diff {(a - b).abs().max()}"

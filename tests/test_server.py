@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -182,6 +183,45 @@ def test_stream_interval_through_the_openai_sdk(tiny_llama_dir, engine):
             got = [r] if not stream else [ch for ch in r if ch.choices]
             assert "".join(ch.choices[0].text for ch in got) == cut
             assert got[-1].choices[0].finish_reason == "stop"
+        srv.assert_clean()
+    finally:
+        stop_server(srv)
+
+
+def test_speculative_ngram_through_the_openai_sdk(tiny_llama_dir, engine):
+    """`radixrt serve --speculative-algorithm ngram`, driven by the openai SDK: greedy text
+    (completions and chat, streamed and not, a stop string) equals the Engine's without
+    speculation while drafts were accepted (the tiny model repeats itself); a sampled request
+    beside it still runs; /metrics counts drafts and accepted ones."""
+    srv = start_server(str(tiny_llama_dir), "--speculative-algorithm", "ngram")
+    try:
+        c = srv.client()
+        prompt = "one two three one two three one two"
+        kw = dict(model="default", prompt=prompt, max_tokens=40, temperature=0,
+                  extra_body={"ignore_eos": True})
+        ref = engine.generate(prompt, SamplingParams(max_new_tokens=40, temperature=0,
+                                                     ignore_eos=True))
+        assert c.completions.create(**kw).choices[0].text == ref.text
+        chunks = list(c.completions.create(**kw, stream=True))
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == ref.text
+        stop = ref.text[10:14]
+        r = c.completions.create(**kw, stop=[stop])
+        assert r.choices[0].text == ref.text[: ref.text.index(stop)]
+        assert r.choices[0].finish_reason == "stop"
+        msgs = [{"role": "user", "content": prompt}]
+        ref_chat = engine.chat(msgs, SamplingParams(max_new_tokens=30, temperature=0))
+        got = c.chat.completions.create(model="default", messages=msgs, max_tokens=30,
+                                        temperature=0)
+        assert got.choices[0].message.content == ref_chat.text
+        sampled = c.completions.create(model="default", prompt=prompt, max_tokens=12,
+                                       temperature=0.8, seed=3, extra_body={"ignore_eos": True})
+        assert sampled.usage.completion_tokens == 12
+        stats = srv.get("/debug/stats").json()
+        assert 0 < stats["spec_accepted_tokens_total"] <= stats["spec_draft_tokens_total"]
+        metrics = srv.get("/metrics").text
+        m = re.search(r"^radixrt:spec_decode_num_accepted_tokens_total ([0-9.e+]+)$", metrics,
+                      re.M)
+        assert m and float(m.group(1)) == stats["spec_accepted_tokens_total"]
         srv.assert_clean()
     finally:
         stop_server(srv)

@@ -294,16 +294,19 @@ class Engine:
 
 
 # Stats that are not sums over replicas.
-_RATIOS = ("cache_hit_rate", "token_usage", "new_token_ratio")
+_RATIOS = ("cache_hit_rate", "token_usage", "new_token_ratio", "spec_accept_rate")
+# Per-replica figures that do not add up (kept only under `replicas`).
+_PER_REPLICA = ("spec_step_ms", "spec_row_ms")
 
 
 def merge_stats(per: list[dict[str, Any]]) -> dict[str, Any]:
     """One stats dict for several replicas: counters and sizes summed, step times summed per
     phase, ratios recomputed from the sums (`new_token_ratio`: the mean); `replicas` keeps each
-    replica's own (and alone what does not add up: `decode_paths`)."""
+    replica's own (and alone what does not add up: `decode_paths`, the speculative cost
+    model's fit)."""
     out: dict[str, Any] = {}
     for key, value in per[0].items():
-        if key in _RATIOS:
+        if key in _RATIOS or key in _PER_REPLICA:
             continue
         if isinstance(value, dict):
             if all(isinstance(v, int | float) for v in value.values()):
@@ -315,5 +318,8 @@ def merge_stats(per: list[dict[str, Any]]) -> dict[str, Any]:
     size = out.get("max_total_tokens", 0)
     out["token_usage"] = out.get("used_tokens", 0) / size if size else 0.0
     out["new_token_ratio"] = sum(p.get("new_token_ratio", 0.0) for p in per) / len(per)
+    if "spec_draft_tokens_total" in out:
+        drafted = out["spec_draft_tokens_total"]
+        out["spec_accept_rate"] = out["spec_accepted_tokens_total"] / drafted if drafted else 0.0
     out["replicas"] = per
     return out

@@ -22,9 +22,13 @@ class BatchBuilder:
         # The last batch's prompt-scoring rows, in `score_rows` order: (request's scoring
         # state, prompt position).
         self.scored: list[tuple[PromptScoring, int]] = []
+        # The last decode batch's sampled row per request when some request has several rows
+        # (`build_decode`), else None (row i is request i).
+        self.sample_rows: list[int] | None = None
 
     def build_extend(self, reqs: list[Req]) -> ForwardBatch:
         """Each req computes `all_ids()[kv_len : kv_len + extend_len]` on top of its KV."""
+        self.sample_rows = None
         for req in reqs:
             if not self.kv.take_row(req):
                 raise RuntimeError("no free request row (admission budget violated)")
@@ -61,24 +65,43 @@ class BatchBuilder:
         on top of their KV, so one forward pass serves both and the weight reads of the
         prefill carry the decode tokens."""
         for req in decode:
+            if req.draft_ids:
+                raise ValueError(f"{req.rid}: draft tokens ride only in decode steps")
             req.extend_len = req.pending()
         return self.build_extend([*extend, *decode])
 
     def build_decode(self, reqs: list[Req]) -> ForwardBatch:
-        """One new token per request: the last sampled one, at position `kv_len`. When a
-        grammar forced tokens after it (`pending()` > 1), the step is an extend of every row's
-        pending tokens instead (rows of one token still attend as decode rows there)."""
-        if any(r.pending() != 1 for r in reqs):
-            for req in reqs:
-                req.extend_len = req.pending()
-            return self.build_extend(reqs)
+        """Each request computes its `pending()` tokens (its last sampled one, plus any its
+        grammar forced after it) and its `draft_ids`: one decode row per token, the rows of a
+        request consecutive over its one request-to-token row, each at its own position and
+        attending to every token before it (those of the rows before it included: the step
+        stores every row's K/V before any row attends). A batch of one token per request is
+        the plain decode batch. `sample_rows` is then None, else each request's row of its last
+        pending token, in request order: the request samples that row's logits, and a request
+        with drafts reads the argmax of that row and of each draft's row after it."""
         self.scored = []
+        lens = [r.pending() + len(r.draft_ids) for r in reqs]
+        for req, n in zip(reqs, lens, strict=True):
+            req.extend_len = n
+        self.kv.start_step(reqs, lens)
+        table = self.kv.req_pool.req_to_token
+        if all(n == 1 for n in lens):
+            self.sample_rows = None
+            return ForwardBatch.build(
+                ForwardMode.DECODE, [r.output_ids[-1] for r in reqs],
+                [r.req_pool_idx for r in reqs],  # type: ignore[misc]
+                [r.kv_len for r in reqs], [1] * len(reqs), table, self.device,
+            )
+        ids: list[int] = []
+        rows: list[int] = []
+        prefix: list[int] = []
+        self.sample_rows = []
         for req in reqs:
-            req.extend_len = 1
-        self.kv.start_step(reqs, [1] * len(reqs))
-        return ForwardBatch.build(
-            ForwardMode.DECODE, [r.output_ids[-1] for r in reqs],
-            [r.req_pool_idx for r in reqs],  # type: ignore[misc]
-            [r.kv_len for r in reqs], [1] * len(reqs),
-            self.kv.req_pool.req_to_token, self.device,
-        )
+            pending = req.pending()
+            self.sample_rows.append(len(ids) + pending - 1)
+            toks = [*req.output_ids[len(req.output_ids) - pending :], *req.draft_ids]
+            ids.extend(toks)
+            rows.extend([req.req_pool_idx] * len(toks))  # type: ignore[list-item]
+            prefix.extend(range(req.kv_len, req.kv_len + len(toks)))
+        return ForwardBatch.build(ForwardMode.DECODE, ids, rows, prefix, [1] * len(ids), table,
+                                  self.device)

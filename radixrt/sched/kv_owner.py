@@ -8,6 +8,7 @@ the prefix cache, and a live request's private tail. Every move happens here:
     start_step     allocate a step's slots (evicting if needed), write them into the rows;
                    until `commit`, nobody owns them (they are "in flight", tracked here)
     commit         a forward pass computed them: the request's `kv_len` covers them now
+                   (rejected draft tokens' slots go back to the free list)
     cache_unfinished
                    a running request gives its computed KV to the cache: insert, re-point the
                    row at the cache's copies BEFORE freeing the duplicates, move the lock down
@@ -118,14 +119,26 @@ class KVOwner:
             start += n
         self._invariant = invariant
 
-    def commit(self, req: Req) -> None:
-        """The step's forward pass computed `req`'s in-flight tokens: they are its KV now."""
+    def commit(self, req: Req, drop: int = 0) -> None:
+        """The step's forward pass computed `req`'s in-flight tokens: they are its KV now,
+        except the last `drop` (draft tokens verification rejected), whose slots go back to
+        the free list (nobody else ever pointed at them)."""
         entry = self._in_flight.pop(id(req), None)
         if entry is None:
             raise InvariantError(f"{req.rid}: commit without a step in flight")
+        slots = entry[1]
+        n = int(slots.numel())
+        if not 0 <= drop <= n:
+            raise InvariantError(f"{req.rid}: cannot drop {drop} of {n} in-flight slots")
+        if drop:
+            self.kv_pool.free(slots[n - drop :])
+            n -= drop
         if self._invariant and req.exact_len == req.kv_len:
-            req.exact_len += int(entry[1].numel())
-        req.kv_len += int(entry[1].numel())
+            req.exact_len += n
+        req.kv_len += n
+        if req.kv_len > req.seq_len():
+            raise InvariantError(f"{req.rid}: {req.kv_len} KV tokens for a sequence of "
+                                 f"{req.seq_len()}")
 
     def abort_step(self) -> int:
         """Free the in-flight slots of every request whose step was not committed."""

@@ -47,18 +47,19 @@ class OutputProcessor:
     def fast_forward(self, req: Req, min_tokens: int = 1) -> int:
         """Append the tokens `req`'s grammar forces from here, if at least `min_tokens` (its
         matcher accepts them, the usual finish rules apply to each); returns how many. They
-        have no KV yet: the next step computes them with the row's next token in one extend
-        (`Req.pending()` > 1, `BatchBuilder`), instead of one decode step each. Not for
-        requests that report logprobs (a forced token has no sampled distribution) or score
-        their prompt.
+        have no KV yet: the next step computes them with the row's next token (`Req.pending()`
+        > 1: one decode row each in a decode step, `BatchBuilder.build_decode`; a short extend
+        row in a mixed step), instead of one decode step each. Not for requests that report
+        logprobs (a forced token has no sampled distribution) or score their prompt.
 
         Where: at admission (they join the prompt's prefill: free), and after a sampled token
-        when at least `MID_RUN_PER_ROW` x the step's rows are forced. A step with a row to
-        catch up runs as an extend, which cost about 2 more decode steps' time than a one-call
-        decode step at 4-8 rows here; forced tokens of one row save the batch ~k / rows steps
-        of throughput, so a run pays for that from ~2 tokens per row (bench/
-        grammar_fast_forward.py: every forced run fast-forwarded took 1.11x the time of none
-        at 4 rows and 1.09x at 8)."""
+        when at least `MID_RUN_PER_ROW` x the step's rows are forced. Set when a step with a
+        row to catch up ran as an extend (about 2 decode steps' time more at 4-8 rows: every
+        forced run fast-forwarded took 1.11x the time of none at 4 rows, 1.09x at 8). Since
+        the catch-up rows ride the decode step, every run fast-forwarded measured 1.05 / 1.05 /
+        1.02x faster than none at 1 / 4 / 8 rows against this rule's 1.07 / 1.01 / 1.03x
+        (bench/grammar_fast_forward.py, 3 rounds; within the host's noise), so the rule
+        stayed."""
         g = req.grammar
         if (not self.fast_forward_on or g is None or req.finished or req.sampling.logprobs
                 or req.scoring is not None or min_tokens > MAX_MID_RUN):
@@ -125,13 +126,32 @@ class OutputProcessor:
 
     def process_decode(self, reqs: list[Req], next_ids: list[int],
                        logprobs: list[TokenLogprobs | None],
-                       step_rows: int | None = None) -> None:
+                       step_rows: int | None = None,
+                       verified: list[list[int] | None] | None = None) -> None:
+        """`verified[i]`: for a request that had `draft_ids`, the tokens verification accepted
+        (`NgramSpeculator.accept`: accepted drafts, then the step's own token); they are
+        appended in order under the usual finish rules, and the KV of drafts not appended is
+        dropped. Every request's drafts are cleared."""
         rows = len(reqs) if step_rows is None else step_rows
         for i, req in enumerate(reqs):
-            self.kv.commit(req)
-            if not req.finished:
-                self._append(req, next_ids[i], logprobs[i])
-                self.fast_forward(req, MID_RUN_PER_ROW * rows)
+            drafts = len(req.draft_ids)
+            req.draft_ids = []
+            accepted = verified[i] if verified is not None else None
+            if accepted is None or req.finished:
+                self.kv.commit(req, drop=drafts)
+                if not req.finished:
+                    self._append(req, next_ids[i], logprobs[i])
+                    self.fast_forward(req, MID_RUN_PER_ROW * rows)
+                continue
+            # Drafts first (each may finish the request), then the bonus token; KV is kept for
+            # the pending tokens and the drafts appended.
+            appended = 0
+            for token in accepted:
+                self._append(req, token, None)
+                appended += 1
+                if req.finished:
+                    break
+            self.kv.commit(req, drop=drafts - min(appended, len(accepted) - 1))
 
     def due(self, req: Req) -> bool:
         """Whether `req` has an out to send now. Always: when it finished (or failed), with its

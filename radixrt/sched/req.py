@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -14,6 +14,12 @@ from radixrt.grammar.base import GrammarMatcher
 from radixrt.sched.prompt_scores import PromptScoring
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+class NgramIndexLike(Protocol):
+    """What a request keeps for its drafts (`radixrt.sched.speculative.NgramIndex`)."""
+
+    def propose(self, ids: list[int], k: int) -> list[int]: ...
 
 
 class Req:
@@ -62,6 +68,14 @@ class Req:
         # retraction, dropped when the request finishes).
         self.grammar_future: Future | None = None
         self.grammar: GrammarMatcher | None = None
+        # Speculative decoding (`radixrt.sched.speculative`): tokens proposed to follow
+        # `all_ids()`, computed with the pending ones in the next decode step and kept only as
+        # far as verification accepts them (never in `output_ids` before that); the request's
+        # n-gram index and its drafts' decayed accepted / rejected counts.
+        self.draft_ids: list[int] = []
+        self.ngram: NgramIndexLike | None = None
+        self.spec_acc = 0.0
+        self.spec_rej = 0.0
 
     def all_ids(self) -> list[int]:
         return self.origin_input_ids + self.output_ids

@@ -41,7 +41,7 @@ from radixrt.mem.radix_cache import RadixCache
 from radixrt.model.runner import ModelRunner
 from radixrt.model.tokenizer import load_tokenizer
 from radixrt.sampling.batch_info import SamplingBatchInfo
-from radixrt.sampling.sampler import Sampler
+from radixrt.sampling.sampler import Sampler, row_argmax
 from radixrt.sched.batch import BatchBuilder
 from radixrt.sched.kv_owner import KVOwner
 from radixrt.sched.output_processor import OutputProcessor
@@ -53,6 +53,7 @@ from radixrt.sched.schedule_policy import (
     SchedulePolicy,
     decode_estimate,
 )
+from radixrt.sched.speculative import NgramSpeculator
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +105,11 @@ class Scheduler:
                                        args.stream_interval,
                                        not args.disable_grammar_fast_forward)
         self.sampler = Sampler(seed=args.random_seed)
+        self.speculator: NgramSpeculator | None = None
+        if args.speculative_algorithm == "ngram":
+            self.speculator = NgramSpeculator(
+                args.speculative_num_draft_tokens, args.speculative_ngram_min,
+                args.speculative_ngram_max, args.speculative_max_rows, self.max_context_len)
         self.vocab_size = cfg.vocab_size
         self.grammars = GrammarCompiler(grammar_backend or self._default_grammar_backend)
         self.waiting: list[Req] = []
@@ -287,6 +293,13 @@ class Scheduler:
         return self.kv.room() >= need
 
     def _schedule_decode(self) -> list[Req]:
+        """The running requests, after retraction if the pool cannot hold their pending tokens;
+        with speculation on, each with its drafts (dropped when the pool cannot hold them)."""
+        if self.speculator is not None:
+            self.speculator.propose(self.running)
+            if self.kv.room() < sum(r.pending() + len(r.draft_ids) for r in self.running):
+                for req in self.running:
+                    req.draft_ids = []
         need = sum(r.pending() for r in self.running)
         if self.kv.room() < need:
             self._retract(need)
@@ -310,6 +323,7 @@ class Scheduler:
             else:
                 break  # the oldest request alone always fits: the pool holds a whole context
             self.kv.release(req)
+            req.draft_ids = []
             req.num_retractions += 1
             self.counters.retractions += 1
             self.waiting.insert(0, req)
@@ -351,12 +365,22 @@ class Scheduler:
         else:
             logits = self.runner.forward(fb)
         t2 = time.perf_counter()
+        verified = None
+        if mode == "decode" and self.builder.sample_rows is not None:
+            # Requests with several rows: each samples its last pending token's row; those with
+            # drafts also read the argmax of that row and of their drafts' rows.
+            verified = self._verify(reqs, self.builder.sample_rows, logits, greedy_ids)
+            rows_t = torch.tensor(self.builder.sample_rows, dtype=torch.int64,
+                                  device=logits.device)
+            logits = logits.index_select(0, rows_t)
+            if greedy_ids is not None:
+                greedy_ids = greedy_ids.index_select(0, rows_t.to(greedy_ids.device))
         sample = self.sampler.sample(logits, info, greedy_ids)
         t3 = time.perf_counter()
         before = sum(len(r.output_ids) for r in reqs)
         ids, lps = sample.next_token_ids, sample.logprobs
         if mode == "decode":
-            self.outputs.process_decode(reqs, ids, lps)
+            self.outputs.process_decode(reqs, ids, lps, verified=verified)
         else:
             ext = reqs[:n_ext]
             chunked = self.outputs.process_extend(ext, ids[:n_ext], lps[:n_ext], len(reqs))
@@ -392,9 +416,29 @@ class Scheduler:
                          fb.num_tokens - n_dec, sum(fb.prefix_lens_cpu[:n_pre]), n_dec,
                          len(self.waiting), (t4 - t0) * 1e3, (t2 - ti) * 1e3, self.pacer.cap())
         if mode == "decode":
+            if self.speculator is not None:
+                self.speculator.observe_step(fb.batch_size, t4 - t0)
             self.decode_totals["steps"] += 1
             self.decode_totals["rows"] += len(reqs)
             self.decode_totals["time_s"] += t4 - t0
+
+    def _verify(self, reqs: list[Req], sample_rows: list[int], logits: torch.Tensor,
+                greedy_ids: torch.Tensor | None) -> list[list[int] | None] | None:
+        """Per request, the tokens its drafts earn this step (`NgramSpeculator.accept`), None
+        for requests without drafts; None when no request has any. The argmax of a draft
+        request's rows is the LM head's where it picked it, else `row_argmax` of its logits
+        (the sampler's greedy pick, bitwise)."""
+        if self.speculator is None or not any(r.draft_ids for r in reqs):
+            return None
+        out: list[list[int] | None] = []
+        for req, row in zip(reqs, sample_rows, strict=True):
+            if not req.draft_ids:
+                out.append(None)
+                continue
+            end = row + len(req.draft_ids) + 1
+            ids = greedy_ids[row:end] if greedy_ids is not None else row_argmax(logits[row:end])
+            out.append(self.speculator.accept(req, ids.tolist()))
+        return out
 
     def _grammar_masks(self, reqs: list[Req]) -> tuple[list[int], torch.Tensor] | None:
         """(constrained rows, their token bitmask) for this step, None if no row is. Rows of
@@ -470,6 +514,7 @@ class Scheduler:
             # Per range of decode rows, the path the decode-path tuner took and why (empty
             # when it is off: `DecodePathTuner.describe`).
             "decode_paths": tuner.describe() if tuner is not None else {},
+            **(self.speculator.stats() if self.speculator is not None else {}),
         }
 
     def answer(self, msg: object, replica: int = 0) -> list[object]:

@@ -29,6 +29,13 @@ COUNTERS = {
                                     "Tokens a grammar forced, appended without sampling "
                                     "(fast-forward)."),
 }
+# Speculative decoding's counters (`--speculative-algorithm`): 0 while it is off.
+SPEC_COUNTERS = {
+    "spec_draft_tokens_total": ("spec_decode_num_draft_tokens",
+                                "Draft tokens proposed and verified (speculative decoding)."),
+    "spec_accepted_tokens_total": ("spec_decode_num_accepted_tokens",
+                                   "Draft tokens verification accepted (each saved a step)."),
+}
 GAUGES = {
     "num_running": ("num_running_reqs", "Requests running (decoding or mid-prefill)."),
     "num_waiting": ("num_queue_reqs", "Requests waiting to be scheduled."),
@@ -55,6 +62,10 @@ class SchedulerCollector:
         for key, (name, doc) in COUNTERS.items():
             c = CounterMetricFamily(PREFIX + name, doc)
             c.add_metric([], float(s[key]))
+            yield c
+        for key, (name, doc) in SPEC_COUNTERS.items():
+            c = CounterMetricFamily(PREFIX + name, doc)
+            c.add_metric([], float(s.get(key, 0)))
             yield c
         for key, (name, doc) in GAUGES.items():
             g = GaugeMetricFamily(PREFIX + name, doc)

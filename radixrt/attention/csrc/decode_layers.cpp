@@ -66,6 +66,7 @@
 #include "team.h"
 #include "work_queue.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <limits>
@@ -202,6 +203,9 @@ Tensor run_linear(const Ops& ops, const Tensor& x, const OptTensors& w, c10::Int
 // The paged plan of one micro-batch: its rows' own keys and the shared-prefix groups it reads.
 struct Plan {
   Tensor kv_indices, row_start, row_len, group_start, group_len, group_row_ptr, group_rows;
+  // Some row attends to a slot another row of the step stores (`step_dependencies`): the
+  // attention then waits for every row's kv_store (no member keeps its rows through it).
+  bool rows_depend = false;
 
   // Rows [r0, r1) of this plan, numbered from 0: each group keeps the rows it has there (a
   // group with none is dropped). kv_indices is shared.
@@ -230,9 +234,46 @@ struct Plan {
     };
     return {kv_indices, row_start.slice(0, r0, r1).contiguous(),
             row_len.slice(0, r0, r1).contiguous(), ints(starts), ints(lens), ints(ptrs),
-            ints(members)};
+            ints(members), rows_depend};
   }
 };
+
+// dep[b]: row b's keys end with the slot row b - 1 stores this step (`loc[b - 1]`) before its
+// own. That is how a request computing several tokens in one decode step looks (ForwardBatch:
+// consecutive rows over one request-to-token row, row i attending to the tokens of rows
+// before it): row b reads K/V that another row stores in the same layer, so the two must not
+// be split between threads that do not meet between kv_store and the attention.
+std::vector<uint8_t> step_dependencies(const Plan& plan, const Tensor& loc) {
+  const int64_t n = loc.numel();
+  std::vector<uint8_t> dep(static_cast<size_t>(std::max<int64_t>(n, 0)), 0);
+  if (n < 2) return dep;
+  const Tensor rs = plan.row_start.contiguous(), rl = plan.row_len.contiguous();
+  const Tensor kv = plan.kv_indices.contiguous();
+  const Tensor lc = loc.to(at::kLong).contiguous();
+  const int64_t* start = rs.data_ptr<int64_t>();
+  const int64_t* len = rl.data_ptr<int64_t>();
+  const int32_t* keys = kv.data_ptr<int32_t>();
+  const int64_t* slot = lc.data_ptr<int64_t>();
+  const int64_t total = kv.numel();
+  for (int64_t b = 1; b < n; ++b) {
+    const int64_t at_ = start[b] + len[b] - 2;
+    if (len[b] >= 2 && at_ >= 0 && at_ < total && keys[at_] == slot[b - 1]) dep[b] = 1;
+  }
+  return dep;
+}
+
+// The micro-batch boundary nearest `want` (in [1, n)) that no dependency crosses (`dep`), or 0
+// when every boundary does.
+int64_t independent_split(const std::vector<uint8_t>& dep, int64_t want) {
+  const int64_t n = static_cast<int64_t>(dep.size());
+  if (want <= 0) return 0;
+  for (int64_t d = 0; d < n; ++d) {
+    for (const int64_t b : {want - d, want + d}) {
+      if (b >= 1 && b < n && !dep[static_cast<size_t>(b)]) return b;
+    }
+  }
+  return 0;
+}
 
 // Arguments shared by every layer of the step.
 struct Stack {
@@ -316,7 +357,7 @@ std::tuple<Tensor, Tensor> run_layers(const Stack& st, const Tensor& h0, const T
   RADIXRT_TEAM_PHASE(0);
   TeamMember* member = team_member();
   const bool attn_keeps_rows =
-      member != nullptr &&
+      member != nullptr && !plan.rows_depend &&
       attention_keeps_rows(*member, plan, n, st.num_kv_heads, st.num_heads / st.num_kv_heads,
                            int8_pool || h0.scalar_type() == st.k_buffers[0].scalar_type());
   // Before each RMSNorm and the matmul after it: where the team runs them whole on every member
@@ -534,15 +575,17 @@ bool team_splits(int64_t far_split, int64_t size, int64_t n, TeamMember::Placeme
 // work among the team; the result is bitwise the per-op-region pass (each op computes each
 // output as it does there). Returns copies (the next step reuses the arena). A team of two
 // whose probe finds its threads far apart (team_splits) runs the step as two micro-batches
-// instead, one per member, outside the team (bitwise alike too).
+// instead, one per member, outside the team (bitwise alike too), split at `micro_split` (0:
+// no boundary is free of dependencies, run_stack: never split).
 std::tuple<Tensor, Tensor> run_team(const Stack& st, const Tensor& h0, const Tensor& loc,
-                                    const Plan& plan, int64_t norms_whole, int64_t far_split) {
+                                    const Plan& plan, int64_t norms_whole, int64_t far_split,
+                                    int64_t micro_split) {
   const int64_t n = h0.size(0), threads = at::get_num_threads();
   const int64_t bytes = team_layer_bytes(st, n, h0.size(1), h0.element_size());
   const int64_t half = (bytes + 63) & ~int64_t{63};
   Team team(threads, half, team_arena(Team::arena_size(threads, half)));
   std::tuple<Tensor, Tensor> out;
-  MicroBatches micro(st, h0, loc, plan, n / 2);
+  MicroBatches micro(st, h0, loc, plan, micro_split > 0 ? micro_split : n / 2);
   std::atomic<bool> split{false};
   const at::ThreadLocalState tls;  // the caller's (inference mode, dispatch keys) on each thread
   at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
@@ -552,7 +595,7 @@ std::tuple<Tensor, Tensor> run_team(const Stack& st, const Tensor& h0, const Ten
       const bool probe = norms_whole < 0 || far_split < 0;
       const TeamMember::Placement placement =
           probe ? member.probe_placement() : TeamMember::kNear;
-      if (team_splits(far_split, member.size, n, placement)) {
+      if (micro_split > 0 && team_splits(far_split, member.size, n, placement)) {
         if (member.id == 0) split.store(true, std::memory_order_relaxed);
         micro.run(member.id);  // no TeamScope: its ops run on this thread alone
         return;
@@ -580,16 +623,28 @@ std::tuple<Tensor, Tensor> run_team(const Stack& st, const Tensor& h0, const Ten
 // Every layer over the step's rows of `plan` on a checked stack (check_stack), as one pass (a
 // team where `team` and it fits) or two micro-batches (`split`).
 std::tuple<Tensor, Tensor> run_stack(const Stack& st, const Tensor& h0, const Tensor& loc,
-                                     const Plan& plan, int64_t split, bool team,
+                                     const Plan& plan_in, int64_t split, bool team,
                                      int64_t norms_whole, int64_t far_split) {
   TORCH_CHECK(h0.dim() == 2, "decode_layers: h must be [rows, hidden]");
   const int64_t n = h0.size(0);
   TORCH_CHECK(split >= 0 && split < std::max<int64_t>(n, 1),
               "decode_layers: split must be in [0, rows), got ", split, " for ", n, " rows");
-  TORCH_CHECK(plan.row_start.numel() == n && plan.row_len.numel() == n && loc.numel() == n,
+  TORCH_CHECK(plan_in.row_start.numel() == n && plan_in.row_len.numel() == n && loc.numel() == n,
               "decode_layers: row_start, row_len and loc must have one entry per row");
+  // Rows that read each other's new K/V (several tokens of one request) stay on one side of a
+  // micro-batch boundary, and a team meets before attending to them.
+  Plan plan = plan_in;
+  int64_t half = n / 2;
+  const std::vector<uint8_t> dep = step_dependencies(plan, loc);
+  plan.rows_depend = std::find(dep.begin(), dep.end(), uint8_t{1}) != dep.end();
+  if (plan.rows_depend) {
+    split = independent_split(dep, split);
+    half = independent_split(dep, half);
+  }
   if (split == 0) {
-    if (team && team_fits(st, n)) return run_team(st, h0, loc, plan, norms_whole, far_split);
+    if (team && team_fits(st, n)) {
+      return run_team(st, h0, loc, plan, norms_whole, far_split, half);
+    }
     return run_layers(st, h0, loc, plan, 0, n, nullptr);
   }
   MicroBatches micro(st, h0, loc, plan, split);
