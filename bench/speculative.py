@@ -3,8 +3,8 @@
     python bench/speculative.py --concurrency 1 2 4 8 --rounds 3
 
 Two Engines (default SmolLM2, the serving defaults), one with `speculative_algorithm="ngram"`,
-side by side (one runs at a time, the other idles). Three kinds of chat request, greedy, each
-up to `--max-tokens`:
+side by side (one runs at a time, the other idles). Three kinds of chat request, greedy (or
+sampled at `--temperature`, request i seeded with i), each up to `--max-tokens`:
 - edit: rewrite a given piece of code or text with a small change (the answer copies most of
   the prompt: what coding agents and editors send);
 - extract: a record as JSON with named fields taken from a given text (an agent's tool
@@ -81,6 +81,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--per-slot", type=int, default=6,
                     help="requests per running slot: N x this (at least 2 x this)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sample at this temperature (request i seeded with i) instead of "
+                         "greedy")
     ap.add_argument("--out", default=None, help="write every row as JSON lines here")
     a = ap.parse_args()
 
@@ -105,10 +108,13 @@ def main() -> None:
                         prompts = [eng.tokenizer.apply_chat_template(
                             [{"role": "user", "content": m}], tokenize=False,
                             add_generation_prompt=True) for m in batch]
-                        sp = SamplingParams(max_new_tokens=a.max_tokens, temperature=0)
+                        sps = [SamplingParams(max_new_tokens=a.max_tokens,
+                                              temperature=a.temperature,
+                                              seed=i if a.temperature > 0 else None)
+                               for i in range(len(prompts))]
                         s0 = eng.stats()
                         t0 = time.perf_counter()
-                        outs = eng.generate(prompts, [sp] * len(prompts), use_tqdm=False)
+                        outs = eng.generate(prompts, sps, use_tqdm=False)
                         secs = time.perf_counter() - t0
                         s1 = eng.stats()
                         texts[name] = [o.text for o in outs]

@@ -172,9 +172,10 @@ class ServerArgs:
     speculative_algorithm: str = _f(
         "none", "none | ngram: draft tokens by prompt lookup (the longest recent n-gram of the "
                 "request's own prompt and output that ends like its text, and the tokens that "
-                "followed it), verified all at once in the next decode step; greedy requests "
-                "without penalties, bias, logprobs or grammar; the output is the same tokens "
-                "as without it")
+                "followed it), verified all at once in the next decode step: each draft "
+                "stands if it is the token decoding would pick there (greedy or sampled, not "
+                "requests with logprobs or a grammar), so the output is what it is without "
+                "drafts, in fewer steps")
     speculative_num_draft_tokens: int = _f(4, "ngram: the most draft tokens per request and "
                                               "step")
     speculative_ngram_min: int = _f(2, "ngram: the shortest n-gram that may match")

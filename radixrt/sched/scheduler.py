@@ -20,6 +20,7 @@ import zmq
 from radixrt.config import ServerArgs
 from radixrt.core import ipc
 from radixrt.core.errors import InvalidRequestError, InvariantError
+from radixrt.core.logprobs import TokenLogprobs
 from radixrt.core.messages import (
     FINISH_ABORT,
     AbortReq,
@@ -41,7 +42,7 @@ from radixrt.mem.radix_cache import RadixCache
 from radixrt.model.runner import ModelRunner
 from radixrt.model.tokenizer import load_tokenizer
 from radixrt.sampling.batch_info import SamplingBatchInfo
-from radixrt.sampling.sampler import Sampler, row_argmax
+from radixrt.sampling.sampler import Sampler
 from radixrt.sched.batch import BatchBuilder
 from radixrt.sched.kv_owner import KVOwner
 from radixrt.sched.output_processor import OutputProcessor
@@ -350,10 +351,8 @@ class Scheduler:
         # the LM head picks as it writes the logits (ModelRunner.forward_greedy).
         vocab_mask = self._grammar_masks(reqs)
         tg = time.perf_counter()
-        info = SamplingBatchInfo.build(
-            [r.sampling for r in reqs], [r.origin_input_ids for r in reqs],
-            [r.output_ids for r in reqs], self.vocab_size, self.runner.device,
-            self.eos_token_ids, vocab_mask)
+        picks = self._pick_rows(reqs) if mode == "decode" else None
+        info = self._sampling_info(reqs, picks, vocab_mask)
         ti = time.perf_counter()
         greedy_ids = None
         if fb.score_rows is not None:
@@ -365,13 +364,8 @@ class Scheduler:
         else:
             logits = self.runner.forward(fb)
         t2 = time.perf_counter()
-        verified = None
-        if mode == "decode" and self.builder.sample_rows is not None:
-            # Requests with several rows: each samples its last pending token's row; those with
-            # drafts also read the argmax of that row and of their drafts' rows.
-            verified = self._verify(reqs, self.builder.sample_rows, logits, greedy_ids)
-            rows_t = torch.tensor(self.builder.sample_rows, dtype=torch.int64,
-                                  device=logits.device)
+        if picks is not None:
+            rows_t = torch.tensor(picks, dtype=torch.int64, device=logits.device)
             logits = logits.index_select(0, rows_t)
             if greedy_ids is not None:
                 greedy_ids = greedy_ids.index_select(0, rows_t.to(greedy_ids.device))
@@ -379,6 +373,9 @@ class Scheduler:
         t3 = time.perf_counter()
         before = sum(len(r.output_ids) for r in reqs)
         ids, lps = sample.next_token_ids, sample.logprobs
+        verified = None
+        if picks is not None:
+            ids, lps, verified = self._verify(reqs, ids, lps)
         if mode == "decode":
             self.outputs.process_decode(reqs, ids, lps, verified=verified)
         else:
@@ -422,23 +419,61 @@ class Scheduler:
             self.decode_totals["rows"] += len(reqs)
             self.decode_totals["time_s"] += t4 - t0
 
-    def _verify(self, reqs: list[Req], sample_rows: list[int], logits: torch.Tensor,
-                greedy_ids: torch.Tensor | None) -> list[list[int] | None] | None:
-        """Per request, the tokens its drafts earn this step (`NgramSpeculator.accept`), None
-        for requests without drafts; None when no request has any. The argmax of a draft
-        request's rows is the LM head's where it picked it, else `row_argmax` of its logits
-        (the sampler's greedy pick, bitwise)."""
-        if self.speculator is None or not any(r.draft_ids for r in reqs):
+    def _pick_rows(self, reqs: list[Req]) -> list[int] | None:
+        """The decode step's rows to sample, when some request has several rows (else None:
+        row i is request i): per request its last pending token's row (`BatchBuilder.
+        sample_rows`), then, with drafts, the row of each draft (the token after it)."""
+        first = self.builder.sample_rows
+        if first is None:
             return None
-        out: list[list[int] | None] = []
-        for req, row in zip(reqs, sample_rows, strict=True):
-            if not req.draft_ids:
-                out.append(None)
-                continue
-            end = row + len(req.draft_ids) + 1
-            ids = greedy_ids[row:end] if greedy_ids is not None else row_argmax(logits[row:end])
-            out.append(self.speculator.accept(req, ids.tolist()))
-        return out
+        picks: list[int] = []
+        for req, row in zip(reqs, first, strict=True):
+            picks.extend(range(row, row + 1 + len(req.draft_ids)))
+        return picks
+
+    def _sampling_info(self, reqs: list[Req], picks: list[int] | None,
+                       vocab_mask: tuple[list[int], torch.Tensor] | None) -> SamplingBatchInfo:
+        """The step's sampling settings, one row per request, or per pick row (`_pick_rows`):
+        a drafting request's j-th row samples the token after its drafts[:j], so it sees
+        output_ids + drafts[:j] (its penalties' counts, `min_new_tokens` progress and seeded
+        noise are those of that position, exactly what one token a step would give it)."""
+        params = [r.sampling for r in reqs]
+        prompts = [r.origin_input_ids for r in reqs]
+        outputs = [r.output_ids for r in reqs]
+        if picks is not None:
+            params, prompts, outputs, first = [], [], [], []
+            for req in reqs:
+                first.append(len(params))
+                for j in range(1 + len(req.draft_ids)):
+                    params.append(req.sampling)
+                    prompts.append(req.origin_input_ids)
+                    outputs.append([*req.output_ids, *req.draft_ids[:j]] if j
+                                   else req.output_ids)
+            if vocab_mask is not None:  # grammar rows never draft: one pick row each
+                vocab_mask = ([first[i] for i in vocab_mask[0]], vocab_mask[1])
+        return SamplingBatchInfo.build(params, prompts, outputs, self.vocab_size,
+                                       self.runner.device, self.eos_token_ids, vocab_mask)
+
+    def _verify(self, reqs: list[Req], ids: list[int], lps: list[TokenLogprobs | None]
+                ) -> tuple[list[int], list[TokenLogprobs | None], list[list[int] | None]]:
+        """Per request, from the samples of its pick rows: its own token and logprobs (its
+        first pick row), and for a drafting request the tokens its drafts earn
+        (`NgramSpeculator.accept`: drafts while each equals the sample before it)."""
+        out_ids: list[int] = []
+        out_lps: list[TokenLogprobs | None] = []
+        verified: list[list[int] | None] = []
+        at = 0
+        for req in reqs:
+            n = 1 + len(req.draft_ids)
+            out_ids.append(ids[at])
+            out_lps.append(lps[at])
+            if req.draft_ids:
+                assert self.speculator is not None
+                verified.append(self.speculator.accept(req, ids[at : at + n]))
+            else:
+                verified.append(None)
+            at += n
+        return out_ids, out_lps, verified
 
     def _grammar_masks(self, reqs: list[Req]) -> tuple[list[int], torch.Tensor] | None:
         """(constrained rows, their token bitmask) for this step, None if no row is. Rows of

@@ -1,15 +1,19 @@
 """N-gram speculative decoding (prompt lookup): draft tokens from a request's own text, verified
 in the next decode step.
 
-A greedy request whose text ends with an n-gram it has seen before proposes the tokens that
-followed that n-gram's latest earlier occurrence (agents and editors copy from their context:
-arguments of a tool call, code being edited, quoted passages). The next decode step computes
-the request's last sampled token and its drafts as consecutive rows (`BatchBuilder`), so one
-step yields the argmax after each of them; drafts are accepted while they equal those argmaxes,
-and the argmax after the last accepted one is the step's own new token. The accepted tokens are
-the ones greedy decoding would have produced one step at a time (same weights, same argmax),
-so speculation changes how many steps a request takes, not its output; the rejected drafts'
-KV slots go back to the pool (`KVOwner.commit(drop=...)`).
+A request whose text ends with an n-gram it has seen before proposes the tokens that followed
+that n-gram's latest earlier occurrence (agents and editors copy from their context: arguments
+of a tool call, code being edited, quoted passages). The next decode step computes the
+request's last sampled token and its drafts as consecutive rows (`BatchBuilder`), and the
+sampler picks a token at each of them as one-token-a-step decoding would at that position
+(greedy: the argmax; sampled: the same settings, penalty counts and seeded noise as that
+position gets, `Scheduler._sampling_info`). Drafts are accepted while each equals the token
+picked before it, and the token picked after the last accepted one is the step's own. Every
+token a request outputs is then the one picked for its position from the logits of its true
+prefix: for greedy and seeded requests exactly the tokens one step at a time gives (same
+logits, same pick); for unseeded ones a sample from the same distributions (fresh noise per
+row). Speculation changes how many steps a request takes, not what it outputs; the rejected
+drafts' KV slots go back to the pool (`KVOwner.commit(drop=...)`).
 """
 
 from __future__ import annotations
@@ -109,12 +113,12 @@ class NgramSpeculator:
 
     @staticmethod
     def eligible(req: Req) -> bool:
-        """Greedy, and nothing makes the next token depend on more than the logits' argmax:
-        no penalties, bias, EOS ban (`min_new_tokens`), logprobs, grammar or prompt scores."""
-        sp = req.sampling
-        return (sp.is_greedy and not sp.has_penalties and not sp.logit_bias
-                and not sp.logprobs and len(req.output_ids) >= sp.min_new_tokens
-                and req.grammar is None and req.scoring is None and not req.finished)
+        """Any request but those that report logprobs (each token's distribution is sent),
+        follow a grammar (its matcher would have to walk the drafts) or score their prompt.
+        Sampled ones included: each draft row is sampled as that position would be
+        (`Scheduler._sampling_info`), so a draft stands when it is what sampling picks there."""
+        return (not req.sampling.logprobs and req.grammar is None and req.scoring is None
+                and not req.finished)
 
     @staticmethod
     def odds(req: Req) -> float:
