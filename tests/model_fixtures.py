@@ -209,14 +209,22 @@ class PagedRunner:
         rows: Sequence[int],
         chunks: Sequence[Sequence[int]],
         all_positions: bool = False,
+        row_per_token: bool = False,
     ) -> torch.Tensor:
+        """`row_per_token` (decode): each token of a chunk gets a decode row of its own."""
         ext = [len(c) for c in chunks]
         loc = self.kv_pool.alloc(sum(ext))
         assert loc is not None
         ids = [t for c in chunks for t in c]
         prefix = [self.cached[r] for r in rows]
         self.req_pool.write(list(rows), prefix, ext, loc)
-        fb = ForwardBatch.build(mode, ids, list(rows), prefix, ext, self.req_pool.req_to_token)
+        batch_rows, batch_prefix, batch_ext = list(rows), prefix, ext
+        if row_per_token:
+            batch_rows = [r for r, e in zip(rows, ext, strict=True) for _ in range(e)]
+            batch_prefix = [p + i for p, e in zip(prefix, ext, strict=True) for i in range(e)]
+            batch_ext = [1] * len(ids)
+        fb = ForwardBatch.build(mode, ids, batch_rows, batch_prefix, batch_ext,
+                                self.req_pool.req_to_token)
         if all_positions:  # logits for every new token, not only each request's last
             fb.logits_indices = torch.arange(fb.num_tokens)
         assert self.model.attn_backend is not None
@@ -247,19 +255,4 @@ class PagedRunner:
         decode row per token, consecutive over the request's table row (as the scheduler's
         `BatchBuilder.build_decode` lays out grammar-forced and draft tokens). Logits
         `[num_tokens, vocab]`, one per token."""
-        ext = [len(c) for c in chunks]
-        loc = self.kv_pool.alloc(sum(ext))
-        assert loc is not None
-        prefix0 = [self.cached[r] for r in rows]
-        self.req_pool.write(list(rows), prefix0, ext, loc)
-        ids = [t for c in chunks for t in c]
-        flat_rows = [r for r, e in zip(rows, ext, strict=True) for _ in range(e)]
-        prefix = [p + i for p, e in zip(prefix0, ext, strict=True) for i in range(e)]
-        fb = ForwardBatch.build(ForwardMode.DECODE, ids, flat_rows, prefix, [1] * len(ids),
-                                self.req_pool.req_to_token)
-        assert self.model.attn_backend is not None
-        self.model.attn_backend.init_forward_metadata(fb)
-        logits = self.model(fb)
-        for r, e in zip(rows, ext, strict=True):
-            self.cached[r] += e
-        return logits
+        return self._step(ForwardMode.DECODE, rows, chunks, row_per_token=True)
