@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 
 from radixrt.core.errors import InvalidRequestError
 from radixrt.core.sampling_params import SamplingParams
+from radixrt.sampling import sampler as sampler_mod
 from radixrt.sampling.batch_info import SamplingBatchInfo, step_seed
-from radixrt.sampling.sampler import Sampler, apply_penalties, filter_logits
+from radixrt.sampling.sampler import Sampler, apply_penalties, filter_logits, pick_by_uniform
 
 NEG_INF = float("-inf")
 
@@ -382,6 +383,49 @@ def test_filters_never_emit_masked(
     n = 64
     ids = sample([p] * n, row.expand(n, -1).contiguous(), Sampler(seed=seed))
     assert all(keep[i] for i in ids)
+
+
+def test_top_window_equals_the_full_sort_at_vocabulary_size() -> None:
+    """At a 49k vocabulary top-k / top-p look at the 256 largest logits first: the kept sets
+    equal the full sort's for peaked rows (top-p reached inside the window), a flat row (past
+    it: the full sort decides), a top-k above the window, and rows without filters beside
+    them (kept whole)."""
+    vocab = 49152
+    gen = torch.Generator().manual_seed(0)
+    peaked = torch.randn(vocab, generator=gen) * 6
+    flat = torch.randn(vocab, generator=gen) * 0.1
+    cases = [  # (row, top_k, top_p)
+        (peaked, vocab, 0.9), (peaked, 40, 1.0), (peaked, 40, 0.5), (peaked, 1000, 0.95),
+        (peaked, vocab, 1.0), (flat, vocab, 0.9), (flat, 300, 0.8),
+    ]
+    x = torch.stack([c[0] for c in cases])
+    ks = torch.tensor([c[1] for c in cases])
+    ps = torch.tensor([c[2] for c in cases])
+    ones = torch.ones(len(cases))
+    got = filter_logits(x, ones, ks, ps)
+    ref = sampler_mod._top_k_top_p_sorted(x, ks, ps)
+    assert torch.equal(got > NEG_INF, ref > NEG_INF)
+    assert torch.equal(got[ref > NEG_INF], x[ref > NEG_INF])
+    assert bool((got[4] == x[4]).all())  # no filter: the row as it was
+    # without the flat row, no row reaches past the window: the windowed path itself
+    sub = [0, 1, 2, 3, 4]
+    got = filter_logits(x[sub], ones[sub], ks[sub], ps[sub])
+    assert torch.equal(got > NEG_INF, ref[sub] > NEG_INF)
+    assert int((got[0] > NEG_INF).sum()) < sampler_mod.TOP_WINDOW
+
+
+def test_pick_by_uniform_inverts_the_cdf_and_never_picks_a_masked_token() -> None:
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.5, 0.25, 0.0]])
+    scores = probs.log()
+    for u, want in ((0.0, 1), (0.2499, 1), (0.25, 3), (0.7499, 3), (0.75, 4), (0.999999, 4)):
+        assert pick_by_uniform(scores, torch.tensor([u])).tolist() == [want], u
+    # a target rounding would put at the total (u = 1 is outside U[0, 1)) takes the last token
+    # with mass, not the masked one after it
+    assert pick_by_uniform(scores, torch.tensor([1.0])).tolist() == [4]
+    many = torch.rand(20000, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    ids = pick_by_uniform(scores.expand(20000, -1), many)
+    freq = torch.bincount(ids, minlength=6).double() / 20000
+    assert torch.allclose(freq, probs[0].double(), atol=0.015)
 
 
 def test_sampler_never_emits_neg_inf_tokens() -> None:

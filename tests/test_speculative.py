@@ -186,7 +186,7 @@ def test_sampled_penalized_and_logprobs_requests_beside_drafts(
     jobs["r1"] = (jobs["r1"][0], greedy(40, logprobs=True, top_logprobs=2))
     jobs["r2"] = (jobs["r2"][0], greedy(40, repetition_penalty=1.3, logit_bias={7: 3.0},
                                         min_new_tokens=6))
-    jobs["r3"] = (jobs["r3"][0], SamplingParams(max_new_tokens=40, temperature=0.3, top_k=20,
+    jobs["r3"] = (jobs["r3"][0], SamplingParams(max_new_tokens=40, temperature=0.1, top_k=20,
                                                 seed=5, ignore_eos=True))
     jobs["r4"] = (jobs["r4"][0], SamplingParams(max_new_tokens=40, temperature=0.9,
                                                 ignore_eos=True))
