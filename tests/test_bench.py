@@ -634,6 +634,32 @@ def test_llama_server_driven_like_radixrt_server():
     assert row["best_peer_ttft"] == "llama.cpp" and row["ttft_ratio"] == 0.5
 
 
+def test_sampled_comparisons_send_the_same_fields_to_every_http_system():
+    """`--temperature` / `--top-p` reach radixrt's and llama-server's client alike (their
+    request bodies carry them instead of temperature 0); compare refuses them where a system
+    is not driven over HTTP."""
+    import argparse
+
+    from bench import compare
+    from bench.serving import Client, add_sampling_args, sampling_fields
+
+    ap = argparse.ArgumentParser()
+    add_sampling_args(ap)
+    assert sampling_fields(ap.parse_args([])) == {}
+    fields = sampling_fields(ap.parse_args(["--temperature", "0.7", "--top-p", "0.9"]))
+    assert fields == {"temperature": 0.7, "top_p": 0.9}
+    body = Client("http://x", sampling=fields).body([1, 2], 8)
+    assert (body["temperature"], body["top_p"], body["max_tokens"]) == (0.7, 0.9, 8)
+    assert Client("http://x").body([1], 8)["temperature"] == 0
+    w, o = Path("/tmp/w.json"), Path("/tmp/o.jsonl")
+    extra = ["--temperature", "0.7", "--top-p", "0.9"]
+    for system, mode in (("llama-server", "engine"), ("radixrt", "server")):
+        cmd = compare.system_command(system, w, o, 2, "/m.gguf", None, mode, 1, 8, "", extra)
+        assert cmd[cmd.index("--temperature") + 1] == "0.7", system
+    with pytest.raises(SystemExit, match="HTTP-driven"):
+        compare.main(["--preset", "tiny", "--systems", "radixrt", "--temperature", "0.7"])
+
+
 @pytest.mark.slow
 def test_llama_server_peer_end_to_end(tmp_path):
     """With a built llama-server (`make bench-llama-server`): the tiny gsp workload over HTTP."""

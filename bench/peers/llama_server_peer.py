@@ -140,6 +140,8 @@ def warm_up(base_url: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from bench.serving import add_sampling_args, sampling_fields
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workload-file", required=True)
     ap.add_argument("--out", required=True)
@@ -151,6 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--port", type=int, default=0, help="0: a free one")
     ap.add_argument("--log", default=None, help="the server's output (default: discarded)")
     ap.add_argument("--progress", action="store_true")
+    add_sampling_args(ap)
     a = ap.parse_args(argv)
 
     binary = find_binary(a.binary)
@@ -179,7 +182,8 @@ def main(argv: list[str] | None = None) -> None:
             try:
                 load_s = time.perf_counter() - t
                 warm_up(base_url)
-                client = Client(base_url, "default", "completions", "ids", tokenizer=tok)
+                client = Client(base_url, "default", "completions", "ids", tokenizer=tok,
+                                sampling=sampling_fields(a))
                 run(client, [w], SYSTEM, a.out, parallel, a.progress, threads=a.threads,
                     load_s=load_s, llama_server=ver, parallel=parallel, ctx_per_slot=ctx,
                     server_cmd=cmd[1:])
