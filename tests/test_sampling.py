@@ -428,6 +428,123 @@ def test_pick_by_uniform_inverts_the_cdf_and_never_picks_a_masked_token() -> Non
     assert torch.allclose(freq, probs[0].double(), atol=0.015)
 
 
+# --------------------------------------------------------------------------- the CPU op
+
+
+@pytest.fixture
+def sample_rows_op():
+    from radixrt.attention import cpu_kernels
+
+    if not cpu_kernels.load_cpu_kernels():
+        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
+    return torch.ops.radixrt.sample_rows
+
+
+def _op_args(n: int, vocab: int, k=None, p=None, m=None):
+    return (torch.full((n,), vocab) if k is None else k, torch.ones(n) if p is None else p,
+            torch.zeros(n) if m is None else m)
+
+
+def test_sample_rows_makes_the_torch_paths_cut_and_draw(sample_rows_op) -> None:
+    """At the vocabulary's size, peaked and flat rows, every filter alone and together, one
+    batch of mixed settings: for uniforms in the middle of each kept token's CDF interval (the
+    torch path's), the op picks the same token; tokens the torch path drops are never picked."""
+    vocab = 49152
+    gen = torch.Generator().manual_seed(3)
+    peaked = torch.randn(vocab, generator=gen) * 6
+    flat = torch.randn(vocab, generator=gen) * 0.3
+    # one heavy token over a long tail holding a third of the mass: top-p 0.9 reaches into the
+    # tail, past the op's first gathering thresholds
+    spike = torch.randn(vocab, generator=gen) * 0.1 - 11.5
+    spike[123] = 0.0
+    cases = [  # (row, temperature, top_k, top_p, min_p)
+        (peaked, 0.7, vocab, 1.0, 0.0), (peaked, 1.3, vocab, 0.9, 0.0), (peaked, 0.7, 50, 1.0, 0.0),
+        (peaked, 0.7, vocab, 1.0, 0.05), (peaked, 1.0, 40, 0.95, 0.05), (peaked, 0.5, 3, 0.2, 0.0),
+        (flat, 1.0, vocab, 0.9, 0.0), (flat, 1.0, 500, 0.5, 0.0), (flat, 2.0, vocab, 1.0, 0.0),
+        (peaked, 1.0, 1, 1.0, 0.0), (peaked, 1.0, vocab, 0.0, 0.0), (spike, 1.0, vocab, 0.9, 0.0),
+    ]
+    x = torch.stack([c[0] for c in cases])
+    t = torch.tensor([c[1] for c in cases])
+    k = torch.tensor([c[2] for c in cases])
+    p = torch.tensor([c[3] for c in cases])
+    m = torch.tensor([c[4] for c in cases])
+    x[0, 7] = NEG_INF  # masked tokens stay out
+    filtered = filter_logits(x, t, k, p, m)
+    probs = filtered.double().softmax(-1)
+    cdf = probs.cumsum(-1)
+    for draw in range(24):
+        us = []
+        for r in range(len(cases)):
+            # intervals wide enough to aim at (float rounding moves their ends by ~1e-7)
+            kept = torch.nonzero(probs[r] >= min(1e-3, float(probs[r].max()) / 2)).view(-1)
+            tok = int(kept[draw % len(kept)])
+            us.append(float(cdf[r, tok] - probs[r, tok] / 2))
+        u = torch.tensor(us, dtype=torch.float64)
+        want = pick_by_uniform(filtered, u)
+        assert sample_rows_op(x, t, k, p, m, u).tolist() == want.tolist(), draw
+    allowed = filtered > NEG_INF
+    many = 300
+    for r in range(len(cases)):
+        u = torch.rand(many, generator=gen, dtype=torch.float64)
+        args = [v[r : r + 1].expand(many, *v.shape[1:]).contiguous() for v in (x, t, k, p, m)]
+        ids = sample_rows_op(*args, u)
+        assert bool(allowed[r, ids].all()), r
+    assert int((filtered[9] > NEG_INF).sum()) == 1 and int((filtered[10] > NEG_INF).sum()) == 1
+    assert int((filtered[11] > NEG_INF).sum()) > 1000  # the spike's top-p reached the tail
+
+
+def test_sample_rows_ties_edges_and_frequencies(sample_rows_op) -> None:
+    """Ties at a cut keep the lowest indices; top-p keeps the prefix whose mass before each
+    token is at most p; u at the top takes the last kept token; frequencies follow the kept
+    distribution; bad arguments raise naming the field."""
+    row = torch.full((1, 64), NEG_INF)
+    row[0, [5, 9, 20, 33, 40]] = 1.0  # five equal heaviest tokens
+    row[0, 50] = -1.0
+    sweep = torch.linspace(0, 0.999999, 400, dtype=torch.float64)
+    n = sweep.numel()
+    rep = row.expand(n, -1).contiguous()
+    one = torch.ones(n)
+    k, p, m = _op_args(n, 64, k=torch.full((n,), 3))
+    assert set(sample_rows_op(rep, one, k, p, m, sweep).tolist()) == {5, 9, 20}
+    k, p, m = _op_args(n, 64, p=torch.full((n,), 0.4))  # each heavy token ~0.195 of the mass
+    assert set(sample_rows_op(rep, one, k, p, m, sweep).tolist()) == {5, 9, 20}
+    k, p, m = _op_args(n, 64, m=torch.full((n,), 0.5))  # min_p drops token 50 (e^-2 < 0.5)
+    assert set(sample_rows_op(rep, one, k, p, m, sweep).tolist()) == {5, 9, 20, 33, 40}
+    k, p, m = _op_args(1, 64)
+    top = torch.tensor([1.0], dtype=torch.float64)
+    assert sample_rows_op(row, torch.ones(1), k, p, m, top).tolist() == [50]
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.5, 0.25, 0.0]])
+    many = 20000
+    u = torch.rand(many, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    k, p, m = _op_args(many, 6)
+    ids = sample_rows_op(probs.log().expand(many, -1).contiguous(), torch.ones(many), k, p, m, u)
+    freq = torch.bincount(ids, minlength=6).double() / many
+    assert torch.allclose(freq, probs[0].double(), atol=0.015)
+    k, p, m = _op_args(1, 64)
+    with pytest.raises(RuntimeError, match="temperature"):
+        sample_rows_op(row, torch.zeros(1), k, p, m, top)
+    with pytest.raises(RuntimeError, match="top_ks"):
+        sample_rows_op(row, torch.ones(1), k.int(), p, m, top)
+
+
+def test_sampler_gives_the_torch_paths_tokens_with_the_op(sample_rows_op, monkeypatch) -> None:
+    """Seeded requests of every setting, batched with greedy rows: the same tokens whether the
+    sampler draws through the op or through the torch path."""
+    vocab = 49152
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(12, vocab, generator=gen) * 5
+    params = [SamplingParams(temperature=0.8, seed=11 + i, top_p=[1.0, 0.9][i % 2],
+                             top_k=[-1, 40, -1][i % 3], min_p=[0.0, 0.0, 0.0, 0.05][i % 4])
+              for i in range(10)] + [SamplingParams(temperature=0.0)] * 2
+    info = build(params, vocab)
+    with_op = Sampler(seed=0).sample(logits, info).next_token_ids
+    monkeypatch.setattr(
+        sampler_mod, "sample_filtered",
+        lambda x, t, k, p, m, u: pick_by_uniform(filter_logits(x, t, k, p, m), u))
+    assert Sampler(seed=0).sample(logits, info).next_token_ids == with_op
+    assert with_op[10:] == logits[10:].argmax(-1).tolist()
+
+
 def test_sampler_never_emits_neg_inf_tokens() -> None:
     vocab = 1000
     logits = torch.full((256, vocab), NEG_INF)

@@ -7,7 +7,8 @@ The sources are compiled with `torch.utils.cpp_extension` into one shared librar
 quantized small-M matmul (`csrc/qgemv.cpp`), the int8-activation VNNI quantized matmul
 (`csrc/qgemm_vnni.cpp`, AVX512-VNNI CPUs only), the fused layer ops (`csrc/fused_ops.cpp`), the
 decode step's layer loop over them (`csrc/decode_layers.cpp`, its thread team in
-`csrc/team.h`), greedy sampling's row-wise argmax (`csrc/argmax.cpp`) and what benchmarks
+`csrc/team.h`), greedy sampling's row-wise argmax (`csrc/argmax.cpp`), the sampled rows' filter and draw
+(`csrc/sample.cpp`) and what benchmarks
 record about two threads, their round trip and compute scaling (`csrc/cpu_probe.cpp`);
 `csrc/*.h` are their shared headers. The instruction set
 is chosen from this CPU's flags at build time (AVX-512 F/BW/VL/DQ, else AVX2 + FMA + F16C, else
@@ -48,7 +49,7 @@ logger = logging.getLogger(__name__)
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 SOURCES: tuple[str, ...] = ("paged_decode.cpp", "qgemv.cpp", "qgemm_vnni.cpp", "fused_ops.cpp",
                            "extend_attention.cpp", "decode_layers.cpp", "argmax.cpp",
-                           "decode_plan.cpp", "decode_batch.cpp", "cpu_probe.cpp")
+                           "decode_plan.cpp", "decode_batch.cpp", "cpu_probe.cpp", "sample.cpp")
 LIB_NAME = "radixrt_cpu_kernels"
 ISAS: tuple[str, ...] = ("avx512", "avx2", "default")  # best first
 

@@ -7,10 +7,11 @@ Pipeline per step (`Sampler.sample`):
      grammar forbids -> -inf; where a ban would leave a constrained row nothing, the grammar
      wins and the ban is dropped for that row).
   2. Greedy rows: argmax of the penalized logits.
-  3. Sampled rows: `filter_logits` (temperature, then top-k, top-p over the top-k renormalized
-     distribution, min-p relative to the max probability; masked tokens become -inf), then
-     inverse-CDF sampling: one uniform u per row, the first token whose cumulative weight
-     exceeds u x the total (`pick_by_uniform`). One random number a row instead of
+  3. Sampled rows (`sample_filtered`): `filter_logits` (temperature, then top-k, top-p over the
+     top-k renormalized distribution, min-p relative to the max probability; masked tokens
+     become -inf), then inverse-CDF sampling: one uniform u per row, the first token whose
+     cumulative weight exceeds u x the total (`pick_by_uniform`); on CPU both in radixrt's
+     op `sample_rows` (`csrc/sample.cpp`). One random number a row instead of
      one per vocabulary entry: the exponential race this replaced (Gumbel-max, 49k draws a row)
      took ~1.1 ms a row on CPU, as long as a whole decode step's share of a row.
 
@@ -181,6 +182,33 @@ def pick_by_uniform(scores: Tensor, u: Tensor) -> Tensor:
     return chosen
 
 
+def sample_filtered(
+    scores: Tensor,
+    temperatures: Tensor,
+    top_ks: Tensor | None,
+    top_ps: Tensor | None,
+    min_ps: Tensor | None,
+    u: Tensor,
+) -> Tensor:
+    """One token per row of `scores` [N, V]: `filter_logits` then `pick_by_uniform` with the
+    uniforms `u` [N]. On CPU with radixrt's kernel library loaded, its op `sample_rows` does
+    both in one pass over each row (the same cut and draw up to float rounding at a boundary,
+    ~10x faster with top-k / top-p); elsewhere the torch path."""
+    if (scores.device.type == "cpu" and scores.dim() == 2 and scores.dtype == torch.float32
+            and scores.shape[1] > 0 and hasattr(torch.ops.radixrt, "sample_rows")):
+        rows, vocab = scores.shape
+        return torch.ops.radixrt.sample_rows(
+            scores,
+            temperatures.to(torch.float32),
+            top_ks.to(torch.int64) if top_ks is not None
+            else torch.full((rows,), vocab, dtype=torch.int64),
+            top_ps.to(torch.float32) if top_ps is not None else torch.ones(rows),
+            min_ps.to(torch.float32) if min_ps is not None else torch.zeros(rows),
+            u.to(torch.float64),
+        )
+    return pick_by_uniform(filter_logits(scores, temperatures, top_ks, top_ps, min_ps), u)
+
+
 @dataclass
 class SampleOutput:
     """One token per row; logprobs[i] is set only for rows whose params asked for it."""
@@ -262,14 +290,14 @@ class Sampler:
                     return t
                 return t.index_select(0, info.sampled_idx)
 
-            filtered = filter_logits(
+            chosen = sample_filtered(
                 sub,
                 pick(info.temperatures),  # type: ignore[arg-type]
                 pick(info.top_ks) if info.need_top_k else None,
                 pick(info.top_ps) if info.need_top_p else None,
                 pick(info.min_ps) if info.need_min_p else None,
+                self._uniforms(info, sub.device),
             )
-            chosen = pick_by_uniform(filtered, self._uniforms(info, filtered.device))
             if info.sampled_idx is None:
                 next_ids = chosen
             else:
