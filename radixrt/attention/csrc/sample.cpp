@@ -7,11 +7,11 @@
 // selection, a scatter of -inf over the whole row, a cumulative sum), this a few tens of us.
 //
 // A row, with weights w_i = exp((x_i - max) / t) (the largest is exactly 1, masked tokens 0):
-//  * the top-k / top-p cut needs only the heaviest tokens. Those with w >= tau are gathered and
-//    sorted (weight descending, index ascending among equals); the gathered set decides the cut
-//    when it holds k tokens (top-k) or more than p of the mass (top-p alone), else tau is
-//    lowered (2^-12, 2^-30, then every token with weight). Kept: the sorted prefix whose mass
-//    before each token is at most p x the kept top-k's mass;
+//  * the top-k / top-p cut needs only the heaviest tokens, ordered by weight descending, index
+//    ascending among equals. Top-k: the k heaviest, from one pass with a heap. Top-p alone: the
+//    tokens with w >= tau, tau lowered (2^-12, 2^-30, then every token with weight) until they
+//    hold more than p of the mass. Kept: the sorted prefix whose mass before each token is at
+//    most p x the kept top-k's mass (the whole row's without top-k);
 //  * min-p keeps w >= min_p (the torch path's x >= max + log(min_p), in weights);
 //  * the draw: the first kept token, in index order, whose cumulative weight exceeds u x the
 //    kept total (summed in double); rounding past the end takes the last kept token with weight.
@@ -86,25 +86,56 @@ float row_max(const float* x, int64_t n) {
   return m;
 }
 
+// The k heaviest tokens with weight (index ascending among equals), in no particular order: one
+// pass keeping them in a heap whose top is the lightest; once it holds k, a vector of weights
+// none heavier than that top is skipped whole (most of a row).
+std::vector<Cand> heaviest(const float* w, int64_t n, int64_t k) {
+  std::vector<Cand> h;
+  h.reserve(k);
+  auto offer = [&](int64_t i) {
+    if (!(w[i] > 0.f)) return;
+    const Cand c{w[i], static_cast<int32_t>(i)};
+    if (static_cast<int64_t>(h.size()) < k) {
+      h.push_back(c);
+      std::push_heap(h.begin(), h.end(), heavier);
+    } else if (heavier(c, h.front())) {
+      std::pop_heap(h.begin(), h.end(), heavier);
+      h.back() = c;
+      std::push_heap(h.begin(), h.end(), heavier);
+    }
+  };
+  constexpr int all_false = (1 << kVec) - 1;
+  int64_t i = 0;
+  for (; i + kVec <= n; i += kVec) {
+    if (static_cast<int64_t>(h.size()) == k) {
+      // a later token equal to the lightest kept one loses its tie (higher index)
+      const Vec gt = Vec::loadu(w + i) > Vec(h.front().w);
+      if (gt.zero_mask() == all_false) continue;
+    }
+    for (int64_t j = i; j < i + kVec; ++j) offer(j);
+  }
+  for (; i < n; ++i) offer(i);
+  return h;
+}
+
 // The top-k / top-p kept tokens of a row (weights w, total z), in no particular order.
 std::vector<Cand> cut_row(const float* w, int64_t n, double z, int64_t k, float p, bool has_k,
                           bool has_p) {
   std::vector<Cand> c;
-  for (const float tau : kTaus) {
-    c.clear();
-    double mass = 0.0;
-    for (int64_t i = 0; i < n; ++i) {
-      if (w[i] >= tau && w[i] > 0.f) {
-        c.push_back({w[i], static_cast<int32_t>(i)});
-        mass += w[i];
+  if (has_k) {
+    c = heaviest(w, n, k);
+  } else {  // top-p alone: the tokens above a threshold, lowered until they hold more than p
+    for (const float tau : kTaus) {
+      c.clear();
+      double mass = 0.0;
+      for (int64_t i = 0; i < n; ++i) {
+        if (w[i] >= tau && w[i] > 0.f) {
+          c.push_back({w[i], static_cast<int32_t>(i)});
+          mass += w[i];
+        }
       }
+      if (mass > double(p) * z || tau == 0.f) break;
     }
-    const bool enough = has_k ? static_cast<int64_t>(c.size()) >= k : mass > double(p) * z;
-    if (enough || tau == 0.f) break;
-  }
-  if (has_k && static_cast<int64_t>(c.size()) > k) {
-    std::nth_element(c.begin(), c.begin() + (k - 1), c.end(), heavier);
-    c.resize(k);
   }
   if (!has_p) return c;
   std::sort(c.begin(), c.end(), heavier);
