@@ -601,14 +601,43 @@ def test_penalties_exact() -> None:
     assert not torch.equal(got, logits)
 
 
+def test_sparse_penalties_match_the_dense_formulas() -> None:
+    """Penalties touch only the (row, token) pairs in the prompts and outputs: at a larger
+    vocabulary, with repeats, rows without penalties between, out-of-range ids and a
+    non-contiguous logits tensor, the result equals the dense formulas and leaves the input."""
+    vocab = 1000
+    gen = torch.Generator().manual_seed(7)
+    logits = (torch.randn(vocab, 6, generator=gen) * 3).t()  # non-contiguous [6, vocab]
+    before = logits.clone()
+    ids = lambda n: torch.randint(0, 60, (n,), generator=gen).tolist()  # noqa: E731  repeats
+    prompts = [ids(40) for _ in range(6)]
+    outputs = [ids(25) + [vocab + 5, -3] for _ in range(6)]
+    params = [
+        SamplingParams(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2),
+        SamplingParams(),
+        SamplingParams(repetition_penalty=0.7),
+        SamplingParams(frequency_penalty=-0.5),
+        SamplingParams(presence_penalty=1.5, temperature=0.0),
+        SamplingParams(repetition_penalty=2.0, presence_penalty=-0.3),
+    ]
+    info = build(params, vocab, prompts=prompts, outputs=outputs)
+    got = apply_penalties(logits, info)
+    clean = [[t for t in o if 0 <= t < vocab] for o in outputs]
+    want = reference_penalties(logits, params, prompts, clean)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert torch.equal(got[1], logits[1]) and torch.equal(logits, before)
+
+
 def test_penalties_skip_when_unused_and_ignore_out_of_range() -> None:
     info = build([SamplingParams(), SamplingParams(temperature=0)], 10)
-    assert info.repetition_mask is None and info.output_counts is None
+    assert info.repetition is None and info.output_penalty is None
     assert info.banned_mask is None
     logits = torch.randn(2, 10)
     assert apply_penalties(logits, info) is logits
     info = build([SamplingParams(presence_penalty=1.0)], 10, prompts=[[99]], outputs=[[3, 99, -1]])
-    assert info.output_counts is not None and info.output_counts.sum().item() == 1.0
+    assert info.output_penalty is not None
+    idx, amount = info.output_penalty
+    assert idx.tolist() == [3] and amount.tolist() == [1.0]  # one presence, on token 3 of row 0
 
 
 def test_repetition_penalty_changes_greedy_choice() -> None:

@@ -49,6 +49,19 @@ def _scatter_counts(
     return counts.view(batch, vocab)
 
 
+def _distinct_pairs(
+    rows: Sequence[int], chunks: Sequence[Sequence[int]], vocab: int
+) -> tuple[Tensor, Tensor]:
+    """The distinct (row, id) pairs of the ids in `chunks[j]` on row `rows[j]`, as sorted flat
+    indices row x vocab + id (int64, CPU) and how often each occurs. Ids outside [0, vocab)
+    are ignored."""
+    lengths = torch.tensor([len(c) for c in chunks], dtype=torch.long)
+    ids = torch.tensor(list(chain.from_iterable(chunks)), dtype=torch.long)
+    row_idx = torch.repeat_interleave(torch.tensor(list(rows), dtype=torch.long), lengths)
+    keep = (ids >= 0) & (ids < vocab)
+    return torch.unique((row_idx * vocab + ids)[keep], sorted=True, return_counts=True)
+
+
 @dataclass
 class SamplingBatchInfo:
     """Per-step, per-row sampling state for one batch, on the logits' device.
@@ -72,11 +85,12 @@ class SamplingBatchInfo:
     need_top_k: bool  # some sampled row has 1 < top_k < vocab
     need_top_p: bool  # some sampled row has top_p < 1
     need_min_p: bool  # some sampled row has min_p > 0
-    repetition_penalties: Tensor | None  # [B, 1] float32
-    repetition_mask: Tensor | None  # [B, V] bool: token occurs in prompt or output
-    frequency_penalties: Tensor | None  # [B, 1] float32
-    presence_penalties: Tensor | None  # [B, 1] float32
-    output_counts: Tensor | None  # [B, V] float32: occurrences in output
+    # Penalties, sparse: only the (row, token) pairs they touch, as flat indices into the
+    # [B * V] logits (distinct, int64) and a value per index (float32), on device. Building and
+    # applying them costs the prompt's and output's lengths, not B x V (a dense [B, V] mask of a
+    # 1500-token prompt took ~5 ms a step at 8 rows).
+    repetition: tuple[Tensor, Tensor] | None  # pairs in prompt or output; the row's penalty
+    output_penalty: tuple[Tensor, Tensor] | None  # pairs in output; frequency x count + presence
     banned_mask: Tensor | None  # [B, V] bool: min_new_tokens not yet reached -> EOS/stop ids
     # logit_bias of every row that has one, as (rows, token ids, values) [N] each (int64,
     # int64, float32 on device); None when no row has one.
@@ -95,8 +109,8 @@ class SamplingBatchInfo:
         """All greedy, nothing to penalize, ban or report: a bare argmax suffices."""
         return (
             not self.sampled_rows
-            and self.repetition_mask is None
-            and self.output_counts is None
+            and self.repetition is None
+            and self.output_penalty is None
             and self.banned_mask is None
             and self.logit_bias is None
             and not self.logprob_rows
@@ -152,29 +166,28 @@ class SamplingBatchInfo:
             sampled_idx = torch.tensor(sampled_rows, dtype=torch.long, device=dev)
 
         rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
-        rep_pen = rep_mask = None
+        repetition = None
         if rep_rows:
-            rep_pen = torch.tensor(
-                [[float(p.repetition_penalty)] for p in params], dtype=torch.float32, device=dev
-            )
             rows = [i for i in rep_rows for _ in (0, 1)]
             chunks = [c for i in rep_rows for c in (prompt_ids[i], output_ids[i])]
-            rep_mask = _scatter_counts(rows, chunks, batch, vocab, dev) > 0
+            flat, _ = _distinct_pairs(rows, chunks, vocab)
+            per_row = torch.tensor([float(p.repetition_penalty) for p in params])
+            repetition = (flat.to(dev), per_row[flat // vocab].to(dev))
 
         fp_rows = [
             i
             for i, p in enumerate(params)
             if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
         ]
-        freq = pres = counts = None
+        output_penalty = None
         if fp_rows:
-            freq = torch.tensor(
-                [[float(p.frequency_penalty)] for p in params], dtype=torch.float32, device=dev
-            )
-            pres = torch.tensor(
-                [[float(p.presence_penalty)] for p in params], dtype=torch.float32, device=dev
-            )
-            counts = _scatter_counts(fp_rows, [output_ids[i] for i in fp_rows], batch, vocab, dev)
+            flat, counts = _distinct_pairs(fp_rows, [output_ids[i] for i in fp_rows], vocab)
+            if flat.numel():
+                freq = torch.tensor([float(p.frequency_penalty) for p in params])
+                pres = torch.tensor([float(p.presence_penalty) for p in params])
+                row = flat // vocab
+                amount = freq[row] * counts.float() + pres[row]
+                output_penalty = (flat.to(dev), amount.to(dev))
 
         eos = tuple(eos_token_ids)
         ban_rows: list[int] = []
@@ -217,11 +230,8 @@ class SamplingBatchInfo:
             need_top_k=need_top_k,
             need_top_p=need_top_p,
             need_min_p=need_min_p,
-            repetition_penalties=rep_pen,
-            repetition_mask=rep_mask,
-            frequency_penalties=freq,
-            presence_penalties=pres,
-            output_counts=counts,
+            repetition=repetition,
+            output_penalty=output_penalty,
             banned_mask=banned_mask,
             logit_bias=bias,
             row_seeds=row_seeds,

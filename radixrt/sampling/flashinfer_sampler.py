@@ -28,8 +28,8 @@ from radixrt.sampling.batch_info import SamplingBatchInfo
 def flashinfer_covers(info: SamplingBatchInfo) -> bool:
     """True when FlashInfer's kernels can sample every row of `info` exactly as requested."""
     return (
-        info.repetition_mask is None
-        and info.output_counts is None
+        info.repetition is None
+        and info.output_penalty is None
         and info.banned_mask is None
         and info.logit_bias is None
         and info.vocab_bitmask is None

@@ -60,14 +60,17 @@ def apply_penalties(logits: Tensor, info: SamplingBatchInfo) -> Tensor:
     stop_token_ids to -inf. Then grammar masks (see the module docstring).
     """
     out = logits
-    if info.repetition_mask is not None:
-        assert info.repetition_penalties is not None
-        r = info.repetition_penalties
-        out = torch.where(info.repetition_mask, torch.where(out > 0, out / r, out * r), out)
-    if info.output_counts is not None:
-        assert info.frequency_penalties is not None and info.presence_penalties is not None
-        c = info.output_counts
-        out = out - info.frequency_penalties * c - info.presence_penalties * (c > 0).float()
+    if info.repetition is not None or info.output_penalty is not None:
+        out = logits.clone(memory_format=torch.contiguous_format)
+        flat = out.view(-1)
+        if info.repetition is not None:  # distinct indices: a gather and a scatter
+            idx, r = info.repetition
+            v = flat.index_select(0, idx)
+            r = r.to(v.dtype)
+            flat.index_copy_(0, idx, torch.where(v > 0, v / r, v * r))
+        if info.output_penalty is not None:
+            idx, amount = info.output_penalty
+            flat.index_add_(0, idx, -amount.to(flat.dtype))
     if info.logit_bias is not None:
         rows, ids, values = info.logit_bias
         out = out.index_put((rows, ids), values.to(out.dtype), accumulate=True)
