@@ -83,7 +83,7 @@ class ServerArgs:
         "auto", "quantized weights: the matmul kernel: auto (vnni where it is built and the "
                 "start-up probe times it faster than radixrt, else radixrt's C++ qgemv when its "
                 "library builds, else torch) | radixrt (C++ qgemv: GGUF scales exact, bf16 dot "
-                "products on AVX512-BF16 CPUs) | vnni (C++ qgemm_vnni, AVX512-VNNI CPUs only: "
+                "products on AVX512-BF16 CPUs) | vnni (C++ qgemm_vnni, AVX512-VNNI or AVX2 CPUs: "
                 "activations rounded to int8 per group of 32, int8 dot products, every row "
                 "count) | torch (_weight_int4pack_mm_for_cpu)")
     disable_quant_dense_copy: bool = _f(

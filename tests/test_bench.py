@@ -358,8 +358,12 @@ def test_thread_placement_from_the_round_trip_op(monkeypatch):
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        ns = torch.ops.radixrt.thread_round_trip_ns(500)
-        assert 0 < ns < 1e6
+        # A core-to-core round trip is ~0.1-1 us; with another process on a 2-core host a
+        # spinning thread can wait out its peer's time slice (4 ms a round seen in CI beside a
+        # compile): the best of a few tries, bounded by a few time slices, not by the cache.
+        tries = [torch.ops.radixrt.thread_round_trip_ns(500) for _ in range(3)]
+        assert all(t > 0 for t in tries)
+        assert min(tries) < 2e7
         got = R.thread_placement(500, 200_000)
         assert got["placement"] in ("near", "far") and got["round_trip_ns"] > 0
         far_ns = torch.ops.radixrt.far_round_trip_ns()

@@ -67,7 +67,8 @@ def _kernels() -> None:
     if not cpu_kernels.load_cpu_kernels():
         pytest.skip(f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
     if not vnni_kernel_available():
-        pytest.skip("this CPU has no AVX512-VNNI (the no-VNNI builds are checked below)")
+        pytest.skip("this build has no int8 kernel (neither AVX512-VNNI nor AVX2; the generic "
+                    "build is checked below)")
 
 
 def _gguf_groups(n: int, k: int, qtype: str, seed: int) -> Int4Groups:
@@ -475,23 +476,72 @@ _NO_VNNI_CHECK = textwrap.dedent("""
         qm.resolve_quant_kernel("vnni")
         raise SystemExit("vnni resolved without VNNI")
     except ValueError as e:
-        assert "ServerArgs.quant_kernel" in str(e) and "VNNI" in str(e), e
+        assert "ServerArgs.quant_kernel" in str(e) and "AVX2 or AVX512-VNNI" in str(e), e
     try:
         torch.ops.radixrt.qgemm_vnni(torch.zeros(1, 32),
                                      torch.zeros(1, 1, 320, dtype=torch.uint8), 4)
         raise SystemExit("the op ran without VNNI")
     except RuntimeError as e:
-        assert "without AVX512-VNNI" in str(e), e
+        assert "without AVX2 or AVX512-VNNI" in str(e), e
     print("ok")
 """)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("isa", ["avx2", "default"])
-def test_builds_without_vnni_refuse_cleanly(isa: str) -> None:
-    """The AVX2 and generic builds compile the file, report "none" and refuse the op (checked
-    in a fresh process: one kernel library per process; cached after the first run)."""
-    assert run_isa_check(isa, _NO_VNNI_CHECK).split() == ["none", "ok"]
+def test_generic_build_refuses_cleanly() -> None:
+    """The generic build compiles the file, reports "none" and refuses the op (checked in a
+    fresh process: one kernel library per process; cached after the first run)."""
+    assert run_isa_check("default", _NO_VNNI_CHECK).split() == ["none", "ok"]
+
+
+_AVX2_SAME_BITS_CHECK = textwrap.dedent("""
+    import sys
+    import torch
+    from radixrt.attention import cpu_kernels
+    assert cpu_kernels.load_cpu_kernels(), cpu_kernels.unavailable_reason()
+    print(torch.ops.radixrt.qgemm_vnni_isa())
+    cases = torch.load(sys.argv[1])
+    for inp, packed, bits, silu, argmax, want in cases:
+        if argmax:
+            got = torch.ops.radixrt.qgemm_vnni_f32_argmax(inp, packed, bits)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+            continue
+        op = torch.ops.radixrt.qgemm_vnni_silu if silu else torch.ops.radixrt.qgemm_vnni
+        got = op(inp, packed, bits)
+        assert got.dtype == want.dtype and torch.equal(got, want), (inp.shape, bits, silu)
+    print("ok", len(cases))
+""")
+
+
+@pytest.mark.slow
+def test_avx2_build_gives_the_same_bits(tmp_path: Path) -> None:
+    """The AVX2 build (vpmaddubsw on half tiles) gives bitwise this build's outputs for every
+    layout, row blocking, dtype, the SiLU input and the fused argmax: the integer dots are exact
+    and the fp32 steps the same. On an AVX512-VNNI CPU that compares the two instruction sets;
+    on an AVX2 CPU it still runs the AVX2 build in a fresh process."""
+    if torch.ops.radixrt.qgemm_vnni_isa() not in ("avx512vnni", "avx2"):
+        pytest.skip("no int8 kernel in this build")
+    cases = []
+    for i, (layout, rows) in enumerate(zip(LAYOUTS * 4, [1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 17,
+                                                          64, 65, 100, 3, 1, 8, 33, 2, 6],
+                                       strict=False)):
+        vm = _layout(layout, 48, 96 if i % 2 else 64, seed=i)
+        g = torch.Generator().manual_seed(i)
+        x = torch.randn(rows, vm.packed.shape[1] * 32, generator=g) * (1 + i)
+        x[0, :32] = 0  # an all-zero group
+        for dt in (torch.float32, torch.bfloat16):
+            xi = x.to(dt)
+            cases.append((xi, vm.packed, vm.bits, False, False,
+                          torch.ops.radixrt.qgemm_vnni(xi, vm.packed, vm.bits)))
+            gu = torch.cat([xi, xi.flip(1)], 1)
+            cases.append((gu, vm.packed, vm.bits, True, False,
+                          torch.ops.radixrt.qgemm_vnni_silu(gu, vm.packed, vm.bits)))
+        cases.append((x, vm.packed, vm.bits, False, True,
+                      torch.ops.radixrt.qgemm_vnni_f32_argmax(x, vm.packed, vm.bits)))
+    path = tmp_path / "cases.pt"
+    torch.save(cases, path)
+    out = run_isa_check("avx2", _AVX2_SAME_BITS_CHECK.replace("sys.argv[1]", repr(str(path))))
+    assert out.split() == ["avx2", "ok", str(len(cases))]
 
 
 def test_vnni_flag_is_added_only_when_the_cpu_has_it(monkeypatch: pytest.MonkeyPatch,

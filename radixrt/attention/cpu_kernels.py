@@ -5,7 +5,7 @@ The sources are compiled with `torch.utils.cpp_extension` into one shared librar
 (`csrc/decode_plan.cpp`), a CPU decode batch's index tensors (`csrc/decode_batch.cpp`, used by
 `ForwardBatch.build`), extend (prefill) attention (`csrc/extend_attention.cpp`), the
 quantized small-M matmul (`csrc/qgemv.cpp`), the int8-activation VNNI quantized matmul
-(`csrc/qgemm_vnni.cpp`, AVX512-VNNI CPUs only), the fused layer ops (`csrc/fused_ops.cpp`), the
+(`csrc/qgemm_vnni.cpp`, AVX512-VNNI or AVX2 CPUs), the fused layer ops (`csrc/fused_ops.cpp`), the
 decode step's layer loop over them (`csrc/decode_layers.cpp`, its thread team in
 `csrc/team.h`), greedy sampling's row-wise argmax (`csrc/argmax.cpp`), the sampled rows' filter and draw
 (`csrc/sample.cpp`) and what benchmarks

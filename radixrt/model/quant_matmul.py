@@ -12,9 +12,9 @@ from an `Int4Groups` weight and computing `x @ W.T` for `x [M, in]` in x's dtype
   where radixrt's kernel library does not build.
 
 - `VnniQuantMatmul` ("vnni"): radixrt's C++ kernel `torch.ops.radixrt.qgemm_vnni`
-  (radixrt/attention/csrc/qgemm_vnni.cpp) on AVX512-VNNI CPUs: activations quantized to int8
-  per row and group of 32, integer dot products (vpdpbusd) against the exact weight codes, for
-  every row count (decode and prefill), on a layout made once at load time (`pack_vnni`).
+  (radixrt/attention/csrc/qgemm_vnni.cpp) on AVX512-VNNI or AVX2 CPUs: activations quantized to
+  int8 per row and group of 32, integer dot products (vpdpbusd; vpmaddubsw on AVX2) against the
+  exact weight codes, for every row count (decode and prefill), on a layout made once at load time (`pack_vnni`).
 
 `make_quant_matmul(groups, kernel)` picks one: `kernel` is "auto" (radixrt when its library
 loads, else torch; the start-up probe may pick vnni instead, see `quant_kernel_candidates`),
@@ -286,7 +286,8 @@ class VnniQuantMatmul(QuantMatmul):
     quantized per group of 32 to int8 (absmax / 127, round to nearest even) and dotted with the
     unsigned weight codes by vpdpbusd; weights (GGUF scales) are exact, so the result is the
     exact-weight matmul of the int8-rounded activations (relative error per group <= 1/254 of
-    its absmax), summed in fp32. AVX512-VNNI CPUs only; every row count."""
+    its absmax), summed in fp32. AVX512-VNNI or AVX2 CPUs (the same bits on both); every row
+    count."""
 
     name = "vnni"
 
@@ -345,7 +346,7 @@ def radixrt_kernel_available() -> bool:
 
 def vnni_kernel_available() -> bool:
     """Whether `torch.ops.radixrt.qgemm_vnni` is usable here: the library loads and was built
-    with AVX512-VNNI (elsewhere the op exists but refuses)."""
+    with AVX512-VNNI or AVX2 (`qgemm_vnni_isa()`; a generic build's op exists but refuses)."""
     return (radixrt_kernel_available() and hasattr(torch.ops.radixrt, "qgemm_vnni_isa")
             and torch.ops.radixrt.qgemm_vnni_isa() != "none")
 
@@ -365,9 +366,9 @@ def resolve_quant_kernel(kernel: str) -> str:
             return "vnni"
         from radixrt.attention.cpu_kernels import unavailable_reason
 
-        why = unavailable_reason() or "the library was built without AVX512-VNNI"
+        why = unavailable_reason() or "the library was built without AVX2 or AVX512-VNNI"
         raise ValueError("ServerArgs.quant_kernel: 'vnni' needs radixrt's CPU kernel library "
-                         f"built for an AVX512-VNNI CPU ({why})")
+                         f"built for an AVX2 or AVX512-VNNI CPU ({why})")
     if radixrt_kernel_available():
         return "radixrt"
     if kernel == "radixrt":

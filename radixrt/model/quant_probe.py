@@ -15,7 +15,7 @@ quantizes them), so nothing is assumed from the dtype:
   kernel faster at every row count up to ROWS[-1] (a prefill size: the int8-activation vnni
   kernel) runs every call, and no dense copy is kept.
 - `quant_kernel="auto"` with several candidate kernels (`quant_kernel_candidates`: vnni and
-  radixrt on AVX512-VNNI CPUs) times each and keeps the one with the smallest mean of its
+  radixrt on AVX512-VNNI and AVX2 CPUs) times each and keeps the one with the smallest mean of its
   time / dense time over the widths and row counts all of them were timed at.
 
 The timing runs over a model-shaped weight set of at least PROBE_PARAMS parameters, more than a
@@ -53,7 +53,7 @@ LARGE_ROWS, LARGE_SHARE = 128, 8
 PROBE_PARAMS = 24_000_000  # 48 MB of bf16 weights: beyond the caches of the CPUs we run on
 MIN_REPS, MAX_REPS = 2, 6
 ROW_BUDGET_S = 0.15  # timed reps of one row count stop after this long (once MIN_REPS are in)
-BUDGET_S = 1.5  # no further row count is started after this long (a loaded machine)
+BUDGET_S = 3.0  # no further row count is started after this long (a loaded or slow machine)
 KINDS = ("dense", "int4", "int8")
 
 # (rows, dense dtype) -> best ms per kind for a pass over the probe weights at each of rows;

@@ -1,4 +1,4 @@
-// Quantized matmul with int8 activations on AVX512-VNNI (llama.cpp's approach), for every row
+// Quantized matmul with int8 activations on AVX512-VNNI or AVX2 (llama.cpp's approach), for every row
 // count: y[M, N] = x[M, K] @ W[N, K]^T, W in groups of 32 input features with an unsigned code,
 // a per-group scale d and offset c:  W[n, k] = d[n, g] * u[n, k] + c[n, g],  g = k / 32.
 //   4-bit (GGUF Q4_0 / Q4_1): u in 0..15   (Q4_0: c = -8d; Q4_1: c = m)
@@ -49,9 +49,11 @@
 // the region quantizes and multiplies on the calling thread. The quantized activations live in
 // a per-thread scratch buffer. qgemm_vnni_silu(gate_up [M, 2K]) quantizes silu(gate) * up
 // instead of x, computed as radixrt::silu_mul computes it (silu_mul.h), so its result is bitwise
-// qgemm_vnni(silu_mul(gate_up)): the one-call decode step's down projections use it. Built only
-// where the compiler has __AVX512VNNI__ (the builder adds -mavx512vnni when /proc/cpuinfo lists
-// avx512_vnni); elsewhere the op refuses with an error and qgemm_vnni_isa() returns "none".
+// qgemm_vnni(silu_mul(gate_up)): the one-call decode step's down projections use it.
+// Instruction sets: AVX512-VNNI where the compiler has __AVX512VNNI__ (the builder adds
+// -mavx512vnni when /proc/cpuinfo lists avx512_vnni): one tile per zmm, vpdpbusd; else AVX2 +
+// FMA + F16C: half tiles per ymm, vpmaddubsw (the AVX2 section says how; bitwise the same
+// outputs); elsewhere the op refuses with an error and qgemm_vnni_isa() returns "none".
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -78,6 +80,12 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define RADIXRT_QGEMM_VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define RADIXRT_QGEMM_AVX2 1
+#endif
+#if defined(RADIXRT_QGEMM_VNNI) || defined(RADIXRT_QGEMM_AVX2)
+#define RADIXRT_QGEMM_INT8 1
 #endif
 
 namespace radixrt_cpu {
@@ -88,7 +96,7 @@ using at::Tensor;
 constexpr int64_t kTile = 16;
 constexpr int64_t kGroup = 32;
 
-#if defined(RADIXRT_QGEMM_VNNI)
+#if defined(RADIXRT_QGEMM_INT8)
 // Activation rows per block of the quantized layout (and the main pass's MT).
 constexpr int64_t kRowBlock = 8;
 // Rows per work item at most (a multiple of kRowBlock) and weights per item at least.
@@ -138,6 +146,8 @@ struct Problem {
   int64_t code_bytes() const { return 64 * bits; }
 };
 
+#if defined(RADIXRT_QGEMM_VNNI)
+// ---- AVX512-VNNI: one tile per zmm, vpdpbusd ------------------------------------------------
 inline __m512 load_scale(const uint8_t* p, bool half) {
   if (half) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_loadu_ps(reinterpret_cast<const float*>(p));
@@ -293,20 +303,6 @@ inline void rows_any(const Problem& p, int64_t rows, int64_t m, int64_t t0, int6
   }
 }
 
-// Rows [r0, r1) x tiles [t0, t1) (r0 a multiple of kRowBlock): panels of kPanelTiles tiles, row
-// blocks inner (a panel's weights come from memory once, from cache for the other blocks; an
-// 8-row block's activations stay in L1 across the panel: 1.05x over 1-tile panels at 64 rows).
-// Only a panel's first row block prefetches (the others find the weights in cache).
-template <int BITS, bool AFFINE, typename Out>
-void item(const Problem& p, int64_t r0, int64_t r1, int64_t t0, int64_t t1, Out* y, int64_t ldy) {
-  if (r1 - r0 <= kRowBlock) return rows_any<BITS, AFFINE>(p, r1 - r0, r0, t0, t1, y, ldy, true);
-  for (int64_t ts = t0; ts < t1; ts += kPanelTiles) {
-    const int64_t te = std::min(t1, ts + kPanelTiles);
-    for (int64_t m = r0; m < r1; m += kRowBlock)
-      rows_any<BITS, AFFINE>(p, std::min(kRowBlock, r1 - m), m, ts, te, y, ldy, m == r0);
-  }
-}
-
 // Activations of one group of 32 (float32 or bfloat16) as two fp32 vectors.
 template <typename In>
 inline void load_group(const In* src, __m512& a, __m512& b) {
@@ -323,55 +319,6 @@ inline void load_group(const In* src, __m512& a, __m512& b) {
 }
 
 static_assert(kVec == kTile, "the AVX512 build's at::vec::Vectorized<float> holds 16 lanes");
-
-// The activation rows a call quantizes: x [M, K] itself (SILU false), or silu(gate) * up of
-// gate_up [M, 2K] = [gate | up] (SILU true) rounded to In, element for element what
-// radixrt::silu_mul stores (silu_mul.h), so that the quantized activations, and the result, are
-// bitwise those of qgemm_vnni(silu_mul(gate_up)).
-template <typename In, bool SILU>
-struct ActRows {
-  static constexpr bool kSilu = SILU;
-  const In* x;
-  int64_t ld;        // elements from one row to the next
-  int64_t k;         // activation features per row
-  int64_t vec_end;   // SILU: features [0, vec_end) take silu_mul's vector path
-
-  // SILU: groups [g0, g1) of row r as fp32 into buf (silu_mul's vector path covers whole groups:
-  // vec_end is a multiple of 32). One tight loop, as silu_mul's (measured: 1.3x the SiLU speed
-  // of computing it group by group between the quantization steps).
-  void silu_groups(int64_t r, int64_t g0, int64_t g1, float* buf) const {
-    const In* row = x + r * ld;
-    for (int64_t i = g0 * kGroup; i < g1 * kGroup; i += kGroup, buf += kGroup) {
-      if (i < vec_end) {
-        Vec lo, hi;
-        silu_times_up<In>(row + i, row + k + i, lo, hi);
-        round_pair<In>(lo, hi);
-        lo.store(buf);
-        hi.store(buf + kVec);
-      } else {
-        for (int64_t j = 0; j < kGroup; ++j)
-          buf[j] = round_to<In>(silu_times_up_scalar<In>(row[i + j], row[k + i + j]));
-      }
-    }
-  }
-};
-
-// Groups of one row quantized per run of this many (SILU: the run's products buffered first).
-constexpr int64_t kRunGroups = 16;
-
-// Bytes of the quantized activations of m rows of `groups` groups (see `Acts`, `acts_at`).
-inline int64_t acts_bytes(int64_t m, int64_t groups) {
-  return (m + kRowBlock - 1) / kRowBlock * groups * kRowBlock * (kGroup + 3 * 4);
-}
-
-// `Acts` over a buffer of acts_bytes(m, groups): xq int8 [B, G, 8, 32], then sx, S float32 and
-// corr int32 [B * 8, G] each; B = ceil(M / 8).
-inline Acts acts_at(uint8_t* base, int64_t m, int64_t groups) {
-  const int64_t n = (m + kRowBlock - 1) / kRowBlock * groups * kRowBlock;
-  const float* sx = reinterpret_cast<const float*>(base + n * kGroup);
-  return {reinterpret_cast<const int8_t*>(base), sx, sx + n,
-          reinterpret_cast<const int32_t*>(sx + 2 * n)};
-}
 
 // One group (lo, hi: its 32 activations) quantized into `a`: its codes at entry q of xq, its
 // scales at entry i of sx, xs and corr (see `Acts`).
@@ -403,6 +350,432 @@ inline void quantize_group(__m512 lo, __m512 hi, int64_t q, int64_t i, int32_t c
   corr[i] = -code_offset * sum;
 }
 
+// quantize_group on the 32 activations at src.
+template <typename In>
+inline void quantize_group_from(const In* src, int64_t q, int64_t i, int32_t code_offset,
+                                const Acts& a) {
+  __m512 lo, hi;
+  load_group(src, lo, hi);
+  quantize_group(lo, hi, q, i, code_offset, a);
+}
+
+// One row's lanes over the columns a run has visited.
+struct LanePick {
+  __m512 vmax;
+  __m512i vidx;
+  int64_t first_nan = -1;
+  bool started = false;
+
+  void visit(const float* y, int32_t column) {
+    const __m512 v = _mm512_loadu_ps(y);
+    const __m512i idx =
+        _mm512_add_epi32(_mm512_set1_epi32(column),
+                         _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    if (nan != 0 && first_nan < 0) first_nan = column + __builtin_ctz(nan);
+    if (!started) {
+      vmax = v;
+      vidx = idx;
+      started = true;
+      return;
+    }
+    const __mmask16 gt = _mm512_cmp_ps_mask(v, vmax, _CMP_GT_OQ);
+    vmax = _mm512_mask_mov_ps(vmax, gt, v);
+    vidx = _mm512_mask_mov_epi32(vidx, gt, idx);
+  }
+
+  RowPick reduce() const {
+    RowPick p;
+    if (!started) return p;
+    alignas(64) float m[kTile];
+    alignas(64) int32_t ix[kTile];
+    _mm512_store_ps(m, vmax);
+    _mm512_store_si512(ix, vidx);
+    p.value = m[0];
+    p.column = ix[0];
+    for (int64_t l = 1; l < kTile; ++l) {
+      if (m[l] > p.value || (m[l] == p.value && ix[l] < p.column)) {
+        p.value = m[l];
+        p.column = ix[l];
+      }
+    }
+    p.first_nan = first_nan;
+    return p;
+  }
+};
+
+#endif  // RADIXRT_QGEMM_VNNI
+
+#if defined(RADIXRT_QGEMM_AVX2)
+// ---- AVX2 (no VNNI): vpmaddubsw + vpmaddwd in place of vpdpbusd ------------------------------
+// Half tiles: a ymm holds 8 of a tile's 16 lanes, so a pass covers half tile h = 2t + s: lanes
+// 8s..8s+7 of tile t, i.e. bytes 32s..32s+31 of each 64-byte code vector and scales 8s..8s+7.
+// 16 ymm registers hold MT <= 4 rows x HT half tiles of fp32 and integer accumulators.
+// - 4-bit: vpmaddubsw(u, x) sums two products u * x per int16 lane, at most 2 * 15 * 127 = 3810;
+//   a group's 8 such vectors per row add up in int16 (16 products, at most 30480 < 2^15) and are
+//   widened once per group (vpmaddwd by ones).
+// - 8-bit: u = q + 128 times x could exceed int16 in vpmaddubsw's pair sums, so the signed code
+//   q = u ^ 0x80 is used as |q| (unsigned) times sign(x, q): at most 2 * 128 * 127 = 32512, each
+//   vector widened at once. That is dot(q, xq) = dot(u, xq) - 128 sum(xq) = dot(u, xq) + corr:
+//   the symmetric layout's dot with its correction already in; the affine one adds -corr.
+// Every integer dot is exact and the fp32 steps are the VNNI path's, in its order, so both
+// builds give bitwise the same outputs.
+// Cost (Zen 1, whose 256-bit ops are two 128-bit halves): vpmaddubsw issues on one pipe, so a
+// 4-bit group costs 16 vpmaddubsw halves per row and half tile (1 row: ~16 weights a cycle, more
+// than one core's share of memory bandwidth delivers).
+constexpr int64_t kHalf = 8;
+
+inline __m256 load_scale8(const uint8_t* p, bool half) {
+  if (half) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
+}
+
+// 8 fp32 lanes to dst; bfloat16 rounds to nearest even (NaN -> 0x7FC0), as store16.
+template <typename Out>
+inline void store8(Out* dst, __m256 v) {
+  if constexpr (std::is_same_v<Out, float>) {
+    _mm256_storeu_ps(dst, v);
+  } else {
+    const __m256i b = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(
+        _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0),
+                           _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst),
+                     _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+  }
+}
+
+// The 4 activation bytes at x in every 32-bit lane.
+inline __m256i bcast4(const int8_t* x) {
+  int32_t v;
+  std::memcpy(&v, x, sizeof v);
+  return _mm256_set1_epi32(v);
+}
+
+// One pass: rows [m0, m0 + MT) (MT <= 4, inside one row block), half tiles [h0, h0 + HT), all
+// groups. `prefetch` (h0 even): fetch the next tile's blob group by group.
+template <int MT, int HT, int BITS, bool AFFINE, typename Out>
+inline void block_avx2(const Problem& p, int64_t m0, int64_t h0, Out* y, int64_t ldy,
+                       bool prefetch) {
+  static_assert(MT <= 4 && HT <= 2);
+  __m256 acc[MT][HT];
+#pragma GCC unroll 4
+  for (int m = 0; m < MT; ++m)
+#pragma GCC unroll 2
+    for (int ht = 0; ht < HT; ++ht) acc[m][ht] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int8_t* xg = p.a.xq + ((m0 / kRowBlock) * p.groups * kRowBlock + m0 % kRowBlock) * kGroup;
+  const int64_t ls = p.groups;
+  const float* sxg = p.a.sx + m0 * ls;
+  const float* xsg = p.a.xs + m0 * ls;
+  const int32_t* corrg = p.a.corr + m0 * ls;
+  const int64_t sbytes = p.half ? 2 : 4;
+  const uint8_t* wb[HT];
+  int64_t side[HT];
+#pragma GCC unroll 2
+  for (int ht = 0; ht < HT; ++ht) {
+    wb[ht] = p.w + ((h0 + ht) / 2) * p.groups * p.blob;
+    side[ht] = (h0 + ht) % 2;
+  }
+  prefetch = prefetch && kPrefetchNextPass && h0 % 2 == 0;
+  const int64_t ahead = p.groups * p.blob;  // a tile's group to the next tile's
+  for (int64_t g = 0; g < p.groups; ++g) {
+    if (prefetch)
+      for (int64_t o = 0; o < p.blob; o += 64) __builtin_prefetch(wb[0] + ahead + o, 0, 1);
+    __m256i dot[MT][HT];
+    if constexpr (BITS == 4) {
+      const __m256i low4 = _mm256_set1_epi8(0x0F);
+#pragma GCC unroll 4
+      for (int m = 0; m < MT; ++m)
+#pragma GCC unroll 2
+        for (int ht = 0; ht < HT; ++ht) dot[m][ht] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+      for (int v = 0; v < 4; ++v) {
+        __m256i lo[HT], hi[HT];
+#pragma GCC unroll 2
+        for (int ht = 0; ht < HT; ++ht) {
+          const __m256i raw = _mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(wb[ht] + 64 * v + 32 * side[ht]));
+          lo[ht] = _mm256_and_si256(raw, low4);
+          hi[ht] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+        }
+#pragma GCC unroll 4
+        for (int m = 0; m < MT; ++m) {
+          const __m256i xl = bcast4(xg + m * kGroup + 8 * v);
+          const __m256i xh = bcast4(xg + m * kGroup + 8 * v + 4);
+#pragma GCC unroll 2
+          for (int ht = 0; ht < HT; ++ht) {
+            dot[m][ht] = _mm256_add_epi16(dot[m][ht], _mm256_maddubs_epi16(lo[ht], xl));
+            dot[m][ht] = _mm256_add_epi16(dot[m][ht], _mm256_maddubs_epi16(hi[ht], xh));
+          }
+        }
+      }
+#pragma GCC unroll 4
+      for (int m = 0; m < MT; ++m) {
+        const __m256i base = AFFINE ? _mm256_setzero_si256() : _mm256_set1_epi32(corrg[m * ls]);
+#pragma GCC unroll 2
+        for (int ht = 0; ht < HT; ++ht)
+          dot[m][ht] = _mm256_add_epi32(base, _mm256_madd_epi16(dot[m][ht], ones));
+      }
+    } else {
+      const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+#pragma GCC unroll 4
+      for (int m = 0; m < MT; ++m)
+#pragma GCC unroll 2
+        for (int ht = 0; ht < HT; ++ht)
+          dot[m][ht] = AFFINE ? _mm256_set1_epi32(-corrg[m * ls]) : _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int v = 0; v < 8; ++v) {
+        __m256i q[HT], aq[HT];
+#pragma GCC unroll 2
+        for (int ht = 0; ht < HT; ++ht) {
+          q[ht] = _mm256_xor_si256(
+              _mm256_loadu_si256(
+                  reinterpret_cast<const __m256i*>(wb[ht] + 64 * v + 32 * side[ht])),
+              flip);
+          aq[ht] = _mm256_abs_epi8(q[ht]);
+        }
+#pragma GCC unroll 4
+        for (int m = 0; m < MT; ++m) {
+          const __m256i xb = bcast4(xg + m * kGroup + 4 * v);
+#pragma GCC unroll 2
+          for (int ht = 0; ht < HT; ++ht) {
+            const __m256i pr = _mm256_maddubs_epi16(aq[ht], _mm256_sign_epi8(xb, q[ht]));
+            dot[m][ht] = _mm256_add_epi32(dot[m][ht], _mm256_madd_epi16(pr, ones));
+          }
+        }
+      }
+    }
+#pragma GCC unroll 2
+    for (int ht = 0; ht < HT; ++ht) {
+      const uint8_t* sc = wb[ht] + p.code_bytes() + side[ht] * kHalf * sbytes;
+      const __m256 d = load_scale8(sc, p.half);
+#pragma GCC unroll 4
+      for (int m = 0; m < MT; ++m) {
+        const __m256 f =
+            _mm256_mul_ps(_mm256_cvtepi32_ps(dot[m][ht]), _mm256_set1_ps(sxg[m * ls]));
+        acc[m][ht] = _mm256_fmadd_ps(f, d, acc[m][ht]);
+      }
+      if constexpr (AFFINE) {
+        const __m256 c = load_scale8(sc + kTile * sbytes, p.half);
+#pragma GCC unroll 4
+        for (int m = 0; m < MT; ++m)
+          acc[m][ht] = _mm256_fmadd_ps(c, _mm256_set1_ps(xsg[m * ls]), acc[m][ht]);
+      }
+    }
+#pragma GCC unroll 2
+    for (int ht = 0; ht < HT; ++ht) wb[ht] += p.blob;
+    xg += kRowBlock * kGroup;
+    ++sxg;
+    ++xsg;
+    ++corrg;
+  }
+#pragma GCC unroll 4
+  for (int m = 0; m < MT; ++m)
+#pragma GCC unroll 2
+    for (int ht = 0; ht < HT; ++ht) store8(y + (m0 + m) * ldy + (h0 + ht) * kHalf, acc[m][ht]);
+}
+
+// `rows` (1 .. kRowBlock) rows at m over tiles [t0, t1): one row takes a whole tile per pass
+// (two half tiles: more independent chains); more rows go half tile by half tile, in passes of
+// up to 4 rows that find the half tile's weights in L1 after the first.
+template <int BITS, bool AFFINE, typename Out>
+inline void rows_any(const Problem& p, int64_t rows, int64_t m, int64_t t0, int64_t t1, Out* y,
+                     int64_t ldy, bool prefetch) {
+  if (rows == 1) {
+    for (int64_t t = t0; t < t1; ++t) block_avx2<1, 2, BITS, AFFINE>(p, m, 2 * t, y, ldy, prefetch);
+    return;
+  }
+  for (int64_t h = 2 * t0; h < 2 * t1; ++h) {
+    for (int64_t r = 0; r < rows; r += 4) {
+      const bool pf = prefetch && r == 0;
+      switch (std::min<int64_t>(4, rows - r)) {
+        case 1: block_avx2<1, 1, BITS, AFFINE>(p, m + r, h, y, ldy, pf); break;
+        case 2: block_avx2<2, 1, BITS, AFFINE>(p, m + r, h, y, ldy, pf); break;
+        case 3: block_avx2<3, 1, BITS, AFFINE>(p, m + r, h, y, ldy, pf); break;
+        default: block_avx2<4, 1, BITS, AFFINE>(p, m + r, h, y, ldy, pf); break;
+      }
+    }
+  }
+}
+
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+  return _mm_cvtss_f32(m);
+}
+
+inline int32_t hsum8_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// The 32 activations at src (float32 or bfloat16) quantized into `a`: codes at entry q of xq,
+// scales at entry i of sx, xs and corr; the VNNI path's arithmetic (see quantize_group there).
+template <typename In>
+inline void quantize_group_from(const In* src, int64_t q, int64_t i, int32_t code_offset,
+                                const Acts& a) {
+  __m256 v[4];
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j) {
+    if constexpr (std::is_same_v<In, float>) {
+      v[j] = _mm256_loadu_ps(src + 8 * j);
+    } else {  // bfloat16: the high half of an fp32 (exact)
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 8 * j));
+      v[j] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+    }
+  }
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256 mx = _mm256_max_ps(
+      _mm256_max_ps(_mm256_and_ps(v[0], abs_mask), _mm256_and_ps(v[1], abs_mask)),
+      _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask)));
+  const float s = hmax8(mx) / 127.f;
+  int8_t* dst = const_cast<int8_t*>(a.xq) + q * kGroup;
+  float* sx = const_cast<float*>(a.sx);
+  float* xs = const_cast<float*>(a.xs);
+  int32_t* corr = const_cast<int32_t*>(a.corr);
+  if (s == 0.f) {
+    std::fill(dst, dst + kGroup, 0);
+    sx[i] = 0.f;
+    xs[i] = 0.f;
+    corr[i] = 0;
+    return;
+  }
+  const __m256 vs = _mm256_set1_ps(s);
+  __m256i qi[4];
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j) qi[j] = _mm256_cvtps_epi32(_mm256_div_ps(v[j], vs));  // to even
+  // Saturating packs interleave per 128-bit lane; the permute restores element order.
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]),
+                                            _mm256_packs_epi32(qi[2], qi[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                      _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  const int32_t sum =
+      hsum8_epi32(_mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3])));
+  sx[i] = s;
+  xs[i] = s * static_cast<float>(sum);
+  corr[i] = -code_offset * sum;
+}
+
+// One row's 8 lanes over the columns a run has visited (as the VNNI path's 16-lane LanePick).
+struct LanePick {
+  __m256 vmax;
+  __m256i vidx;
+  int64_t first_nan = -1;
+  bool started = false;
+
+  void visit8(const float* y, int32_t column) {
+    const __m256 v = _mm256_loadu_ps(y);
+    const __m256i idx =
+        _mm256_add_epi32(_mm256_set1_epi32(column), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const int nan = _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    if (nan != 0 && first_nan < 0) first_nan = column + __builtin_ctz(nan);
+    if (!started) {
+      vmax = v;
+      vidx = idx;
+      started = true;
+      return;
+    }
+    const __m256 gt = _mm256_cmp_ps(v, vmax, _CMP_GT_OQ);
+    vmax = _mm256_blendv_ps(vmax, v, gt);
+    vidx = _mm256_blendv_epi8(vidx, idx, _mm256_castps_si256(gt));
+  }
+
+  // A tile's 16 columns from `column`.
+  void visit(const float* y, int32_t column) {
+    visit8(y, column);
+    visit8(y + kHalf, column + static_cast<int32_t>(kHalf));
+  }
+
+  RowPick reduce() const {
+    RowPick p;
+    if (!started) return p;
+    alignas(32) float m[kHalf];
+    alignas(32) int32_t ix[kHalf];
+    _mm256_store_ps(m, vmax);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(ix), vidx);
+    p.value = m[0];
+    p.column = ix[0];
+    for (int64_t l = 1; l < kHalf; ++l) {
+      if (m[l] > p.value || (m[l] == p.value && ix[l] < p.column)) {
+        p.value = m[l];
+        p.column = ix[l];
+      }
+    }
+    p.first_nan = first_nan;
+    return p;
+  }
+};
+#endif  // RADIXRT_QGEMM_AVX2
+
+// Rows [r0, r1) x tiles [t0, t1) (r0 a multiple of kRowBlock): panels of kPanelTiles tiles, row
+// blocks inner (a panel's weights come from memory once, from cache for the other blocks; an
+// 8-row block's activations stay in L1 across the panel: 1.05x over 1-tile panels at 64 rows).
+// Only a panel's first row block prefetches (the others find the weights in cache).
+template <int BITS, bool AFFINE, typename Out>
+void item(const Problem& p, int64_t r0, int64_t r1, int64_t t0, int64_t t1, Out* y, int64_t ldy) {
+  if (r1 - r0 <= kRowBlock) return rows_any<BITS, AFFINE>(p, r1 - r0, r0, t0, t1, y, ldy, true);
+  for (int64_t ts = t0; ts < t1; ts += kPanelTiles) {
+    const int64_t te = std::min(t1, ts + kPanelTiles);
+    for (int64_t m = r0; m < r1; m += kRowBlock)
+      rows_any<BITS, AFFINE>(p, std::min(kRowBlock, r1 - m), m, ts, te, y, ldy, m == r0);
+  }
+}
+
+// The activation rows a call quantizes: x [M, K] itself (SILU false), or silu(gate) * up of
+// gate_up [M, 2K] = [gate | up] (SILU true) rounded to In, element for element what
+// radixrt::silu_mul stores (silu_mul.h), so that the quantized activations, and the result, are
+// bitwise those of qgemm_vnni(silu_mul(gate_up)).
+template <typename In, bool SILU>
+struct ActRows {
+  static constexpr bool kSilu = SILU;
+  const In* x;
+  int64_t ld;        // elements from one row to the next
+  int64_t k;         // activation features per row
+  int64_t vec_end;   // SILU: features [0, vec_end) take silu_mul's vector path
+
+  // SILU: groups [g0, g1) of row r as fp32 into buf, 2 * kVec elements at a time (vec_end is a
+  // multiple of that). One tight loop, as silu_mul's (measured: 1.3x the SiLU speed
+  // of computing it group by group between the quantization steps).
+  void silu_groups(int64_t r, int64_t g0, int64_t g1, float* buf) const {
+    const In* row = x + r * ld;
+    for (int64_t i = g0 * kGroup; i < g1 * kGroup; i += 2 * kVec, buf += 2 * kVec) {
+      if (i < vec_end) {
+        Vec lo, hi;
+        silu_times_up<In>(row + i, row + k + i, lo, hi);
+        round_pair<In>(lo, hi);
+        lo.store(buf);
+        hi.store(buf + kVec);
+      } else {
+        for (int64_t j = 0; j < 2 * kVec; ++j)
+          buf[j] = round_to<In>(silu_times_up_scalar<In>(row[i + j], row[k + i + j]));
+      }
+    }
+  }
+};
+
+// Groups of one row quantized per run of this many (SILU: the run's products buffered first).
+constexpr int64_t kRunGroups = 16;
+
+// Bytes of the quantized activations of m rows of `groups` groups (see `Acts`, `acts_at`).
+inline int64_t acts_bytes(int64_t m, int64_t groups) {
+  return (m + kRowBlock - 1) / kRowBlock * groups * kRowBlock * (kGroup + 3 * 4);
+}
+
+// `Acts` over a buffer of acts_bytes(m, groups): xq int8 [B, G, 8, 32], then sx, S float32 and
+// corr int32 [B * 8, G] each; B = ceil(M / 8).
+inline Acts acts_at(uint8_t* base, int64_t m, int64_t groups) {
+  const int64_t n = (m + kRowBlock - 1) / kRowBlock * groups * kRowBlock;
+  const float* sx = reinterpret_cast<const float*>(base + n * kGroup);
+  return {reinterpret_cast<const int8_t*>(base), sx, sx + n,
+          reinterpret_cast<const int32_t*>(sx + 2 * n)};
+}
+
 // Units [u0, u1) of the quantized layout quantized into `a`, unit u = (row block u / groups,
 // group u % groups): that group of the block's rows in [r0, r1) (rows past m are not written).
 // Within a block, rows outer (each row's groups are read in order: measured 1.3x faster on 2
@@ -422,14 +795,12 @@ void quantize_units(const Src& src, int64_t u0, int64_t u1, int64_t r0, int64_t 
         const int64_t ge = std::min(g1, gs + kRunGroups);
         if constexpr (Src::kSilu) src.silu_groups(r, gs, ge, buf);
         for (int64_t g = gs; g < ge; ++g) {
-          __m512 lo, hi;
+          const int64_t q = (b * groups + g) * kRowBlock + rr, i = r * groups + g;
           if constexpr (Src::kSilu) {
-            load_group(buf + (g - gs) * kGroup, lo, hi);
+            quantize_group_from(buf + (g - gs) * kGroup, q, i, code_offset, a);
           } else {
-            load_group(src.x + r * src.ld + g * kGroup, lo, hi);
+            quantize_group_from(src.x + r * src.ld + g * kGroup, q, i, code_offset, a);
           }
-          quantize_group(lo, hi, (b * groups + g) * kRowBlock + rr, r * groups + g, code_offset,
-                         a);
         }
       }
     }
@@ -534,51 +905,6 @@ struct alignas(64) ShareCounter {
 // same whatever the runs: torch.argmax's (and radixrt::argmax_rows's) index (`RowPick`,
 // `merge_picks`: argmax.h).
 
-// One row's lanes over the columns a run has visited.
-struct LanePick {
-  __m512 vmax;
-  __m512i vidx;
-  int64_t first_nan = -1;
-  bool started = false;
-
-  void visit(const float* y, int32_t column) {
-    const __m512 v = _mm512_loadu_ps(y);
-    const __m512i idx =
-        _mm512_add_epi32(_mm512_set1_epi32(column),
-                         _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
-    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    if (nan != 0 && first_nan < 0) first_nan = column + __builtin_ctz(nan);
-    if (!started) {
-      vmax = v;
-      vidx = idx;
-      started = true;
-      return;
-    }
-    const __mmask16 gt = _mm512_cmp_ps_mask(v, vmax, _CMP_GT_OQ);
-    vmax = _mm512_mask_mov_ps(vmax, gt, v);
-    vidx = _mm512_mask_mov_epi32(vidx, gt, idx);
-  }
-
-  RowPick reduce() const {
-    RowPick p;
-    if (!started) return p;
-    alignas(64) float m[kTile];
-    alignas(64) int32_t ix[kTile];
-    _mm512_store_ps(m, vmax);
-    _mm512_store_si512(ix, vidx);
-    p.value = m[0];
-    p.column = ix[0];
-    for (int64_t l = 1; l < kTile; ++l) {
-      if (m[l] > p.value || (m[l] == p.value && ix[l] < p.column)) {
-        p.value = m[l];
-        p.column = ix[l];
-      }
-    }
-    p.first_nan = first_nan;
-    return p;
-  }
-};
-
 // The picks of one call: each run claims a slot of `runs` (at most `slots` runs) and fills the
 // rows it computed.
 struct Picks {
@@ -663,7 +989,7 @@ void quantize_then_work(const ActInput& in, int64_t items, int64_t slots, const 
     work(s0 * items / slots, s1 * items / slots);
   });
 }
-#endif  // RADIXRT_QGEMM_VNNI
+#endif  // RADIXRT_QGEMM_INT8
 
 const Tensor checked_x(const Tensor& x, const char* op, const char* name) {
   TORCH_CHECK(x.dim() == 2, op, ": ", name, " must be 2-D [M, features], got ", x.sizes());
@@ -678,7 +1004,7 @@ const Tensor checked_x(const Tensor& x, const char* op, const char* name) {
 // quantization qgemm_vnni applies (exposed for tests and references).
 std::tuple<Tensor, Tensor, Tensor> qgemm_vnni_quantize(const Tensor& x) {
   const Tensor xc = checked_x(x, "qgemm_vnni", "x");
-#if defined(RADIXRT_QGEMM_VNNI)
+#if defined(RADIXRT_QGEMM_INT8)
   const int64_t m = xc.size(0), k = xc.size(1), groups = k / kGroup;
   const int64_t blocks = (m + kRowBlock - 1) / kRowBlock;
   const Tensor buf = at::empty({acts_bytes(m, groups)}, xc.options().dtype(at::kByte));
@@ -694,7 +1020,7 @@ std::tuple<Tensor, Tensor, Tensor> qgemm_vnni_quantize(const Tensor& x) {
               .reshape({rows, k}).narrow(0, 0, m).contiguous(),
           rows_first(sxs.narrow(0, 0, n)), rows_first(sxs.narrow(0, n, n))};
 #else
-  TORCH_CHECK(false, "qgemm_vnni: this kernel library was built without AVX512-VNNI");
+  TORCH_CHECK(false, "qgemm_vnni: this kernel library was built without AVX2 or AVX512-VNNI");
 #endif
 }
 
@@ -719,7 +1045,7 @@ int64_t checked_blob(const Tensor& packed, int64_t bits, const char* op) {
 // `picks` (f32_out only): each row's argmax over y into it (int64 [m], see `Picks`).
 Tensor qgemm_vnni_impl(const Tensor& xc, bool silu, const Tensor& packed, int64_t bits,
                        int64_t blob, bool f32_out = false, int64_t* picks = nullptr) {
-#if defined(RADIXRT_QGEMM_VNNI)
+#if defined(RADIXRT_QGEMM_INT8)
   const int64_t code_bytes = 64 * bits;
   const int64_t m = xc.size(0), k = packed.size(1) * kGroup, n_tiles = packed.size(0);
   const int64_t n = n_tiles * kTile;
@@ -805,7 +1131,7 @@ Tensor qgemm_vnni_impl(const Tensor& xc, bool silu, const Tensor& packed, int64_
   if (pick_runs) pick_runs->finish(picks);
   return y;
 #else
-  TORCH_CHECK(false, "qgemm_vnni: this kernel library was built without AVX512-VNNI");
+  TORCH_CHECK(false, "qgemm_vnni: this kernel library was built without AVX2 or AVX512-VNNI");
 #endif
 }
 
@@ -865,6 +1191,8 @@ Tensor qgemm_vnni_silu(const Tensor& gate_up, const Tensor& packed, int64_t bits
 std::string qgemm_vnni_isa() {
 #if defined(RADIXRT_QGEMM_VNNI)
   return "avx512vnni";
+#elif defined(RADIXRT_QGEMM_AVX2)
+  return "avx2";
 #else
   return "none";
 #endif
