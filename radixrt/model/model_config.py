@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -131,24 +132,23 @@ class ModelConfig:
     def from_path(cls, path: str | os.PathLike[str]) -> ModelConfig:
         """Read an HF model directory (config.json) or a `.gguf` file (via transformers' GGUF parser).
 
-        Parsing a GGUF header takes seconds, so its result is cached (see `gguf_cache_path`).
+        Parsing a GGUF header takes seconds, so its result is cached (see `gguf_cache_path`);
+        transformers is imported only when a config is parsed.
         """
-        from transformers import AutoConfig
-
         p = Path(path)
         gguf_file = resolve_gguf_file(p)
         if gguf_file is not None:
             return cls._from_gguf_cached(gguf_file)
         if not (p / "config.json").is_file():
             raise FileNotFoundError(f"{p} is neither a .gguf file nor a directory with config.json")
+        from transformers import AutoConfig
+
         hf = AutoConfig.from_pretrained(str(p))
         extra_eos = _generation_config_eos(p / "generation_config.json")
         return cls.from_hf_config(hf, extra_eos_token_ids=extra_eos)
 
     @classmethod
     def _from_gguf_cached(cls, gguf_file: Path) -> ModelConfig:
-        from transformers import AutoConfig
-
         entry = gguf_cache_path(gguf_file, "configs", salt=_schema()).with_suffix(".json")
         try:
             return cls.from_json(entry.read_text())
@@ -156,6 +156,8 @@ class ModelConfig:
             pass
         except (ValueError, TypeError, KeyError) as e:
             logger.warning("ignoring unreadable cached config %s: %s", entry, e)
+        from transformers import AutoConfig
+
         hf = AutoConfig.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
         config = cls.from_hf_config(hf)
         try:
@@ -255,11 +257,12 @@ def cache_root() -> Path:
 
 def gguf_cache_path(gguf_file: Path, kind: str, salt: str = "") -> Path:
     """`<cache_root>/<kind>/<key>`; `key` hashes the file's absolute path, size, mtime, the
-    transformers version and `salt`, so any change to them yields a fresh entry."""
-    import transformers
-
+    transformers version and `salt`, so any change to them yields a fresh entry. The version is
+    read from the installed metadata: importing transformers takes seconds, and a cached entry
+    is there so that the scheduler need not import it."""
     st = gguf_file.stat()
-    raw = f"{gguf_file.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}|{salt}"
+    version = importlib.metadata.version("transformers")
+    raw = f"{gguf_file.resolve()}|{st.st_size}|{st.st_mtime_ns}|{version}|{salt}"
     return cache_root() / kind / hashlib.sha256(raw.encode()).hexdigest()[:24]
 
 
