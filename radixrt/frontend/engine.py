@@ -36,7 +36,6 @@ class Engine:
         args = args or ServerArgs(**kwargs)
         model_path = args.model_path or str(default_model_path())
         self.args = args.replace(model_path=model_path)
-        self.tokenizer = load_tokenizer(model_path, self.args.tokenizer_path)
         self.launcher = Launcher(self.args)
         self._tm = TokenizerManager(
             self.launcher.paths, self.launcher.dead_child, self.launcher.replica_paths,
@@ -65,13 +64,16 @@ class Engine:
         self._inputs = InputProcessor(self.tokenizer, self.vocab_size, self.max_context_len)
 
     def _start_replicas(self) -> dict[str, Any]:
-        """Start the children; returns replica 0's info. With `dtype="auto"` and several
-        replicas, replica 0 starts alone and the others take the dtype its probe chose (every
-        replica must compute in the same dtype, whatever the probe's timing noise)."""
-        if self.dp == 1 or self.args.dtype != "auto":
-            self.launcher.start()
+        """Start the children and load this process's tokenizer while they start up (each
+        imports torch and loads the model: seconds); returns replica 0's info. With
+        `dtype="auto"` and several replicas, replica 0 starts alone and the others take the dtype
+        its probe chose (every replica must compute in the same dtype, whatever the probe's
+        timing noise)."""
+        together = self.dp == 1 or self.args.dtype != "auto"
+        self.launcher.start(None if together else [0])
+        self.tokenizer = load_tokenizer(self.args.model_path, self.args.tokenizer_path)
+        if together:
             return self._tm.wait_ready(Launcher.expected_ready(self.dp))
-        self.launcher.start([0])
         info = self._tm.wait_ready(Launcher.expected_ready(1))
         self.launcher.start(range(1, self.dp), dtype=str(info["dtype"]).removeprefix("torch."))
         self._tm.wait_ready(Launcher.expected_ready(self.dp - 1))
