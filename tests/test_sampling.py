@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from radixrt.core.errors import InvalidRequestError
 from radixrt.core.sampling_params import SamplingParams
 from radixrt.sampling import sampler as sampler_mod
-from radixrt.sampling.batch_info import SamplingBatchInfo, step_seed
+from radixrt.sampling.batch_info import SamplingBatchInfo, SeenIds, step_seed
 from radixrt.sampling.sampler import Sampler, apply_penalties, filter_logits, pick_by_uniform
 
 NEG_INF = float("-inf")
@@ -807,3 +807,52 @@ def test_row_argmax_op_rejects_bad_input() -> None:
         torch.ops.radixrt.argmax_rows(torch.zeros(3))
     with pytest.raises(RuntimeError, match="must not be empty"):
         torch.ops.radixrt.argmax_rows(torch.zeros(2, 0))
+
+
+def test_seen_ids_follow_the_prompt_and_a_growing_output() -> None:
+    """`SeenIds` holds exactly the distinct in-vocabulary ids of the prompt and the output so
+    far, each once, as the output grows (repeats, out-of-range ids); a call's extra tokens (a
+    draft row's drafts) are in that call's ids only; an output shorter than before is refused."""
+    vocab = 50
+    rng = torch.Generator().manual_seed(5)
+    prompt = torch.randint(-3, vocab + 3, (40,), generator=rng).tolist()
+    seen = SeenIds(prompt, vocab)
+    output: list[int] = []
+
+    def expect(*lists: list[int]) -> list[int]:
+        return sorted({t for lst in lists for t in lst if 0 <= t < vocab})
+
+    for step in range(30):
+        output.extend(torch.randint(-2, vocab + 2, (step % 3,), generator=rng).tolist())
+        got = seen.ids(output).tolist()
+        assert len(got) == len(set(got)) and sorted(got) == expect(prompt, output), step
+        drafts = [vocab - 1 - step % 7, 0, vocab + 5]
+        with_drafts = seen.ids(output, drafts).tolist()
+        assert len(with_drafts) == len(set(with_drafts))
+        assert sorted(with_drafts) == expect(prompt, output, drafts)
+        assert sorted(seen.ids(output).tolist()) == expect(prompt, output)  # drafts not kept
+    with pytest.raises(ValueError, match="output shrank"):
+        seen.ids(output[:-1] if output else [])
+
+
+def test_kept_seen_ids_penalize_like_converting_the_prompt() -> None:
+    """Repetition-penalty rows built from `SeenIds` (some rows kept, one converted, rows without
+    the penalty between them) penalize every logit bitwise as building from the id lists."""
+    vocab, batch = 64, 5
+    rng = torch.Generator().manual_seed(8)
+    params = [SamplingParams(repetition_penalty=1.5), SamplingParams(),
+              SamplingParams(repetition_penalty=0.7, frequency_penalty=0.3),
+              SamplingParams(repetition_penalty=2.0), SamplingParams(presence_penalty=1.0)]
+    prompts = [torch.randint(0, vocab, (n,), generator=rng).tolist() for n in (30, 5, 12, 1, 9)]
+    outputs = [torch.randint(0, vocab, (n,), generator=rng).tolist() for n in (7, 3, 0, 20, 4)]
+    logits = torch.randn(batch, vocab, generator=rng)
+    plain = SamplingBatchInfo.build(params, prompts, outputs, vocab, "cpu")
+    seen = [SeenIds(prompts[0], vocab).ids(outputs[0]), None,
+            SeenIds(prompts[2], vocab).ids(outputs[2]), None, None]  # row 3 converted
+    kept = SamplingBatchInfo.build(params, prompts, outputs, vocab, "cpu", seen_ids=seen)
+    assert plain.repetition is not None and kept.repetition is not None
+    pairs = dict(zip(plain.repetition[0].tolist(), plain.repetition[1].tolist(), strict=True))
+    assert dict(zip(kept.repetition[0].tolist(), kept.repetition[1].tolist(),
+                    strict=True)) == pairs
+    assert len(kept.repetition[0].unique()) == len(kept.repetition[0])
+    assert torch.equal(apply_penalties(logits, kept), apply_penalties(logits, plain))

@@ -1002,6 +1002,30 @@ def test_logit_bias_greedy_matches_hf_sequence_bias(
     assert_clean(sched)
 
 
+def test_repetition_penalty_greedy_matches_hf(
+        make_sched: Callable[..., Scheduler], tiny_llama_dir: Path) -> None:
+    """Greedy with `repetition_penalty` (the request's distinct prompt + output ids kept across
+    steps, `SeenIds`), batched beside an unpenalized request, gives HF `generate`'s tokens with
+    the same `repetition_penalty` (fp32, token for token)."""
+    from transformers import AutoModelForCausalLM
+
+    rng = random.Random(23)
+    ids = prompt(rng, 16)
+    plain = reference(make_sched, {"p": (ids, 12)})["p"]
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
+                           repetition_penalty=3.0)[0, len(ids):].tolist()
+    assert want != plain  # the penalty changes this prompt's tokens
+    sched = make_sched()
+    sched.handle(GenerateReq("r", ids, greedy(12, repetition_penalty=3.0)))
+    sched.handle(GenerateReq("p", ids, greedy(12)))
+    run = Run().drive(sched)
+    assert run.tokens["r"] == want
+    assert run.tokens["p"] == plain
+    assert_clean(sched)
+
+
 # -- outs gather per stream_interval ------------------------------------------------------------
 def test_outs_gather_per_stream_interval(make_sched: Callable[..., Scheduler]) -> None:
     """With stream_interval 4: a streamed request's first token goes out alone, then every 4

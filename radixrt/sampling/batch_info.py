@@ -62,6 +62,43 @@ def _distinct_pairs(
     return torch.unique((row_idx * vocab + ids)[keep], sorted=True, return_counts=True)
 
 
+class SeenIds:
+    """The distinct ids in [0, vocab) of one request's prompt and output so far, as an int64
+    tensor kept across steps: a repetition-penalty row then costs its new tokens per step, not
+    a conversion of its whole prompt and output (64 rows of 2000-token prompts: 33 ms a step on
+    a 2-core Zen 1 before). Owned by one request; `ids` takes that request's output list, which
+    only grows (a shorter one, or another prompt's request, would need a new object)."""
+
+    def __init__(self, prompt: Sequence[int], vocab: int):
+        self.vocab = vocab
+        self._seen = {t for t in prompt if 0 <= t < vocab}
+        self._ids = torch.tensor(sorted(self._seen), dtype=torch.long)
+        self._folded = 0  # output tokens already in `_seen`
+
+    def _fresh(self, tokens: Sequence[int]) -> list[int]:
+        new: list[int] = []
+        for t in tokens:
+            if 0 <= t < self.vocab and t not in self._seen:
+                self._seen.add(t)
+                new.append(t)
+        return new
+
+    def ids(self, output: Sequence[int], extra: Sequence[int] = ()) -> Tensor:
+        """Distinct ids of the prompt, `output` and `extra` (tokens not kept: a draft row's
+        drafts). `output` extends the list of the previous call."""
+        if len(output) < self._folded:
+            raise ValueError(f"output shrank from {self._folded} to {len(output)} tokens")
+        new = self._fresh(output[self._folded:])
+        self._folded = len(output)
+        if new:
+            self._ids = torch.cat([self._ids, torch.tensor(new, dtype=torch.long)])
+        if not extra:
+            return self._ids
+        more = self._fresh(extra)
+        self._seen.difference_update(more)  # drafts are not the request's tokens
+        return torch.cat([self._ids, torch.tensor(more, dtype=torch.long)]) if more else self._ids
+
+
 @dataclass
 class SamplingBatchInfo:
     """Per-step, per-row sampling state for one batch, on the logits' device.
@@ -127,10 +164,13 @@ class SamplingBatchInfo:
         device: torch.device | str,
         eos_token_ids: Sequence[int] = (),
         vocab_mask: tuple[Sequence[int], Tensor] | None = None,
+        seen_ids: Sequence[Tensor | None] | None = None,
     ) -> SamplingBatchInfo:
         """Gather the batch's settings. `output_ids[i]` is what request i generated so far (its
         length is the seed step and the min_new_tokens progress). Count tensors are only built
-        when some row needs them. `vocab_mask`: (constrained rows, their int32 bitmask)."""
+        when some row needs them. `vocab_mask`: (constrained rows, their int32 bitmask).
+        `seen_ids[i]`, where given for a repetition-penalty row: the distinct ids of its prompt
+        and output (`SeenIds.ids`), used instead of converting them."""
         batch = len(params)
         if len(prompt_ids) != batch or len(output_ids) != batch:
             raise ValueError(
@@ -168,9 +208,14 @@ class SamplingBatchInfo:
         rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
         repetition = None
         if rep_rows:
-            rows = [i for i in rep_rows for _ in (0, 1)]
-            chunks = [c for i in rep_rows for c in (prompt_ids[i], output_ids[i])]
-            flat, _ = _distinct_pairs(rows, chunks, vocab)
+            kept = [] if seen_ids is None else [i for i in rep_rows if seen_ids[i] is not None]
+            rest = [i for i in rep_rows if seen_ids is None or seen_ids[i] is None]
+            parts = [seen_ids[i] + i * vocab for i in kept]  # type: ignore[index,operator]
+            if rest:
+                rows = [i for i in rest for _ in (0, 1)]
+                chunks = [c for i in rest for c in (prompt_ids[i], output_ids[i])]
+                parts.append(_distinct_pairs(rows, chunks, vocab)[0])
+            flat = torch.cat(parts) if len(parts) > 1 else parts[0]
             per_row = torch.tensor([float(p.repetition_penalty) for p in params])
             repetition = (flat.to(dev), per_row[flat // vocab].to(dev))
 

@@ -11,6 +11,7 @@ import torch
 from radixrt.core.logprobs import TokenLogprobs
 from radixrt.core.sampling_params import SamplingParams
 from radixrt.grammar.base import GrammarMatcher
+from radixrt.sampling.batch_info import SeenIds
 from radixrt.sched.prompt_scores import PromptScoring
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
@@ -73,6 +74,9 @@ class Req:
         # far as verification accepts them (never in `output_ids` before that); the request's
         # n-gram index and its drafts' decayed accepted / rejected counts.
         self.draft_ids: list[int] = []
+        # The distinct ids of the prompt and output, for a repetition penalty (built on its first
+        # sampled step, extended by each step's new tokens: `SeenIds`).
+        self.seen_ids: SeenIds | None = None
         self.ngram: NgramIndexLike | None = None
         self.spec_acc = 0.0
         self.spec_rej = 0.0

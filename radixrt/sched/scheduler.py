@@ -41,7 +41,7 @@ from radixrt.mem.huge_pages import huge_page_info
 from radixrt.mem.radix_cache import RadixCache
 from radixrt.model.runner import ModelRunner
 from radixrt.model.tokenizer import load_tokenizer
-from radixrt.sampling.batch_info import SamplingBatchInfo
+from radixrt.sampling.batch_info import SamplingBatchInfo, SeenIds
 from radixrt.sampling.sampler import Sampler
 from radixrt.sched.batch import BatchBuilder
 from radixrt.sched.kv_owner import KVOwner
@@ -440,8 +440,9 @@ class Scheduler:
         params = [r.sampling for r in reqs]
         prompts = [r.origin_input_ids for r in reqs]
         outputs = [r.output_ids for r in reqs]
+        seen = [self._seen_ids(r) for r in reqs]
         if picks is not None:
-            params, prompts, outputs, first = [], [], [], []
+            params, prompts, outputs, first, seen = [], [], [], [], []
             for req in reqs:
                 first.append(len(params))
                 for j in range(1 + len(req.draft_ids)):
@@ -449,10 +450,21 @@ class Scheduler:
                     prompts.append(req.origin_input_ids)
                     outputs.append([*req.output_ids, *req.draft_ids[:j]] if j
                                    else req.output_ids)
+                    seen.append(self._seen_ids(req, req.draft_ids[:j]))
             if vocab_mask is not None:  # grammar rows never draft: one pick row each
                 vocab_mask = ([first[i] for i in vocab_mask[0]], vocab_mask[1])
         return SamplingBatchInfo.build(params, prompts, outputs, self.vocab_size,
-                                       self.runner.device, self.eos_token_ids, vocab_mask)
+                                       self.runner.device, self.eos_token_ids, vocab_mask,
+                                       seen_ids=seen)
+
+    def _seen_ids(self, req: Req, drafts: list[int] | None = None) -> torch.Tensor | None:
+        """A repetition-penalty request's distinct prompt + output ids (+ `drafts`), kept on
+        the request across steps (`SeenIds`); None for other requests."""
+        if req.sampling.repetition_penalty == 1.0:
+            return None
+        if req.seen_ids is None:
+            req.seen_ids = SeenIds(req.origin_input_ids, self.vocab_size)
+        return req.seen_ids.ids(req.output_ids, drafts or ())
 
     def _verify(self, reqs: list[Req], ids: list[int], lps: list[TokenLogprobs | None]
                 ) -> tuple[list[int], list[TokenLogprobs | None], list[list[int] | None]]:
