@@ -631,7 +631,7 @@ def test_sparse_penalties_match_the_dense_formulas() -> None:
 def test_penalties_skip_when_unused_and_ignore_out_of_range() -> None:
     info = build([SamplingParams(), SamplingParams(temperature=0)], 10)
     assert info.repetition is None and info.output_penalty is None
-    assert info.banned_mask is None
+    assert info.banned is None
     logits = torch.randn(2, 10)
     assert apply_penalties(logits, info) is logits
     info = build([SamplingParams(presence_penalty=1.0)], 10, prompts=[[99]], outputs=[[3, 99, -1]])
@@ -652,7 +652,7 @@ def test_min_new_tokens_masks_eos_and_stop_ids() -> None:
     logits = torch.tensor([[0.0, 0.0, 9.0, 8.0, 7.0, 0.0, 0.0, 1.0]])
     p = SamplingParams(temperature=0, min_new_tokens=3, stop_token_ids=(3,))
     info = build([p], vocab, outputs=[[1, 1]], eos=(2,))
-    assert info.banned_mask is not None
+    assert info.banned is not None
     penalized = apply_penalties(logits, info)
     assert penalized[0, 2] == NEG_INF and penalized[0, 3] == NEG_INF
     assert Sampler().sample(logits, info).next_token_ids == [4]
@@ -856,3 +856,25 @@ def test_kept_seen_ids_penalize_like_converting_the_prompt() -> None:
                     strict=True)) == pairs
     assert len(kept.repetition[0].unique()) == len(kept.repetition[0])
     assert torch.equal(apply_penalties(logits, kept), apply_penalties(logits, plain))
+
+
+def test_min_new_tokens_bans_are_the_dense_mask_pairs() -> None:
+    """The (row, id) ban pairs of rows short of `min_new_tokens` (EOS ids and their own stop ids;
+    repeats and ids outside the vocabulary included) penalize like the dense [B, V] mask they
+    replace: -inf exactly there, every other logit untouched (fp32 and bf16)."""
+    vocab = 40
+    params = [SamplingParams(min_new_tokens=5, stop_token_ids=(7, 2, 99)), SamplingParams(),
+              SamplingParams(min_new_tokens=2), SamplingParams(min_new_tokens=9,
+                                                               stop_token_ids=(39,)),
+              SamplingParams(min_new_tokens=1, stop_token_ids=(-1, 0))]
+    outputs = [[1] * 3, [], [4], [1] * 9, []]  # row 3 has reached its minimum
+    info = build(params, vocab, outputs=outputs, eos=(2, 3))
+    assert info.banned is not None
+    dense = torch.zeros(len(params), vocab, dtype=torch.bool)
+    for row, ids in ((0, (2, 3, 7)), (2, (2, 3)), (4, (2, 3, 0))):
+        dense[row, list(ids)] = True
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = torch.randn(len(params), vocab, generator=torch.Generator().manual_seed(2)).to(dtype)
+        got = apply_penalties(logits, info)
+        assert got.dtype == dtype
+        assert torch.equal(got, logits.masked_fill(dense, float("-inf")))

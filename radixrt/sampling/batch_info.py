@@ -28,27 +28,6 @@ def step_seed(seed: int, step: int) -> int:
     return _mix64(_mix64(seed + 0x9E3779B97F4A7C15) ^ (step & MASK64))
 
 
-def _scatter_counts(
-    rows: Sequence[int],
-    chunks: Sequence[Sequence[int]],
-    batch: int,
-    vocab: int,
-    device: torch.device,
-) -> Tensor:
-    """Float32 [batch, vocab] counts of the ids in `chunks[j]` on row `rows[j]`.
-
-    Ids outside [0, vocab) are ignored. One scatter_add over flattened indices, no per-token loop.
-    """
-    lengths = torch.tensor([len(c) for c in chunks], dtype=torch.long)
-    ids = torch.tensor(list(chain.from_iterable(chunks)), dtype=torch.long)
-    row_idx = torch.repeat_interleave(torch.tensor(list(rows), dtype=torch.long), lengths)
-    keep = (ids >= 0) & (ids < vocab)
-    flat = (row_idx * vocab + ids)[keep].to(device)
-    counts = torch.zeros(batch * vocab, dtype=torch.float32, device=device)
-    counts.scatter_add_(0, flat, torch.ones(flat.shape, dtype=torch.float32, device=device))
-    return counts.view(batch, vocab)
-
-
 def _distinct_pairs(
     rows: Sequence[int], chunks: Sequence[Sequence[int]], vocab: int
 ) -> tuple[Tensor, Tensor]:
@@ -128,7 +107,9 @@ class SamplingBatchInfo:
     # 8-20 ms of a 64-row step's sampling with 1500-token prompts; now 3-5 ms).
     repetition: tuple[Tensor, Tensor] | None  # pairs in prompt or output; the row's penalty
     output_penalty: tuple[Tensor, Tensor] | None  # pairs in output; frequency x count + presence
-    banned_mask: Tensor | None  # [B, V] bool: min_new_tokens not yet reached -> EOS/stop ids
+    # (rows, token ids) [N] each, int64: rows short of min_new_tokens and their EOS / stop ids
+    # (pairs may repeat); None when no row is.
+    banned: tuple[Tensor, Tensor] | None
     # logit_bias of every row that has one, as (rows, token ids, values) [N] each (int64,
     # int64, float32 on device); None when no row has one.
     logit_bias: tuple[Tensor, Tensor, Tensor] | None
@@ -148,7 +129,7 @@ class SamplingBatchInfo:
             not self.sampled_rows
             and self.repetition is None
             and self.output_penalty is None
-            and self.banned_mask is None
+            and self.banned is None
             and self.logit_bias is None
             and not self.logprob_rows
             and self.vocab_bitmask is None
@@ -236,16 +217,17 @@ class SamplingBatchInfo:
 
         eos = tuple(eos_token_ids)
         ban_rows: list[int] = []
-        ban_chunks: list[tuple[int, ...]] = []
+        ban_ids: list[int] = []
         for i, p in enumerate(params):
             if len(output_ids[i]) < p.min_new_tokens:
-                banned = eos + tuple(p.stop_token_ids)
-                if banned:
-                    ban_rows.append(i)
-                    ban_chunks.append(banned)
-        banned_mask = None
+                for t in (*eos, *p.stop_token_ids):
+                    if 0 <= t < vocab:
+                        ban_rows.append(i)
+                        ban_ids.append(t)
+        banned = None
         if ban_rows:
-            banned_mask = _scatter_counts(ban_rows, ban_chunks, batch, vocab, dev) > 0
+            banned = (torch.tensor(ban_rows, dtype=torch.long, device=dev),
+                      torch.tensor(ban_ids, dtype=torch.long, device=dev))
 
         bias = None
         bias_items = [(i, t, v) for i, p in enumerate(params)
@@ -277,7 +259,7 @@ class SamplingBatchInfo:
             need_min_p=need_min_p,
             repetition=repetition,
             output_penalty=output_penalty,
-            banned_mask=banned_mask,
+            banned=banned,
             logit_bias=bias,
             row_seeds=row_seeds,
             logprob_rows=[i for i, p in enumerate(params) if p.logprobs],

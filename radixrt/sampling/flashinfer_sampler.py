@@ -30,7 +30,7 @@ def flashinfer_covers(info: SamplingBatchInfo) -> bool:
     return (
         info.repetition is None
         and info.output_penalty is None
-        and info.banned_mask is None
+        and info.banned is None
         and info.logit_bias is None
         and info.vocab_bitmask is None
         and not info.logprob_rows

@@ -75,11 +75,12 @@ def apply_penalties(logits: Tensor, info: SamplingBatchInfo) -> Tensor:
         rows, ids, values = info.logit_bias
         out = out.index_put((rows, ids), values.to(out.dtype), accumulate=True)
     unbanned = out
-    if info.banned_mask is not None:
-        out = out.masked_fill(info.banned_mask, float("-inf"))
+    if info.banned is not None:  # a few (row, id) pairs: no [B, V] mask
+        out = out.index_put(info.banned, torch.tensor(float("-inf"), dtype=out.dtype,
+                                                      device=out.device))
     if info.vocab_bitmask is not None:
         out = apply_vocab_mask(out, info.mask_rows, info.vocab_bitmask,
-                               fallback=unbanned if info.banned_mask is not None else None)
+                               fallback=unbanned if info.banned is not None else None)
     return out
 
 
