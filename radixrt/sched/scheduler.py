@@ -440,8 +440,9 @@ class Scheduler:
         params = [r.sampling for r in reqs]
         prompts = [r.origin_input_ids for r in reqs]
         outputs = [r.output_ids for r in reqs]
-        seen = [self._seen_ids(r) for r in reqs]
-        if picks is not None:
+        if picks is None:
+            seen = [self._seen_ids(r) for r in reqs]
+        else:
             params, prompts, outputs, first, seen = [], [], [], [], []
             for req in reqs:
                 first.append(len(params))
