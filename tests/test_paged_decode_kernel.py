@@ -458,6 +458,14 @@ def test_cache_key_covers_cpu_flags_torch_and_isa(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: AVX512)
     monkeypatch.setattr(cpu_kernels.torch, "__version__", "9.9.9")
     assert cpu_kernels.build_spec().key != base.key  # another torch
+    monkeypatch.setattr(cpu_kernels.torch, "__version__", torch.__version__)
+    assert base.cflags[0] == "-O3"
+    monkeypatch.setenv("RADIXRT_KERNEL_OPT", "-O1")  # the tests' lower-ISA builds
+    quick = cpu_kernels.build_spec()
+    assert quick.cflags[0] == "-O1" and "-O3" not in quick.cflags and quick.key != base.key
+    monkeypatch.setenv("RADIXRT_KERNEL_OPT", "-Ofast")
+    with pytest.raises(ValueError, match="RADIXRT_KERNEL_OPT"):
+        cpu_kernels.build_spec()
 
 
 def test_a_stale_extension_lock_is_removed_before_building(
