@@ -52,6 +52,8 @@ MODES: tuple[tuple[str, str, str, str, str], ...] = (
     ("gguf, vnni kernel, int8 KV cache", "bfloat16", "gguf", "vnni", "int8"),
     ("bf16, int8 KV cache", "bfloat16", "none", "auto", "int8"),
     ("gguf, vnni kernel, fp32 act", "float32", "gguf", "vnni", "auto"),
+    ("fp32, float16 KV cache", "float32", "none", "auto", "float16"),
+    ("gguf, vnni kernel, fp32 act, float16 KV cache", "float32", "gguf", "vnni", "float16"),
 )
 
 SYSTEM = "You are a concise, helpful assistant."

@@ -1,6 +1,10 @@
 """Paged decode on an int8 KV cache against the bf16 one: the two C++ ops alone.
 
-    python bench/kv_int8_op.py --batch 8 64 --ctx 544 --slots contiguous random [--hot]
+    python bench/kv_int8_op.py --batch 8 64 --ctx 544 --slots contiguous random [--hot] \
+        [--pools bf16 int8 fp32 fp16]
+
+`--pools` picks the caches timed (bf16 and int8 by default): `fp32` and `fp16` are an fp32 pool
+and a float16 pool under an fp32 model (`--kv-cache-dtype float16`), both with fp32 queries.
 
 SmolLM2's shape (9 query heads, 3 KV heads, head dim 64): one bf16 pool and one int8 pool per
 layer (head-major, as radixrt's CPU pool), 30 layers so K/V comes from memory as in a real step
@@ -34,22 +38,28 @@ def _head_major(slots: int, dtype: torch.dtype, *last: int) -> torch.Tensor:
     return torch.empty((KV_HEADS, slots, *last), dtype=dtype).transpose(0, 1)
 
 
-def run(batch: int, ctx: int, slots_kind: str, hot: bool, reps: int) -> dict[str, float]:
+def run(batch: int, ctx: int, slots_kind: str, hot: bool, reps: int,
+        pools: tuple[str, ...] = ("bf16", "int8")) -> dict[str, float]:
     g = torch.Generator().manual_seed(0)
     layers = 2 if hot else LAYERS
     slots = batch * ctx + 1
     loc = torch.arange(1, slots)
-    bf, i8 = [], []
+    bufs: dict[str, list[tuple[torch.Tensor, ...]]] = {name: [] for name in pools}
+    store = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
     for _ in range(layers):
         k = torch.randn(slots - 1, KV_HEADS, DIM, generator=g).bfloat16()
         v = torch.randn(slots - 1, KV_HEADS, DIM, generator=g).bfloat16()
-        kb, vb = _head_major(slots, torch.bfloat16, DIM), _head_major(slots, torch.bfloat16, DIM)
-        torch.ops.radixrt.kv_store(kb, vb, loc, k, v)
-        kc, vc = _head_major(slots, torch.int8, DIM), _head_major(slots, torch.int8, DIM)
-        ks, vs = _head_major(slots, torch.float32), _head_major(slots, torch.float32)
-        torch.ops.radixrt.kv_store_i8(kc, vc, ks, vs, loc, k, v)
-        bf.append((kb, vb))
-        i8.append((kc, vc, ks, vs))
+        for name in pools:
+            if name == "int8":
+                kc, vc = _head_major(slots, torch.int8, DIM), _head_major(slots, torch.int8, DIM)
+                ks, vs = _head_major(slots, torch.float32), _head_major(slots, torch.float32)
+                torch.ops.radixrt.kv_store_i8(kc, vc, ks, vs, loc, k, v)
+                bufs[name].append((kc, vc, ks, vs))
+                continue
+            kb, vb = _head_major(slots, store[name], DIM), _head_major(slots, store[name], DIM)
+            src = torch.bfloat16 if name == "bf16" else torch.float32
+            torch.ops.radixrt.kv_store(kb, vb, loc, k.to(src), v.to(src))
+            bufs[name].append((kb, vb))
     order = (loc if slots_kind == "contiguous"
              else loc[torch.randperm(slots - 1, generator=g)])
     idx = order[: batch * ctx].to(torch.int32).contiguous()
@@ -57,14 +67,19 @@ def run(batch: int, ctx: int, slots_kind: str, hot: bool, reps: int) -> dict[str
     rl = torch.full((batch,), ctx, dtype=torch.int64)
     e = torch.zeros(0, dtype=torch.int64)
     gp = torch.zeros(1, dtype=torch.int64)
-    q = torch.randn(batch, HEADS, DIM, generator=g).bfloat16()
+    q32 = torch.randn(batch, HEADS, DIM, generator=g)
+    q = q32.bfloat16()
     scale = DIM**-0.5
-    ops = {
-        "bf16": lambda li: torch.ops.radixrt.paged_decode(q, *bf[li], idx, rs, rl, e, e, gp, e,
-                                                          scale),
-        "int8": lambda li: torch.ops.radixrt.paged_decode_i8(q, *i8[li], idx, rs, rl, e, e, gp,
-                                                             e, scale),
-    }
+
+    def op_for(name: str):  # noqa: ANN202
+        if name == "int8":
+            return lambda li: torch.ops.radixrt.paged_decode_i8(
+                q, *bufs[name][li], idx, rs, rl, e, e, gp, e, scale)
+        qq = q if name == "bf16" else q32
+        return lambda li: torch.ops.radixrt.paged_decode(qq, *bufs[name][li], idx, rs, rl, e, e,
+                                                         gp, e, scale)
+
+    ops = {name: op_for(name) for name in pools}
     best = {name: float("inf") for name in ops}
     for _ in range(reps):
         for name, op in ops.items():
@@ -85,13 +100,15 @@ def main() -> None:
     ap.add_argument("--hot", action="store_true")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--pools", nargs="+", default=["bf16", "int8"],
+                    choices=["bf16", "int8", "fp32", "fp16"])
     a = ap.parse_args()
     from radixrt.attention import cpu_kernels
     from radixrt.attention.paged_decode import paged_decode_i8_unavailable_reason
 
     if not cpu_kernels.load_cpu_kernels():
         raise SystemExit(f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
-    if (why := paged_decode_i8_unavailable_reason()) is not None:
+    if "int8" in a.pools and (why := paged_decode_i8_unavailable_reason()) is not None:
         raise SystemExit(why)
     torch.set_num_threads(a.threads)
     print(f"{a.threads} threads, {'hot (2 layers)' if a.hot else 'from memory (30 layers)'}; "
@@ -99,10 +116,11 @@ def main() -> None:
     for slots_kind in a.slots:
         for b in a.batch:
             for ctx in a.ctx:
-                t = run(b, ctx, slots_kind, a.hot, a.reps)
-                print(f"{slots_kind:10s} batch {b:3d} ctx {ctx:5d}: bf16 {t['bf16']:7.2f} ms  "
-                      f"int8 {t['int8']:7.2f} ms  bf16/int8 {t['bf16'] / t['int8']:.2f}x",
-                      flush=True)
+                t = run(b, ctx, slots_kind, a.hot, a.reps, tuple(a.pools))
+                times = "  ".join(f"{name} {ms:7.2f} ms" for name, ms in t.items())
+                first, last = a.pools[0], a.pools[-1]
+                print(f"{slots_kind:10s} batch {b:3d} ctx {ctx:5d}: {times}  "
+                      f"{first}/{last} {t[first] / t[last]:.2f}x", flush=True)
 
 
 if __name__ == "__main__":

@@ -231,7 +231,7 @@ def test_int8_pool_layout_bytes_and_refusals() -> None:
     with pytest.raises(ValueError, match="CPU only"):
         TokenToKVPool(100, 2, 3, 64, torch.bfloat16, device="cuda", kv_dtype=torch.int8)
     with pytest.raises(ValueError, match="kv_dtype"):
-        TokenToKVPool(100, 2, 3, 64, torch.float32, kv_dtype=torch.float16)
+        TokenToKVPool(100, 2, 3, 64, torch.bfloat16, kv_dtype=torch.float16)
     with pytest.raises(ValueError, match="ServerArgs.kv_cache_dtype"):
         ServerArgs(kv_cache_dtype="fp8_e5m2")
 

@@ -37,7 +37,8 @@ class ExtendAttentionPlan:
     kv_indptr: torch.Tensor  # int64 [B + 1]
     loc: torch.Tensor  # int32 [num_tokens]: this step's slots (K/V already stored)
     qo_indptr: torch.Tensor  # int64 [B + 1]
-    # int8 pools: (the slots read, this plan renumbered over them), built on first use
+    # int8 and narrowed pools: (the slots read, this plan renumbered over them), built on
+    # first use
     _compact: tuple[torch.Tensor, ExtendAttentionPlan] | None = field(default=None, repr=False)
 
     @classmethod
@@ -56,8 +57,9 @@ class ExtendAttentionPlan:
                  scale: float) -> torch.Tensor:
         """`run` over layer `layer_id` of `pool`. An int8 pool: the rows this step reads
         (prefixes, then the new tokens) are dequantized (`radixrt::kv_read_i8`, one pass) into a
-        compact copy, and the op runs on it with the indices renumbered."""
-        if not pool.quantized:
+        compact copy, and the op runs on it with the indices renumbered; a narrowed (float16
+        under float32) pool likewise, its rows widened by `read_kv`."""
+        if not (pool.quantized or pool.narrowed):
             return self.run(q, pool.k_buffer[layer_id], pool.v_buffer[layer_id], scale)
         if self._compact is None:
             slots = torch.cat([self.kv_indices, self.loc]).to(torch.int64)
@@ -67,6 +69,9 @@ class ExtendAttentionPlan:
                 torch.arange(n_pre, n_pre + n_new, dtype=torch.int32), self.qo_indptr)
             self._compact = (slots, renumbered)
         slots, renumbered = self._compact
+        if pool.narrowed:
+            k, v = pool.read_kv(layer_id, slots)
+            return renumbered.run(q, k, v, scale)
         k, v = torch.ops.radixrt.kv_read_i8(pool.k_buffer[layer_id], pool.v_buffer[layer_id],
                                             pool.k_scale[layer_id], pool.v_scale[layer_id],
                                             slots, pool.dtype)

@@ -118,8 +118,11 @@ class PagedDecodePlan:
     def run(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(`[B, H, D]` attention output in q's dtype, `[B, H]` natural-log LSE in fp32) of the
-        queries `q` `[B, H, D]` over the pool buffers `[slots, kv_heads, D]`."""
+        queries `q` `[B, H, D]` over the pool buffers `[slots, kv_heads, D]` (fp32 queries over
+        a float16 pool as they are, else in the pool's dtype)."""
         pool_dtype = k_buffer.dtype
+        if q.dtype == torch.float32 and pool_dtype == torch.float16:
+            pool_dtype = q.dtype
         out, lse = torch.ops.radixrt.paged_decode(
             q.to(pool_dtype).contiguous(), k_buffer, v_buffer, self.kv_indices, self.row_start,
             self.row_len, self.group_start, self.group_len, self.group_row_ptr,

@@ -350,7 +350,7 @@ class TorchNativeBackend(AttentionBackend):
         pool = self.kv_pool
         if (fb.is_decode and self._kernel is not None and self._split is None
                 and self._kv_store
-                and (pool.quantized or pool.k_buffer[0].dtype == pool.dtype)):
+                and (pool.quantized or pool.narrowed or pool.k_buffer[0].dtype == pool.dtype)):
             return self._kernel
         return None
 

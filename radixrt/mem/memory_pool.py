@@ -107,7 +107,9 @@ class TokenToKVPool:
     `kv_dtype=torch.int8` (`--kv-cache-dtype int8`, CPU only) stores every (slot, KV head) row
     as int8 codes plus one fp32 scale in `k_scale` / `v_scale` `[size + 1, kv_heads]` (the row
     is codes * scale, `mem/kv_quant.py`); `dtype` stays the compute dtype that `read_kv`
-    returns. Otherwise the buffers hold `dtype` and the scale lists are empty.
+    returns. `kv_dtype=torch.float16` under a float32 `dtype` (`--kv-cache-dtype float16`, CPU
+    only; `narrowed`) stores K/V rounded to half and `read_kv` widens them back to float32.
+    Otherwise the buffers hold `dtype` and the scale lists are empty.
 
     Layout: on CPU the buffers are head-major views (`storage[kv_heads, slots, head_dim]`
     transposed, slot stride `head_dim`), so one KV head's keys over a run of slots are contiguous
@@ -138,11 +140,16 @@ class TokenToKVPool:
         self.head_dim = head_dim
         self.dtype = dtype
         self.kv_dtype = dtype if kv_dtype is None else kv_dtype
-        if self.kv_dtype not in (dtype, torch.int8):
-            raise ValueError(f"kv_dtype must be the compute dtype or torch.int8, got {kv_dtype}")
+        narrow = dtype == torch.float32 and self.kv_dtype == torch.float16
+        if self.kv_dtype not in (dtype, torch.int8) and not narrow:
+            raise ValueError(f"kv_dtype must be the compute dtype, torch.int8, or torch.float16 "
+                             f"under float32, got {kv_dtype} under {dtype}")
         self.device = torch.device(device)
         if self.quantized and self.device.type != "cpu":
             raise ValueError("an int8 KV cache (kv_cache_dtype=int8) runs on CPU only")
+        if narrow and self.device.type != "cpu":
+            raise ValueError("a float16 KV cache under a float32 model (kv_cache_dtype=float16) "
+                             "runs on CPU only")
         self.head_major = self.device.type == "cpu" if head_major is None else head_major
         storage_shape = ((num_kv_heads, size + 1, head_dim) if self.head_major
                          else (size + 1, num_kv_heads, head_dim))
@@ -210,6 +217,11 @@ class TokenToKVPool:
     def quantized(self) -> bool:
         return self.kv_dtype == torch.int8
 
+    @property
+    def narrowed(self) -> bool:
+        """K/V stored as float16 under a float32 compute dtype (widened as read)."""
+        return self.kv_dtype == torch.float16 and self.dtype == torch.float32
+
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         if self.quantized:
             for buf, sc, x in ((self.k_buffer, self.k_scale, k), (self.v_buffer, self.v_scale, v)):
@@ -217,25 +229,25 @@ class TokenToKVPool:
                 buf[layer_id].index_copy_(0, loc, codes)
                 sc[layer_id].index_copy_(0, loc, scale)
             return
-        self.k_buffer[layer_id].index_copy_(0, loc, k.to(self.dtype))
-        self.v_buffer[layer_id].index_copy_(0, loc, v.to(self.dtype))
+        self.k_buffer[layer_id].index_copy_(0, loc, k.to(self.kv_dtype))
+        self.v_buffer[layer_id].index_copy_(0, loc, v.to(self.kv_dtype))
 
     def read_kv(self, layer_id: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V `[len(index), kv_heads, head_dim]` at the slots `index`, in `dtype`
-        (dequantized for an int8 pool)."""
+        (dequantized for an int8 pool, widened for a narrowed one)."""
         k = torch.index_select(self.k_buffer[layer_id], 0, index)
         v = torch.index_select(self.v_buffer[layer_id], 0, index)
         if not self.quantized:
-            return k, v
+            return k.to(self.dtype), v.to(self.dtype)
         ks = torch.index_select(self.k_scale[layer_id], 0, index)
         vs = torch.index_select(self.v_scale[layer_id], 0, index)
         return dequantize_rows(k, ks, self.dtype), dequantize_rows(v, vs, self.dtype)
 
     def as_stored(self, x: torch.Tensor) -> torch.Tensor:
         """K or V rows `x` as `read_kv` returns them once stored: in `dtype`, and through the
-        int8 format for an int8 pool."""
+        int8 format for an int8 pool, through float16 for a narrowed one."""
         if not self.quantized:
-            return x.to(self.dtype)
+            return x.to(self.kv_dtype).to(self.dtype)
         return dequantize_rows(*quantize_rows(x), self.dtype)
 
     def bytes_per_token(self) -> int:

@@ -41,8 +41,18 @@ class PoolSizes:
 
 
 def kv_storage_dtype(args: ServerArgs, dtype: torch.dtype) -> torch.dtype:
-    """What the KV pool stores: `dtype`, or int8 for `kv_cache_dtype=int8`."""
-    return torch.int8 if args.kv_cache_dtype == "int8" else dtype
+    """What the KV pool stores: `dtype`, int8 for `kv_cache_dtype=int8`, float16 for
+    `kv_cache_dtype=float16` (a float32 or float16 model; a bfloat16 one is refused, naming the
+    field)."""
+    if args.kv_cache_dtype == "int8":
+        return torch.int8
+    if args.kv_cache_dtype == "float16":
+        if dtype not in (torch.float32, torch.float16):
+            raise ValueError(f"kv_cache_dtype=float16 needs a float32 or float16 model; this "
+                             f"one runs in {dtype} (use kv_cache_dtype auto or int8, or dtype "
+                             f"float32)")
+        return torch.float16
+    return dtype
 
 
 def plan_pools(args: ServerArgs, cfg: ModelConfig, dtype: torch.dtype,
@@ -139,7 +149,8 @@ class ModelRunner:
             "KV pool: %d tokens (%.1f MiB, %s), %d request rows x %d context, device %s",
             self.sizes.max_total_tokens,
             self.sizes.max_total_tokens * self.token_to_kv_pool.bytes_per_token() / 2**20,
-            ("int8 codes + fp32 scales" if self.token_to_kv_pool.quantized else self.dtype),
+            ("int8 codes + fp32 scales" if self.token_to_kv_pool.quantized
+             else self.token_to_kv_pool.kv_dtype),
             self.sizes.max_running_requests, self.sizes.max_context_len, self.device)
 
     @torch.inference_mode()

@@ -346,6 +346,11 @@ std::tuple<Tensor, Tensor> run_layers(const Stack& st, const Tensor& h0, const T
   } finish{progress};
   const int64_t layers = static_cast<int64_t>(st.k_buffers.size());
   const bool int8_pool = !st.k_scales.empty();
+  // The attention takes q as it is on an int8 pool, a pool of the model's dtype, or a float16
+  // pool under a float32 model (narrowed); else q in the pool's dtype.
+  const at::ScalarType pool_type = st.k_buffers[0].scalar_type();
+  const bool q_as_is = int8_pool || h0.scalar_type() == pool_type ||
+                       (h0.scalar_type() == at::kFloat && pool_type == at::kHalf);
   const int64_t n = r1 - r0;
   const int64_t q_size = st.num_heads * st.head_dim, kv_size = st.num_kv_heads * st.head_dim;
   const Tensor cos = st.cos.slice(0, r0, r1), sin = st.sin.slice(0, r0, r1);
@@ -359,7 +364,7 @@ std::tuple<Tensor, Tensor> run_layers(const Stack& st, const Tensor& h0, const T
   const bool attn_keeps_rows =
       member != nullptr && !plan.rows_depend &&
       attention_keeps_rows(*member, plan, n, st.num_kv_heads, st.num_heads / st.num_kv_heads,
-                           int8_pool || h0.scalar_type() == st.k_buffers[0].scalar_type());
+                           q_as_is);
   // Before each RMSNorm and the matmul after it: where the team runs them whole on every member
   // (norms_whole), each member computes every row of both and the team meets once, after the
   // matmul's tiles; else each member takes its rows (rows_stay) and the matmul meets after its
@@ -411,7 +416,7 @@ std::tuple<Tensor, Tensor> run_layers(const Stack& st, const Tensor& h0, const T
                                        plan.kv_indices, plan.row_start, plan.row_len,
                                        plan.group_start, plan.group_len, plan.group_row_ptr,
                                        plan.group_rows, st.scale)
-            : ops.paged_decode.call(q.to(kb.scalar_type()).contiguous(), kb, vb,
+            : ops.paged_decode.call((q_as_is ? q : q.to(kb.scalar_type())).contiguous(), kb, vb,
                                     plan.kv_indices, plan.row_start, plan.row_len,
                                     plan.group_start, plan.group_len, plan.group_row_ptr,
                                     plan.group_rows, st.scale));

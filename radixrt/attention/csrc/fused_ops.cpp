@@ -9,7 +9,8 @@
 //       rotate-half RoPE with the cache layout of radixrt/model/rope.py (cos duplicated over both
 //       halves, sin with its first half negated): x * cos + roll(x, D/2) * sin, each op rounded.
 //   kv_store(k_buffer, v_buffer, loc, k, v): k_buffer[loc[i]] = k[i] (and v), strided sources and
-//   pool buffers (any slot / head strides).
+//   pool buffers (any slot / head strides); fp32 k / v into a float16 pool (a narrowed pool) are
+//   rounded to nearest even as torch's .to(torch.float16) rounds them.
 //
 // Numerics: every op reproduces the rounding of the torch code it replaces (radixrt/model/llama.py,
 // rope.py): the same intermediate roundings to the model dtype, the sum of squares in the order of
@@ -45,6 +46,10 @@
 #include <tuple>
 #include <type_traits>
 #include <vector>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 namespace radixrt_cpu {
 namespace {
@@ -392,17 +397,55 @@ void check_i8_pool(const Tensor& k_buffer, const Tensor& v_buffer, const Tensor&
               op, ": k_scale / v_scale must be float32 [slots, kv_heads] alike");
 }
 
+// One fp32 row of d elements rounded to half (nearest even, as torch's conversion).
+inline void row_to_half(const float* src, at::Half* dst, int64_t d) {
+  int64_t e = 0;
+#if defined(__F16C__)
+  for (; e + 8 <= d; e += 8) {
+    const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + e), _MM_FROUND_TO_NEAREST_INT);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + e), h);
+  }
+#endif
+  for (; e < d; ++e) dst[e] = static_cast<at::Half>(src[e]);
+}
+
+// kv_store of fp32 k / v into a float16 pool.
+void kv_store_narrowed(Tensor& k_buffer, Tensor& v_buffer, const Tensor& loc_c, const Tensor& k,
+                       const Tensor& v) {
+  const int64_t n = loc_c.size(0), heads = k_buffer.size(1), d = k_buffer.size(2);
+  const int64_t* lp = loc_c.data_ptr<int64_t>();
+  at::Half* kb = k_buffer.data_ptr<at::Half>();
+  at::Half* vb = v_buffer.data_ptr<at::Half>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const int64_t b0 = k_buffer.stride(0), b1 = k_buffer.stride(1);
+  for_rows(n, 2 * heads * d, [&](int64_t r0, int64_t r1) {
+    for (int64_t i = r0; i < r1; ++i) {
+      for (int64_t h = 0; h < heads; ++h) {
+        row_to_half(kp + i * k.stride(0) + h * k.stride(1), kb + lp[i] * b0 + h * b1, d);
+        row_to_half(vp + i * v.stride(0) + h * v.stride(1), vb + lp[i] * b0 + h * b1, d);
+      }
+    }
+  });
+}
+
 void kv_store(Tensor k_buffer, Tensor v_buffer, const Tensor& loc, const Tensor& k,
               const Tensor& v) {
   check_kv_buffers(k_buffer, v_buffer, "kv_store");
   const Tensor loc_c = checked_slots(loc, k_buffer.size(0), "kv_store");
   const int64_t n = loc.size(0), heads = k_buffer.size(1), d = k_buffer.size(2);
+  TORCH_CHECK(v_buffer.scalar_type() == k_buffer.scalar_type(),
+              "kv_store: k_buffer and v_buffer must have one dtype");
+  const bool narrowed = k_buffer.scalar_type() == at::kHalf && k.scalar_type() == at::kFloat;
   for (const Tensor* t : {&k, &v}) {
     TORCH_CHECK(t->dim() == 3 && t->size(0) == n && t->size(1) == heads && t->size(2) == d,
                 "kv_store: k/v must be [n, kv_heads, head_dim]");
-    TORCH_CHECK(t->scalar_type() == k_buffer.scalar_type(), "kv_store: k/v dtype != pool dtype");
+    TORCH_CHECK(t->scalar_type() == k_buffer.scalar_type() ||
+                    (narrowed && t->scalar_type() == at::kFloat),
+                "kv_store: k/v dtype must be the pool's (or float32 into a float16 pool)");
     TORCH_CHECK(t->stride(2) == 1, "kv_store: k/v must be contiguous in head_dim");
   }
+  if (narrowed) return kv_store_narrowed(k_buffer, v_buffer, loc_c, k, v);
   const int64_t* lp = loc_c.data_ptr<int64_t>();
   const int64_t es = k_buffer.element_size();
   const int64_t row_bytes = d * es;

@@ -893,6 +893,10 @@ struct KeyScan {
     const T* krow[kBlock];
     const T* vrow[kBlock];
     alignas(64) float scores[TQ][kBlock];
+    // converted rows of a 16-bit pool's block (unused for fp32 pools)
+    constexpr int64_t kConv = std::is_same_v<T, float> ? 1 : kBlock * D;
+    alignas(64) float kconv[kConv];
+    alignas(64) float vconv[kConv];
     for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
       const int64_t nb = std::min(kBlock, n - j0);
       for (int64_t jj = 0; jj < nb; ++jj) {
@@ -906,6 +910,28 @@ struct KeyScan {
         const int64_t slot = idx[j];
         prefetch_row(kbase + slot * stride, D * sizeof(T));
         prefetch_row(vbase + slot * stride, D * sizeof(T));
+      }
+      // The block's rows as fp32: the pool's own rows for an fp32 pool; a 16-bit pool's
+      // converted once here for every query of the call (exact), not once per query (Zen 1,
+      // float16 pool under fp32 queries, batch 64: per-query conversion made the step 1.09x
+      // slower than an fp32 pool, the conversions costing as much as the FMAs).
+      const float* kf[kBlock];
+      const float* vf[kBlock];
+      if constexpr (std::is_same_v<T, float>) {
+        for (int64_t jj = 0; jj < nb; ++jj) {
+          kf[jj] = krow[jj];
+          vf[jj] = vrow[jj];
+        }
+      } else {
+        for (int64_t jj = 0; jj < nb; ++jj) {
+#pragma GCC unroll 16
+          for (int c = 0; c < NV; ++c) {
+            load_f32<T>(krow[jj] + c * kVec).store(kconv + jj * D + c * kVec);
+            load_f32<T>(vrow[jj] + c * kVec).store(vconv + jj * D + c * kVec);
+          }
+          kf[jj] = kconv + jj * D;
+          vf[jj] = vconv + jj * D;
+        }
       }
       for (int64_t t0 = 0; t0 < nq; t0 += TQ) {
         const int64_t tq = std::min<int64_t>(TQ, nq - t0);
@@ -921,13 +947,13 @@ struct KeyScan {
             __m256 a[4];
             const __m256 q0 = _mm256_loadu_ps(qq);
 #pragma GCC unroll 4
-            for (int u = 0; u < 4; ++u) a[u] = _mm256_mul_ps(q0, __m256(load_f32<T>(krow[jj + u])));
+            for (int u = 0; u < 4; ++u) a[u] = _mm256_mul_ps(q0, _mm256_loadu_ps(kf[jj + u]));
 #pragma GCC unroll 16
             for (int c = 1; c < NV; ++c) {
               const __m256 qc = _mm256_loadu_ps(qq + c * kVec);
 #pragma GCC unroll 4
               for (int u = 0; u < 4; ++u)
-                a[u] = _mm256_fmadd_ps(qc, __m256(load_f32<T>(krow[jj + u] + c * kVec)), a[u]);
+                a[u] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kf[jj + u] + c * kVec), a[u]);
             }
             const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
             _mm_storeu_ps(&scores[t][jj],
@@ -938,7 +964,7 @@ struct KeyScan {
         for (; jj < nb; ++jj) {
           Vec kv[NV];
 #pragma GCC unroll 16
-          for (int c = 0; c < NV; ++c) kv[c] = load_f32<T>(krow[jj] + c * kVec);
+          for (int c = 0; c < NV; ++c) kv[c] = Vec::loadu(kf[jj] + c * kVec);
 #pragma GCC unroll 4
           for (int t = 0; t < TQ; ++t) {
             if (t < tq) {
@@ -984,7 +1010,7 @@ struct KeyScan {
         for (int64_t jj = 0; jj < nb; ++jj) {
           Vec vv[NV];
 #pragma GCC unroll 16
-          for (int c = 0; c < NV; ++c) vv[c] = load_f32<T>(vrow[jj] + c * kVec);
+          for (int c = 0; c < NV; ++c) vv[c] = Vec::loadu(vf[jj] + c * kVec);
 #pragma GCC unroll 4
           for (int t = 0; t < TQ; ++t) {
             if (t < tq) {
@@ -1180,8 +1206,9 @@ void paged_decode_run(const Tensor& q, int64_t Hkv, int64_t slots, const Tensor&
   });
 }
 
-// A float / bfloat16 / half pool read as stored; q and the output have the pool's dtype.
-template <typename T, int D>
+// A float / bfloat16 / half pool read as stored; q and the output have the pool's dtype QT, or
+// are fp32 over a half pool (a narrowed pool: the scans take fp32 queries either way).
+template <typename T, int D, typename QT = T>
 void paged_decode_float(const Tensor& q, const Tensor& k_buffer, const Tensor& v_buffer,
                         const Tensor& idx, const Tensor& rs, const Tensor& rl, const Tensor& gs,
                         const Tensor& gl, const Tensor& gp, const Tensor& gr, float scale,
@@ -1200,18 +1227,19 @@ void paged_decode_float(const Tensor& q, const Tensor& k_buffer, const Tensor& v
     scan.ahead = ahead;
     return scan;
   };
-  paged_decode_run<T, Scan>(q, k_buffer.size(1), k_buffer.size(0), idx, rs, rl, gs, gl, gp, gr,
-                            scale, scan_for, out, lse);
+  paged_decode_run<QT, Scan>(q, k_buffer.size(1), k_buffer.size(0), idx, rs, rl, gs, gl, gp, gr,
+                             scale, scan_for, out, lse);
 }
 
-template <typename T>
+template <typename T, typename QT = T>
 void dispatch_head_dim(int64_t D, const Tensor& q, const Tensor& k, const Tensor& v,
                        const Tensor& idx, const Tensor& rs, const Tensor& rl, const Tensor& gs,
                        const Tensor& gl, const Tensor& gp, const Tensor& gr, float scale,
                        Tensor& out, Tensor& lse) {
 #define RADIXRT_HEAD_DIM_CASE(DIM)                                                          \
   case DIM:                                                                                 \
-    return paged_decode_float<T, DIM>(q, k, v, idx, rs, rl, gs, gl, gp, gr, scale, out, lse);
+    return paged_decode_float<T, DIM, QT>(q, k, v, idx, rs, rl, gs, gl, gp, gr, scale, out,  \
+                                          lse);
   switch (D) {
     RADIXRT_HEAD_DIM_CASE(16)
     RADIXRT_HEAD_DIM_CASE(32)
@@ -1292,13 +1320,21 @@ std::tuple<Tensor, Tensor> paged_decode(const Tensor& q, const Tensor& k_buffer,
                                         double scale) {
   check_plan(q, k_buffer, v_buffer, kv_indices, row_start, row_len, group_start, group_len,
              group_row_ptr, group_rows, scale);
-  TORCH_CHECK(q.scalar_type() == k_buffer.scalar_type() &&
-                  q.scalar_type() == v_buffer.scalar_type(),
-              "paged_decode: q, k_buffer and v_buffer must have one dtype");
+  const bool narrowed = q.scalar_type() == at::kFloat && k_buffer.scalar_type() == at::kHalf;
+  TORCH_CHECK(k_buffer.scalar_type() == v_buffer.scalar_type() &&
+                  (q.scalar_type() == k_buffer.scalar_type() || narrowed),
+              "paged_decode: q, k_buffer and v_buffer must have one dtype (or q float32 over a "
+              "float16 pool)");
   Tensor out = team_empty(q.sizes(), q.options());
   Tensor lse = team_empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
   if (q.size(0) == 0) return {out, lse};
   const float s = static_cast<float>(scale);
+  if (narrowed) {
+    dispatch_head_dim<at::Half, float>(q.size(2), q, k_buffer, v_buffer, kv_indices, row_start,
+                                       row_len, group_start, group_len, group_row_ptr,
+                                       group_rows, s, out, lse);
+    return {out, lse};
+  }
   with_float_dtype(q, "paged_decode", [&](auto zero) {
     dispatch_head_dim<decltype(zero)>(q.size(2), q, k_buffer, v_buffer, kv_indices, row_start,
                                       row_len, group_start, group_len, group_row_ptr,

@@ -1,0 +1,177 @@
+"""The float16 KV cache under a float32 model (`kv_cache_dtype=float16`, a "narrowed" pool): the
+pool's rounding, the C++ store and decode ops against the same arithmetic on an fp32 pool holding
+the rounded values, a tiny model end to end, and the configuration's refusals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from model_fixtures import PagedRunner, make_tiny_checkpoint
+from test_paged_decode_kernel import _case, _head_major, _reference
+
+from radixrt.attention import cpu_kernels
+from radixrt.attention.paged_decode import PagedDecodePlan
+from radixrt.attention.torch_native import TorchNativeBackend
+from radixrt.config import ServerArgs
+from radixrt.mem.memory_pool import TokenToKVPool, kv_bytes_per_token
+from radixrt.model.runner import kv_storage_dtype
+
+
+def _need_kernels() -> None:
+    if not cpu_kernels.load_cpu_kernels():
+        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
+
+
+# -- the pool ------------------------------------------------------------------------------------
+def test_narrowed_pool_rounds_to_half_and_reads_back_float32() -> None:
+    g = torch.Generator().manual_seed(0)
+    pool = TokenToKVPool(30, 2, 3, 64, torch.float32, kv_dtype=torch.float16)
+    assert pool.narrowed and not pool.quantized
+    assert pool.k_buffer[0].dtype == torch.float16 and pool.k_scale == []
+    assert pool.bytes_per_token() == kv_bytes_per_token(2, 3, 64, torch.float32) // 2
+    k = torch.randn(4, 3, 64, generator=g) * 10
+    v = torch.randn(4, 3, 64, generator=g)
+    loc = torch.tensor([5, 1, 30, 12])
+    pool.set_kv(1, loc, k, v)
+    rk, rv = pool.read_kv(1, loc[[2, 0]])
+    assert rk.dtype == torch.float32
+    assert torch.equal(rk, k[[2, 0]].half().float()) and torch.equal(rv, v[[2, 0]].half().float())
+    assert torch.equal(pool.as_stored(k), k.half().float())
+    pool.check_invariants()
+    # the other pools are not narrowed
+    assert not TokenToKVPool(30, 2, 3, 64, torch.float16).narrowed
+    assert not TokenToKVPool(30, 2, 3, 64, torch.float32).narrowed
+
+
+def test_refusals_name_the_field() -> None:
+    with pytest.raises(ValueError, match="kv_dtype"):
+        TokenToKVPool(30, 2, 3, 64, torch.bfloat16, kv_dtype=torch.float16)
+    with pytest.raises(ValueError, match="CPU only"):
+        TokenToKVPool(30, 2, 3, 64, torch.float32, device="meta", kv_dtype=torch.float16)
+    args = ServerArgs(kv_cache_dtype="float16")
+    assert kv_storage_dtype(args, torch.float32) == torch.float16
+    assert kv_storage_dtype(args, torch.float16) == torch.float16
+    with pytest.raises(ValueError, match="kv_cache_dtype=float16"):
+        kv_storage_dtype(args, torch.bfloat16)
+    assert kv_storage_dtype(ServerArgs(), torch.float32) == torch.float32
+    with pytest.raises(ValueError, match="ServerArgs.kv_cache_dtype"):
+        ServerArgs(kv_cache_dtype="float8")
+
+
+# -- the C++ ops ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("hd", [64, 20])
+def test_kv_store_rounds_fp32_rows_as_torch_does(hd: int) -> None:
+    """fp32 K/V (strided slices of a fused qkv row, as the layer hands them over) into a
+    head-major float16 pool: the bits of torch's `.to(torch.float16)`, including values that
+    overflow to inf, subnormals and ties; head dim 20 takes the scalar tail."""
+    _need_kernels()
+    g = torch.Generator().manual_seed(3)
+    pool = TokenToKVPool(40, 2, 3, hd, torch.float32, kv_dtype=torch.float16)
+    qkv = torch.randn(5, 9 * hd + 6 * hd, generator=g) * 100
+    qkv[0, 9 * hd: 9 * hd + 4] = torch.tensor([70000.0, -1e-7, 3e-6, 1.0 + 2.0**-11])
+    k = qkv[:, 9 * hd: 12 * hd].view(5, 3, hd)
+    v = qkv[:, 12 * hd:].view(5, 3, hd)
+    loc = torch.tensor([3, 17, 1, 40, 22])
+    torch.ops.radixrt.kv_store(pool.k_buffer[1], pool.v_buffer[1], loc, k, v)
+    assert torch.equal(pool.k_buffer[1][loc], k.half()) and torch.equal(pool.v_buffer[1][loc],
+                                                                         v.half())
+    assert torch.isinf(pool.k_buffer[1][3, 0, 0])
+    # the torch fallback (set_kv) stores the same bits
+    other = TokenToKVPool(40, 2, 3, hd, torch.float32, kv_dtype=torch.float16)
+    other.set_kv(1, loc, k.contiguous(), v.contiguous())
+    assert torch.equal(other.k_buffer[1][loc], pool.k_buffer[1][loc])
+    assert torch.equal(other.v_buffer[1][loc], pool.v_buffer[1][loc])
+    with pytest.raises(RuntimeError, match="float32 into a float16 pool"):
+        torch.ops.radixrt.kv_store(pool.k_buffer[1], pool.v_buffer[1], loc, k.bfloat16(),
+                                   v.bfloat16())
+
+
+CASES = [([1, 2, 15, 16, 17, 33, 64, 300], []),
+         ([3, 9, 1, 40], [(40, [0, 1, 2])]),
+         ([1 + i % 5 for i in range(20)], [(100, list(range(20)))])]
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128), (6, 3, 80)])
+@pytest.mark.parametrize("case", CASES, ids=["flat", "g3", "g20"])
+def test_paged_decode_fp32_queries_over_a_half_pool(heads: int, kv_heads: int, dim: int,
+                                                    case: tuple) -> None:
+    """fp32 queries over a float16 pool: fp32 outputs equal, up to the compiler's fp32
+    contractions (one ulp seen), to the same op over an fp32 pool holding the widened values
+    (the scans convert each row to fp32 as they read it), and within fp32 rounding of float64
+    attention over them."""
+    _need_kernels()
+    own, groups = case
+    c = _case(dim + len(own), torch.float32, heads, kv_heads, dim, own, groups)
+    half = dict(c, kb=_head_major(c["kb"].half()), vb=_head_major(c["vb"].half()))
+    wide = dict(c, kb=_head_major(c["kb"].half().float()), vb=_head_major(c["vb"].half().float()))
+    plan = PagedDecodePlan(c["idx"], c["row_start"], c["row_len"], c["g_start"], c["g_len"],
+                           c["g_ptr"], c["g_rows"])
+    out, lse = plan.run(c["q"], half["kb"], half["vb"], 0.125)
+    want, want_lse = plan.run(c["q"], wide["kb"], wide["vb"], 0.125)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-6)
+    ref, _ = _reference(dict(c, kb=c["kb"].half().float(), vb=c["vb"].half().float()), 0.125)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        torch.ops.radixrt.paged_decode(c["q"].bfloat16(), half["kb"], half["vb"], c["idx"],
+                                       c["row_start"], c["row_len"], c["g_start"], c["g_len"],
+                                       c["g_ptr"], c["g_rows"], 0.125)
+
+
+# -- a tiny model ----------------------------------------------------------------------------------
+def test_tiny_model_on_a_float16_kv_cache(tmp_path: Path) -> None:
+    """Three requests sharing a 40-token cached prefix and one alone; prefill, then 6 greedy
+    decode steps on a float16 pool under fp32: the C++ path (kv_store rounding, the decode op
+    on fp32 queries, the fused decode step, the extend op on widened rows) and the torch path
+    give the same tokens and logits within fp32 rounding, and stay close to an fp32 pool."""
+    _need_kernels()
+    make_tiny_checkpoint(tmp_path, "llama", seed=4)
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, 256, (40,), generator=g).tolist()
+    tails = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 7, 1)]
+    alone = torch.randint(0, 256, (12,), generator=g).tolist()
+    runs = {}
+    for name, kv_dtype, kernels in (("half-kernels", torch.float16, True),
+                                    ("half-torch", torch.float16, False),
+                                    ("fp32", None, True)):
+        runner = PagedRunner.create(tmp_path, dtype=torch.float32, kv_dtype=kv_dtype)
+        backend = TorchNativeBackend(runner.kv_pool, decode_kernel=kernels,
+                                     extend_kernel=kernels)
+        runner.model.attn_backend = backend
+        first = runner.new_request()
+        runner.extend([first], [prefix])
+        rows = [runner.share_prefix(first, len(prefix)) for _ in tails] + [runner.new_request()]
+        seqs = [prefix + t for t in tails] + [list(alone)]
+        logits = runner.extend(rows, [t for t in tails] + [alone])
+        steps = [logits]
+        for _ in range(6):
+            for s, tok in zip(seqs, logits.argmax(-1).tolist(), strict=True):
+                s.append(tok)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                logits = runner.decode(rows, [s[-1] for s in seqs])
+            if kernels:  # the one-call decode step ran (kv_store and the op inside it)
+                assert backend._kernel is not None
+                assert "radixrt::decode_step" in {e.key for e in prof.key_averages()}
+            steps.append(logits)
+        runner.kv_pool.check_invariants()
+        if kv_dtype is not None:
+            assert runner.kv_pool.narrowed
+        runs[name] = (seqs, steps)
+    assert runs["half-kernels"][0] == runs["half-torch"][0]
+    for a, b in zip(runs["half-kernels"][1], runs["half-torch"][1], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4 * max(1.0, float(b.abs().max())), rtol=0)
+    for a, b in zip(runs["half-kernels"][1], runs["fp32"][1], strict=True):
+        torch.testing.assert_close(a, b, atol=2e-2 * max(1.0, float(b.abs().max())), rtol=0)
+        assert not torch.equal(a, b)  # the pool did round
+
+
+def test_server_args_float16_builds_a_narrowed_pool(tmp_path: Path) -> None:
+    from model_fixtures import make_tiny_runner
+
+    r = make_tiny_runner(tmp_path, kv_cache_dtype="float16", dtype="float32")
+    pool = r.token_to_kv_pool
+    assert pool.narrowed and pool.dtype == torch.float32
+    assert all(b.dtype == torch.float16 for b in pool.k_buffer)
