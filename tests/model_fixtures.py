@@ -256,3 +256,28 @@ class PagedRunner:
         `BatchBuilder.build_decode` lays out grammar-forced and draft tokens). Logits
         `[num_tokens, vocab]`, one per token."""
         return self._step(ForwardMode.DECODE, rows, chunks, row_per_token=True)
+
+
+def shared_prefix_greedy(runner: PagedRunner, steps: int = 6,
+                         ) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Three requests sharing a 40-token cached prefix (tails of 3, 7 and 1 tokens) beside one
+    alone (12 tokens), prefilled on `runner`, then `steps` greedy decode steps. Returns each
+    request's tokens and the logits of the prefill and of every decode step; the pool's
+    invariants are checked at the end."""
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, 256, (40,), generator=g).tolist()
+    tails = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 7, 1)]
+    alone = torch.randint(0, 256, (12,), generator=g).tolist()
+    first = runner.new_request()
+    runner.extend([first], [prefix])
+    rows = [runner.share_prefix(first, len(prefix)) for _ in tails] + [runner.new_request()]
+    seqs = [prefix + t for t in tails] + [list(alone)]
+    logits = runner.extend(rows, [*tails, alone])
+    out = [logits]
+    for _ in range(steps):
+        for s, tok in zip(seqs, logits.argmax(-1).tolist(), strict=True):
+            s.append(tok)
+        logits = runner.decode(rows, [s[-1] for s in seqs])
+        out.append(logits)
+    runner.kv_pool.check_invariants()
+    return seqs, out

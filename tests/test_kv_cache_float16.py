@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_fixtures import PagedRunner, make_tiny_checkpoint
+from model_fixtures import PagedRunner, make_tiny_checkpoint, shared_prefix_greedy
 from test_paged_decode_kernel import _case, _head_major, _reference
 
 from radixrt.attention import cpu_kernels
@@ -129,37 +129,19 @@ def test_tiny_model_on_a_float16_kv_cache(tmp_path: Path) -> None:
     give the same tokens and logits within fp32 rounding, and stay close to an fp32 pool."""
     _need_kernels()
     make_tiny_checkpoint(tmp_path, "llama", seed=4)
-    g = torch.Generator().manual_seed(0)
-    prefix = torch.randint(0, 256, (40,), generator=g).tolist()
-    tails = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 7, 1)]
-    alone = torch.randint(0, 256, (12,), generator=g).tolist()
     runs = {}
     for name, kv_dtype, kernels in (("half-kernels", torch.float16, True),
                                     ("half-torch", torch.float16, False),
                                     ("fp32", None, True)):
         runner = PagedRunner.create(tmp_path, dtype=torch.float32, kv_dtype=kv_dtype)
-        backend = TorchNativeBackend(runner.kv_pool, decode_kernel=kernels,
-                                     extend_kernel=kernels)
-        runner.model.attn_backend = backend
-        first = runner.new_request()
-        runner.extend([first], [prefix])
-        rows = [runner.share_prefix(first, len(prefix)) for _ in tails] + [runner.new_request()]
-        seqs = [prefix + t for t in tails] + [list(alone)]
-        logits = runner.extend(rows, [t for t in tails] + [alone])
-        steps = [logits]
-        for _ in range(6):
-            for s, tok in zip(seqs, logits.argmax(-1).tolist(), strict=True):
-                s.append(tok)
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-                logits = runner.decode(rows, [s[-1] for s in seqs])
-            if kernels:  # the one-call decode step ran (kv_store and the op inside it)
-                assert backend._kernel is not None
-                assert "radixrt::decode_step" in {e.key for e in prof.key_averages()}
-            steps.append(logits)
-        runner.kv_pool.check_invariants()
-        if kv_dtype is not None:
-            assert runner.kv_pool.narrowed
-        runs[name] = (seqs, steps)
+        runner.model.attn_backend = TorchNativeBackend(runner.kv_pool, decode_kernel=kernels,
+                                                       extend_kernel=kernels)
+        assert runner.kv_pool.narrowed == (kv_dtype is not None)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            runs[name] = shared_prefix_greedy(runner, steps=6)
+        # with the kernels, each decode step is the one C++ call (kv_store and the op inside)
+        calls = {e.key: e.count for e in prof.key_averages()}.get("radixrt::decode_step", 0)
+        assert calls == (6 if kernels else 0), name
     assert runs["half-kernels"][0] == runs["half-torch"][0]
     for a, b in zip(runs["half-kernels"][1], runs["half-torch"][1], strict=True):
         torch.testing.assert_close(a, b, atol=1e-4 * max(1.0, float(b.abs().max())), rtol=0)

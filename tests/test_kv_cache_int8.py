@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_fixtures import PagedRunner, make_tiny_checkpoint
+from model_fixtures import PagedRunner, make_tiny_checkpoint, shared_prefix_greedy
 from test_paged_decode_kernel import _case as float_case
 from test_paged_decode_kernel import _positions, _relocated
 from test_paged_decode_kernel import _reference as float_reference
@@ -245,10 +245,6 @@ def test_tiny_model_on_int8_kv_cache(tmp_path: Path, dtype: torch.dtype) -> None
     and both stay close to the same model on an unquantized pool."""
     _need_i8_kernels()
     make_tiny_checkpoint(tmp_path, "llama", seed=4)
-    g = torch.Generator().manual_seed(0)
-    prefix = torch.randint(0, 256, (40,), generator=g).tolist()
-    tails = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 7, 1)]
-    alone = torch.randint(0, 256, (12,), generator=g).tolist()
     runs = {}
     for name, kv_dtype, kernels in (("int8-kernels", torch.int8, True),
                                     ("int8-torch", torch.int8, False),
@@ -256,19 +252,7 @@ def test_tiny_model_on_int8_kv_cache(tmp_path: Path, dtype: torch.dtype) -> None
         runner = PagedRunner.create(tmp_path, dtype=dtype, kv_dtype=kv_dtype)
         runner.model.attn_backend = TorchNativeBackend(
             runner.kv_pool, decode_kernel=kernels, extend_kernel=kernels)
-        first = runner.new_request()
-        runner.extend([first], [prefix])
-        rows = [runner.share_prefix(first, len(prefix)) for _ in tails] + [runner.new_request()]
-        seqs = [prefix + t for t in tails] + [list(alone)]
-        logits = runner.extend(rows, [t for t in tails] + [alone])
-        steps = [logits]
-        for _ in range(6):
-            for s, tok in zip(seqs, logits.argmax(-1).tolist(), strict=True):
-                s.append(tok)
-            logits = runner.decode(rows, [s[-1] for s in seqs])
-            steps.append(logits)
-        runner.kv_pool.check_invariants()
-        runs[name] = (seqs, steps)
+        runs[name] = shared_prefix_greedy(runner)
     assert runs["int8-kernels"][0] == runs["int8-torch"][0]
     for a, b in zip(runs["int8-kernels"][1], runs["int8-torch"][1], strict=True):
         # the op also rounds the queries to int8; the torch path attends with them exact
