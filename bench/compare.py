@@ -78,11 +78,14 @@ PEER_SCRIPTS = {
 SERVER_FLAGS = {"radixrt": [], "radixrt-no-radix": ["--disable-radix-cache"],
                 "radixrt-fcfs": ["--schedule-policy", "fcfs"]}
 TARGET_WORKLOADS = ("gsp", "few-shot", "multi-turn")
+# Default limit on one system's run: this per workload, at least the minimum (seconds).
+TIMEOUT_PER_WORKLOAD_S = 600.0
+MIN_SYSTEM_TIMEOUT_S = 1800.0
 # Per-workload time budgets (s) by preset: HF one-by-one takes minutes per workload on the full
 # preset; it serves requests in arrival order until its budget, then stops (noted).
 DEFAULT_BUDGETS = {"full": {"hf-generate": 75.0}, "wide": {"hf-generate": 75.0}, "tiny": {}}
 FIELDS = ("workload", "system", "total_tok_per_s", "output_tok_per_s", "ttft_p50_s", "ttft_p99_s",
-          "itl_p50_s", "hit_rate", "optimal_hit_rate", "threads", "note")
+          "itl_p50_s", "e2e_p50_s", "hit_rate", "optimal_hit_rate", "threads", "note")
 
 
 def _env(threads: int) -> dict[str, str]:
@@ -92,6 +95,24 @@ def _env(threads: int) -> dict[str, str]:
     env["TOKENIZERS_PARALLELISM"] = "false"
     env.pop("PYTHONPATH", None)
     return env
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the process group of `proc` (started with its own session), SIGKILL after 15 s."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=15)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def run_subprocess(cmd: list[str], timeout_s: float | None, log_path: Path, threads: int,
@@ -106,16 +127,10 @@ def run_subprocess(cmd: list[str], timeout_s: float | None, log_path: Path, thre
             rc: int | None = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             rc = None
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                try:
-                    os.killpg(proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    proc.wait(timeout=15)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+            stop_group(proc)
+        except BaseException:  # Ctrl-C, or SIGTERM (main turns it into SystemExit)
+            stop_group(proc)
+            raise
     lines = [ln.strip() for ln in log_path.read_text(errors="replace").replace("\r", "\n")
              .splitlines()]
     start = max((i for i, ln in enumerate(lines) if ln.startswith("$ ")), default=-1) + 1
@@ -249,6 +264,10 @@ def ratios(records: list[dict[str, Any]], workloads: list[str]) -> list[dict[str
             if bl and bl["ttft_p50_s"]:
                 row["best_peer_ttft"] = bl["system"]
                 row["ttft_ratio"] = rr["ttft_p50_s"] / bl["ttft_p50_s"]
+            be = best_peer(recs, "e2e_p50_s", lower=True)
+            if be and be["e2e_p50_s"] and rr.get("e2e_p50_s") is not None:
+                row["best_peer_e2e"] = be["system"]
+                row["e2e_ratio"] = rr["e2e_p50_s"] / be["e2e_p50_s"]
             if rr.get("hit_rate") is not None and rr.get("optimal_hit_rate"):
                 row["hit_vs_optimal"] = rr["hit_rate"] / rr["optimal_hit_rate"]
             elif rr.get("optimal_hit_rate") == 0:
@@ -371,10 +390,11 @@ def write_markdown(path: Path, records: list[dict[str, Any]], meta: dict[str, An
     L.append("")
     L.extend(markdown_table(
         ["workload", "system", "total tok/s", "output tok/s", "TTFT p50 s", "TTFT p99 s",
-         "ITL p50 ms", "hit rate", "optimal", "note"],
+         "ITL p50 ms", "E2E p50 s", "hit rate", "optimal", "note"],
         ([wname, r["system"], _fmt(r["total_tok_per_s"]), _fmt(r["output_tok_per_s"]),
           _fmt(r["ttft_p50_s"], ".2f"), _fmt(r["ttft_p99_s"], ".2f"),
-          _fmt(r["itl_p50_s"], ".1f", 1e3), _fmt(r["hit_rate"], ".3f"),
+          _fmt(r["itl_p50_s"], ".1f", 1e3), _fmt(r.get("e2e_p50_s"), ".2f"),
+          _fmt(r["hit_rate"], ".3f"),
           _fmt(r["optimal_hit_rate"], ".3f"), (r["note"] or "").replace("|", "/")]
          for wname in workloads for r in records if r["workload"] == wname)).splitlines())
     L.append("")
@@ -383,13 +403,18 @@ def write_markdown(path: Path, records: list[dict[str, Any]], meta: dict[str, An
     L.append("Targets: total throughput ≥ 2× the best peer and TTFT p50 ≤ 0.5× the best peer's "
              "on gsp / few-shot / multi-turn; achieved hit rate ≥ 98% of optimal; `random` "
              "within 2% of radixrt-no-radix. Best peer = the peer with the highest total "
-             "throughput (for the throughput ratio) / the lowest TTFT p50 (for the TTFT ratio).")
+             "throughput (for the throughput ratio) / the lowest TTFT p50 (for the TTFT ratio) / "
+             "the lowest end-to-end latency p50 (for the E2E ratio: with every session in flight "
+             "at once a closed loop queues requests, and a server that decodes more slowly "
+             "spends less of a request's time before its first token, so E2E says what TTFT "
+             "alone does not).")
     L.append("")
     table = []
     for row in ratios(records, workloads):
         tr = (f"{row['throughput_ratio']:.2f}× ({row['best_peer_throughput']})"
               if "throughput_ratio" in row else "—")
         lr = f"{row['ttft_ratio']:.2f}× ({row['best_peer_ttft']})" if "ttft_ratio" in row else "—"
+        er = f"{row['e2e_ratio']:.2f}× ({row['best_peer_e2e']})" if "e2e_ratio" in row else "—"
         mark = ""
         if row["workload"] in TARGET_WORKLOADS and "throughput_ratio" in row:
             ok = row["throughput_ratio"] >= 2 and row.get("ttft_ratio", 9) <= 0.5
@@ -402,10 +427,10 @@ def write_markdown(path: Path, records: list[dict[str, Any]], meta: dict[str, An
         nr = _fmt(row.get("vs_no_radix"), ".3f")
         if row["workload"] == "random" and "vs_no_radix" in row:
             nr += " ✅" if row["vs_no_radix"] >= 0.98 else " ❌"
-        table.append([row["workload"], tr + mark, lr, hv, nr])
+        table.append([row["workload"], tr + mark, lr, er, hv, nr])
     L.extend(markdown_table(
         ["workload", "throughput ratio (best peer)", "TTFT p50 ratio (best peer)",
-         "hit / optimal", "vs no-radix"], table).splitlines())
+         "E2E p50 ratio (best peer)", "hit / optimal", "vs no-radix"], table).splitlines())
     L.append("")
     rr = [r for r in records if r["system"] in RADIXRT and r.get("step_time_s")]
     if rr:
@@ -546,6 +571,17 @@ def parse_budgets(items: list[str] | None, preset: str) -> dict[str, float]:
     return budgets
 
 
+def system_timeout(given: float | None, workloads: int) -> float:
+    """Seconds one system's run may take: `given`, else TIMEOUT_PER_WORKLOAD_S per workload
+    and at least MIN_SYSTEM_TIMEOUT_S (a flat 1800 s cut llama-server's last workload at 64
+    concurrent on a slow CPU, stop 45)."""
+    if given is not None:
+        if given <= 0:
+            raise SystemExit(f"--timeout-per-system: must be > 0, got {given}")
+        return given
+    return max(MIN_SYSTEM_TIMEOUT_S, TIMEOUT_PER_WORKLOAD_S * workloads)
+
+
 def main(argv: list[str] | None = None) -> Path:
     from bench.serving import add_sampling_args, sampling_fields
 
@@ -557,8 +593,10 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--request-rate", type=float, default=None,
                     help="Poisson session arrivals per second (default: all at once)")
-    ap.add_argument("--timeout-per-system", type=float, default=1800.0,
-                    help="seconds for one system's whole run (all workloads)")
+    ap.add_argument("--timeout-per-system", type=float, default=None,
+                    help="seconds for one system's whole run (all workloads); default "
+                         f"{TIMEOUT_PER_WORKLOAD_S:.0f} s per workload, at least "
+                         f"{MIN_SYSTEM_TIMEOUT_S:.0f} s")
     ap.add_argument("--budget-s", action="append", metavar="SYSTEM=SECONDS",
                     help="per-workload budget: the system starts no request after it (default "
                          "on the full preset: hf-generate=75; 'SYSTEM=none' lifts it)")
@@ -612,6 +650,7 @@ def main(argv: list[str] | None = None) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix="radixrt-bench-"))
 
     names = [w for w in WORKLOADS if not a.workloads or w in a.workloads]
+    timeout_s = system_timeout(a.timeout_per_system, len(names))
     workloads = make_preset(a.preset, a.seed, names, default_tokenizer(), a.request_rate)
     wfile = tmp / "workloads.json"
     save_workloads(wfile, workloads)
@@ -667,7 +706,7 @@ def main(argv: list[str] | None = None) -> Path:
                                      budgets.get(system), a.radixrt_mode, a.port,
                                      a.max_concurrency, a.radixrt_server_args,
                                      sampling_args)
-                rc, tail = run_subprocess(cmd, a.timeout_per_system, raw / f"{tag}.log",
+                rc, tail = run_subprocess(cmd, timeout_s, raw / f"{tag}.log",
                                           a.threads)
                 results = {r["workload"]: r for r in read_results(out)}
                 info = out.with_suffix(".server_info.json")
@@ -675,7 +714,7 @@ def main(argv: list[str] | None = None) -> Path:
                     meta.setdefault("radixrt_resolved", {})[tag] = resolved_config(
                         json.loads(info.read_text()))
                 if rc is None:
-                    note = f"timed out after {a.timeout_per_system:.0f} s (--timeout-per-system)"
+                    note = f"timed out after {timeout_s:.0f} s (--timeout-per-system)"
                 elif rc != 0:
                     note = f"failed (exit {rc}): {tail}"
             for w in workloads:
@@ -753,4 +792,6 @@ def _json_default(x: Any) -> Any:
 
 
 if __name__ == "__main__":
+    # a killed comparison takes the system it is running (a server and its client) with it
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     main()

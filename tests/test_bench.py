@@ -628,14 +628,15 @@ def test_llama_server_driven_like_radixrt_server():
     assert ab[ab.index("--server-args") + 1].split() == [
         "--model", "/m.gguf", "--disable-radix-cache", "--prefill-step-target-ms", "500"]
     recs = [{"system": "llama-server", "workload": "gsp", "total_tok_per_s": 300.0,
-             "ttft_p50_s": 0.2},
+             "ttft_p50_s": 0.2, "e2e_p50_s": 4.0},
             {"system": "llama.cpp", "workload": "gsp", "total_tok_per_s": 100.0,
-             "ttft_p50_s": 0.1},
+             "ttft_p50_s": 0.1, "e2e_p50_s": 8.0},
             {"system": "radixrt", "workload": "gsp", "total_tok_per_s": 600.0, "ttft_p50_s": 0.05,
-             "hit_rate": None, "optimal_hit_rate": None}]
+             "e2e_p50_s": 1.0, "hit_rate": None, "optimal_hit_rate": None}]
     row = compare.ratios(recs, ["gsp"])[0]
     assert row["best_peer_throughput"] == "llama-server" and row["throughput_ratio"] == 2.0
     assert row["best_peer_ttft"] == "llama.cpp" and row["ttft_ratio"] == 0.5
+    assert row["best_peer_e2e"] == "llama-server" and row["e2e_ratio"] == 0.25
 
 
 def test_sampled_comparisons_send_the_same_fields_to_every_http_system():
@@ -783,3 +784,69 @@ def test_team_waits_per_step_reads_the_flat_table():
     us, count = team_waits.per_step(raw, steps=10)
     assert us[0][5] == 300.0 and us[1][9] == 50.0 and sum(map(sum, us)) == 350.0
     assert count[0][5] == 6.0 and count[1][9] == 3.0 and count[2] == [0.0] * len(team_waits.PHASES)
+
+
+def test_compare_system_timeout_scales_with_the_workloads(tmp_path, monkeypatch):
+    """Regression: a flat 1800 s per system cut llama-server's last workload at 64 concurrent
+    on a slow CPU; the default now grows with the number of workloads, and a given value wins."""
+    from bench import compare
+
+    assert compare.system_timeout(None, 1) == compare.MIN_SYSTEM_TIMEOUT_S
+    assert compare.system_timeout(None, 5) == 5 * compare.TIMEOUT_PER_WORKLOAD_S > 1800
+    assert compare.system_timeout(300.0, 5) == 300.0
+    with pytest.raises(SystemExit, match="timeout-per-system"):
+        compare.system_timeout(0.0, 5)
+
+    seen: list[float] = []
+
+    def fake_run(cmd, timeout_s, log_path, threads):
+        seen.append(timeout_s)
+        return None, ""  # timed out, no result lines
+
+    monkeypatch.setattr(compare, "run_subprocess", fake_run)
+    path = compare.main(["--preset", "tiny", "--systems", "radixrt", "--skip-one-batch",
+                         "--out-dir", str(tmp_path), "--name", "t"])
+    n = len(json.loads(path.read_text()))
+    assert seen == [compare.system_timeout(None, n)]
+    recs = json.loads(path.read_text())
+    assert all(f"timed out after {seen[0]:.0f} s" in r["note"] for r in recs)
+
+
+def test_compare_killed_takes_its_running_system_with_it(tmp_path):
+    """Regression: SIGTERM to compare.py left the system it was running (its own process
+    group: a server and its client) alive; the script now stops that group on the way out."""
+    import signal
+    import subprocess
+    import time
+
+    pid_file = tmp_path / "child.pid"
+    script = (
+        "import signal, sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})\n"
+        "from pathlib import Path\n"
+        "from bench import compare\n"
+        "signal.signal(signal.SIGTERM, compare._exit_on_sigterm)\n"
+        f"cmd = ['sh', '-c', 'echo $$ > {pid_file}; exec sleep 60']\n"
+        f"compare.run_subprocess(cmd, 120, Path({str(tmp_path / 'log.txt')!r}), 1)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    deadline = time.monotonic() + 60
+    while not (pid_file.exists() and pid_file.read_text().strip()):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    os.kill(child, 0)  # running
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        # a zombie (not yet reaped by init) counts as gone
+        stat = Path(f"/proc/{child}/stat")
+        if stat.exists() and stat.read_text().split()[2] == "Z":
+            break
+        assert time.monotonic() < deadline, "the system's process outlived compare.py"
+        time.sleep(0.05)
