@@ -380,13 +380,11 @@ def test_prefill_pacer_cap_follows_the_measured_rate() -> None:
     pacer.observe(100, 1.0)  # a short step (< half the cap): fixed costs, not a rate
     assert pacer.rate is None and pacer.cap() == 2048
     pacer.observe(2048, 2.0)  # 1024 tok/s -> 512 tokens in 0.5 s
-    assert pacer.cap() == 512
-    pacer.observe(512, 0.25)  # 2048 tok/s, weighted in by SMOOTHING
-    rate = PrefillPacer.SMOOTHING * 2048 + (1 - PrefillPacer.SMOOTHING) * 1024
-    assert pacer.rate == pytest.approx(rate) and pacer.cap() == int(rate * 0.5)
-    pacer.observe(1000, 100.0)  # a very slow step: the floor holds
-    pacer.observe(1000, 100.0)
-    pacer.observe(1000, 100.0)
+    assert pacer.rate == pytest.approx(1024) and pacer.cap() == 512
+    pacer.observe(512, 0.25)  # 2048 tok/s, weighted in (a weighted least-squares rate)
+    assert 1024 < pacer.rate < 2048 and pacer.cap() == int(pacer.rate * 0.5)
+    for _ in range(3):
+        pacer.observe(1000, 100.0)  # very slow steps: the floor holds
     assert pacer.cap() == PrefillPacer.MIN_TOKENS
     fast = PrefillPacer(0.5, ceiling=2048)
     fast.observe(2048, 0.01)  # a GPU: the ceiling alone applies
@@ -394,6 +392,30 @@ def test_prefill_pacer_cap_follows_the_measured_rate() -> None:
     off = PrefillPacer(0.0, ceiling=2048)
     off.observe(2048, 10.0)
     assert off.rate is None and off.cap() == 2048
+
+
+def test_prefill_pacer_gives_costly_decode_rows_a_larger_prefill() -> None:
+    """A mixed step's prefill gets max(target - D, DECODE_SHARE x D) seconds, D being its decode
+    rows' measured cost: cheap rows leave the step at about the target, costly ones (64 rows on
+    a slow CPU) make the prefill DECODE_SHARE times as long as they are."""
+    b, c = 1 / 400, 0.005  # 400 prefill tok/s; 5 ms per decode row (Zen 1-like)
+    pacer = PrefillPacer(0.25, ceiling=2048, floor=16)
+    pacer.observe(1024, 1024 * b)  # a prefill step alone
+    assert pacer.rate == pytest.approx(400) and pacer.decode_seconds(8) == 0.0
+    assert pacer.cap(64) == 100  # the rows' cost is not known yet: the target alone
+    for rows in (8, 24, 64):
+        pacer.observe(0, rows * c, rows)  # plain decode steps
+    for rows in (8, 40):  # mixed steps: their prefill time is told from their rows' time
+        tokens = pacer.cap(rows)
+        pacer.observe(tokens, tokens * b + rows * c, rows)
+    assert pacer.rate == pytest.approx(400, rel=1e-6)
+    assert pacer.decode_seconds(64) == pytest.approx(64 * c, rel=1e-6)
+    assert abs(pacer.cap(0) - 100) <= 1  # 0.25 s of prefill
+    assert abs(pacer.cap(8) - (0.25 - 8 * c) * 400) <= 1  # the step stays at about the target
+    assert abs(pacer.cap(64) - PrefillPacer.DECODE_SHARE * 64 * c * 400) <= 1  # 3 x 0.32 s
+    small = PrefillPacer(0.25, ceiling=256, floor=16)
+    small.cost = pacer.cost
+    assert small.cap(64) == 256
 
 
 def test_prefill_step_target_is_validated_and_on_the_cli() -> None:
@@ -760,9 +782,9 @@ def test_paced_prefill_steps_keep_outputs(make_sched: Callable[..., Scheduler]) 
     ref = reference(make_sched, jobs)
     sched = make_sched(prefill_step_target_ms=100)
     sched.pacer = PrefillPacer(0.1, sched.args.chunked_prefill_size, floor=4)
-    sched.pacer.rate = 120.0
-    sched.pacer.observe = lambda tokens, seconds: None  # type: ignore[method-assign]
-    assert sched.pacer.cap() == 12
+    sched.pacer.cost.observe(120, 0, 1.0)  # 120 prefill tok/s, decode rows' cost unknown
+    sched.pacer.observe = lambda *args: None  # type: ignore[method-assign]
+    assert sched.pacer.cap() == sched.pacer.cap(3) == 12
     seen: list[int] = []
     orig = sched.builder.build_extend
 
@@ -1504,3 +1526,17 @@ def test_decode_totals_count_decode_steps_only(make_sched: Callable[..., Schedul
     totals = sched.stats()["decode_totals"]
     assert totals["steps"] == len(dec) and totals["rows"] == sum(dec)
     assert 0 < totals["time_s"] <= sum(sched.stats()["step_time_s"].values())
+
+
+def test_mixed_step_cost_tells_tokens_from_rows_only_when_they_vary_apart() -> None:
+    from radixrt.sched.step_cost import MixedStepCost
+
+    cost = MixedStepCost()
+    assert cost.fit() is None and cost.seconds_per_token() is None
+    for k in (1, 2, 3):  # tokens and rows in one proportion: b and c cannot be told apart
+        cost.observe(100 * k, 10 * k, 0.5 * k)
+    assert cost.fit() is None
+    assert cost.seconds_per_token() == pytest.approx(0.005)  # rows' time counted as prefill
+    cost.observe(0, 20, 0.1)  # a plain decode step: 5 ms a row
+    b, c = cost.fit()
+    assert c == pytest.approx(0.005) and b == pytest.approx(0.0045)

@@ -124,7 +124,7 @@ def make(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[...,
     model never fits here: how many drafts a request gets would depend on the step times this
     machine measures, so every eligible request drafts up to the limits (what the tests below
     check is that drafts change no token, whatever their number)."""
-    monkeypatch.setattr("radixrt.sched.speculative.StepCostModel.fit", lambda self: None)
+    monkeypatch.setattr("radixrt.sched.step_cost.StepCostModel.fit", lambda self: None)
 
     def build(**kw: object) -> Scheduler:
         kw.setdefault("max_total_tokens", 1024)

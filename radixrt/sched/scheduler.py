@@ -256,7 +256,7 @@ class Scheduler:
         adder = PrefillAdder(
             self.kv, self.req_pool.available_size(), self.running,
             self.args.max_running_requests, self.args.max_prefill_tokens,
-            self.pacer.cap(), self.new_token_ratio,
+            self.pacer.cap(self._mixed_rows()), self.new_token_ratio,
             self.args.clip_max_new_tokens_estimation)
         in_flight: tuple[Req, ...] = ()
         if self.chunked_req is not None:
@@ -280,6 +280,11 @@ class Scheduler:
                 self.counters.prompt_tokens += len(req.origin_input_ids)
                 self.counters.cached_tokens += req.cached_tokens or 0
         return adder.admitted
+
+    def _mixed_rows(self) -> int:
+        """Decode rows a prefill step would carry (for the pacer's budget): the running
+        requests, unless steps are not mixed."""
+        return 0 if self.args.disable_mixed_chunk else len(self.running)
 
     def _can_mix(self, extend: list[Req]) -> bool:
         """Whether this extend step also carries the running requests' decode tokens: not when
@@ -404,14 +409,14 @@ class Scheduler:
         self.step_times["sample"] += (ti - tg) + (t3 - t2)
         self.step_times["process"] += t4 - t3
         n_dec = len(reqs) if mode == "decode" else len(reqs) - n_ext
-        if mode != "decode":
-            self.pacer.observe(fb.num_tokens - n_dec, t4 - t0)
+        self.pacer.observe(0 if mode == "decode" else fb.num_tokens - n_dec, t4 - t0, n_dec)
         if logger.isEnabledFor(logging.DEBUG):
             n_pre = 0 if mode == "decode" else n_ext
             logger.debug("step %s: %d prefill rows / %d tokens on %d cached, %d decode rows, "
                          "%d waiting; %.1f ms (forward %.1f); prefill cap %d", mode, n_pre,
                          fb.num_tokens - n_dec, sum(fb.prefix_lens_cpu[:n_pre]), n_dec,
-                         len(self.waiting), (t4 - t0) * 1e3, (t2 - ti) * 1e3, self.pacer.cap())
+                         len(self.waiting), (t4 - t0) * 1e3, (t2 - ti) * 1e3,
+                         self.pacer.cap(self._mixed_rows()))
         if mode == "decode":
             if self.speculator is not None:
                 self.speculator.observe_step(fb.batch_size, t4 - t0)
@@ -554,7 +559,7 @@ class Scheduler:
             "cached_evictable_tokens": self.cache.evictable_size(),
             "cached_locked_tokens": self.cache.protected_size(),
             "new_token_ratio": self.new_token_ratio,
-            "prefill_token_cap": self.pacer.cap(),
+            "prefill_token_cap": self.pacer.cap(self._mixed_rows()),
             "prefill_tokens_per_s": self.pacer.rate,
             "step_time_s": dict(self.step_times),
             "decode_totals": dict(self.decode_totals),

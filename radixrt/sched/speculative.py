@@ -19,6 +19,7 @@ drafts' KV slots go back to the pool (`KVOwner.commit(drop=...)`).
 from __future__ import annotations
 
 from radixrt.sched.req import Req
+from radixrt.sched.step_cost import StepCostModel
 
 # A request's acceptance odds are counts of accepted and rejected drafts, decayed by ODDS_DECAY
 # per verification (about the last five count), and by IDLE_DECAY per step in which they kept
@@ -57,35 +58,6 @@ class NgramIndex:
             if end is not None:
                 return ids[end : end + k]
         return []
-
-
-class StepCostModel:
-    """A decode step's time as `a + c x rows`, fitted by exponentially weighted least squares
-    over the steps the scheduler ran (`observe`); `fit()` is None until the rows seen vary.
-    Measured, not assumed: what a row costs depends on the CPU, the dtype and the kernels
-    (0.5 ms on top of a 4 ms one-row step on one machine here, near the full step in fp32
-    without the CPU kernels)."""
-
-    def __init__(self, decay: float = 0.98):
-        self.decay = decay
-        self.w = self.n = self.nn = self.t = self.nt = 0.0
-
-    def observe(self, rows: int, seconds: float) -> None:
-        d = self.decay
-        self.w = d * self.w + 1
-        self.n = d * self.n + rows
-        self.nn = d * self.nn + rows * rows
-        self.t = d * self.t + seconds
-        self.nt = d * self.nt + rows * seconds
-
-    def fit(self) -> tuple[float, float] | None:
-        """(a, c) in seconds, or None while the rows seen do not vary enough to tell them."""
-        den = self.w * self.nn - self.n * self.n
-        if self.w < 4 or den <= 0.25 * self.w * self.w:  # row-count variance under 0.25
-            return None
-        c = (self.w * self.nt - self.n * self.t) / den
-        a = (self.t - c * self.n) / self.w
-        return a, c
 
 
 class NgramSpeculator:
