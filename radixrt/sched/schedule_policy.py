@@ -159,10 +159,13 @@ class PrefillPacer:
         return 0.0 if fit is None or rows <= 0 else fit[1] * rows
 
     def cap(self, decode_rows: int = 0) -> int:
-        b = self.cost.seconds_per_token()
-        if self.target_s <= 0 or b is None:
+        if self.target_s <= 0:
             return self.ceiling
-        d = self.decode_seconds(decode_rows)
+        fit = self.cost.fit()  # once per call: b and D come from the same fit
+        b = self.cost.seconds_per_token(fit)
+        if b is None:
+            return self.ceiling
+        d = 0.0 if fit is None or decode_rows <= 0 else fit[1] * decode_rows
         p = max(self.target_s - d, self.DECODE_SHARE * d)
         return max(self.floor, min(self.ceiling, int(p / b)))
 

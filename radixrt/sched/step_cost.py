@@ -1,9 +1,34 @@
 """What a scheduler step costs, measured on the steps the scheduler runs: a decode step as a
 function of its rows (`StepCostModel`: speculative decoding prices a draft row with it), and any
 step as a function of its prefill tokens and decode rows (`MixedStepCost`: the prefill pacer
-sizes a mixed step's prefill against the decode rows it carries)."""
+sizes a mixed step's prefill against the decode rows it carries). Both are two-term least
+squares on `_DecayedSums`."""
 
 from __future__ import annotations
+
+
+class _DecayedSums:
+    """Exponentially decayed sums for fitting seconds = p x x + q x y over observed (x, y,
+    seconds): Σx², Σxy, Σy², Σx·s, Σy·s. `det` is the normal equations' determinant."""
+
+    def __init__(self, decay: float):
+        self.decay = decay
+        self.xx = self.xy = self.yy = self.xs = self.ys = 0.0
+
+    def add(self, x: float, y: float, seconds: float) -> None:
+        d = self.decay
+        self.xx = d * self.xx + x * x
+        self.xy = d * self.xy + x * y
+        self.yy = d * self.yy + y * y
+        self.xs = d * self.xs + x * seconds
+        self.ys = d * self.ys + y * seconds
+
+    def det(self) -> float:
+        return self.xx * self.yy - self.xy * self.xy
+
+    def q(self, det: float) -> float:
+        """The y coefficient, for a nonzero `det`."""
+        return (self.ys * self.xx - self.xs * self.xy) / det
 
 
 class StepCostModel:
@@ -14,24 +39,19 @@ class StepCostModel:
     without the CPU kernels)."""
 
     def __init__(self, decay: float = 0.98):
-        self.decay = decay
-        self.w = self.n = self.nn = self.t = self.nt = 0.0
+        self.sums = _DecayedSums(decay)  # x = 1 (the fixed part a), y = rows
 
     def observe(self, rows: int, seconds: float) -> None:
-        d = self.decay
-        self.w = d * self.w + 1
-        self.n = d * self.n + rows
-        self.nn = d * self.nn + rows * rows
-        self.t = d * self.t + seconds
-        self.nt = d * self.nt + rows * seconds
+        self.sums.add(1.0, rows, seconds)
 
     def fit(self) -> tuple[float, float] | None:
         """(a, c) in seconds, or None while the rows seen do not vary enough to tell them."""
-        den = self.w * self.nn - self.n * self.n
-        if self.w < 4 or den <= 0.25 * self.w * self.w:  # row-count variance under 0.25
+        s = self.sums
+        den = s.det()
+        if s.xx < 4 or den <= 0.25 * s.xx * s.xx:  # row-count variance under 0.25
             return None
-        c = (self.w * self.nt - self.n * self.t) / den
-        a = (self.t - c * self.n) / self.w
+        c = s.q(den)
+        a = (s.xs - c * s.xy) / s.xx
         return a, c
 
 
@@ -43,32 +63,28 @@ class MixedStepCost:
     `b` alone is known once a step with tokens ran (`seconds_per_token`)."""
 
     def __init__(self, decay: float = 0.95):
-        self.decay = decay
-        self.tt = self.tr = self.rr = self.ts = self.rs = 0.0
+        self.sums = _DecayedSums(decay)  # x = prefill tokens, y = decode rows
 
     def observe(self, tokens: int, rows: int, seconds: float) -> None:
-        d = self.decay
-        self.tt = d * self.tt + tokens * tokens
-        self.tr = d * self.tr + tokens * rows
-        self.rr = d * self.rr + rows * rows
-        self.ts = d * self.ts + tokens * seconds
-        self.rs = d * self.rs + rows * seconds
+        self.sums.add(tokens, rows, seconds)
 
     def fit(self) -> tuple[float, float] | None:
         """(b, c): seconds per prefill token and per decode row, or None (see the class)."""
-        det = self.tt * self.rr - self.tr * self.tr
-        if self.tt <= 0 or self.rr <= 0 or det <= 1e-3 * self.tt * self.rr:
+        s = self.sums
+        det = s.det()
+        if s.xx <= 0 or s.yy <= 0 or det <= 1e-3 * s.xx * s.yy:
             return None
-        b = (self.ts * self.rr - self.rs * self.tr) / det
-        c = (self.rs * self.tt - self.ts * self.tr) / det
+        b = (s.xs * s.yy - s.ys * s.xy) / det
+        c = s.q(det)
         if b <= 0 or c < 0:
             return None
         return b, c
 
-    def seconds_per_token(self) -> float | None:
-        """b from the fit, else from the steps' tokens alone (decode rows counted as prefill
-        time: an upper bound), None before any step with tokens."""
-        fit = self.fit()
+    def seconds_per_token(self, fit: tuple[float, float] | None = None) -> float | None:
+        """b from `fit` (default: a fresh one), else from the steps' tokens alone (decode rows
+        counted as prefill time: an upper bound), None before any step with tokens."""
+        fit = fit or self.fit()
         if fit is not None:
             return fit[0]
-        return self.ts / self.tt if self.tt > 0 else None
+        s = self.sums
+        return s.xs / s.xx if s.xx > 0 else None
