@@ -306,10 +306,10 @@ def unlock(p: Pools, reqs: Iterable[Req]) -> None:
 
 def test_adder_respects_max_prefill_tokens() -> None:
     p = make_pools()
-    reqs = [make_req(f"r{i}", seq(10 * i + 3, 10)) for i in range(4)]
+    reqs = [make_req("r0", seq(3, 5)), make_req("r1", seq(20, 30)), make_req("r2", seq(60, 4))]
     a = adder(p, max_prefill=25)
-    assert [a.add(r) for r in reqs] == [True, True, True, False]
-    assert [r.extend_len for r in a.admitted] == [10, 10, 5]
+    assert [a.add(r) for r in reqs] == [True, True, False]
+    assert [r.extend_len for r in a.admitted] == [5, 20]
     assert sum(r.extend_len for r in a.admitted) == 25
     assert a.has_chunked
     unlock(p, a.admitted)
@@ -331,10 +331,10 @@ def test_adder_respects_max_running_and_free_rows() -> None:
 
 def test_adder_one_chunked_request_per_step() -> None:
     p = make_pools()
-    reqs = [make_req(f"r{i}", seq(10 * i + 3, 10)) for i in range(3)]
-    a = adder(p, chunk=15)
+    reqs = [make_req("r0", seq(3, 3)), make_req("r1", seq(13, 10)), make_req("r2", seq(23, 1))]
+    a = adder(p, chunk=8)
     assert [a.add(r) for r in reqs] == [True, True, False]
-    assert [r.extend_len for r in a.admitted] == [10, 5]
+    assert [r.extend_len for r in a.admitted] == [3, 5]
     assert a.admitted[1].extend_len < a.admitted[1].seq_len() - a.admitted[1].kv_len
     unlock(p, reqs)
 
@@ -344,13 +344,40 @@ def test_adder_one_chunked_request_per_step() -> None:
     a = adder(p, chunk=7)
     assert a.add_chunked(mid) and mid.extend_len == 7
     assert not a.add(make_req("new", seq(200, 3)))
-    # Its final chunk leaves budget: one more request may start, chunked itself.
-    a = adder(p, chunk=25)
+    # Its final chunk leaves budget: one more request may start, chunked itself (the step has
+    # used less than half its budget).
+    a = adder(p, chunk=50)
     assert a.add_chunked(mid) and mid.extend_len == 20
-    new = [make_req("n0", seq(200, 10)), make_req("n1", seq(220, 10))]
-    assert a.add(new[0]) and new[0].extend_len == 5
+    new = [make_req("n0", seq(200, 40)), make_req("n1", seq(250, 10))]
+    assert a.add(new[0]) and new[0].extend_len == 30
     assert not a.add(new[1])
     unlock(p, new)
+    p.check()
+
+
+def test_adder_does_not_start_a_prompt_it_cannot_finish_late_in_a_step() -> None:
+    """Four ~75-token agent calls under a 128-token budget: the first step finishes one call and
+    does not start the next (its chunk would delay the first call's first token, and the call
+    would still wait a step); below half the budget used, a chunk still fills the step."""
+    p = make_pools()
+    calls = [make_req(f"c{i}", seq(100 * i + 3, n)) for i, n in enumerate((75, 65, 86))]
+    a = adder(p, chunk=128)
+    assert [a.add(r) for r in calls] == [True, False, False]
+    assert [r.extend_len for r in a.admitted] == [75]
+    assert not a.has_chunked
+    unlock(p, a.admitted)
+    a = adder(p, chunk=128)  # whole prompts that fit are admitted however full the step is
+    short = [make_req("s0", seq(400, 70)), make_req("s1", seq(500, 50))]
+    assert [a.add(r) for r in short] == [True, True]
+    unlock(p, short)
+    a = adder(p, chunk=128)
+    small, long_ = make_req("small", seq(600, 40)), make_req("long", seq(700, 200))
+    assert a.add(small) and a.add(long_) and long_.extend_len == 88 and a.has_chunked
+    unlock(p, [small, long_])
+    mid = make_req("mid", seq(900, 100))
+    mid.kv_len = 30  # mid-chunk: its last 70 tokens finish this step, 55% of the budget
+    a = adder(p, chunk=128)
+    assert a.add_chunked(mid) and not a.add(make_req("next", seq(1100, 80)))
     p.check()
 
 
@@ -377,7 +404,7 @@ def test_adder_kv_room_counts_free_evictable_and_reserved() -> None:
 def test_prefill_pacer_cap_follows_the_measured_rate() -> None:
     pacer = PrefillPacer(0.5, ceiling=2048)
     assert pacer.cap() == 2048  # nothing measured yet
-    pacer.observe(100, 1.0)  # a short step (< half the cap): fixed costs, not a rate
+    pacer.observe(50, 1.0)  # a short step (< half the floor): fixed costs, not a rate
     assert pacer.rate is None and pacer.cap() == 2048
     pacer.observe(2048, 2.0)  # 1024 tok/s -> 512 tokens in 0.5 s
     assert pacer.rate == pytest.approx(1024) and pacer.cap() == 512
@@ -392,6 +419,11 @@ def test_prefill_pacer_cap_follows_the_measured_rate() -> None:
     off = PrefillPacer(0.0, ceiling=2048)
     off.observe(2048, 10.0)
     assert off.rate is None and off.cap() == 2048
+    # A fresh server whose prompts are all shorter than half the ceiling still measures its
+    # rate (stop 49: against the cap alone it never did, and never paced).
+    fresh = PrefillPacer(0.25, ceiling=2048)
+    fresh.observe(748, 2.9)
+    assert fresh.rate == pytest.approx(748 / 2.9) and fresh.cap() == PrefillPacer.MIN_TOKENS
 
 
 def test_prefill_pacer_gives_costly_decode_rows_a_larger_prefill() -> None:

@@ -132,10 +132,12 @@ class PrefillPacer:
     14% against 256-token ones, stop 48). The cap is P / b tokens, clamped to [`floor`
     (`MIN_TOKENS`), `ceiling` (`chunked_prefill_size`)], with b (seconds per prefill token) and D
     (rows x seconds per decode row) from `MixedStepCost` over the steps run: plain decode steps,
-    and prefill steps that computed at least half the cap in force (short ones are dominated by
-    fixed costs and would overstate b). Until a prefill step was seen, and with `target_s == 0`,
-    the cap is `ceiling`; a fast machine (GPU) measures a b whose cap exceeds the ceiling: the
-    ceiling alone applies.
+    and prefill steps that computed at least half the cap in force or half the floor, whichever
+    is less (shorter ones are dominated by fixed costs and would overstate b; against the cap
+    alone, a fresh server whose prompts are all shorter than half the ceiling never measured b
+    and never paced, stop 49). Until a prefill step was seen, and with `target_s == 0`, the cap
+    is `ceiling`; a fast machine (GPU) measures a b whose cap exceeds the ceiling: the ceiling
+    alone applies.
     """
 
     MIN_TOKENS = 128
@@ -173,7 +175,7 @@ class PrefillPacer:
         """A step computed `tokens` prefill tokens and `decode_rows` decode rows in `seconds`."""
         if self.target_s <= 0 or seconds <= 0:
             return
-        if tokens > 0 and 2 * tokens < self.cap(decode_rows):
+        if tokens > 0 and 2 * tokens < min(self.cap(decode_rows), self.floor):
             return
         if tokens > 0 or decode_rows > 0:
             self.cost.observe(tokens, decode_rows, seconds)
@@ -190,6 +192,11 @@ class PrefillAdder:
     - tokens computed this step ≤ `max_prefill_tokens`; a request longer than the remaining
       `chunk_budget` (`chunked_prefill_size`, or less when `PrefillPacer` paces steps) is cut
       into chunks (at most one chunked request per step);
+    - a step that already finishes a prompt and has used at least `START_CHUNK_BELOW` of its
+      budget does not begin a prompt it cannot finish: the chunk would delay the finished
+      prompts' first tokens by its time, and the prompt it starts still waits for another step
+      (four ~75-token agent calls under a 128-token budget get their first tokens after 1, 2,
+      3 and 4 calls' compute instead of 1.7, 3.4, 3.4 and 4.4);
     - running + admitted requests ≤ `max_running_requests` (and free request rows);
     - KV: new tokens + the decode tokens every running and admitted request is still expected to
       need (`min(remaining, clip_max_new_tokens) × new_token_ratio`) ≤ free + evictable slots.
@@ -199,6 +206,8 @@ class PrefillAdder:
     evictions cannot drop it.
     """
 
+    START_CHUNK_BELOW = 0.5
+
     def __init__(self, kv: KVOwner, free_rows: int, running: list[Req], max_running: int,
                  max_prefill_tokens: int, chunk_budget: int, new_token_ratio: float,
                  clip_max_new_tokens: int = DEFAULT_CLIP_MAX_NEW_TOKENS):
@@ -207,6 +216,8 @@ class PrefillAdder:
         self.rows_left = min(free_rows, max_running - len(running))
         self.tokens_left = max_prefill_tokens
         self.chunk_budget = chunk_budget
+        self.step_budget = min(max_prefill_tokens, chunk_budget)
+        self.finishes = False  # some admitted prompt completes this step
         self.ratio = new_token_ratio
         self.reserved = sum(self._decode_reserve(r) for r in running)
         self.admitted: list[Req] = []
@@ -247,7 +258,8 @@ class PrefillAdder:
         # Nothing running and nothing admitted: admit if the tokens alone fit, so a single
         # request with a pessimistic reserve can still make progress.
         alone = not self.admitted and self.reserved == 0
-        if (not final and self.has_chunked) or n + (0 if alone else reserve) > self._kv_room():
+        if (not final and (self.has_chunked or self._keep_step_whole())
+                or n + (0 if alone else reserve) > self._kv_room()):
             self.kv.release(req)
             return False
         if req.cached_tokens is None:
@@ -256,8 +268,14 @@ class PrefillAdder:
         self._take(req, n, final)
         return True
 
+    def _keep_step_whole(self) -> bool:
+        """Whether a chunk that starts a new prompt is refused (see the class docstring)."""
+        used = self.step_budget - min(self.chunk_budget, self.tokens_left)
+        return self.finishes and used >= self.START_CHUNK_BELOW * self.step_budget
+
     def _take(self, req: Req, n: int, final: bool) -> None:
         req.extend_len = n
+        self.finishes = self.finishes or final
         self.tokens_left -= n
         self.chunk_budget -= n
         self.reserved += n + (self._decode_reserve(req) if final else 0)
