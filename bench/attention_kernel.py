@@ -231,6 +231,7 @@ def _extend_case(dname: str, shape: str, reps: int, layers: int = 3) -> dict[str
 
 # Op-alone shapes of `extend-kernel`: name -> (rows, shared prefix slots of every row).
 EXTEND_KERNEL_SHAPES: dict[str, tuple[list[tuple[int, int]], int]] = {
+    "agent 1x(850+75)": ([(850, 75)], 0),
     "agent 20x(850+65), own prefixes": ([(850, 65)] * 20, 0),
     "agent 20x(850+65), 700 shared": ([(850, 65)] * 20, 700),
     "agent 64x(850+65), 700 shared": ([(850, 65)] * 64, 700),
@@ -308,8 +309,9 @@ def markdown_extend_kernel(rows: list[dict[str, Any]], baseline: str) -> str:
 EXTEND_PHASES = {"scores": 1, "softmax": 2, "P V": 4, "V packing": 8}
 
 
-def bench_extend_phases(shapes: list[str], reps: int) -> list[dict[str, Any]]:
-    """The bf16 path's phases: this `extend_attention.cpp` built once whole and once
+def bench_extend_phases(shapes: list[str], reps: int,
+                        dtype: torch.dtype = torch.bfloat16) -> list[dict[str, Any]]:
+    """The `dtype` pool's phases: this `extend_attention.cpp` built once whole and once
     without each phase (wrong results), interleaved on one layer's K/V (hot); a phase's cost is
     the whole's time minus the time without it."""
     csrc = Path(cpu_kernels.__file__).resolve().parent / "csrc"
@@ -324,13 +326,14 @@ def bench_extend_phases(shapes: list[str], reps: int) -> list[dict[str, Any]]:
     out = []
     for shape in shapes:
         rows, shared = EXTEND_KERNEL_SHAPES[shape]
-        kv, (kvi, kptr, loc, qptr), n = _extend_op_args(torch.bfloat16, rows, shared, 1)
+        kv, (kvi, kptr, loc, qptr), n = _extend_op_args(dtype, rows, shared, 1)
         q = torch.randn(n, HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(1))
-        args = (q.bfloat16(), kv.k_buffer[0], kv.v_buffer[0], kvi, kptr, loc, qptr,
+        args = (q.to(dtype), kv.k_buffer[0], kv.v_buffer[0], kvi, kptr, loc, qptr,
                 HEAD_DIM**-0.5)
         med = interleaved({k: (lambda op=op, args=args: op(*args)) for k, op in ops.items()},
                           reps)
-        row: dict[str, Any] = {"shape": shape, "whole_ms": med["whole"] * 1e3}
+        row: dict[str, Any] = {"shape": shape, "dtype": str(dtype).removeprefix("torch."),
+                               "whole_ms": med["whole"] * 1e3}
         for name in EXTEND_PHASES:
             row[f"{name}_ms"] = (med["whole"] - med[name]) * 1e3
         row["rest_ms"] = row["whole_ms"] - sum(row[f"{k}_ms"] for k in EXTEND_PHASES)
@@ -346,7 +349,8 @@ def markdown_extend_phases(rows: list[dict[str, Any]]) -> str:
         ([r["shape"], f"{r['whole_ms']:.2f}",
           *(f"{r[f'{k}_ms']:.2f} ({r[f'{k}_ms'] / r['whole_ms']:.0%})" for k in names)]
          for r in rows))
-    return f"bf16 extend attention by phase, one layer, ms (medians)\n\n{table}"
+    dtypes = ", ".join(sorted({r.get("dtype", "bfloat16") for r in rows}))
+    return f"{dtypes} extend attention by phase, one layer, ms (medians)\n\n{table}"
 
 
 def bench_extend(dtypes: list[str], reps: int) -> list[dict[str, Any]]:
@@ -580,6 +584,9 @@ def main() -> None:
     ap.add_argument("--prefix", type=int, nargs="+", default=[0, 400])
     ap.add_argument("--dtype", nargs="+", choices=tuple(DTYPES), default=list(DTYPES))
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--shape", nargs="+", default=None,
+                    help="extend-phases / extend-kernel: only the shapes whose names contain one "
+                         "of these")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", default=None)
     ap.add_argument("--baseline", default=None,
@@ -596,7 +603,10 @@ def main() -> None:
     print(json.dumps(info), flush=True)
     if a.what == "extend-phases":
         with torch.inference_mode():
-            rows = bench_extend_phases(list(EXTEND_KERNEL_SHAPES), a.reps)
+            shapes = [k for k in EXTEND_KERNEL_SHAPES
+                      if not a.shape or any(f in k for f in a.shape)]
+            rows = [r for d in a.dtype
+                    for r in bench_extend_phases(shapes, a.reps, DTYPES[d])]
         print(markdown_extend_phases(rows))
         if a.out:
             Path(a.out).write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
@@ -608,6 +618,8 @@ def main() -> None:
         with torch.inference_mode():
             for dname in a.dtype:
                 for shape in EXTEND_KERNEL_SHAPES:
+                    if a.shape and not any(f in shape for f in a.shape):
+                        continue
                     rows.append(_extend_kernel_case(dname, shape, a.reps))
                     print(json.dumps(rows[-1]), flush=True)
         print(markdown_extend_kernel(rows, baseline))

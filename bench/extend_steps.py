@@ -56,6 +56,7 @@ from radixrt.model.runner import ModelRunner  # noqa: E402
 
 # name -> (extend rows: (prefix, new) pairs)
 SHAPES: dict[str, list[tuple[int, int]]] = {
+    "agent1": [(850, 75)],
     "agent20": [(850, 65)] * 20,
     "agent64": [(850, 65)] * 64,
     "agentshared20": [(850, 65)] * 20,

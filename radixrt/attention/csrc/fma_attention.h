@@ -24,7 +24,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 #endif
 
@@ -279,6 +279,109 @@ inline void softmax_rows16(float* s, int n, const int64_t* visible, float* m, fl
   _mm512_store_ps(lsum, sums);
   for (int i = 0; i < n; ++i) l[i] = l[i] * alpha[i] + lsum[i];
 }
+#elif defined(CPU_CAPABILITY_AVX2)
+// Transpose-reduce of 8 vectors: lane i of the result is op over the lanes of v[i] (pairs of
+// vectors, then quads, then the two 128-bit lanes: 7 combines instead of 8 horizontal
+// reductions). Every lane combines its vector's elements in the same tree, whichever i it is.
+template <typename Op>
+inline __m256 transpose_reduce8(const __m256* v, const Op& op) {
+  __m256 pair[4], quad[2];
+  for (int i = 0; i < 4; ++i) {
+    pair[i] = op(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                 _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  for (int i = 0; i < 2; ++i) {
+    const __m256d x = _mm256_castps_pd(pair[2 * i]), y = _mm256_castps_pd(pair[2 * i + 1]);
+    quad[i] = op(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)),
+                 _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
+  }
+  return op(_mm256_permute2f128_ps(quad[0], quad[1], 0x20),
+            _mm256_permute2f128_ps(quad[0], quad[1], 0x31));
+}
+
+// r[i] = row i of an 8 x 8 block -> r[j] = its column j (lane i = row i's lane j).
+inline void transpose8(__m256* r) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  // u[4h + j]: rows 4h .. 4h + 3 of column j (low 128-bit lane) and column j + 4 (high).
+  for (int h = 0; h < 2; ++h) {
+    const __m256* a = t + 4 * h;
+    u[4 * h] = _mm256_shuffle_ps(a[0], a[2], 0x44);
+    u[4 * h + 1] = _mm256_shuffle_ps(a[0], a[2], 0xEE);
+    u[4 * h + 2] = _mm256_shuffle_ps(a[1], a[3], 0x44);
+    u[4 * h + 3] = _mm256_shuffle_ps(a[1], a[3], 0xEE);
+  }
+  for (int j = 0; j < 4; ++j) {
+    r[j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x20);
+    r[j + 4] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x31);
+  }
+}
+
+// softmax_row on n <= 8 rows (stride kKeyBlock, row i's first visible[i] >= 1 entries real):
+// the rows' maxima and sums reduced together (transpose_reduce8), so the rows' dependency
+// chains overlap. The same m and alpha bits as softmax_row; l sums a row's probabilities in
+// another order (the same for every row, wherever it sits among the 8).
+inline void softmax_rows8(float* s, int n, const int64_t* visible, float* m, float* l,
+                          float* alpha) {
+  static_assert(kKeyBlock == 64, "eight vectors per score row");
+  const __m256 neg_inf = _mm256_set1_ps(kNegInf);
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256 part[8];
+  for (int i = 0; i < 8; ++i) {
+    if (i >= n) {
+      part[i] = neg_inf;
+      continue;
+    }
+    float* row = s + i * kKeyBlock;
+    __m256 mx = neg_inf;
+    for (int c = 0; c < 8; ++c) {
+      const int64_t k = visible[i] - 8 * c;  // real entries in this vector
+      __m256 v = _mm256_loadu_ps(row + 8 * c);
+      if (k < 8) {
+        const __m256i real = _mm256_cmpgt_epi32(
+            _mm256_set1_epi32(static_cast<int32_t>(std::max<int64_t>(k, 0))), iota);
+        v = _mm256_blendv_ps(neg_inf, v, _mm256_castsi256_ps(real));
+        _mm256_storeu_ps(row + 8 * c, v);
+      }
+      mx = _mm256_max_ps(mx, v);
+    }
+    part[i] = mx;
+  }
+  const __m256 row_max = transpose_reduce8(part, [](__m256 a, __m256 b) {
+    return _mm256_max_ps(a, b);
+  });
+  alignas(32) float m_old[8], m_new[8];
+  for (int i = 0; i < 8; ++i) m_old[i] = i < n ? m[i] : kNegInf;
+  _mm256_store_ps(m_new, _mm256_max_ps(_mm256_load_ps(m_old), row_max));
+  for (int i = 0; i < n; ++i) {
+    alpha[i] = std::exp(m_old[i] - m_new[i]);  // 0 while m is -inf
+    m[i] = m_new[i];
+  }
+  for (int i = 0; i < 8; ++i) {
+    if (i >= n) {
+      part[i] = _mm256_setzero_ps();
+      continue;
+    }
+    float* row = s + i * kKeyBlock;
+    const Vec vm(m_new[i]);
+    Vec sum(0.f);
+    for (int c = 0; c < kKeyBlock; c += kVec) {
+      const Vec p = (Vec::loadu(row + c) - vm).exp_u20();  // exp(-inf) = 0
+      p.store(row + c);
+      sum = sum + p;
+    }
+    part[i] = __m256(sum);
+  }
+  const __m256 sums = transpose_reduce8(part, [](__m256 a, __m256 b) {
+    return _mm256_add_ps(a, b);
+  });
+  alignas(32) float lsum[8];
+  _mm256_store_ps(lsum, sums);
+  for (int i = 0; i < n; ++i) l[i] = l[i] * alpha[i] + lsum[i];
+}
 #endif
 
 
@@ -301,7 +404,7 @@ void attend(const float* q, int64_t nq, int64_t key_end, const SlotOf& slot_of,
   sc.kt.resize(D * kKeyBlock);
   sc.vp.resize(kKeyBlock * D);
   sc.alpha.resize(nq);
-#if !defined(CPU_CAPABILITY_AVX512)
+#if !defined(CPU_CAPABILITY_AVX512) && !defined(CPU_CAPABILITY_AVX2)
   alignas(64) float krow[D];
 #endif
   for (int64_t j0 = 0; j0 < key_end; j0 += kKeyBlock) {
@@ -328,6 +431,30 @@ void attend(const float* q, int64_t nq, int64_t key_end, const SlotOf& slot_of,
         transpose16(rows);
         for (int d = 0; d < 16; ++d) {
           _mm512_storeu_ps(sc.kt.data() + (c + d) * kKeyBlock + g0, rows[d]);
+        }
+      }
+    }
+#elif defined(CPU_CAPABILITY_AVX2)
+    // 8 keys at a time: each 8-dim chunk of their rows transposed in registers.
+    for (int64_t g0 = 0; g0 < kKeyBlock && !(kSkipPhases & kSkipVPack); g0 += 8) {
+      const T* kr[8];
+      const int real = static_cast<int>(std::clamp<int64_t>(nb - g0, 0, 8));
+      for (int i = 0; i < real; ++i) {
+        const int64_t slot = slot_of(j0 + g0 + i);
+        kr[i] = kbase + slot * slot_stride;
+        const T* vr = vbase + slot * slot_stride;
+        for (int64_t c = 0; c < D; c += kVec) {
+          load_f32<T>(vr + c).store(sc.vp.data() + (g0 + i) * D + c);
+        }
+      }
+      for (int64_t c = 0; c < D; c += 8) {
+        __m256 rows[8];
+        for (int i = 0; i < 8; ++i) {
+          rows[i] = i < real ? __m256(load_f32<T>(kr[i] + c)) : _mm256_setzero_ps();
+        }
+        transpose8(rows);
+        for (int d = 0; d < 8; ++d) {
+          _mm256_storeu_ps(sc.kt.data() + (c + d) * kKeyBlock + g0, rows[d]);
         }
       }
     }
@@ -364,6 +491,16 @@ void attend(const float* q, int64_t nq, int64_t key_end, const SlotOf& slot_of,
       }
       softmax_rows16(sc.s.data() + r0 * kKeyBlock, n, visible, m + r0,
                      l + r0, sc.alpha.data() + r0);
+    }
+#elif defined(CPU_CAPABILITY_AVX2)
+    for (int64_t r0 = r_lo; r0 < nq && !(kSkipPhases & kSkipSoftmax); r0 += 8) {
+      const int n = static_cast<int>(std::min<int64_t>(8, nq - r0));
+      int64_t visible[8];
+      for (int i = 0; i < n; ++i) {
+        visible[i] = visible_keys(r0 + i, j0, nb);
+      }
+      softmax_rows8(sc.s.data() + r0 * kKeyBlock, n, visible, m + r0, l + r0,
+                    sc.alpha.data() + r0);
     }
 #else
     for (int64_t r = r_lo; r < nq && !(kSkipPhases & kSkipSoftmax); ++r) {
