@@ -294,9 +294,11 @@ def test_cache_disabled_is_fcfs_without_deferral(name: str) -> None:
 # =============================================================================================
 def adder(p: Pools, running: Sequence[Req] = (), max_running: int = 64,
           max_prefill: int = 10_000, chunk: int = 10_000, ratio: float = 0.0,
-          free_rows: int | None = None, clip: int = 10**9) -> PrefillAdder:
+          free_rows: int | None = None, clip: int = 10**9,
+          step_cost: tuple[float, float] | None = None, decode_rows: int = 0) -> PrefillAdder:
     rows = p.req_pool.available_size() if free_rows is None else free_rows
-    return PrefillAdder(p.kv, rows, list(running), max_running, max_prefill, chunk, ratio, clip)
+    return PrefillAdder(p.kv, rows, list(running), max_running, max_prefill, chunk, ratio, clip,
+                        step_cost, decode_rows)
 
 
 def unlock(p: Pools, reqs: Iterable[Req]) -> None:
@@ -356,27 +358,37 @@ def test_adder_one_chunked_request_per_step() -> None:
 
 
 def test_adder_does_not_start_a_prompt_it_cannot_finish_late_in_a_step() -> None:
-    """Four ~75-token agent calls under a 128-token budget: the first step finishes one call and
-    does not start the next (its chunk would delay the first call's first token, and the call
-    would still wait a step); below half the budget used, a chunk still fills the step."""
+    """Four ~75-token agent calls under a 128-token budget, 2 decode rows: the first step
+    finishes one call and does not start the next (its chunk would delay the first call's first
+    token by more than one more step costs the calls queued after it); with many prompts
+    queued, below half the budget used, or nothing measured (pacing off), chunks fill steps."""
     p = make_pools()
+    cost = {"step_cost": (0.0035, 0.008), "decode_rows": 2}  # Zen 1-like b, c
     calls = [make_req(f"c{i}", seq(100 * i + 3, n)) for i, n in enumerate((75, 65, 86))]
-    a = adder(p, chunk=128)
-    assert [a.add(r) for r in calls] == [True, False, False]
+    a = adder(p, chunk=128, **cost)
+    # 1 x 53 x 3.5 ms = 186 ms > (1 + 1) x 8 ms x 3 = 48 ms: left out
+    assert [a.add(r, behind=2 - i) for i, r in enumerate(calls)] == [True, False, False]
     assert [r.extend_len for r in a.admitted] == [75]
     assert not a.has_chunked
     unlock(p, a.admitted)
-    a = adder(p, chunk=128)  # whole prompts that fit are admitted however full the step is
+    a = adder(p, chunk=128, **cost)  # 56 queued behind: 186 ms < 57 x 24 ms: the step fills
+    assert a.add(calls[0], behind=57) and a.add(calls[1], behind=56)
+    assert calls[1].extend_len == 53 and a.has_chunked
+    unlock(p, calls[:2])
+    a = adder(p, chunk=128)  # nothing measured: the step fills
+    assert a.add(calls[0], behind=2) and a.add(calls[1], behind=1) and a.has_chunked
+    unlock(p, calls[:2])
+    a = adder(p, chunk=128, **cost)  # whole prompts that fit are admitted however full the step
     short = [make_req("s0", seq(400, 70)), make_req("s1", seq(500, 50))]
     assert [a.add(r) for r in short] == [True, True]
     unlock(p, short)
-    a = adder(p, chunk=128)
+    a = adder(p, chunk=128, **cost)
     small, long_ = make_req("small", seq(600, 40)), make_req("long", seq(700, 200))
     assert a.add(small) and a.add(long_) and long_.extend_len == 88 and a.has_chunked
     unlock(p, [small, long_])
     mid = make_req("mid", seq(900, 100))
     mid.kv_len = 30  # mid-chunk: its last 70 tokens finish this step, 55% of the budget
-    a = adder(p, chunk=128)
+    a = adder(p, chunk=128, **cost)
     assert a.add_chunked(mid) and not a.add(make_req("next", seq(1100, 80)))
     p.check()
 
@@ -432,8 +444,10 @@ def test_prefill_pacer_gives_costly_decode_rows_a_larger_prefill() -> None:
     a slow CPU) make the prefill DECODE_SHARE times as long as they are."""
     b, c = 1 / 400, 0.005  # 400 prefill tok/s; 5 ms per decode row (Zen 1-like)
     pacer = PrefillPacer(0.25, ceiling=2048, floor=16)
+    assert pacer.step_cost() is None  # nothing measured
     pacer.observe(1024, 1024 * b)  # a prefill step alone
     assert pacer.rate == pytest.approx(400) and pacer.decode_seconds(8) == 0.0
+    assert pacer.step_cost() == pytest.approx((b, b))  # c not told apart yet: taken as b
     assert pacer.cap(64) == 100  # the rows' cost is not known yet: the target alone
     for rows in (8, 24, 64):
         pacer.observe(0, rows * c, rows)  # plain decode steps
@@ -442,6 +456,7 @@ def test_prefill_pacer_gives_costly_decode_rows_a_larger_prefill() -> None:
         pacer.observe(tokens, tokens * b + rows * c, rows)
     assert pacer.rate == pytest.approx(400, rel=1e-6)
     assert pacer.decode_seconds(64) == pytest.approx(64 * c, rel=1e-6)
+    assert pacer.step_cost() == pytest.approx((b, c), rel=1e-6)
     assert abs(pacer.cap(0) - 100) <= 1  # 0.25 s of prefill
     assert abs(pacer.cap(8) - (0.25 - 8 * c) * 400) <= 1  # the step stays at about the target
     assert abs(pacer.cap(64) - PrefillPacer.DECODE_SHARE * 64 * c * 400) <= 1  # 3 x 0.32 s

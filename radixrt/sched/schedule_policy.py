@@ -155,6 +155,16 @@ class PrefillPacer:
         b = self.cost.seconds_per_token()
         return None if b is None else 1.0 / b
 
+    def step_cost(self) -> tuple[float, float] | None:
+        """(b, c): seconds per prefill token and per decode row, None before a prefill step was
+        measured; while the two are not told apart, c is taken as b (a decode row costs about
+        one prefill token)."""
+        fit = self.cost.fit()
+        b = self.cost.seconds_per_token(fit)
+        if b is None:
+            return None
+        return fit if fit is not None else (b, b)
+
     def decode_seconds(self, rows: int) -> float:
         """D for `rows` decode rows (0 until the rows' cost is told apart)."""
         fit = self.cost.fit()
@@ -193,10 +203,14 @@ class PrefillAdder:
       `chunk_budget` (`chunked_prefill_size`, or less when `PrefillPacer` paces steps) is cut
       into chunks (at most one chunked request per step);
     - a step that already finishes a prompt and has used at least `START_CHUNK_BELOW` of its
-      budget does not begin a prompt it cannot finish: the chunk would delay the finished
-      prompts' first tokens by its time, and the prompt it starts still waits for another step
-      (four ~75-token agent calls under a 128-token budget get their first tokens after 1, 2,
-      3 and 4 calls' compute instead of 1.7, 3.4, 3.4 and 4.4);
+      budget does not begin a prompt it cannot finish when that pays: the chunk would delay
+      the k finished prompts' first tokens by its time (n tokens x b), while leaving it out
+      costs one more step for the request and the `behind` requests queued after it (that
+      step's decode rows, D = c x rows, plus about one row's fixed cost). So the chunk is left
+      out when k n b > (1 + behind) c (rows + 1), with b and c from the pacer's fit (`step_cost`;
+      without one, as when pacing is off, steps are filled). Four ~75-token agent calls under a 128-token budget get their first
+      tokens after 1, 2, 3 and 4 calls' compute instead of 1.7, 3.4, 3.4 and 4.4; 56 queued
+      45-token prompts behind 30 decode rows keep their full steps;
     - running + admitted requests ≤ `max_running_requests` (and free request rows);
     - KV: new tokens + the decode tokens every running and admitted request is still expected to
       need (`min(remaining, clip_max_new_tokens) × new_token_ratio`) ≤ free + evictable slots.
@@ -210,14 +224,19 @@ class PrefillAdder:
 
     def __init__(self, kv: KVOwner, free_rows: int, running: list[Req], max_running: int,
                  max_prefill_tokens: int, chunk_budget: int, new_token_ratio: float,
-                 clip_max_new_tokens: int = DEFAULT_CLIP_MAX_NEW_TOKENS):
+                 clip_max_new_tokens: int = DEFAULT_CLIP_MAX_NEW_TOKENS,
+                 step_cost: tuple[float, float] | None = None, decode_rows: int = 0):
+        """`step_cost`: (b, c), seconds per prefill token and per decode row, measured (the
+        pacer's); `decode_rows`: the rows this step carries besides its prefill."""
         self.kv = kv
+        self.step_cost = step_cost
+        self.decode_rows = decode_rows
         self.clip = clip_max_new_tokens
         self.rows_left = min(free_rows, max_running - len(running))
         self.tokens_left = max_prefill_tokens
         self.chunk_budget = chunk_budget
         self.step_budget = min(max_prefill_tokens, chunk_budget)
-        self.finishes = False  # some admitted prompt completes this step
+        self.finishing = 0  # admitted prompts that complete this step
         self.ratio = new_token_ratio
         self.reserved = sum(self._decode_reserve(r) for r in running)
         self.admitted: list[Req] = []
@@ -238,8 +257,9 @@ class PrefillAdder:
         self._take(req, n, final=n == todo)
         return True
 
-    def add(self, req: Req) -> bool:
-        """Try to admit a waiting request; False means stop admitting this step."""
+    def add(self, req: Req, behind: int = 0) -> bool:
+        """Try to admit a waiting request, `behind` others queued after it; False means stop
+        admitting this step."""
         if self.rows_left <= 0 or self.tokens_left <= 0 or self.chunk_budget <= 0:
             return False
         ids = req.all_ids()
@@ -258,7 +278,7 @@ class PrefillAdder:
         # Nothing running and nothing admitted: admit if the tokens alone fit, so a single
         # request with a pessimistic reserve can still make progress.
         alone = not self.admitted and self.reserved == 0
-        if (not final and (self.has_chunked or self._keep_step_whole())
+        if (not final and (self.has_chunked or self._keep_step_whole(n, behind))
                 or n + (0 if alone else reserve) > self._kv_room()):
             self.kv.release(req)
             return False
@@ -268,14 +288,20 @@ class PrefillAdder:
         self._take(req, n, final)
         return True
 
-    def _keep_step_whole(self) -> bool:
-        """Whether a chunk that starts a new prompt is refused (see the class docstring)."""
+    def _keep_step_whole(self, n: int, behind: int) -> bool:
+        """Whether an n-token chunk that starts a new prompt is refused (see the class
+        docstring)."""
         used = self.step_budget - min(self.chunk_budget, self.tokens_left)
-        return self.finishes and used >= self.START_CHUNK_BELOW * self.step_budget
+        if not self.finishing or used < self.START_CHUNK_BELOW * self.step_budget:
+            return False
+        if self.step_cost is None:
+            return False
+        b, c = self.step_cost
+        return self.finishing * n * b > (1 + behind) * c * (self.decode_rows + 1)
 
     def _take(self, req: Req, n: int, final: bool) -> None:
         req.extend_len = n
-        self.finishes = self.finishes or final
+        self.finishing += final
         self.tokens_left -= n
         self.chunk_budget -= n
         self.reserved += n + (self._decode_reserve(req) if final else 0)

@@ -253,11 +253,12 @@ class Scheduler:
     def _schedule_extend(self) -> list[Req] | None:
         if not self.waiting and self.chunked_req is None:
             return None
+        rows = self._mixed_rows()
         adder = PrefillAdder(
             self.kv, self.req_pool.available_size(), self.running,
             self.args.max_running_requests, self.args.max_prefill_tokens,
-            self.pacer.cap(self._mixed_rows()), self.new_token_ratio,
-            self.args.clip_max_new_tokens_estimation)
+            self.pacer.cap(rows), self.new_token_ratio,
+            self.args.clip_max_new_tokens_estimation, self.pacer.step_cost() if self.args.prefill_step_target_ms > 0 else None, rows)
         in_flight: tuple[Req, ...] = ()
         if self.chunked_req is not None:
             if not adder.add_chunked(self.chunked_req):
@@ -265,10 +266,10 @@ class Scheduler:
             in_flight = (self.chunked_req,)  # its prompt is cached only after this step
             self.chunked_req = None
         ordered, deferred = self.policy.order(self.waiting, in_flight)
-        for req in ordered:
+        for i, req in enumerate(ordered):
             if req.rid in deferred:
                 continue
-            if not adder.add(req):
+            if not adder.add(req, behind=len(ordered) - i - 1):
                 break
         if not adder.admitted:
             return None
