@@ -165,6 +165,44 @@ inline void softmax_row(float* s, int64_t visible, float& m, float& l, float& al
 }
 
 
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+// One vector register of the build's width (Vec's), for the rows-at-once softmax and the K
+// block transposition below.
+#if defined(CPU_CAPABILITY_AVX512)
+using Reg = __m512;
+#else
+using Reg = __m256;
+#endif
+static_assert(sizeof(Reg) == kVec * sizeof(float), "Reg holds one Vec");
+
+// The second half of softmax_rows16 / softmax_rows8 on n <= kVec score rows (stride
+// kKeyBlock): alpha = exp(m_old - m_new) and m = m_new for each row, the row's entries become
+// exp(s - m_new), and part[i] gets row i's vector of partial sums (zeros past n).
+inline void probabilities(float* s, int n, const float* m_old, const float* m_new, float* m,
+                          float* alpha, Reg* part) {
+  for (int i = 0; i < n; ++i) {
+    alpha[i] = std::exp(m_old[i] - m_new[i]);  // 0 while m is -inf
+    m[i] = m_new[i];
+  }
+  for (int i = 0; i < kVec; ++i) {
+    if (i >= n) {
+      part[i] = static_cast<Reg>(Vec(0.f));
+      continue;
+    }
+    float* row = s + i * kKeyBlock;
+    const Vec vm(m_new[i]);
+    Vec sum(0.f);
+    for (int c = 0; c < kKeyBlock; c += kVec) {
+      const Vec p = (Vec::loadu(row + c) - vm).exp_u20();  // exp(-inf) = 0
+      p.store(row + c);
+      sum = sum + p;
+    }
+    part[i] = static_cast<Reg>(sum);
+  }
+}
+#endif
+
+
 #if defined(CPU_CAPABILITY_AVX512)
 // Transpose-reduce of 16 vectors: lane i of the result is op over the lanes of v[i] (pairs of
 // vectors, then quads, then 128-bit lanes twice: 15 combines instead of 16 horizontal
@@ -218,6 +256,8 @@ inline void transpose16(__m512* r) {
   for (int i = 0; i < 16; ++i) r[i] = t[i];
 }
 
+inline void transpose_square(__m512* r) { transpose16(r); }
+
 // softmax_row on n <= 16 rows (stride kKeyBlock, row i's first visible[i] >= 1 entries real):
 // the rows' maxima and sums reduced together (transpose_reduce16) instead of one horizontal
 // reduction each. The same m and alpha bits as softmax_row; l sums a row's probabilities in
@@ -253,25 +293,7 @@ inline void softmax_rows16(float* s, int n, const int64_t* visible, float* m, fl
   alignas(64) float m_old[16], m_new[16];
   _mm512_store_ps(m_old, _mm512_mask_loadu_ps(neg_inf, rows, m));
   _mm512_store_ps(m_new, _mm512_max_ps(_mm512_load_ps(m_old), row_max));
-  for (int i = 0; i < n; ++i) {
-    alpha[i] = std::exp(m_old[i] - m_new[i]);  // 0 while m is -inf
-    m[i] = m_new[i];
-  }
-  for (int i = 0; i < 16; ++i) {
-    if (i >= n) {
-      part[i] = _mm512_setzero_ps();
-      continue;
-    }
-    float* row = s + i * kKeyBlock;
-    const Vec vm(m_new[i]);
-    Vec sum(0.f);
-    for (int c = 0; c < kKeyBlock; c += kVec) {
-      const Vec p = (Vec::loadu(row + c) - vm).exp_u20();  // exp(-inf) = 0
-      p.store(row + c);
-      sum = sum + p;
-    }
-    part[i] = __m512(sum);
-  }
+  probabilities(s, n, m_old, m_new, m, alpha, part);
   const __m512 sums = transpose_reduce16(part, [](__m512 a, __m512 b) {
     return _mm512_add_ps(a, b);
   });
@@ -320,6 +342,8 @@ inline void transpose8(__m256* r) {
   }
 }
 
+inline void transpose_square(__m256* r) { transpose8(r); }
+
 // softmax_row on n <= 8 rows (stride kKeyBlock, row i's first visible[i] >= 1 entries real):
 // the rows' maxima and sums reduced together (transpose_reduce8), so the rows' dependency
 // chains overlap. The same m and alpha bits as softmax_row; l sums a row's probabilities in
@@ -356,25 +380,7 @@ inline void softmax_rows8(float* s, int n, const int64_t* visible, float* m, flo
   alignas(32) float m_old[8], m_new[8];
   for (int i = 0; i < 8; ++i) m_old[i] = i < n ? m[i] : kNegInf;
   _mm256_store_ps(m_new, _mm256_max_ps(_mm256_load_ps(m_old), row_max));
-  for (int i = 0; i < n; ++i) {
-    alpha[i] = std::exp(m_old[i] - m_new[i]);  // 0 while m is -inf
-    m[i] = m_new[i];
-  }
-  for (int i = 0; i < 8; ++i) {
-    if (i >= n) {
-      part[i] = _mm256_setzero_ps();
-      continue;
-    }
-    float* row = s + i * kKeyBlock;
-    const Vec vm(m_new[i]);
-    Vec sum(0.f);
-    for (int c = 0; c < kKeyBlock; c += kVec) {
-      const Vec p = (Vec::loadu(row + c) - vm).exp_u20();  // exp(-inf) = 0
-      p.store(row + c);
-      sum = sum + p;
-    }
-    part[i] = __m256(sum);
-  }
+  probabilities(s, n, m_old, m_new, m, alpha, part);
   const __m256 sums = transpose_reduce8(part, [](__m256 a, __m256 b) {
     return _mm256_add_ps(a, b);
   });
@@ -410,11 +416,11 @@ void attend(const float* q, int64_t nq, int64_t key_end, const SlotOf& slot_of,
   for (int64_t j0 = 0; j0 < key_end; j0 += kKeyBlock) {
     const int64_t nb = std::min(kKeyBlock, key_end - j0);
     // Convert the block to fp32: K transposed (keys past nb zero), V row-major.
-#if defined(CPU_CAPABILITY_AVX512)
-    // 16 keys at a time: each 16-dim chunk of their rows transposed in registers.
-    for (int64_t g0 = 0; g0 < kKeyBlock && !(kSkipPhases & kSkipVPack); g0 += 16) {
-      const T* kr[16];
-      const int real = static_cast<int>(std::clamp<int64_t>(nb - g0, 0, 16));
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+    // kVec keys at a time: each kVec-dim chunk of their rows transposed in registers.
+    for (int64_t g0 = 0; g0 < kKeyBlock && !(kSkipPhases & kSkipVPack); g0 += kVec) {
+      const T* kr[kVec];
+      const int real = static_cast<int>(std::clamp<int64_t>(nb - g0, 0, kVec));
       for (int i = 0; i < real; ++i) {
         const int64_t slot = slot_of(j0 + g0 + i);
         kr[i] = kbase + slot * slot_stride;
@@ -423,38 +429,14 @@ void attend(const float* q, int64_t nq, int64_t key_end, const SlotOf& slot_of,
           load_f32<T>(vr + c).store(sc.vp.data() + (g0 + i) * D + c);
         }
       }
-      for (int64_t c = 0; c < D; c += 16) {
-        __m512 rows[16];
-        for (int i = 0; i < 16; ++i) {
-          rows[i] = i < real ? __m512(load_f32<T>(kr[i] + c)) : _mm512_setzero_ps();
+      for (int64_t c = 0; c < D; c += kVec) {
+        Reg rows[kVec];
+        for (int i = 0; i < kVec; ++i) {
+          rows[i] = static_cast<Reg>(i < real ? Vec(load_f32<T>(kr[i] + c)) : Vec(0.f));
         }
-        transpose16(rows);
-        for (int d = 0; d < 16; ++d) {
-          _mm512_storeu_ps(sc.kt.data() + (c + d) * kKeyBlock + g0, rows[d]);
-        }
-      }
-    }
-#elif defined(CPU_CAPABILITY_AVX2)
-    // 8 keys at a time: each 8-dim chunk of their rows transposed in registers.
-    for (int64_t g0 = 0; g0 < kKeyBlock && !(kSkipPhases & kSkipVPack); g0 += 8) {
-      const T* kr[8];
-      const int real = static_cast<int>(std::clamp<int64_t>(nb - g0, 0, 8));
-      for (int i = 0; i < real; ++i) {
-        const int64_t slot = slot_of(j0 + g0 + i);
-        kr[i] = kbase + slot * slot_stride;
-        const T* vr = vbase + slot * slot_stride;
-        for (int64_t c = 0; c < D; c += kVec) {
-          load_f32<T>(vr + c).store(sc.vp.data() + (g0 + i) * D + c);
-        }
-      }
-      for (int64_t c = 0; c < D; c += 8) {
-        __m256 rows[8];
-        for (int i = 0; i < 8; ++i) {
-          rows[i] = i < real ? __m256(load_f32<T>(kr[i] + c)) : _mm256_setzero_ps();
-        }
-        transpose8(rows);
-        for (int d = 0; d < 8; ++d) {
-          _mm256_storeu_ps(sc.kt.data() + (c + d) * kKeyBlock + g0, rows[d]);
+        transpose_square(rows);
+        for (int d = 0; d < kVec; ++d) {
+          Vec(rows[d]).store(sc.kt.data() + (c + d) * kKeyBlock + g0);
         }
       }
     }
