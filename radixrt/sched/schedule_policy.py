@@ -157,13 +157,22 @@ class PrefillPacer:
 
     def step_cost(self) -> tuple[float, float] | None:
         """(b, c): seconds per prefill token and per decode row, None before a prefill step was
-        measured; while the two are not told apart, c is taken as b (a decode row costs about
-        one prefill token)."""
+        measured and with pacing off; while the two are not told apart, c is taken as b (a
+        decode row costs about one prefill token)."""
+        return self.budget(0)[1]
+
+    def budget(self, decode_rows: int = 0) -> tuple[int, tuple[float, float] | None]:
+        """(`cap(decode_rows)`, `step_cost()`) from one fit: what a step's admission needs."""
+        if self.target_s <= 0:
+            return self.ceiling, None
         fit = self.cost.fit()
         b = self.cost.seconds_per_token(fit)
         if b is None:
-            return None
-        return fit if fit is not None else (b, b)
+            return self.ceiling, None
+        d = 0.0 if fit is None or decode_rows <= 0 else fit[1] * decode_rows
+        p = max(self.target_s - d, self.DECODE_SHARE * d)
+        cap = max(self.floor, min(self.ceiling, int(p / b)))
+        return cap, (fit if fit is not None else (b, b))
 
     def decode_seconds(self, rows: int) -> float:
         """D for `rows` decode rows (0 until the rows' cost is told apart)."""
@@ -171,15 +180,7 @@ class PrefillPacer:
         return 0.0 if fit is None or rows <= 0 else fit[1] * rows
 
     def cap(self, decode_rows: int = 0) -> int:
-        if self.target_s <= 0:
-            return self.ceiling
-        fit = self.cost.fit()  # once per call: b and D come from the same fit
-        b = self.cost.seconds_per_token(fit)
-        if b is None:
-            return self.ceiling
-        d = 0.0 if fit is None or decode_rows <= 0 else fit[1] * decode_rows
-        p = max(self.target_s - d, self.DECODE_SHARE * d)
-        return max(self.floor, min(self.ceiling, int(p / b)))
+        return self.budget(decode_rows)[0]
 
     def observe(self, tokens: int, seconds: float, decode_rows: int = 0) -> None:
         """A step computed `tokens` prefill tokens and `decode_rows` decode rows in `seconds`."""
@@ -208,9 +209,10 @@ class PrefillAdder:
       costs one more step for the request and the `behind` requests queued after it (that
       step's decode rows, D = c x rows, plus about one row's fixed cost). So the chunk is left
       out when k n b > (1 + behind) c (rows + 1), with b and c from the pacer's fit (`step_cost`;
-      without one, as when pacing is off, steps are filled). Four ~75-token agent calls under a 128-token budget get their first
-      tokens after 1, 2, 3 and 4 calls' compute instead of 1.7, 3.4, 3.4 and 4.4; 56 queued
-      45-token prompts behind 30 decode rows keep their full steps;
+      without one, as when pacing is off, steps are filled). Four ~75-token agent calls under a
+      128-token budget get their first tokens after 1, 2, 3 and 4 calls' compute instead of
+      1.7, 3.4, 3.4 and 4.4; 56 queued 45-token prompts behind 30 decode rows keep their full
+      steps;
     - running + admitted requests ≤ `max_running_requests` (and free request rows);
     - KV: new tokens + the decode tokens every running and admitted request is still expected to
       need (`min(remaining, clip_max_new_tokens) × new_token_ratio`) ≤ free + evictable slots.
@@ -292,9 +294,8 @@ class PrefillAdder:
         """Whether an n-token chunk that starts a new prompt is refused (see the class
         docstring)."""
         used = self.step_budget - min(self.chunk_budget, self.tokens_left)
-        if not self.finishing or used < self.START_CHUNK_BELOW * self.step_budget:
-            return False
-        if self.step_cost is None:
+        if (self.step_cost is None or not self.finishing
+                or used < self.START_CHUNK_BELOW * self.step_budget):
             return False
         b, c = self.step_cost
         return self.finishing * n * b > (1 + behind) * c * (self.decode_rows + 1)

@@ -254,11 +254,11 @@ class Scheduler:
         if not self.waiting and self.chunked_req is None:
             return None
         rows = self._mixed_rows()
+        cap, step_cost = self.pacer.budget(rows)
         adder = PrefillAdder(
             self.kv, self.req_pool.available_size(), self.running,
-            self.args.max_running_requests, self.args.max_prefill_tokens,
-            self.pacer.cap(rows), self.new_token_ratio,
-            self.args.clip_max_new_tokens_estimation, self.pacer.step_cost() if self.args.prefill_step_target_ms > 0 else None, rows)
+            self.args.max_running_requests, self.args.max_prefill_tokens, cap,
+            self.new_token_ratio, self.args.clip_max_new_tokens_estimation, step_cost, rows)
         in_flight: tuple[Req, ...] = ()
         if self.chunked_req is not None:
             if not adder.add_chunked(self.chunked_req):
