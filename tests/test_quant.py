@@ -18,6 +18,7 @@ from radixrt.model.linear import DenseWeight, QuantizedWeight
 from radixrt.model.loader import GGUFLoader, default_model_path, load_model
 from radixrt.model.model_config import ModelConfig
 from radixrt.model.quant import (
+    EVERY_CALL,
     GGUFQuantTensor,
     Int4Groups,
     QuantPlan,
@@ -29,6 +30,7 @@ from radixrt.model.quant_matmul import (
     TorchInt4Matmul,
     quant_kernel_candidates,
     resolve_quant_kernel,
+    vnni_kernel_available,
 )
 from radixrt.model.quant_probe import ENV_FORCE, QuantProbe, resolve_quantization
 
@@ -532,6 +534,68 @@ def test_probe_keeps_the_faster_candidate_and_drops_the_dense_copy_when_it_alway
             if r >= 128:
                 ms[f"{kind}:radixrt"][r] = 30.0
     assert measured(ms).kernel == "vnni"
+
+
+def test_a_width_faster_at_every_row_count_runs_every_call_and_keeps_no_dense_copy(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Zen 1's shape of the probe: the 4-bit kernel beats dense up to 512 rows, the 8-bit one
+    only up to 64. 4-bit weights then run every call on the kernel (no dense copy, prefill
+    chunks of any size on it), the 8-bit head keeps its copy above 64 rows."""
+    from radixrt.model import quant_probe
+
+    monkeypatch.setattr(quant_probe, "quant_kernel_candidates", lambda kernel: ("vnni",))
+    rows = quant_probe.ROWS
+    ms = {"dense": dict.fromkeys(rows, 10.0), "int4": dict.fromkeys(rows, 8.0),
+          "int8": {r: (5.0 if r <= 64 else 15.0) for r in rows}}
+    probe = QuantProbe(ms, 2, "vnni")
+    assert probe.crossover("int4") == rows[-1] and probe.crossover("int8") == 64
+    plan, why = resolve_quantization("gguf", torch.float32, CPU, True, lambda d: probe)
+    assert plan == QuantPlan("gguf", EVERY_CALL, 64, kernel="vnni")
+    assert not plan.keeps_dense(4) and plan.keeps_dense(8)
+    assert "kernels every call (4-bit) / up to 64 rows (8-bit), dense copy above" in why
+    # An explicit crossover or `--disable-quant-dense-copy` still wins.
+    assert resolve_quantization("gguf", torch.float32, CPU, True, lambda d: probe,
+                                max_rows=9)[0] == QuantPlan("gguf", 9, 9, kernel="vnni")
+    off = resolve_quantization("gguf", torch.float32, CPU, True, lambda d: probe,
+                               dense_copy=False)[0]
+    assert not off.keeps_dense(4) and not off.keeps_dense(8)
+    # 4-bit short of 512 rows: both widths bounded, as before.
+    ms["int4"][rows[-1]] = 12.0
+    plan, _ = resolve_quantization("gguf", torch.float32, CPU, True,
+                                   lambda d: QuantProbe(ms, 2, "vnni"))
+    assert plan == QuantPlan("gguf", 128, 64, kernel="vnni") and plan.keeps_dense(4)
+
+
+def test_a_4bit_width_on_every_call_keeps_only_the_heads_dense_copy(tiny_gguf: Path) -> None:
+    """`EVERY_CALL` for 4 bits on SmolLM2's layout (Q4_1 layers, tied Q8_0 head): the layers
+    keep no dense copy, the head keeps one above its max rows. A 40-token prefill's logits are
+    then bitwise those of the plan with every call on the kernel; with the layers' dense copy
+    used above 4 rows they are not (the kernel rounds activations to int8, the copy does not)."""
+    if not vnni_kernel_available():
+        pytest.skip("the vnni kernel needs AVX2 or AVX512-VNNI")
+    plans = {"every": QuantPlan("gguf", EVERY_CALL, 2, kernel="vnni"),
+             "kernel": QuantPlan("gguf", dense_copy=False, kernel="vnni"),
+             "bounded": QuantPlan("gguf", 4, 2, kernel="vnni")}
+    models = {k: load_model(tiny_gguf, None, torch.float32, "cpu", quant=p)[0]
+              for k, p in plans.items()}
+    every, bounded = models["every"], models["bounded"]
+    for layer in every.layers:
+        for w in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+            assert isinstance(w, QuantizedWeight) and w.planes == 1 and w.dense is None
+    assert every.lm_head.dense is not None and every.lm_head.max_rows == 2
+    assert bounded.layers[0].qkv_proj.dense is not None
+    size = {k: sum(w.nbytes() for w in m.modules() if isinstance(w, QuantizedWeight))
+            for k, m in models.items()}
+    assert size["kernel"] < size["every"] < size["bounded"]
+    ids = list(range(3, 43))
+
+    def prefill(model: object) -> torch.Tensor:
+        r = PagedRunner.for_model(model)  # type: ignore[arg-type]
+        return r.extend([r.new_request()], [ids])  # the head computes the last row only
+
+    got = prefill(every)
+    assert torch.equal(got, prefill(models["kernel"]))
+    assert not torch.equal(got, prefill(bounded))
 
 
 def test_probe_times_both_ends_first_in_the_model_dtype(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -410,9 +410,10 @@ class LlamaForCausalLM(nn.Module):
             return dense
         groups = Int4Groups.cat([to_groups(t, bits) for t in pieces])
         tied = self.config.tie_word_embeddings and w is self.embed_tokens
-        qw = QuantizedWeight.from_groups(groups, w if plan.dense_copy else None,
-                                         plan.max_rows(bits), plan.kernel)
-        if plan.dense_copy or tied:  # a tied lm_head's table stays for the embedding lookup
+        keep = plan.keeps_dense(bits)
+        qw = QuantizedWeight.from_groups(groups, w if keep else None, plan.max_rows(bits),
+                                         plan.kernel)
+        if keep or tied:  # a tied lm_head's table stays for the embedding lookup
             with torch.no_grad():  # the kernel's weight exactly, rounded to the model dtype
                 w.copy_(groups.dequantize(qw.kernel.scale_dtype))
         return qw

@@ -202,6 +202,12 @@ def quantize_int8(w: torch.Tensor) -> Int4Groups:
 QUANTIZATION_MODES: tuple[str, ...] = ("none", "gguf", "int8", "int4")
 
 
+EVERY_CALL = 1 << 62
+"""A `QuantPlan` max rows meaning every call of that width runs on the kernel: its weights keep no
+dense copy (the probe found the kernel faster than dense up to its largest, prefill-sized,
+row count)."""
+
+
 @dataclass(frozen=True)
 class QuantPlan:
     """How the model stores its matmul weights (resolved from `ServerArgs.quantization`).
@@ -212,7 +218,7 @@ class QuantPlan:
     `int4` keeps the LM head at 8 bits: a 4-bit head alone raised SmolLM2's mean KL to the fp32
     logits from 0.003 to 0.08, see bench/accuracy.py).
     `max_rows_int4` / `max_rows_int8`: the largest call (rows) run on the quantized kernel when
-    `dense_copy` keeps a dense copy for larger ones. `kernel`: "auto" | "radixrt" | "vnni" |
+    `dense_copy` keeps a dense copy for larger ones; `EVERY_CALL` keeps none for that width. `kernel`: "auto" | "radixrt" | "vnni" |
     "torch", the quantized matmul kernel (see `quant_matmul.resolve_quant_kernel`)."""
 
     mode: str = "none"
@@ -231,6 +237,10 @@ class QuantPlan:
 
     def max_rows(self, bits: int) -> int:
         return self.max_rows_int4 if bits == 4 else self.max_rows_int8
+
+    def keeps_dense(self, bits: int) -> bool:
+        """Whether a `bits`-bit weight keeps a dense copy (for calls above `max_rows(bits)`)."""
+        return self.dense_copy and self.max_rows(bits) < EVERY_CALL
 
     def bits_for(self, pieces: Sequence[torch.Tensor | GGUFQuantTensor],
                  lm_head: bool = False) -> int | None:
@@ -258,9 +268,15 @@ class QuantPlan:
     def describe(self) -> str:
         if not self.quantized:
             return "none"
-        rows = (f"kernels up to {self.max_rows_int4} rows (4-bit) / {self.max_rows_int8} rows "
-                f"(8-bit), dense copy above" if self.dense_copy else "kernels for every call")
-        return f"{self.mode} ({self.kernel} kernel, {rows})"
+        if not self.dense_copy or not (self.keeps_dense(4) or self.keeps_dense(8)):
+            return f"{self.mode} ({self.kernel} kernel, kernels for every call)"
+
+        def width(bits: int) -> str:
+            n = self.max_rows(bits)
+            return f"every call ({bits}-bit)" if n >= EVERY_CALL else f"up to {n} rows ({bits}-bit)"
+
+        return (f"{self.mode} ({self.kernel} kernel, kernels {width(4)} / {width(8)}, dense copy "
+                f"above)")
 
 
 def to_groups(piece: torch.Tensor | GGUFQuantTensor, bits: int) -> Int4Groups:

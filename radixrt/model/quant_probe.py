@@ -12,8 +12,11 @@ quantizes them), so nothing is assumed from the dtype:
   row;
 - the crossover (`max_rows`: the largest call run on the kernel; larger ones use the dense copy)
   is the largest of ROWS up to which the kernel stays faster, per width (4-bit, 8-bit); a
-  kernel faster at every row count up to ROWS[-1] (a prefill size: the int8-activation vnni
-  kernel) runs every call, and no dense copy is kept.
+  width faster at every row count up to ROWS[-1] (a prefill size: the int8-activation vnni
+  kernel) runs every call and its weights keep no dense copy (`EVERY_CALL`), and where both
+  widths do, no weight keeps one. (The kernel's time per row is flat from 64 rows on; a dense
+  GEMM's is too, once past 512: on Zen 1 the 4-bit kernel beat fp32 by 1.12-1.24x at 512, 1024
+  and 2048 rows.)
 - `quant_kernel="auto"` with several candidate kernels (`quant_kernel_candidates`: vnni and
   radixrt on AVX512-VNNI and AVX2 CPUs) times each and keeps the one with the smallest mean of its
   time / dense time over the widths and row counts all of them were timed at.
@@ -41,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from radixrt.model.linear import DenseWeight, LinearWeight, QuantizedWeight
-from radixrt.model.quant import GROUP, QUANTIZATION_MODES, Int4Groups, QuantPlan
+from radixrt.model.quant import EVERY_CALL, GROUP, QUANTIZATION_MODES, Int4Groups, QuantPlan
 from radixrt.model.quant_matmul import VNNI_CODE_BYTES, VnniQuantMatmul, quant_kernel_candidates
 
 logger = logging.getLogger(__name__)
@@ -308,6 +311,9 @@ def resolve_quantization(requested: str, dtype: torch.dtype, device: torch.devic
         return (QuantPlan(mode, dense_copy=False, kernel=kernel),
                 f"{mode} ({why}; {kernel} kernel for every call, no dense copy: faster than "
                 f"dense up to {ROWS[-1]} rows; {p.describe()})")
-    r4 = max_rows if max_rows is not None else p.crossover("int4")
-    r8 = max_rows if max_rows is not None else p.crossover("int8")
-    return QuantPlan(mode, r4, r8, kernel=kernel), f"{mode} ({why}; {p.describe()})"
+    if max_rows is not None:
+        return QuantPlan(mode, max_rows, max_rows, kernel=kernel), f"{mode} ({why}; {p.describe()})"
+    # A width that wins at every row count runs every call; only the other keeps a dense copy.
+    r4, r8 = (EVERY_CALL if p.crossover(k) == ROWS[-1] else p.crossover(k) for k in ("int4", "int8"))
+    plan = QuantPlan(mode, r4, r8, kernel=kernel)
+    return plan, f"{mode} ({why}; {plan.describe()}; {p.describe()})"
