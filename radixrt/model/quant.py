@@ -266,17 +266,18 @@ class QuantPlan:
                                        and gguf_types <= set(GGUF_KEPT_TYPES))
 
     def describe(self) -> str:
-        if not self.quantized:
-            return "none"
-        if not self.dense_copy or not (self.keeps_dense(4) or self.keeps_dense(8)):
-            return f"{self.mode} ({self.kernel} kernel, kernels for every call)"
+        return f"{self.mode} ({self.kernel} kernel, {self.rows_text()})" if self.quantized else "none"
+
+    def rows_text(self) -> str:
+        """Which calls run on the kernel, per width."""
+        if not (self.keeps_dense(4) or self.keeps_dense(8)):
+            return "kernels for every call"
 
         def width(bits: int) -> str:
             n = self.max_rows(bits)
             return f"every call ({bits}-bit)" if n >= EVERY_CALL else f"up to {n} rows ({bits}-bit)"
 
-        return (f"{self.mode} ({self.kernel} kernel, kernels {width(4)} / {width(8)}, dense copy "
-                f"above)")
+        return f"kernels {width(4)} / {width(8)}, dense copy above"
 
 
 def to_groups(piece: torch.Tensor | GGUFQuantTensor, bits: int) -> Int4Groups:

@@ -316,4 +316,4 @@ def resolve_quantization(requested: str, dtype: torch.dtype, device: torch.devic
     # A width that wins at every row count runs every call; only the other keeps a dense copy.
     r4, r8 = (EVERY_CALL if p.crossover(k) == ROWS[-1] else p.crossover(k) for k in ("int4", "int8"))
     plan = QuantPlan(mode, r4, r8, kernel=kernel)
-    return plan, f"{mode} ({why}; {plan.describe()}; {p.describe()})"
+    return plan, f"{mode} ({why}; {kernel} kernel, {plan.rows_text()}; {p.describe()})"
