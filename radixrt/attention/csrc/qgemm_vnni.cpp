@@ -410,7 +410,8 @@ struct LanePick {
 // ---- AVX2 (no VNNI): vpmaddubsw + vpmaddwd in place of vpdpbusd ------------------------------
 // Half tiles: a ymm holds 8 of a tile's 16 lanes, so a pass covers half tile h = 2t + s: lanes
 // 8s..8s+7 of tile t, i.e. bytes 32s..32s+31 of each 64-byte code vector and scales 8s..8s+7.
-// 16 ymm registers hold MT <= 4 rows x HT half tiles of fp32 and integer accumulators.
+// Passes of MT <= 4 rows x HT <= 2 half tiles; at 4 x 2 the integer accumulators fill the 16 ymm registers
+// and the fp32 ones spill (touched once a group).
 // - 4-bit: vpmaddubsw(u, x) sums two products u * x per int16 lane, at most 2 * 15 * 127 = 3810;
 //   a group's 8 such vectors per row add up in int16 (16 products, at most 30480 < 2^15) and are
 //   widened once per group (vpmaddwd by ones).
@@ -578,24 +579,38 @@ inline void block_avx2(const Problem& p, int64_t m0, int64_t h0, Out* y, int64_t
     for (int ht = 0; ht < HT; ++ht) store8(y + (m0 + m) * ldy + (h0 + ht) * kHalf, acc[m][ht]);
 }
 
-// `rows` (1 .. kRowBlock) rows at m over tiles [t0, t1): one row takes a whole tile per pass
-// (two half tiles: more independent chains); more rows go half tile by half tile, in passes of
-// up to 4 rows that find the half tile's weights in L1 after the first.
+// `rows` (1 .. kRowBlock) rows at m over tiles [t0, t1): a whole tile (two half tiles) per pass,
+// in passes of up to 4 rows that find the tile's weights in L1 after the first. Each activation
+// broadcast then serves both halves; the fp32 accumulators of 4 rows spill to the stack (read
+// once a group). Measured on Zen 1 (one thread, weights in L2, interleaved in one process):
+// 1.07x over half-tile passes of 4 rows at K 576 and 1536.
+// 8-bit codes keep half-tile passes for more than one row (their unpacking holds two registers
+// a half tile: 0.98x at 64-256 rows as whole tiles).
 template <int BITS, bool AFFINE, typename Out>
 inline void rows_any(const Problem& p, int64_t rows, int64_t m, int64_t t0, int64_t t1, Out* y,
                      int64_t ldy, bool prefetch) {
-  if (rows == 1) {
-    for (int64_t t = t0; t < t1; ++t) block_avx2<1, 2, BITS, AFFINE>(p, m, 2 * t, y, ldy, prefetch);
+  if (BITS == 8 && rows > 1) {
+    for (int64_t h = 2 * t0; h < 2 * t1; ++h) {
+      for (int64_t r = 0; r < rows; r += 4) {
+        const bool pf = prefetch && r == 0;
+        switch (std::min<int64_t>(4, rows - r)) {
+          case 1: block_avx2<1, 1, BITS, AFFINE>(p, m + r, h, y, ldy, pf); break;
+          case 2: block_avx2<2, 1, BITS, AFFINE>(p, m + r, h, y, ldy, pf); break;
+          case 3: block_avx2<3, 1, BITS, AFFINE>(p, m + r, h, y, ldy, pf); break;
+          default: block_avx2<4, 1, BITS, AFFINE>(p, m + r, h, y, ldy, pf); break;
+        }
+      }
+    }
     return;
   }
-  for (int64_t h = 2 * t0; h < 2 * t1; ++h) {
+  for (int64_t t = t0; t < t1; ++t) {
     for (int64_t r = 0; r < rows; r += 4) {
       const bool pf = prefetch && r == 0;
       switch (std::min<int64_t>(4, rows - r)) {
-        case 1: block_avx2<1, 1, BITS, AFFINE>(p, m + r, h, y, ldy, pf); break;
-        case 2: block_avx2<2, 1, BITS, AFFINE>(p, m + r, h, y, ldy, pf); break;
-        case 3: block_avx2<3, 1, BITS, AFFINE>(p, m + r, h, y, ldy, pf); break;
-        default: block_avx2<4, 1, BITS, AFFINE>(p, m + r, h, y, ldy, pf); break;
+        case 1: block_avx2<1, 2, BITS, AFFINE>(p, m + r, 2 * t, y, ldy, pf); break;
+        case 2: block_avx2<2, 2, BITS, AFFINE>(p, m + r, 2 * t, y, ldy, pf); break;
+        case 3: block_avx2<3, 2, BITS, AFFINE>(p, m + r, 2 * t, y, ldy, pf); break;
+        default: block_avx2<4, 2, BITS, AFFINE>(p, m + r, 2 * t, y, ldy, pf); break;
       }
     }
   }
