@@ -579,6 +579,21 @@ inline void block_avx2(const Problem& p, int64_t m0, int64_t h0, Out* y, int64_t
     for (int ht = 0; ht < HT; ++ht) store8(y + (m0 + m) * ldy + (h0 + ht) * kHalf, acc[m][ht]);
 }
 
+// Passes of up to 4 rows at m (of `rows`) over HT half tiles from h; the first prefetches.
+template <int HT, int BITS, bool AFFINE, typename Out>
+inline void passes(const Problem& p, int64_t rows, int64_t m, int64_t h, Out* y, int64_t ldy,
+                   bool prefetch) {
+  for (int64_t r = 0; r < rows; r += 4) {
+    const bool pf = prefetch && r == 0;
+    switch (std::min<int64_t>(4, rows - r)) {
+      case 1: block_avx2<1, HT, BITS, AFFINE>(p, m + r, h, y, ldy, pf); break;
+      case 2: block_avx2<2, HT, BITS, AFFINE>(p, m + r, h, y, ldy, pf); break;
+      case 3: block_avx2<3, HT, BITS, AFFINE>(p, m + r, h, y, ldy, pf); break;
+      default: block_avx2<4, HT, BITS, AFFINE>(p, m + r, h, y, ldy, pf); break;
+    }
+  }
+}
+
 // `rows` (1 .. kRowBlock) rows at m over tiles [t0, t1): a whole tile (two half tiles) per pass,
 // in passes of up to 4 rows that find the tile's weights in L1 after the first. Each activation
 // broadcast then serves both halves; the fp32 accumulators of 4 rows spill to the stack (read
@@ -590,30 +605,11 @@ template <int BITS, bool AFFINE, typename Out>
 inline void rows_any(const Problem& p, int64_t rows, int64_t m, int64_t t0, int64_t t1, Out* y,
                      int64_t ldy, bool prefetch) {
   if (BITS == 8 && rows > 1) {
-    for (int64_t h = 2 * t0; h < 2 * t1; ++h) {
-      for (int64_t r = 0; r < rows; r += 4) {
-        const bool pf = prefetch && r == 0;
-        switch (std::min<int64_t>(4, rows - r)) {
-          case 1: block_avx2<1, 1, BITS, AFFINE>(p, m + r, h, y, ldy, pf); break;
-          case 2: block_avx2<2, 1, BITS, AFFINE>(p, m + r, h, y, ldy, pf); break;
-          case 3: block_avx2<3, 1, BITS, AFFINE>(p, m + r, h, y, ldy, pf); break;
-          default: block_avx2<4, 1, BITS, AFFINE>(p, m + r, h, y, ldy, pf); break;
-        }
-      }
-    }
+    for (int64_t h = 2 * t0; h < 2 * t1; ++h)
+      passes<1, BITS, AFFINE>(p, rows, m, h, y, ldy, prefetch);
     return;
   }
-  for (int64_t t = t0; t < t1; ++t) {
-    for (int64_t r = 0; r < rows; r += 4) {
-      const bool pf = prefetch && r == 0;
-      switch (std::min<int64_t>(4, rows - r)) {
-        case 1: block_avx2<1, 2, BITS, AFFINE>(p, m + r, 2 * t, y, ldy, pf); break;
-        case 2: block_avx2<2, 2, BITS, AFFINE>(p, m + r, 2 * t, y, ldy, pf); break;
-        case 3: block_avx2<3, 2, BITS, AFFINE>(p, m + r, 2 * t, y, ldy, pf); break;
-        default: block_avx2<4, 2, BITS, AFFINE>(p, m + r, 2 * t, y, ldy, pf); break;
-      }
-    }
-  }
+  for (int64_t t = t0; t < t1; ++t) passes<2, BITS, AFFINE>(p, rows, m, 2 * t, y, ldy, prefetch);
 }
 
 inline float hmax8(__m256 v) {
