@@ -210,6 +210,7 @@ class PagedRunner:
         chunks: Sequence[Sequence[int]],
         all_positions: bool = False,
         row_per_token: bool = False,
+        decode_rows_from: int | None = None,
     ) -> torch.Tensor:
         """`row_per_token` (decode): each token of a chunk gets a decode row of its own."""
         ext = [len(c) for c in chunks]
@@ -227,6 +228,7 @@ class PagedRunner:
                                 self.req_pool.req_to_token)
         if all_positions:  # logits for every new token, not only each request's last
             fb.logits_indices = torch.arange(fb.num_tokens)
+        fb.decode_rows_from = decode_rows_from
         assert self.model.attn_backend is not None
         self.model.attn_backend.init_forward_metadata(fb)
         logits = self.model(fb)
@@ -235,10 +237,14 @@ class PagedRunner:
         return logits
 
     def extend(
-        self, rows: Sequence[int], chunks: Sequence[Sequence[int]], all_positions: bool = False
+        self, rows: Sequence[int], chunks: Sequence[Sequence[int]], all_positions: bool = False,
+        decode_rows_from: int | None = None,
     ) -> torch.Tensor:
-        """Logits `[B, vocab]` (or `[num_tokens, vocab]` with `all_positions`)."""
-        return self._step(ForwardMode.EXTEND, rows, chunks, all_positions)
+        """Logits `[B, vocab]` (or `[num_tokens, vocab]` with `all_positions`).
+        `decode_rows_from`: `ForwardBatch.decode_rows_from` (the scheduler's marking; None
+        lets a backend take every 1-token row for a decode row)."""
+        return self._step(ForwardMode.EXTEND, rows, chunks, all_positions,
+                          decode_rows_from=decode_rows_from)
 
     def share_prefix(self, src: int, length: int) -> int:
         """A new request whose first `length` tokens are `src`'s cached KV slots (a radix hit)."""

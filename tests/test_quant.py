@@ -598,6 +598,35 @@ def test_a_4bit_width_on_every_call_keeps_only_the_heads_dense_copy(tiny_gguf: P
     assert not torch.equal(got, prefill(bounded))
 
 
+def test_a_prompts_last_token_alone_gives_the_fresh_prefills_logits(tiny_gguf: Path) -> None:
+    """A prompt cached but for its last token (the same prompt again): with every matmul on the
+    row-invariant vnni kernel, that token alone on the extend path gives bitwise the logits of
+    the whole prompt's prefill, when the step marks it a prompt row (`decode_rows_from`, as the
+    scheduler does); a row marked as a decode row takes the paged-decode op (on SmolLM2 its
+    other summation order moved the logits by up to 0.87, stop 50)."""
+    if not vnni_kernel_available():
+        pytest.skip("the vnni kernel needs AVX2 or AVX512-VNNI")
+    from radixrt.attention.paged_decode import paged_decode_unavailable_reason
+
+    if paged_decode_unavailable_reason(torch.float32, 16) is not None:
+        pytest.skip("paged decode op unavailable")
+    plan = QuantPlan("gguf", dense_copy=False, kernel="vnni")
+    model = load_model(tiny_gguf, None, torch.float32, "cpu", quant=plan)[0]
+    r = PagedRunner.for_model(model)
+    ids = [(7 * i + 3) % 250 + 2 for i in range(60)]
+    fresh = r.extend([r.new_request()], [ids], decode_rows_from=1)
+    backend = model.attn_backend
+    for first, split in ((1, False), (0, True)):
+        row = r.new_request()
+        r.extend([row], [ids[:-1]], decode_rows_from=1)
+        out = r.extend([row], [ids[-1:]], decode_rows_from=first)
+        assert (backend._split is not None) == split  # the paged-decode op took the row
+        if not split:
+            assert torch.equal(out, fresh)
+        else:  # another summation order: close, not necessarily the same bits
+            torch.testing.assert_close(out, fresh, atol=1e-4, rtol=1e-4)
+
+
 def test_probe_times_both_ends_first_in_the_model_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
     """A real (tiny) measurement: with no budget left after the first row count, one row and
     the largest are still timed (the two ends decide decode and the dense copy), and every kind

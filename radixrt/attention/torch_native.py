@@ -4,8 +4,8 @@ Execution plans, chosen once per step in `init_forward_metadata`:
 - kernel (decode on CPU, when the C++ op is available): `torch.ops.radixrt.paged_decode` reads
   each request's K/V in place from the pool (no gather), cascade groups included; see
   `paged_decode.py`.
-- split (extend on CPU with the decode op, when some rows compute one token, e.g. a mixed
-  step's decode rows): those rows go to the paged-decode op as a decode sub-batch
+- split (extend on CPU with the decode op, when some decode rows compute one token: a mixed
+  step's, `ForwardBatch.decode_rows_from`): those rows go to the paged-decode op as a decode sub-batch
   (`ForwardBatch.split_rows`; cascade reads their shared prefix once per group), the others to
   the extend plan of their own sub-batch (one of the three below).
 - extend kernel (extend on CPU when the C++ op is available and the step is not
@@ -175,14 +175,19 @@ class TorchNativeBackend(AttentionBackend):
         if self.batch_invariant or fb.batch_invariant:
             self._invariant = self._plan_invariant(fb)
             return
-        single = [b for b, e in enumerate(fb.extend_lens_cpu) if e == 1]
+        first = 0 if fb.decode_rows_from is None else fb.decode_rows_from
+        single = [b for b, e in enumerate(fb.extend_lens_cpu) if e == 1 and b >= first]
         if self.decode_kernel and single:
-            # A mixed step's decode rows (and any 1-token extend) go to the paged-decode op:
-            # its cascade reads a shared prefix once per group (the extend op reads it per row);
-            # padded they would cost Qmax rows each, ragged one SDPA call and gather each.
+            # A mixed step's 1-token decode rows go to the paged-decode op, as in a decode
+            # step: its cascade reads a shared prefix once per group (the extend op reads it per
+            # row); padded they would cost Qmax rows each, ragged one SDPA call and gather each.
+            # A prompt's last token computed alone (the rest cached) stays on the extend path:
+            # the decode op sums in another order, and the prompt's first sampled token would
+            # then depend on the cache (stop 50: max |logit| difference 0.87 on SmolLM2).
             dec = fb.split_rows(single, as_decode=True)
             self._kernel = PagedDecodePlan.for_decode(dec, CASCADE_MIN_SHARED)
-            multi = [b for b, e in enumerate(fb.extend_lens_cpu) if e > 1]
+            dec_rows = set(single)
+            multi = [b for b in range(fb.batch_size) if b not in dec_rows]
             starts = fb.qo_indptr.to("cpu", torch.int64)
             ext_tok = None
             if multi:

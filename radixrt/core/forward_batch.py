@@ -55,6 +55,11 @@ class ForwardBatch:
     # Run this extend step batch-invariant (every token's K/V and logits a bitwise function of
     # its own token prefix); set when the batch scores prompt tokens. See `AttentionBackend`.
     batch_invariant: bool = False
+    # Extend steps: rows from this index on are running requests' decode rows (a mixed step);
+    # the rows before it compute prompt tokens, which always take the extend path, even one
+    # token (so a prompt token's result does not depend on how much of the prompt was cached).
+    # None: not told (a backend may take every 1-token row for a decode row).
+    decode_rows_from: int | None = None
 
     @property
     def num_tokens(self) -> int:

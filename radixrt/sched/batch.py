@@ -53,6 +53,7 @@ class BatchBuilder:
             self.kv.req_pool.req_to_token, self.device,
         )
         fb.batch_invariant = invariant
+        fb.decode_rows_from = len(reqs)  # build_mixed moves it to its first decode row
         if rows:
             fb.score_rows = torch.tensor(rows, dtype=torch.int64, device=self.device)
             fb.score_targets = torch.tensor(targets, dtype=torch.int64)
@@ -68,7 +69,9 @@ class BatchBuilder:
             if req.draft_ids:
                 raise ValueError(f"{req.rid}: draft tokens ride only in decode steps")
             req.extend_len = req.pending()
-        return self.build_extend([*extend, *decode])
+        fb = self.build_extend([*extend, *decode])
+        fb.decode_rows_from = len(extend)
+        return fb
 
     def build_decode(self, reqs: list[Req]) -> ForwardBatch:
         """Each request computes its `pending()` tokens (its last sampled one, plus any its
