@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import shlex
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -489,6 +490,63 @@ def test_a_stale_extension_lock_is_removed_before_building(
     assert seen == [False]
 
 
+def _flags_without_paths(args: list[str]) -> list[str]:
+    """Compiler flags less include paths (`-I dir`, `-Idir`, `-isystem dir`)."""
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a in ("-I", "-isystem"):
+            skip = True
+        elif not a.startswith("-I"):
+            out.append(a)
+    return out
+
+
+def test_precompiled_header_gets_the_flags_every_source_gets(tmp_path: Path) -> None:
+    """GCC uses the precompiled torch headers only under the macros, language, target and
+    optimisation flags of the source that includes them: the precompile command carries exactly
+    those `cpp_extension` wrote into this machine's build.ninja (a torch that changes them would
+    silently slow every build back down). Its ~0.4 GB output is gone once the library is built."""
+    spec = cpu_kernels.build_spec()
+    ninja = spec.directory / "build.ninja"
+    if not ninja.exists():
+        pytest.skip("this machine's kernel library was not built here by ninja")
+    line = next(x for x in ninja.read_text().splitlines() if x.startswith("cflags = "))
+    built = [f for f in _flags_without_paths(shlex.split(line[len("cflags = "):]))
+             if f != "-Winvalid-pch"]
+    cmd = cpu_kernels._pch_command(spec, tmp_path / "h.gch")
+    header = str(cpu_kernels.SOURCE_DIR / cpu_kernels.PCH_HEADER)
+    assert cmd[1:3] == ["-x", "c++-header"] and cmd[-3:] == [header, "-o", str(tmp_path / "h.gch")]
+    assert _flags_without_paths(cmd[3:-3]) == built
+    assert any(f.startswith("-DTORCH_EXTENSION_NAME=") for f in built)
+    assert not (spec.directory / "pch").exists()
+
+
+def test_sources_include_the_precompiled_header_first() -> None:
+    """A precompiled header applies only as a source's first include; fused_ops.cpp's
+    `fp-contract=off` pragma must precede the torch headers, so it parses them itself."""
+    for name in cpu_kernels.SOURCES:
+        includes = [x for x in (cpu_kernels.SOURCE_DIR / name).read_text().splitlines()
+                    if x.startswith("#include")]
+        first = includes[0].split("//")[0].strip()
+        if name == "fused_ops.cpp":
+            assert all(cpu_kernels.PCH_HEADER not in x for x in includes)
+        else:
+            assert first == f"#include <{cpu_kernels.PCH_HEADER}>", name
+
+
+def test_a_failed_precompile_builds_without_it(monkeypatch: pytest.MonkeyPatch,
+                                               tmp_path: Path) -> None:
+    """No usable compiler for the header: no include directory is offered, and the build
+    parses the headers in each source."""
+    monkeypatch.setenv("RADIXRT_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")
+    assert cpu_kernels._precompile_headers(cpu_kernels.build_spec()) is None
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    assert cpu_kernels._precompile_headers(cpu_kernels.build_spec()) is None
+
+
 def test_failed_build_warns_once_and_falls_back(monkeypatch: pytest.MonkeyPatch,
                                                 tmp_path: Path,
                                                 caplog: pytest.LogCaptureFixture) -> None:
@@ -555,6 +613,7 @@ _SUBPROCESS_CHECK = textwrap.dedent("""
 
 
 @pytest.mark.slow
+@pytest.mark.lower_isa
 @pytest.mark.parametrize("isa", ["avx2", "default"])
 def test_other_instruction_sets_build_and_agree(isa: str) -> None:
     """The lower instruction sets (AVX2 machines, non-x86) built here and checked against the

@@ -39,7 +39,9 @@ import logging
 import os
 import platform
 import shutil
+import subprocess
 import sys
+import sysconfig
 import threading
 import time
 from dataclasses import dataclass
@@ -244,6 +246,44 @@ def _register_fakes() -> None:
         return None
 
 
+PCH_HEADER = "torch_headers.h"  # the torch headers each source includes first (csrc/)
+
+
+def _pch_command(spec: BuildSpec, out: Path) -> list[str]:
+    """The compiler call that precompiles `csrc/torch_headers.h` into `out` with the macros,
+    language, target and optimisation flags `cpp_extension.load` gives every source (GCC uses a
+    precompiled header only under the same ones; tests compare this list with the generated
+    build.ninja). Include paths do not have to match."""
+    from torch.utils import cpp_extension
+
+    includes = [*cpp_extension.include_paths("cpu"),
+                sysconfig.get_path("include", scheme="posix_prefix")]
+    return [os.environ.get("CXX", "c++"), "-x", "c++-header",
+            f"-DTORCH_EXTENSION_NAME={spec.name}", "-DTORCH_API_INCLUDE_EXTENSION_H",
+            *(f for path in includes for f in ("-isystem", path)), "-fPIC", "-std=c++20",
+            *spec.cflags, str(SOURCE_DIR / PCH_HEADER), "-o", str(out)]
+
+
+def _precompile_headers(spec: BuildSpec) -> Path | None:
+    """Precompiles the shared torch headers into `<build>/pch/` and returns that directory (put
+    first on the include path, where GCC finds the `.gch` before the header in `csrc/`); None,
+    with a log line, where it fails: the build then parses the headers in every source (same
+    objects, ~13 s more per source). Ten of the eleven sources use it: ~2 CPU-minutes saved per
+    build on a 2-core Zen 1, for one ~20-30 s precompile."""
+    pch_dir = spec.directory / "pch"
+    pch_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        res = subprocess.run(_pch_command(spec, pch_dir / f"{PCH_HEADER}.gch"),
+                             capture_output=True, text=True, timeout=600)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        logger.info("not precompiling the torch headers (%s)", e)
+        return None
+    if res.returncode != 0:
+        logger.info("not precompiling the torch headers: %s", res.stderr[-500:])
+        return None
+    return pch_dir
+
+
 def _compile(spec: BuildSpec, verbose: bool) -> None:
     from torch.utils import cpp_extension
 
@@ -257,18 +297,23 @@ def _compile(spec: BuildSpec, verbose: bool) -> None:
     except ImportError:
         pass
     os.environ["PATH"] = os.pathsep.join([*extra, env_path])
+    pch_dir = None
     try:
+        pch_dir = _precompile_headers(spec)
         cpp_extension.load(
             name=spec.name,
             sources=[str(SOURCE_DIR / s) for s in SOURCES],
-            extra_cflags=list(spec.cflags),
+            extra_cflags=[*spec.cflags, "-Winvalid-pch"],
             extra_ldflags=["-fopenmp"],
+            extra_include_paths=[*([str(pch_dir)] if pch_dir else []), str(SOURCE_DIR)],
             build_directory=str(spec.directory),
             is_python_module=False,
             verbose=verbose,
         )
     finally:
         os.environ["PATH"] = env_path
+        if pch_dir is not None:  # ~0.4 GB, needed only while the sources compile
+            shutil.rmtree(pch_dir, ignore_errors=True)
 
 
 def _build_and_load(spec: BuildSpec, force: bool, verbose: bool) -> None:

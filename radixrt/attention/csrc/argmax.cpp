@@ -8,10 +8,7 @@
 // first occurrence wins; the lanes are then reduced by (value, lowest index). Indices are carried as fp32, exact
 // below 2^24 (checked). Rows are independent; they go to threads only when there is enough work.
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <ATen/cpu/vec/vec.h>
-#include <torch/library.h>
+#include <torch_headers.h>  // first: precompiled by the build
 
 #include "argmax.h"
 #include "vec_util.h"

@@ -19,9 +19,7 @@
 // between the two placements from minute to minute, so a benchmark measures this next to its
 // steps.
 
-#include <ATen/Parallel.h>
-#include <ATen/cpu/vec/vec.h>
-#include <torch/library.h>
+#include <torch_headers.h>  // first: precompiled by the build
 
 #include <algorithm>
 #include <atomic>

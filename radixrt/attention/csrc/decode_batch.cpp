@@ -13,8 +13,7 @@
 // ints rows: qo_indptr (0..B), kv_indptr (0, then the running sum of seq_lens), ones.
 // kv_indices: each row's table[row, :prefix + 1], rows in order.
 
-#include <ATen/ATen.h>
-#include <torch/library.h>
+#include <torch_headers.h>  // first: precompiled by the build
 
 #include <cstdint>
 #include <cstring>

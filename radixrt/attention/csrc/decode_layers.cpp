@@ -56,12 +56,10 @@
 // would in the whole batch, so the result is bitwise the unsplit one. A shared-prefix group
 // with rows in both micro-batches becomes a group in each (its prefix is read by both).
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
+#include <torch_headers.h>  // first: precompiled by the build
 #include <ATen/ThreadLocalState.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/custom_class.h>
-#include <torch/library.h>
 
 #include "team.h"
 #include "work_queue.h"

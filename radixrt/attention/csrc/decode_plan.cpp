@@ -14,8 +14,7 @@
 // leading slots all its rows agree on, below the shortest row's length, and is a group when
 // that is >= min_shared. A grouped row's own keys start after its group's prefix.
 
-#include <ATen/ATen.h>
-#include <torch/library.h>
+#include <torch_headers.h>  // first: precompiled by the build
 
 #include <algorithm>
 #include <cstdint>

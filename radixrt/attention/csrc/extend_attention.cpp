@@ -25,10 +25,7 @@
 // Items are run largest first over the intra-op threads, so both one long request (many query
 // blocks) and many short ones keep every thread busy.
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <ATen/cpu/vec/vec.h>
-#include <torch/library.h>
+#include <torch_headers.h>  // first: precompiled by the build
 
 #include "fma_attention.h"
 #include "kv_pool_layout.h"

@@ -37,10 +37,7 @@
 //   AVX2 four keys' partial vectors reduced together by horizontal adds, else a horizontal sum
 //   per key), fp32 P V.
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <ATen/cpu/vec/vec.h>
-#include <torch/library.h>
+#include <torch_headers.h>  // first: precompiled by the build
 
 #include "fma_attention.h"
 #include "kv_pool_layout.h"

@@ -55,10 +55,8 @@
 // FMA + F16C: half tiles per ymm, vpmaddubsw (the AVX2 section says how; bitwise the same
 // outputs); elsewhere the op refuses with an error and qgemm_vnni_isa() returns "none".
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
+#include <torch_headers.h>  // first: precompiled by the build
 #include <c10/util/BFloat16.h>
-#include <torch/library.h>
 
 #include "argmax.h"
 #include "silu_mul.h"

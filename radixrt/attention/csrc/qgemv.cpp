@@ -22,10 +22,8 @@
 // (radixrt/attention/cpu_kernels.py): __AVX512BF16__ -> avx512bf16, else __AVX2__ + __FMA__ ->
 // avx2, else generic C++.
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
+#include <torch_headers.h>  // first: precompiled by the build
 #include <c10/util/BFloat16.h>
-#include <torch/library.h>
 
 #include "argmax.h"
 

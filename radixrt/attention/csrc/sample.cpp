@@ -18,10 +18,7 @@
 // Invariant: a token outside the cut, below min-p or masked (-inf, weight 0) is never picked.
 // Rows are independent and go to threads when there are several.
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <ATen/cpu/vec/vec.h>
-#include <torch/library.h>
+#include <torch_headers.h>  // first: precompiled by the build
 
 #include "vec_util.h"
 
