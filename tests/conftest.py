@@ -17,27 +17,6 @@ os.environ.setdefault("RADIXRT_AUTO_DTYPE", "float32")
 os.environ.setdefault("RADIXRT_AUTO_QUANTIZATION", "none")
 
 
-_LOWER_ISA_BUILDS = pytest.StashKey[list]()
-
-
-@pytest.hookimpl(trylast=True)  # after -k / -m deselected what will not run
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """A session with `lower_isa` checks builds their kernel libraries in the background from
-    the start (`kernel_isa.start_lower_isa_builds`); the session's end stops what still runs."""
-    if any(item.get_closest_marker("lower_isa") for item in items):
-        from kernel_isa import start_lower_isa_builds
-
-        config.stash[_LOWER_ISA_BUILDS] = start_lower_isa_builds()
-
-
-def pytest_unconfigure(config: pytest.Config) -> None:
-    procs = config.stash.get(_LOWER_ISA_BUILDS, [])
-    if procs:
-        from kernel_isa import stop_builds
-
-        stop_builds(procs)
-
-
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tiny_model import build_tiny_llama

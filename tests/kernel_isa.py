@@ -2,8 +2,7 @@
 
 `run_isa_check`: a check script against the kernel library built for a lower instruction set.
 One kernel library is loaded per process, so each ISA is checked in a fresh interpreter with
-`RADIXRT_CPU_ISA` set; the build is cached after the first run, and a session that collects
-tests marked `lower_isa` starts those builds in the background (`start_lower_isa_builds`). `assert_rows_independent`:
+`RADIXRT_CPU_ISA` set; the build is cached after the first run. `assert_rows_independent`:
 batch invariance of a row-wise op. `assert_flag_only_with`: an ISA's extra compiler flag.
 `with_threads`: a call at a given intra-op thread count.
 """
@@ -11,7 +10,6 @@ batch invariance of a row-wise op. `assert_flag_only_with`: an ISA's extra compi
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterable
@@ -35,50 +33,17 @@ def with_threads(n: int, fn: Callable[[], T]) -> T:
         torch.set_num_threads(threads)
 
 
-def isa_env(isa: str) -> dict[str, str]:
-    """The environment of a process that loads the kernel library built for `isa`."""
-    env = dict(os.environ, RADIXRT_CPU_ISA=isa)
-    if isa != cpu_kernels.choose_isa():
-        # A lower ISA than this machine's is built only for these checks of agreement: -O1
-        # compiles in about half the time (the machine's own build stays at the default -O3).
-        env["RADIXRT_KERNEL_OPT"] = "-O1"
-    return env
-
-
-def start_lower_isa_builds() -> list[subprocess.Popen[bytes]]:
-    """Starts building, at the lowest CPU priority, the libraries of the instruction sets below
-    this machine's that `run_isa_check` would build (~2 min each on 2 cores): they then use the
-    CPU time the tests before theirs leave idle. A check that comes first waits on the build's
-    file lock, as it would on any concurrent build. Each build runs in its own process group,
-    for `stop_builds`."""
-    procs = []
-    for isa in cpu_kernels.ISAS[cpu_kernels.ISAS.index(cpu_kernels.choose_isa()) + 1:]:
-        procs.append(subprocess.Popen(
-            [sys.executable, "-c",
-             "import os; os.nice(19); from radixrt.attention import cpu_kernels as k; "
-             "k.load_cpu_kernels()"],
-            env=isa_env(isa), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            start_new_session=True))
-    return procs
-
-
-def stop_builds(procs: list[subprocess.Popen[bytes]]) -> None:
-    """Ends each build's process group (compiler children included) if still running."""
-    for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            p.wait(timeout=30)
-
-
 def run_isa_check(isa: str, script: str, timeout: int = 900) -> str:
     """stdout of `script` run under the library built for `isa` (skips when this CPU cannot
     run it; fails with the child's stderr when the script fails)."""
     if isa != "default" and cpu_kernels.choose_isa(requested=isa) != isa:
         pytest.skip(f"this CPU cannot run {isa}")
-    res = subprocess.run([sys.executable, "-c", script], env=isa_env(isa), capture_output=True,
+    env = dict(os.environ, RADIXRT_CPU_ISA=isa)
+    if isa != cpu_kernels.choose_isa():
+        # A lower ISA than this machine's is built only for these checks of agreement: -O1
+        # compiles in about half the time (the machine's own build stays at the default -O3).
+        env["RADIXRT_KERNEL_OPT"] = "-O1"
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                          text=True, timeout=timeout)
     assert res.returncode == 0, res.stderr[-3000:]
     return res.stdout

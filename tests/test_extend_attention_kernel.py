@@ -374,7 +374,6 @@ _SUBPROCESS_CHECK = textwrap.dedent("""
 
 
 @pytest.mark.slow
-@pytest.mark.lower_isa
 @pytest.mark.parametrize("isa", ["avx2", "default"])
 def test_other_instruction_sets_build_and_agree(isa: str) -> None:
     """The AVX2 and generic builds against the reference in a fresh process (cached builds)."""

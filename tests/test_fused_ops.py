@@ -264,7 +264,6 @@ _SUBPROCESS_CHECK = textwrap.dedent("""
 
 
 @pytest.mark.slow
-@pytest.mark.lower_isa
 @pytest.mark.parametrize("isa", ["avx2", "default"])
 def test_other_instruction_sets_build_and_agree(isa: str) -> None:
     """The library built for a lower ISA (AVX2-only machines, non-x86), in a fresh process:

@@ -488,7 +488,6 @@ _NO_VNNI_CHECK = textwrap.dedent("""
 
 
 @pytest.mark.slow
-@pytest.mark.lower_isa
 def test_generic_build_refuses_cleanly() -> None:
     """The generic build compiles the file, reports "none" and refuses the op (checked in a
     fresh process: one kernel library per process; cached after the first run)."""
@@ -515,7 +514,6 @@ _AVX2_SAME_BITS_CHECK = textwrap.dedent("""
 
 
 @pytest.mark.slow
-@pytest.mark.lower_isa
 def test_avx2_build_gives_the_same_bits(tmp_path: Path) -> None:
     """The AVX2 build (vpmaddubsw on half tiles) gives bitwise this build's outputs for every
     layout, row blocking, dtype, the SiLU input and the fused argmax: the integer dots are exact

@@ -223,7 +223,6 @@ _SUBPROCESS_CHECK = textwrap.dedent("""
 
 
 @pytest.mark.slow
-@pytest.mark.lower_isa
 @pytest.mark.parametrize("isa,path", [("avx2", "avx2"), ("default", "generic")])
 def test_other_instruction_sets_build_and_agree(isa: str, path: str) -> None:
     """The AVX2 and generic paths, built here and checked in a fresh process (one kernel library
