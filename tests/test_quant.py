@@ -655,6 +655,27 @@ def test_probe_times_both_ends_first_in_the_model_dtype(monkeypatch: pytest.Monk
     assert p.wins_everywhere()
 
 
+@pytest.mark.parametrize("kernels", [("vnni",), ("radixrt", "vnni")])
+def test_probe_weights_each_hold_memory_of_their_own(kernels: tuple[str, ...]) -> None:
+    """The probe draws random codes once per shape and copies them for the next weight of that
+    shape: every weight must still stream its own bytes (the probe times weights read from
+    memory, not from cache), in each kind, with at least PROBE_PARAMS parameters."""
+    from radixrt.model import quant_probe
+
+    weights = quant_probe._probe_weights(576, 1536, torch.float32, kernels)
+    assert set(weights) == {"dense", *(f"{w}:{k}" for w in ("int4", "int8") for k in kernels)}
+    for kind, ws in weights.items():
+        assert sum(w.out_features * w.in_features for w in ws) >= quant_probe.PROBE_PARAMS
+        tensors = [t for w in ws for t in w.buffers()] + [t for w in ws for t in w.parameters()]
+        assert tensors, kind
+        ptrs = [t.untyped_storage().data_ptr() for t in tensors]
+        assert len(set(ptrs)) == len(ptrs), kind
+        if kind.endswith(":vnni"):  # same-shape weights: equal copies of one draw
+            a, b = ws[0].kernel.packed, ws[2].kernel.packed
+            assert torch.equal(a, b) and a.data_ptr() != b.data_ptr()
+            assert int(a.max()) > 200 and int(a.min()) < 50
+
+
 def test_no_dense_matmul_needs_vnni_every_call_and_every_weight_quantized() -> None:
     vnni = QuantPlan("gguf", dense_copy=False, kernel="vnni")
     assert vnni.no_dense_matmul(frozenset({"Q4_1", "Q8_0"}))

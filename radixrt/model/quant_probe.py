@@ -132,18 +132,34 @@ def choose_kernel(per_kernel: dict[str, dict[str, dict[int, float]]]) -> str:
     return min(names, key=cost)
 
 
-def _random_groups(n: int, k: int, planes: int, g: torch.Generator) -> Int4Groups:
-    q = torch.randint(0, 16, (planes, n, k), dtype=torch.uint8, generator=g)
+_Codes = dict[tuple[tuple[int, ...], int], torch.Tensor]
+
+
+def _random_codes(shape: tuple[int, ...], high: int, g: torch.Generator, drawn: _Codes
+                  ) -> torch.Tensor:
+    """uint8 codes in [0, high): drawn once per shape, copied for the next weight of that shape
+    (drawing costs ~20x a copy; each weight still has memory of its own, which the timing
+    needs, and the values do not matter)."""
+    key = (shape, high)
+    if key not in drawn:
+        drawn[key] = torch.randint(0, high, shape, dtype=torch.uint8, generator=g)
+    return drawn[key].clone()
+
+
+def _random_groups(n: int, k: int, planes: int, g: torch.Generator, drawn: _Codes
+                   ) -> Int4Groups:
+    q = _random_codes((planes, n, k), 16, g, drawn)
     s = torch.full((1, n, k // GROUP), 0.01)
     scale = s if planes == 1 else torch.cat([16 * s, s])
     return Int4Groups(q, scale, torch.zeros_like(scale))
 
 
-def _random_vnni(n: int, k: int, bits: int, g: torch.Generator) -> VnniQuantMatmul:
+def _random_vnni(n: int, k: int, bits: int, g: torch.Generator, drawn: _Codes
+                 ) -> VnniQuantMatmul:
     """A vnni-layout weight of random codes and scales 0.01 (packing real groups costs ~10x
     more; the timing does not depend on the values)."""
     cb = VNNI_CODE_BYTES[bits]
-    packed = torch.randint(0, 256, (n // 16, k // GROUP, cb + 64), dtype=torch.uint8, generator=g)
+    packed = _random_codes((n // 16, k // GROUP, cb + 64), 256, g, drawn)
     packed[..., cb:] = torch.full((32,), 0.01, dtype=torch.float16).view(torch.uint8)
     return VnniQuantMatmul(packed, bits)
 
@@ -157,6 +173,7 @@ def _probe_weights(hidden: int, intermediate: int, dense_dtype: torch.dtype,
     shapes = [(n, k) for n, k in shapes if k % GROUP == 0] or [(1536, 576)]
     out: dict[str, list[LinearWeight]] = {"dense": []}
     g = torch.Generator().manual_seed(0)
+    drawn: _Codes = {}
     total = 0
     i = 0
     while total < PROBE_PARAMS or i < len(shapes):
@@ -165,9 +182,11 @@ def _probe_weights(hidden: int, intermediate: int, dense_dtype: torch.dtype,
         total += n * k
         out["dense"].append(DenseWeight(torch.full((n, k), 0.01, dtype=dense_dtype)))
         for kind, planes in (("int4", 1), ("int8", 2)):
-            groups = _random_groups(n, k, planes, g)
+            groups = (_random_groups(n, k, planes, g, drawn)
+                      if any(kernel != "vnni" for kernel in kernels) else None)
             for kernel in kernels:
-                qw = (QuantizedWeight(_random_vnni(n, k, 4 * planes, g)) if kernel == "vnni"
+                qw = (QuantizedWeight(_random_vnni(n, k, 4 * planes, g, drawn))
+                      if kernel == "vnni" or groups is None
                       else QuantizedWeight.from_groups(groups, kernel=kernel))
                 out.setdefault(f"{kind}:{kernel}", []).append(qw)
     return out
