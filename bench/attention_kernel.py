@@ -475,6 +475,7 @@ def build_op_sources(sources: dict[str, str], namespace: str, headers: dict[str,
     os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])
     cpp_extension.load(name=f"{namespace}_{key[:16]}", sources=targets,
                        extra_cflags=cflags, extra_ldflags=["-fopenmp"],
+                       extra_include_paths=[str(directory)],  # <torch_headers.h>
                        build_directory=str(directory), is_python_module=False)
 
 
