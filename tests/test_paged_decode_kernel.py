@@ -542,9 +542,12 @@ def test_a_failed_precompile_builds_without_it(monkeypatch: pytest.MonkeyPatch,
     parses the headers in each source."""
     monkeypatch.setenv("RADIXRT_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", "false")
-    assert cpu_kernels._precompile_headers(cpu_kernels.build_spec()) is None
+    spec = cpu_kernels.build_spec()
+    assert cpu_kernels._precompile_headers(spec) is None
+    assert not (spec.directory / "pch").exists()
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    assert cpu_kernels._precompile_headers(cpu_kernels.build_spec()) is None
+    assert cpu_kernels._precompile_headers(spec) is None
+    assert not (spec.directory / "pch").exists()
 
 
 def test_failed_build_warns_once_and_falls_back(monkeypatch: pytest.MonkeyPatch,
@@ -613,7 +616,6 @@ _SUBPROCESS_CHECK = textwrap.dedent("""
 
 
 @pytest.mark.slow
-@pytest.mark.lower_isa
 @pytest.mark.parametrize("isa", ["avx2", "default"])
 def test_other_instruction_sets_build_and_agree(isa: str) -> None:
     """The lower instruction sets (AVX2 machines, non-x86) built here and checked against the

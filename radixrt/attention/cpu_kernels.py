@@ -275,13 +275,14 @@ def _precompile_headers(spec: BuildSpec) -> Path | None:
     try:
         res = subprocess.run(_pch_command(spec, pch_dir / f"{PCH_HEADER}.gch"),
                              capture_output=True, text=True, timeout=600)
+        why = res.stderr[-500:] if res.returncode != 0 else None
     except (OSError, subprocess.TimeoutExpired) as e:
-        logger.info("not precompiling the torch headers (%s)", e)
-        return None
-    if res.returncode != 0:
-        logger.info("not precompiling the torch headers: %s", res.stderr[-500:])
-        return None
-    return pch_dir
+        why = str(e)
+    if why is None:
+        return pch_dir
+    logger.info("not precompiling the torch headers: %s", why)
+    shutil.rmtree(pch_dir, ignore_errors=True)  # no partial .gch for the sources to find
+    return None
 
 
 def _compile(spec: BuildSpec, verbose: bool) -> None:
