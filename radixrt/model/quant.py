@@ -258,9 +258,10 @@ class QuantPlan:
     def no_dense_matmul(self, gguf_types: frozenset[str] | None) -> bool:
         """Whether every call of every matmul runs on the int8-activation vnni kernel, so none
         runs in the model dtype: a vnni plan whose weights keep no dense copy (neither width,
-        `keeps_dense`) and whose mode quantizes every weight (`gguf` only when all of the file's 2-D tensors, `gguf_types`, are kept types;
-        None: not a GGUF file)."""
-        if not self.quantized or self.kernel != "vnni" or self.keeps_dense(4) or self.keeps_dense(8):
+        `keeps_dense`) and whose mode quantizes every weight (`gguf` only when all of the file's
+        2-D tensors, `gguf_types`, are kept types; None: not a GGUF file)."""
+        if (not self.quantized or self.kernel != "vnni"
+                or self.keeps_dense(4) or self.keeps_dense(8)):
             return False
         return self.mode != "gguf" or (gguf_types is not None
                                        and gguf_types <= set(GGUF_KEPT_TYPES))

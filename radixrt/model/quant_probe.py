@@ -174,6 +174,7 @@ def _probe_weights(hidden: int, intermediate: int, dense_dtype: torch.dtype,
     out: dict[str, list[LinearWeight]] = {"dense": []}
     g = torch.Generator().manual_seed(0)
     drawn: _Codes = {}
+    needs_groups = any(kernel != "vnni" for kernel in kernels)  # vnni packs its own codes
     total = 0
     i = 0
     while total < PROBE_PARAMS or i < len(shapes):
@@ -182,8 +183,7 @@ def _probe_weights(hidden: int, intermediate: int, dense_dtype: torch.dtype,
         total += n * k
         out["dense"].append(DenseWeight(torch.full((n, k), 0.01, dtype=dense_dtype)))
         for kind, planes in (("int4", 1), ("int8", 2)):
-            groups = (_random_groups(n, k, planes, g, drawn)
-                      if any(kernel != "vnni" for kernel in kernels) else None)
+            groups = _random_groups(n, k, planes, g, drawn) if needs_groups else None
             for kernel in kernels:
                 qw = (QuantizedWeight(_random_vnni(n, k, 4 * planes, g, drawn))
                       if kernel == "vnni" or groups is None
