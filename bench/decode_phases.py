@@ -75,7 +75,9 @@ def timed_source(src: str) -> str:
     if src.count(start) != 1:
         raise SystemExit("decode_layers.cpp changed: no single loop start")
     src = src.replace(start, start + "  double t0_ = now_us();\n")
-    first = "#include <ATen/ATen.h>\n"
+    first = "#include <torch_headers.h>  // first: precompiled by the build\n"
+    if src.count(first) != 1:
+        raise SystemExit("decode_layers.cpp changed: no single first include")
     src = src.replace(first, first + _PRELUDE, 1)
     return src + ('\nTORCH_LIBRARY_FRAGMENT(radixrt, m) {\n'
                   '  m.def("phase_times(bool reset) -> float[]", &phase_times);\n}\n')
