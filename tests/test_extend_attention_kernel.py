@@ -6,7 +6,9 @@ token, lengths off the 64-key and query blocks, many requests, GQA 1 and 3, head
 fp32 / bf16 / fp16 pools, slots scattered and shared between requests; shared-prefix groups (the
 bf16 vdpbf16ps path attends a prefix several requests share once per group): groups of several
 sizes, of one, two groups, shared lengths on and off the key block, bitwise the same as each
-request alone and as with groups off; thread-count invariance;
+request alone and as with groups off; the AMX tile path (where usable) against the reference and
+the other bf16 paths, bitwise the same in a batch, alone, at any thread count and cached or not;
+thread-count invariance;
 bad input; the backend's plan choice and switch; mixed batches through the backend against the
 torch SDPA path; other instruction sets built in a subprocess; a tiny model's extend steps with
 the kernel on vs HF (fp32 greedy tokens identical).
@@ -229,6 +231,7 @@ def test_groups_do_not_change_results(groups: str) -> None:
     toggle = torch.ops.radixrt.extend_attention_groups
     threads = torch.get_num_threads()
     previous = toggle(True)
+    amx = torch.ops.radixrt.extend_attention_amx(False)  # the vdpbf16ps path, not AMX tiles
     try:
         grouped = op(*case, 0.125)
         assert toggle(False) is True  # the switch reads back the previous setting
@@ -241,10 +244,69 @@ def test_groups_do_not_change_results(groups: str) -> None:
         alone = torch.cat([op(*_request_alone(case, b), 0.125) for b in range(qptr.numel() - 1)])
     finally:
         toggle(previous)
+        torch.ops.radixrt.extend_attention_amx(amx)
         torch.set_num_threads(threads)
     assert torch.equal(grouped, alone_batch)
     assert torch.equal(grouped, one_thread)
     assert torch.equal(grouped, alone)
+
+
+def _amx_usable() -> bool:
+    """Whether bf16 pools can run on AMX tiles here (its switch reads back False otherwise: no
+    AMX in the build or the CPU, or the kernel refused the tile state)."""
+    op = torch.ops.radixrt.extend_attention_amx
+    previous = op(True)
+    return op(previous)
+
+
+@pytest.mark.parametrize("shape", ["one-fresh-token", "fresh-causal", "prefix-1", "ragged",
+                                   "agent-like", "many"])
+def test_amx_path_matches_reference_and_the_other_bf16_paths(shape: str) -> None:
+    """AMX tiles (the default for bf16 pools where usable) against the float64 reference, and
+    against the vdpbf16ps / fp32 FMA path: only the bf16 rounding of P and of the output differ."""
+    if not _amx_usable():
+        pytest.skip("no AMX tiles in this process (CPU, build, hypervisor or kernel)")
+    case = _case(13, torch.bfloat16, 9, 3, 64, SHAPES[shape])
+    toggle = torch.ops.radixrt.extend_attention_amx
+    previous = toggle(True)
+    try:
+        tiles = torch.ops.radixrt.extend_attention(*case, 0.125)
+        toggle(False)
+        other = torch.ops.radixrt.extend_attention(*case, 0.125)
+    finally:
+        toggle(previous)
+    torch.testing.assert_close(tiles.double(), _reference(case, 0.125), atol=2e-2, rtol=0)
+    torch.testing.assert_close(tiles.float(), other.float(), atol=8e-3, rtol=0)
+
+
+def test_amx_results_do_not_depend_on_batch_threads_or_the_cached_split() -> None:
+    """AMX path: a request's rows are bitwise the same in a batch, alone, at 1 or 2 threads, and
+    whether its first keys were cached (prefix slots) or computed in the same step (new slots):
+    a radix-cache hit does not change a prompt's outputs."""
+    if not _amx_usable():
+        pytest.skip("no AMX tiles in this process (CPU, build, hypervisor or kernel)")
+    rows = [(100, 30), (0, 77), (850, 65), (5, 1), (64, 64)]
+    case = _case(14, torch.bfloat16, 9, 3, 64, rows)
+    op = torch.ops.radixrt.extend_attention
+    threads = torch.get_num_threads()
+    try:
+        batch = op(*case, 0.125)
+        torch.set_num_threads(1)
+        one_thread = op(*case, 0.125)
+        torch.set_num_threads(max(2, threads))
+        qptr = case[6]
+        alone = torch.cat([op(*_request_alone(case, b), 0.125) for b in range(len(rows))])
+        # request 0 with its 100 prefix keys computed in the step instead of cached
+        q, kb, vb, kvi, kptr, loc, _ = _request_alone(case, 0)
+        g = torch.Generator().manual_seed(15)
+        q_pre = torch.randn(100, 9, 64, generator=g).to(torch.bfloat16)
+        uncached = op(torch.cat([q_pre, q]), kb, vb, kvi[:0], torch.tensor([0, 0]),
+                      torch.cat([kvi, loc]), torch.tensor([0, 130]), 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(batch, one_thread)
+    assert torch.equal(batch, alone)
+    assert torch.equal(uncached[100:], batch[: int(qptr[1])])
 
 
 def test_thread_count_does_not_change_results() -> None:

@@ -74,7 +74,8 @@ _ISA_NEEDS: dict[str, frozenset[str]] = {
 # Extra flags an instruction set adds when the CPU has the named flag (sources guard their use
 # with the matching #ifdef, e.g. __AVX512BF16__).
 _ISA_OPTIONAL: dict[str, tuple[tuple[str, str], ...]] = {
-    "avx512": (("avx512_bf16", "-mavx512bf16"), ("avx512_vnni", "-mavx512vnni")),
+    "avx512": (("avx512_bf16", "-mavx512bf16"), ("avx512_vnni", "-mavx512vnni"),
+               ("amx_tile", "-mamx-tile"), ("amx_bf16", "-mamx-bf16")),
 }
 _COMMON_FLAGS: tuple[str, ...] = ("-fopenmp",)
 OPT_LEVELS: tuple[str, ...] = ("-O3", "-O2", "-O1", "-O0")  # the first is the default

@@ -27,6 +27,7 @@
 
 #include <torch_headers.h>  // first: precompiled by the build
 
+#include "amx_attention.h"
 #include "fma_attention.h"
 #include "kv_pool_layout.h"
 #include "vec_util.h"
@@ -253,6 +254,15 @@ std::atomic<bool> g_bf16_dot{true};
 // Whether the vdpbf16ps path attends shared prefixes once per group (Plan); benchmarks switch it.
 std::atomic<bool> g_groups{true};
 
+// Whether bf16 pools use AMX tiles where this process may (amx_attention.h); benchmarks and
+// tests switch it.
+std::atomic<bool> g_amx{true};
+
+bool extend_attention_amx(bool enable) {
+  if (!amx_attention::amx_usable()) return false;
+  return g_amx.exchange(enable);
+}
+
 bool extend_attention_groups(bool enable) {
 #ifdef RADIXRT_EXTEND_BF16_DOT
   return g_groups.exchange(enable);
@@ -415,6 +425,9 @@ Plan make_plan(int64_t B, const int64_t* kptr, const int64_t* qptr, const int32_
 // reuses for its scores and alphas) and both paths' own.
 struct Scratch : fma_attention::Scratch {
   std::vector<float> q, o, m, l;
+  // AMX path: the item's bf16 queries and the tiles' buffers.
+  std::vector<at::BFloat16> qb;
+  amx_attention::Scratch amx;
   // vdpbf16ps path: qt / pp / vp pairs, per-row causal limits, key and value row pointers.
   std::vector<uint32_t> qt, pp, vp2;
   std::vector<int32_t> lim;
@@ -439,9 +452,14 @@ void extend_impl(const Tensor& q, const Tensor& k_buffer, const Tensor& v_buffer
   const int64_t* kptr = kv_indptr.data_ptr<int64_t>();
   const int64_t* qptr = qo_indptr.data_ptr<int64_t>();
 
+  // AMX tiles for bf16 pools where usable (one part per item, as the fp32 path), else the
+  // rows-in-lanes vdpbf16ps path where compiled in, else fp32 FMA.
+  const bool amx = std::is_same_v<T, at::BFloat16> && amx_attention::supports_head_dim(D) &&
+                   g_amx.load(std::memory_order_relaxed) && amx_attention::amx_usable();
+  (void)amx;  // read only where the AMX path is compiled in
   bool lanes = false;  // rows-in-lanes vdpbf16ps path
 #ifdef RADIXRT_EXTEND_BF16_DOT
-  lanes = std::is_same_v<T, at::BFloat16> && g_bf16_dot.load(std::memory_order_relaxed);
+  lanes = !amx && std::is_same_v<T, at::BFloat16> && g_bf16_dot.load(std::memory_order_relaxed);
   const bool group = lanes && g_groups.load(std::memory_order_relaxed);
 #else
   const bool group = false;
@@ -706,9 +724,43 @@ void extend_impl(const Tensor& q, const Tensor& k_buffer, const Tensor& v_buffer
     write_out(Part{pt.req, pt.t0, pt.t1, 0}, h, sc.o.data(), sc.l.data());
   };
 
+#ifdef RADIXRT_AMX_ATTENTION
+  // AMX path: the fp32 path's items, bf16 queries as given (the scores are scaled in fp32).
+  auto work_amx = [&](const Item& it, Scratch& sc) {
+    if constexpr (std::is_same_v<T, at::BFloat16> && amx_attention::supports_head_dim(D)) {
+      const Part& pt = plan.parts[it.p_begin];
+      const int64_t b = pt.req, h = it.kv_head;
+      const int64_t p_len = kptr[b + 1] - kptr[b];
+      const int32_t* pidx = pre_idx + kptr[b];
+      const int32_t* nidx = new_idx + qptr[b];
+      const int64_t nt = pt.t1 - pt.t0, nq = nt * G;
+      sc.qb.resize(nq * D);
+      sc.o.assign(nq * D, 0.f);
+      sc.m.assign(nq, kNegInf);
+      sc.l.assign(nq, 0.f);
+      const int64_t key_end = p_len + pt.t1;
+      auto slot_of = [&](int64_t j) { return check_slot(j < p_len ? pidx[j] : nidx[j - p_len]); };
+      for (int64_t t = 0; t < nt; ++t) {  // row r = token t0 + r / G, query head h * G + r % G
+        std::copy_n(qp + ((qptr[b] + pt.t0 + t) * H + h * G) * D, G * D,
+                    sc.qb.data() + t * G * D);
+      }
+      amx_attention::attend<D>(
+          sc.qb.data(), nq, scale, key_end, slot_of,
+          [&](int64_t j0) { return std::max<int64_t>(0, j0 - p_len - pt.t0) * G; },
+          [&](int64_t r, int64_t j0, int64_t nb) { return std::min(nb, p_len + pt.t0 + r / G - j0 + 1); },
+          kb + h * head_stride, vb + h * head_stride, slot_stride, sc.m.data(), sc.l.data(),
+          sc.o.data(), sc.amx);
+      write_out(Part{pt.req, pt.t0, pt.t1, 0}, h, sc.o.data(), sc.l.data());
+    }
+  };
+#endif
+
   std::vector<Item> items = plan.items;
   run_largest_first(items, kMinParallelWork, [&](const Item& it) {
     thread_local Scratch sc;  // grows to the largest item a thread has run
+#ifdef RADIXRT_AMX_ATTENTION
+    if (amx) return work_amx(it, sc);
+#endif
 #ifdef RADIXRT_EXTEND_BF16_DOT
     if (lanes) return work_lanes(it, sc);
 #endif
@@ -815,6 +867,9 @@ TORCH_LIBRARY_FRAGMENT(radixrt, m) {
   // Benchmarks / tests: shared-prefix groups on the vdpbf16ps path (true, the default) or every
   // request alone; returns the previous setting (always false without AVX512-BF16).
   m.def("extend_attention_groups(bool enable) -> bool", &radixrt_cpu::extend_attention_groups);
+  // Benchmarks / tests: bf16 pools on AMX tiles (true, the default where this process may use
+  // them) or not; returns the previous setting (always false where AMX is unusable).
+  m.def("extend_attention_amx(bool enable) -> bool", &radixrt_cpu::extend_attention_amx);
 }
 
 TORCH_LIBRARY_IMPL(radixrt, CPU, m) {

@@ -1,0 +1,269 @@
+// bf16 attention over blocks of 64 keys on AMX tiles (TDPBF16PS): the extend kernel's path for
+// bf16 pools on CPUs with AMX-BF16 (extend_attention.cpp), the same work items and state as
+// fma_attention::attend.
+//
+// `attend` continues each query row's online-softmax state (running max m, sum l, unnormalized
+// output o, fp32) over keys 0..key_end of one KV head, read in place from the pool rows
+// `slot_of(j)`. Per block of 64 keys:
+// - K and V are packed once for all of the item's rows into the tiles' VNNI layout (K: pairs
+//   of head dims of 16 keys, by transposing 32-bit pairs in registers; V: the rows of keys 2i and
+//   2i + 1 interleaved);
+// - S = Q Kᵀ per tile of 16 query rows (bf16 queries as given, exact products, fp32 sums), then
+//   scaled by `scale` in fp32;
+// - the row-wise online softmax of fma_attention (the causal limit applied per row inside the
+//   blocks that cross it);
+// - O = O alpha + P V with P rounded to bf16 (as the vdpbf16ps path and GPU flash attention do).
+// A row's arithmetic depends only on its own query and keys (blocks start at multiples of
+// kKeyBlock from key 0; a tile's rows never mix), never on the other rows, the thread or the
+// call.
+//
+// Linux hands out the AMX register state only on request (arch_prctl ARCH_REQ_XCOMP_PERM):
+// `amx_usable()` asks once per process and says whether the tiles may be used; where they may
+// not (no AMX, a hypervisor that does not enable it, an old kernel) callers take another path.
+
+#pragma once
+
+#include "fma_attention.h"
+#include "vec_util.h"
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define RADIXRT_AMX_ATTENTION 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace radixrt_cpu {
+namespace amx_attention {
+
+#ifdef RADIXRT_AMX_ATTENTION
+
+using fma_attention::kKeyBlock;
+using fma_attention::kNegInf;
+static_assert(kKeyBlock == 64, "four 16-key score tiles and two 32-key value tiles per block");
+
+// Whether this process may use the AMX tiles (asked of the kernel once).
+inline bool amx_usable() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023;  // ARCH_REQ_XCOMP_PERM
+    constexpr long kXtileData = 18;         // XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return ok;
+}
+
+// Head dims the tiles take: whole 32-element chunks, and D / 16 output tiles that fit beside
+// the two operand tiles (8 tile registers).
+constexpr bool supports_head_dim(int64_t D) { return D == 32 || D == 64; }
+
+// Every tile 16 rows x 64 bytes (palette 1).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  TileConfig() {
+    for (int t = 0; t < 8; ++t) {
+      colsb[t] = 64;
+      rows[t] = 16;
+    }
+  }
+};
+
+// Per-thread buffers (grown to the largest call): bf16 queries, fp32 outputs and scores of
+// the rows padded to whole tiles, P in bf16, the packed K and V of a block, per-row alpha.
+struct Scratch {
+  std::vector<uint16_t> q, p, k, v;
+  std::vector<float> o, s, alpha;
+};
+
+// K rows of keys j0 .. j0 + 63 (nb real, zeros after) -> B tiles of S = Q Kᵀ: for head-dim chunk
+// c (32 dims) and key tile t (16 keys), row i holds dims (2i, 2i + 1) of the tile's 16 keys.
+template <int D, typename RowOf>
+inline void pack_k(const RowOf& row_of, int64_t nb, uint16_t* out) {
+  for (int t = 0; t < 4; ++t) {
+    for (int c = 0; c < D / 32; ++c) {
+      __m512 r[16];
+      for (int i = 0; i < 16; ++i) {
+        const int64_t j = t * 16 + i;
+        r[i] = j < nb ? _mm512_castsi512_ps(_mm512_loadu_si512(row_of(j) + c * 32))
+                      : _mm512_setzero_ps();
+      }
+      fma_attention::transpose16(r);
+      uint16_t* tile = out + (c * 4 + t) * 512;
+      for (int i = 0; i < 16; ++i) _mm512_storeu_ps(tile + i * 32, r[i]);
+    }
+  }
+}
+
+// V rows of keys j0 .. j0 + 63 (nb real, zeros after) -> B tiles of O += P V: for key tile u
+// (32 keys) and dim tile d (16 dims), row i holds keys (2i, 2i + 1) of each of the 16 dims.
+template <int D, typename RowOf>
+inline void pack_v(const RowOf& row_of, int64_t nb, uint16_t* out) {
+  const __m512i lo_idx = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
+  const __m512i hi_idx = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+  for (int u = 0; u < 2; ++u) {
+    for (int i = 0; i < 16; ++i) {
+      const int64_t j = u * 32 + 2 * i;
+      for (int c = 0; c < D / 32; ++c) {
+        const __m512i x = j < nb ? _mm512_loadu_si512(row_of(j) + c * 32) : _mm512_setzero_si512();
+        const __m512i y =
+            j + 1 < nb ? _mm512_loadu_si512(row_of(j + 1) + c * 32) : _mm512_setzero_si512();
+        const __m512i a = _mm512_unpacklo_epi16(x, y), b = _mm512_unpackhi_epi16(x, y);
+        // dims 32c + 0..15 and 32c + 16..31 of the pair, in order
+        _mm512_storeu_si512(out + ((u * (D / 16) + 2 * c) * 16 + i) * 32,
+                            _mm512_permutex2var_epi64(a, lo_idx, b));
+        _mm512_storeu_si512(out + ((u * (D / 16) + 2 * c + 1) * 16 + i) * 32,
+                            _mm512_permutex2var_epi64(a, hi_idx, b));
+      }
+    }
+  }
+}
+
+// s[16 rows][64 keys] = q[16 rows] · kpack (fp32, unscaled); q rows of D bf16.
+template <int D>
+inline void scores_tile(const uint16_t* q, const uint16_t* kpack, float* s) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int c = 0; c < D / 32; ++c) {
+    _tile_loadd(4, q + c * 32, D * 2);
+    _tile_loadd(5, kpack + (c * 4 + 0) * 512, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(6, kpack + (c * 4 + 1) * 512, 64);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(5, kpack + (c * 4 + 2) * 512, 64);
+    _tile_dpbf16ps(2, 4, 5);
+    _tile_loadd(6, kpack + (c * 4 + 3) * 512, 64);
+    _tile_dpbf16ps(3, 4, 6);
+  }
+  _tile_stored(0, s + 0, kKeyBlock * 4);
+  _tile_stored(1, s + 16, kKeyBlock * 4);
+  _tile_stored(2, s + 32, kKeyBlock * 4);
+  _tile_stored(3, s + 48, kKeyBlock * 4);
+}
+
+// o[16 rows][D] += p[16 rows][64 keys] · vpack (fp32 o, bf16 p).
+template <int D>
+inline void accumulate_tile(const uint16_t* p, const uint16_t* vpack, float* o) {
+  if constexpr (D == 64) {
+    _tile_loadd(0, o + 0, D * 4);
+    _tile_loadd(1, o + 16, D * 4);
+    _tile_loadd(2, o + 32, D * 4);
+    _tile_loadd(3, o + 48, D * 4);
+    for (int u = 0; u < 2; ++u) {
+      _tile_loadd(4, p + u * 32, kKeyBlock * 2);
+      _tile_loadd(5, vpack + (u * 4 + 0) * 512, 64);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(6, vpack + (u * 4 + 1) * 512, 64);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_loadd(5, vpack + (u * 4 + 2) * 512, 64);
+      _tile_dpbf16ps(2, 4, 5);
+      _tile_loadd(6, vpack + (u * 4 + 3) * 512, 64);
+      _tile_dpbf16ps(3, 4, 6);
+    }
+    _tile_stored(0, o + 0, D * 4);
+    _tile_stored(1, o + 16, D * 4);
+    _tile_stored(2, o + 32, D * 4);
+    _tile_stored(3, o + 48, D * 4);
+  } else {
+    static_assert(D == 32, "supports_head_dim");
+    _tile_loadd(0, o + 0, D * 4);
+    _tile_loadd(1, o + 16, D * 4);
+    for (int u = 0; u < 2; ++u) {
+      _tile_loadd(4, p + u * 32, kKeyBlock * 2);
+      _tile_loadd(5, vpack + (u * 2 + 0) * 512, 64);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(6, vpack + (u * 2 + 1) * 512, 64);
+      _tile_dpbf16ps(1, 4, 6);
+    }
+    _tile_stored(0, o + 0, D * 4);
+    _tile_stored(1, o + 16, D * 4);
+  }
+}
+
+// Continues the state (m[r], l[r], o[r, :]) of the nq bf16 queries q[r, :] (unscaled: the
+// fp32 scores are multiplied by `scale`) over keys 0..key_end of one KV head: key j is the pool
+// row at kbase / vbase + slot_of(j) * slot_stride (a valid slot). Block j0's rows below
+// row_lo(j0) see none of its keys and are skipped; visible_keys(r, j0, nb) >= 1 is how many of
+// its nb keys row r >= row_lo(j0) sees. Requires amx_usable() and supports_head_dim(D).
+template <int D, typename SlotOf, typename RowLo, typename VisibleKeys>
+void attend(const at::BFloat16* q, int64_t nq, float scale, int64_t key_end,
+            const SlotOf& slot_of, const RowLo& row_lo, const VisibleKeys& visible_keys,
+            const at::BFloat16* kbase, const at::BFloat16* vbase, int64_t slot_stride, float* m,
+            float* l, float* o, Scratch& sc) {
+  static_assert(supports_head_dim(D), "AMX attention: head_dim 32 or 64");
+  const int64_t padded = nq + 16;  // a tile may start at any row below nq
+  sc.q.assign(padded * D, 0);
+  std::memcpy(sc.q.data(), q, nq * D * sizeof(uint16_t));
+  sc.o.resize(padded * D);
+  std::memcpy(sc.o.data(), o, nq * D * sizeof(float));
+  sc.s.resize(padded * kKeyBlock);
+  sc.p.resize(padded * kKeyBlock);
+  sc.k.resize(kKeyBlock * D);
+  sc.v.resize(kKeyBlock * D);
+  sc.alpha.resize(padded);
+  const TileConfig cfg;
+  _tile_loadconfig(&cfg);
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t j0 = 0; j0 < key_end; j0 += kKeyBlock) {
+    const int64_t nb = std::min(kKeyBlock, key_end - j0);
+    const int64_t r_lo = row_lo(j0);
+    if (r_lo >= nq) continue;
+    auto krow = [&](int64_t jj) {
+      return reinterpret_cast<const uint16_t*>(kbase + slot_of(j0 + jj) * slot_stride);
+    };
+    auto vrow = [&](int64_t jj) {
+      return reinterpret_cast<const uint16_t*>(vbase + slot_of(j0 + jj) * slot_stride);
+    };
+    pack_k<D>(krow, nb, sc.k.data());
+    pack_v<D>(vrow, nb, sc.v.data());
+    for (int64_t r0 = r_lo; r0 < nq; r0 += 16) {
+      const int n = static_cast<int>(std::min<int64_t>(16, nq - r0));
+      float* s = sc.s.data() + r0 * kKeyBlock;
+      scores_tile<D>(sc.q.data() + r0 * D, sc.k.data(), s);
+      for (int i = 0; i < n * kKeyBlock; i += 16) {
+        _mm512_storeu_ps(s + i, _mm512_mul_ps(_mm512_loadu_ps(s + i), vscale));
+      }
+      int64_t visible[16];
+      for (int i = 0; i < n; ++i) visible[i] = visible_keys(r0 + i, j0, nb);
+      fma_attention::softmax_rows16(s, n, visible, m + r0, l + r0, sc.alpha.data() + r0);
+      // P in bf16 (rows past n: zeros), O rows rescaled by alpha, then O += P V.
+      uint16_t* p = sc.p.data() + r0 * kKeyBlock;
+      for (int i = 0; i < 16; ++i) {
+        for (int c = 0; c < kKeyBlock; c += 32) {
+          const __m512i pr =
+              i < n ? (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + i * kKeyBlock + c + 16),
+                                                   _mm512_loadu_ps(s + i * kKeyBlock + c))
+                    : _mm512_setzero_si512();
+          _mm512_storeu_si512(p + i * kKeyBlock + c, pr);
+        }
+      }
+      float* orow = sc.o.data() + r0 * D;
+      for (int i = 0; i < n; ++i) {
+        const __m512 a = _mm512_set1_ps(sc.alpha[r0 + i]);
+        for (int c = 0; c < D; c += 16) {
+          _mm512_storeu_ps(orow + i * D + c, _mm512_mul_ps(_mm512_loadu_ps(orow + i * D + c), a));
+        }
+      }
+      accumulate_tile<D>(p, sc.v.data(), orow);
+    }
+  }
+  _tile_release();
+  std::memcpy(o, sc.o.data(), nq * D * sizeof(float));
+}
+
+#else
+
+inline bool amx_usable() { return false; }
+constexpr bool supports_head_dim(int64_t) { return false; }
+
+#endif
+
+}  // namespace amx_attention
+}  // namespace radixrt_cpu
