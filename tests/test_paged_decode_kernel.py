@@ -282,6 +282,30 @@ def test_large_group_matches_reference_and_keeps_each_rows_bits(dtype: torch.dty
         torch.set_num_threads(threads)
 
 
+def test_amx_groups_match_reference_and_the_scan() -> None:
+    """bf16 cascade groups on AMX tiles (the default where usable) against the float64 reference
+    and against the vdpbf16ps / fp32 scan (switched off): only P's bf16 rounding differs. The
+    LSE comes from the same fp32 scores and sums, so it agrees closely too."""
+    toggle = torch.ops.radixrt.paged_decode_amx
+    previous = toggle(True)
+    if not toggle(previous):
+        pytest.skip("no AMX tiles in this process (CPU, build, hypervisor or kernel)")
+    for own, groups in CASCADE_CASES:
+        c = _case(21, torch.bfloat16, 9, 3, 64, own, groups)
+        try:
+            toggle(True)
+            tiles = _run(c, 0.125)
+            toggle(False)
+            scan = _run(c, 0.125)
+        finally:
+            toggle(previous)
+        ref_out, ref_lse = _reference(c, 0.125)
+        torch.testing.assert_close(tiles[0].double(), ref_out, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(tiles[1].double(), ref_lse, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(tiles[0].float(), scan[0].float(), atol=8e-3, rtol=0)
+        torch.testing.assert_close(tiles[1], scan[1], atol=1e-5, rtol=1e-5)
+
+
 def test_result_does_not_depend_on_the_one_thread_threshold() -> None:
     """Whether an attention phase (a group's shared prefix, the rows' own keys) runs on one
     thread or is split over two (`radixrt::attention_parallel_work`, the regions' threshold

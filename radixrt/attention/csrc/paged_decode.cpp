@@ -19,7 +19,8 @@
 // Cascade: a group's shared prefix keys are read once per (group chunk, KV head) for all of the
 // chunk's query rows; each row then continues the same online softmax over its own keys. Large
 // groups on pools without a dot-product instruction pass over the prefix in register-tiled key
-// blocks (fma_attention.h) instead of the scan.
+// blocks (fma_attention.h) instead of the scan; on bf16 pools where AMX tiles are usable every
+// group does, on tiles (amx_attention.h: P rounded to bf16, as the vdpbf16ps scan does).
 // GQA: query head h uses KV head h / (heads / kv_heads); K/V are never expanded.
 //
 // Two scans (KeyScan), chosen by the instruction set this file is compiled for (by the builder,
@@ -39,6 +40,7 @@
 
 #include <torch_headers.h>  // first: precompiled by the build
 
+#include "amx_attention.h"
 #include "fma_attention.h"
 #include "kv_pool_layout.h"
 #include "team.h"
@@ -108,6 +110,12 @@ constexpr int64_t kBlockGroupRows = 16;
 // there are enough items for every thread).
 constexpr int64_t kMaxChunkRows = 32;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// Whether cascade groups of bf16 pools pass over their prefix on AMX tiles where this process
+// may use them (amx_attention.h): every group, whatever its size, so that a row's bits depend
+// only on whether it is in a group. Xeon with AMX-BF16, 512-key prefix, 30 layers: 2 rows
+// 1.39 -> 1.23-1.26 ms, 4 rows 2.46 -> 1.62, 8 rows 3.47 -> 2.19, 16 rows 6.99 -> 3.9-4.1.
+// Benchmarks and tests switch it.
+std::atomic<bool> g_amx{true};
 
 // Whether this call runs on the calling thread alone: inside another parallel region (a nested
 // one runs on its caller) or with one intra-op thread; in a decode team (team.h), when the team
@@ -359,9 +367,9 @@ struct TiledScan {
   }
 
   // `run` for a cascade group's rows over their shared prefix (the same state in and out);
-  // `large`: the group has at least kBlockGroupRows rows.
+  // `group_rows`: how many rows the whole group has (not this chunk).
   void run_group(const QType* q, int64_t nq, const int32_t* idx, int64_t n, float* m, float* l,
-                 float* acc, bool /*large*/) const {
+                 float* acc, int64_t /*group_rows*/) const {
     static_cast<const Scan&>(*this).run(q, nq, idx, n, m, l, acc);
   }
 
@@ -463,18 +471,31 @@ struct KeyScan : TiledScan<KeyScan<T, D>, typename RowDot<T, D, kBf16Dot<T>>::QT
     }
   }
 
-  // A cascade group's pass over its shared prefix. For a large group (`large`) without a
+  // A cascade group's pass over its shared prefix. For a large group without a
   // dot-product instruction (fp32 FMA on converted rows): fma_attention::attend, each key block
   // converted once for all of the item's queries (a chunk of the group's rows x the KV head's
   // query heads) and register-tiled like extend, instead of once per tile of TQ queries with a
   // transpose-reduce per key and query. Same state in and out: m, l in scaled-score units, acc
   // unnormalized in natural order.
   void run_group(const QType* q, int64_t nq, const int32_t* idx, int64_t n, float* m, float* l,
-                 float* acc, bool large) const {
+                 float* acc, int64_t group_rows) const {
     if constexpr (kDot) {
+#ifdef RADIXRT_AMX_ATTENTION
+      // On AMX tiles: each 64-key block packed once for all of the item's queries.
+      if constexpr (amx_attention::supports_head_dim(D)) {
+        if (g_amx.load(std::memory_order_relaxed) && amx_attention::amx_usable()) {
+          thread_local amx_attention::Scratch sc;
+          amx_attention::attend<D>(
+              q, nq, scale, n, [idx](int64_t j) { return static_cast<int64_t>(idx[j]); },
+              [](int64_t) { return int64_t{0}; }, [](int64_t, int64_t, int64_t nb) { return nb; },
+              kbase, vbase, stride, m, l, acc, sc);
+          return;
+        }
+      }
+#endif
       Base::run(q, nq, idx, n, m, l, acc);
     } else {
-      if (!large) return Base::run(q, nq, idx, n, m, l, acc);
+      if (group_rows < kBlockGroupRows) return Base::run(q, nq, idx, n, m, l, acc);
       thread_local std::vector<float> qs;
       thread_local fma_attention::Scratch sc;
       qs.resize(nq * D);
@@ -880,7 +901,7 @@ struct KeyScan {
 
   // `run` for a cascade group's rows over their shared prefix.
   void run_group(const float* q, int64_t nq, const int32_t* idx, int64_t n, float* m, float* l,
-                 float* acc, bool /*large*/) const {
+                 float* acc, int64_t /*group_rows*/) const {
     run(q, nq, idx, n, m, l, acc);
   }
 
@@ -1148,7 +1169,7 @@ void paged_decode_run(const Tensor& q, int64_t Hkv, int64_t slots, const Tensor&
       scan_for(it.kv_head)
           .run_group(qbuf.data(), nq, idx + gs[it.group], gl[it.group], mbuf.data(),
                      lbuf.data(), abuf.data(),
-                     gptr[it.group + 1] - gptr[it.group] >= kBlockGroupRows);
+                     gptr[it.group + 1] - gptr[it.group]);
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t base = grows[it.first + r] * H + it.kv_head * G;
         for (int64_t i = 0; i < G; ++i) {
@@ -1419,6 +1440,11 @@ std::tuple<Tensor, Tensor> paged_decode_i8(const Tensor& q, const Tensor& k_buff
 
 bool paged_decode_i8_available() { return kHaveInt8Scan; }
 
+bool paged_decode_amx(bool enable) {
+  if (!amx_attention::amx_usable()) return false;
+  return g_amx.exchange(enable);
+}
+
 std::vector<int64_t> paged_decode_head_dims() { return {16, 32, 64, 80, 96, 128, 256}; }
 
 std::string paged_decode_isa() { return RADIXRT_STR(CPU_CAPABILITY); }
@@ -1446,6 +1472,10 @@ TORCH_LIBRARY(radixrt, m) {
   m.def("paged_decode_i8_available() -> bool", &radixrt_cpu::paged_decode_i8_available);
   m.def("paged_decode_head_dims() -> int[]", &radixrt_cpu::paged_decode_head_dims);
   m.def("paged_decode_isa() -> str", &radixrt_cpu::paged_decode_isa);
+  // Benchmarks / tests: cascade groups over a bf16 pool on AMX tiles (true, the default where
+  // this process may use them) or the scan; returns the previous setting (always false where AMX
+  // is unusable).
+  m.def("paged_decode_amx(bool enable) -> bool", &radixrt_cpu::paged_decode_amx);
   // Benchmarks / tests: the (query, key) pairs of an attention phase below which it runs on one
   // thread, in a decode team and with a parallel region per op (work_queue.h); a negative value
   // leaves that one as it is. Returns the previous [team, regions]. Not while a decode step
