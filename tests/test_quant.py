@@ -559,6 +559,14 @@ def test_a_width_faster_at_every_row_count_runs_every_call_and_keeps_no_dense_co
     off = resolve_quantization("gguf", torch.float32, CPU, True, lambda d: probe,
                                dense_copy=False)[0]
     assert not off.keeps_dense(4) and not off.keeps_dense(8)
+    # 4-bit faster at 512 rows by less than EVERY_CALL_MARGIN (Zen 1's 8-bit head once won
+    # there by 9%): it keeps its dense copy, above 512 rows, so that two starts a few percent
+    # apart resolve alike.
+    ms["int4"][rows[-1]] = 10.0 / (quant_probe.EVERY_CALL_MARGIN - 0.06)
+    narrow = QuantProbe(ms, 2, "vnni")
+    assert narrow.crossover("int4") == rows[-1] and not narrow.runs_every_call("int4")
+    plan, _ = resolve_quantization("gguf", torch.float32, CPU, True, lambda d: narrow)
+    assert plan == QuantPlan("gguf", rows[-1], 64, kernel="vnni") and plan.keeps_dense(4)
     # 4-bit short of 512 rows: both widths bounded, as before.
     ms["int4"][rows[-1]] = 12.0
     plan, _ = resolve_quantization("gguf", torch.float32, CPU, True,
@@ -648,7 +656,8 @@ def test_probe_times_both_ends_first_in_the_model_dtype(monkeypatch: pytest.Monk
         ms = quant_probe.measure_kernels(64, 128, (kernel,))(quant_probe.ROWS, torch.float32)
         assert set(ms["dense"]) == {1, quant_probe.ROWS[-1]}
     assert seen == {("DenseWeight", torch.float32), ("QuantizedWeight", torch.float32)}
-    assert quant_probe.probe_order((1, 2, 4, 512)) == (1, 512, 2, 4)
+    assert quant_probe.probe_order((1, 2, 4, 512)) == (1, 512, 4, 2)
+    assert quant_probe.probe_order(quant_probe.ROWS)[2:4] == (128, 64)  # near the crossovers
     # Unmeasured middle counts do not break a crossover that won at both ends.
     p = QuantProbe({"dense": {1: 2.0, 512: 9.0}, "int4": {1: 1.0, 512: 5.0},
                     "int8": {1: 1.0, 512: 5.0}})

@@ -14,7 +14,10 @@ quantizes them), so nothing is assumed from the dtype:
   is the largest of ROWS up to which the kernel stays faster, per width (4-bit, 8-bit); a
   width faster at every row count up to ROWS[-1] (a prefill size: the int8-activation vnni
   kernel) runs every call and its weights keep no dense copy (`EVERY_CALL`), and where both
-  widths do, no weight keeps one. (The kernel's time per row is flat from 64 rows on; a dense
+  widths do, no weight keeps one. That needs a margin at ROWS[-1] (EVERY_CALL_MARGIN): on
+  Zen 1 the 8-bit LM head won there by 9% in one start and lost in another, and with every
+  matmul on the vnni kernel `dtype=auto` takes bf16 (`dtype_probe`), so two starts of one
+  server on one machine resolved to fp32 and to bf16 and gave different logits. (The kernel's time per row is flat from 64 rows on; a dense
   GEMM's is too, once past 512: on Zen 1 the 4-bit kernel beat fp32 by 1.12-1.24x at 512, 1024
   and 2048 rows.)
 - `quant_kernel="auto"` with several candidate kernels (`quant_kernel_candidates`: vnni and
@@ -25,9 +28,10 @@ The timing runs over a model-shaped weight set of at least PROBE_PARAMS paramete
 CPU cache holds, so it sees memory bandwidth as a real forward pass does (timing one small
 matrix in a loop measures a cache-resident weight and misjudges decode); row counts from
 LARGE_ROWS on (compute-bound) time the first 1/LARGE_SHARE of it, to stay in budget. One row and
-the largest count (the two ends that decide decode and the dense copy) are timed first, the rest
-only while BUDGET_S lasts, so a slow dense path on a loaded machine shortens the middle, never
-the ends. Widths and the dense path alternate call by call and each keeps its best time, so load
+the largest count (the two ends that decide decode and the dense copy) are timed first, then the
+rest from the largest down (the counts near a crossover before the small ones every kernel
+wins), only while BUDGET_S lasts, so a slow dense path on a loaded machine drops small counts,
+never the ends. A count left unmeasured does not break a crossover that won on both sides. Widths and the dense path alternate call by call and each keeps its best time, so load
 from other processes hits all alike. `RADIXRT_AUTO_QUANTIZATION=none|gguf|int8|int4` forces the
 `auto` outcome (the test suite sets `none`); an explicit `--quantization` bypasses `auto`,
 `--quant-max-rows` the crossover.
@@ -51,6 +55,7 @@ logger = logging.getLogger(__name__)
 
 ENV_FORCE = "RADIXRT_AUTO_QUANTIZATION"
 MIN_SPEEDUP = 1.2
+EVERY_CALL_MARGIN = 1.15  # a width runs every call only this much faster than dense at ROWS[-1]
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 512)
 LARGE_ROWS, LARGE_SHARE = 128, 8
 PROBE_PARAMS = 24_000_000  # 48 MB of bf16 weights: beyond the caches of the CPUs we run on
@@ -73,9 +78,15 @@ class QuantProbe:
     kernel: str = "torch"  # the quantized kernel timed (the one chosen, when several were)
     others: dict[str, dict[str, dict[int, float]]] = field(default_factory=dict)  # kernel -> ms
 
+    def runs_every_call(self, kind: str) -> bool:
+        """`kind` beat dense at every measured row count up to ROWS[-1], there by at least
+        EVERY_CALL_MARGIN (its weights then keep no dense copy)."""
+        s = self.speedup(kind, ROWS[-1])
+        return self.crossover(kind) == ROWS[-1] and s is not None and s >= EVERY_CALL_MARGIN
+
     def wins_everywhere(self) -> bool:
-        """Both widths beat dense at every row count of ROWS (so no dense copy is needed)."""
-        return all(self.crossover(k) == ROWS[-1] for k in ("int4", "int8"))
+        """Both widths run every call (`runs_every_call`: no dense copy is needed)."""
+        return all(self.runs_every_call(k) for k in ("int4", "int8"))
 
     def crossover(self, kind: str) -> int:
         """Largest row count up to which `kind` beat dense at every measured count (0: never)."""
@@ -194,10 +205,10 @@ def _probe_weights(hidden: int, intermediate: int, dense_dtype: torch.dtype,
 
 def probe_order(rows_list: tuple[int, ...]) -> tuple[int, ...]:
     """The order row counts are timed in: the first and the last (decode's one row, prefill's
-    largest), then the rest ascending (see the module docstring)."""
+    largest), then the rest descending (see the module docstring)."""
     if len(rows_list) <= 2:
         return rows_list
-    return (rows_list[0], rows_list[-1], *rows_list[1:-1])
+    return (rows_list[0], rows_list[-1], *reversed(rows_list[1:-1]))
 
 
 def measure_kernels(hidden: int, intermediate: int, kernels: tuple[str, ...] = ("auto",)
@@ -333,6 +344,6 @@ def resolve_quantization(requested: str, dtype: torch.dtype, device: torch.devic
     if max_rows is not None:
         return QuantPlan(mode, max_rows, max_rows, kernel=kernel), f"{mode} ({why}; {p.describe()})"
     # A width that wins at every row count runs every call; only the other keeps a dense copy.
-    r4, r8 = (EVERY_CALL if p.crossover(k) == ROWS[-1] else p.crossover(k) for k in ("int4", "int8"))
+    r4, r8 = (EVERY_CALL if p.runs_every_call(k) else p.crossover(k) for k in ("int4", "int8"))
     plan = QuantPlan(mode, r4, r8, kernel=kernel)
     return plan, f"{mode} ({why}; {kernel} kernel, {plan.rows_text()}; {p.describe()})"
