@@ -136,6 +136,10 @@ class ServerArgs:
                "float masks) instead of the C++ extend-attention kernel (which reads K/V in "
                "place from the pool; built with the decode kernel, with this fallback when it "
                "cannot be built)")
+    disable_prepacked_weights: bool = _f(
+        False, "CPU bf16: keep no oneDNN-packed copy of dense matmul weights (by default kept "
+               "where a start-up measurement finds it faster: calls of up to 256 rows take it, "
+               "bitwise the plain matmul)")
     disable_fused_cpu_ops: bool = _f(
         False, "run each layer's residual add + RMSNorm, RoPE and SiLU-mul as separate torch "
                "ops instead of the fused C++ CPU ops (built with the decode kernel; used only "

@@ -39,20 +39,25 @@ from radixrt.model.linear import DenseWeight, LinearWeight, QuantizedWeight
 from radixrt.model.quant_matmul import TiledQuantMatmul, VnniQuantMatmul
 
 KIND_DENSE, KIND_QGEMV, KIND_VNNI = 0, 1, 2  # the op's linear kinds (see decode_layers.cpp)
+SLOTS_PER_LINEAR = 6  # (a, b, c, dense, bias, packed): decode_layers.cpp's kSlotsPerLinear
 
 
 def _linear_entry(w: LinearWeight, bias: torch.Tensor | None
                   ) -> tuple[list[torch.Tensor | None], list[int]] | str:
-    """(5 weight slots, 3 meta ints) of one matmul for the op, or why it cannot run there."""
+    """(SLOTS_PER_LINEAR weight slots, 3 meta ints) of one matmul for the op, or why it cannot
+    run there. The last slot is the dense weight's oneDNN-packed copy (prepack.py), if any."""
     if isinstance(w, DenseWeight):
-        return [w.weight, None, None, None, bias], [KIND_DENSE, 0, 0]
+        return [w.weight, None, None, None, bias, w.packed], [KIND_DENSE, 0, 0]
+    dense = None if not isinstance(w, QuantizedWeight) or w.dense is None else w.dense
+    packed = None if dense is None else dense.packed
+    plain = None if dense is None else dense.weight
     if isinstance(w, QuantizedWeight) and isinstance(w.kernel, TiledQuantMatmul):
         k = w.kernel
-        dense = None if w.dense is None else w.dense.weight
-        return [k.codes, k.scale, k.offset, dense, bias], [KIND_QGEMV, k.bits, w.max_rows]
+        return ([k.codes, k.scale, k.offset, plain, bias, packed],
+                [KIND_QGEMV, k.bits, w.max_rows])
     if isinstance(w, QuantizedWeight) and isinstance(w.kernel, VnniQuantMatmul):
-        dense = None if w.dense is None else w.dense.weight
-        return [w.kernel.packed, None, None, dense, bias], [KIND_VNNI, w.kernel.bits, w.max_rows]
+        return ([w.kernel.packed, None, None, plain, bias, packed],
+                [KIND_VNNI, w.kernel.bits, w.max_rows])
     return f"matmul weight {w.describe()} has no C++ path"
 
 
@@ -75,7 +80,7 @@ class DecodeLayers:
         # row the same whatever the row count (torch's dense matmuls need not), so the whole
         # step is row-invariant and may run as micro-batches bitwise.
         self.row_invariant = all(
-            meta[3 * i] in (KIND_QGEMV, KIND_VNNI) and weights[5 * i + 3] is None
+            meta[3 * i] in (KIND_QGEMV, KIND_VNNI) and weights[SLOTS_PER_LINEAR * i + 3] is None
             for i in range(len(meta) // 3))
         # The most rows one pass may take as a team of threads (decode_layers.cpp, team.h:
         # every matmul on the vnni kernel without a bias, rows within a dense copy's

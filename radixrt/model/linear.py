@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixrt.attention.base import MIN_INVARIANT_ROWS
+from radixrt.model import prepack
 from radixrt.model.quant import GROUP, Int4Groups
 from radixrt.model.quant_matmul import QuantMatmul, TorchInt4Matmul, make_quant_matmul
 
@@ -81,21 +82,32 @@ class LinearWeight(nn.Module, ABC):
 
 
 class DenseWeight(LinearWeight):
+    """A plain weight; `pack()` adds a oneDNN-packed copy (`prepack.py`) that calls of up to
+    PACKED_MAX_ROWS rows take (bitwise the plain matmul there), except invariant ones."""
+
     def __init__(self, weight: torch.Tensor):
         super().__init__()
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(
             weight, requires_grad=False)
         self.out_features, self.in_features = (int(s) for s in weight.shape)
+        self.packed: torch.Tensor | None = None  # opaque oneDNN tensor, not a parameter
+
+    def pack(self) -> None:
+        """Keep a packed copy of the weight as it is now (call after its last change)."""
+        self.packed = prepack.pack(self.weight)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None,
                 invariant: bool = False) -> torch.Tensor:
+        if self.packed is not None and not invariant and x.shape[0] <= prepack.PACKED_MAX_ROWS:
+            return prepack.packed_linear(x, self.packed, bias)
         return dense_linear(x, self.weight, bias, invariant)
 
     def bytes_read(self, rows: int) -> int:
-        return self.nbytes()
+        return self.weight.numel() * self.weight.element_size()
 
     def nbytes(self) -> int:
-        return self.weight.numel() * self.weight.element_size()
+        held = self.weight.numel() * self.weight.element_size()
+        return held * 2 if self.packed is not None else held
 
     def describe(self) -> str:
         return f"dense {str(self.weight.dtype).removeprefix('torch.')}"
@@ -161,7 +173,7 @@ class QuantizedWeight(LinearWeight):
 
     def bytes_read(self, rows: int) -> int:
         if self.dense is not None and rows > self.max_rows:
-            return self.dense.nbytes()
+            return self.dense.bytes_read(rows)
         return self.kernel.nbytes()
 
     def nbytes(self) -> int:

@@ -26,6 +26,7 @@ from radixrt.model.loader import (
     resolve_dtype,
 )
 from radixrt.model.model_config import ModelConfig, resolve_gguf_file
+from radixrt.model.prepack import pack_dense_weights
 from radixrt.model.quant import QuantPlan
 from radixrt.model.quant_probe import QuantProbe, probe_quant_kernels, resolve_quantization
 from radixrt.model.scoring import RowScores, score_hidden
@@ -122,6 +123,11 @@ class ModelRunner:
         if not args.disable_huge_pages and self.device.type == "cpu":
             moved = move_to_huge_pages([*self.model.parameters(), *self.model.buffers()])
             logger.info("model tensors: %.1f MiB moved to huge-page buffers", moved / 2**20)
+        if not args.disable_prepacked_weights and self.device.type == "cpu":
+            packed = pack_dense_weights(self.model)  # before the C++ decode stack lists them
+            if packed:
+                logger.info("prepacked matmul weights: %d dense weights packed for oneDNN",
+                            packed)
         # compiled dense parts replace the layers' Python methods, which the C++ loop skips
         self.model.fused_decode = not (args.disable_fused_decode or args.compile_decode)
         self.model.decode_microbatch_rows = args.decode_microbatch_rows

@@ -8,12 +8,15 @@
 //                 num_heads, num_kv_heads, head_dim, eps, scale) -> (h, residual)
 //
 // Per layer l: norms[2l], norms[2l + 1] are the input / post-attention RMSNorm weights; its four
-// matmuls (qkv, o, gate_up, down) are linears 4l .. 4l + 3. Linear i owns weights[5i .. 5i + 5)
-// = (a, b, c, dense, bias) and meta[3i .. 3i + 3) = (kind, bits, max_rows):
+// matmuls (qkv, o, gate_up, down) are linears 4l .. 4l + 3. Linear i owns weights[6i .. 6i + 6)
+// = (a, b, c, dense, bias, packed) and meta[3i .. 3i + 3) = (kind, bits, max_rows):
 //   kind 0 (dense):  y = linear(x, a, bias)
 //   kind 1 (qgemv):  rows > max_rows and a dense copy: y = linear(x, dense, bias); else
 //                    y = qgemv(x, codes a, scale b, offset c, bits) (+ bias)
 //   kind 2 (vnni):   the same rule, with y = qgemm_vnni(x, packed a, bits) (+ bias)
+// `packed`, when given, is the dense weight (a for kind 0, else dense) packed for oneDNN
+// (radixrt/model/prepack.py): a dense linear of up to kPackedMaxRows rows runs
+// mkldnn::_linear_pointwise on it, bitwise linear(x, weight, bias) there.
 // The MLP's down projection takes silu_mul(gate_up); on a vnni linear running its kernel, that
 // is qgemm_vnni_silu(gate_up, ...) instead: the SiLU-mul computed while quantizing the
 // activations, bitwise qgemm_vnni(silu_mul(gate_up)) (one op and one intermediate fewer).
@@ -83,7 +86,9 @@ namespace {
 using at::Tensor;
 using OptTensors = c10::List<std::optional<Tensor>>;
 
-constexpr int64_t kSlotsPerLinear = 5;
+constexpr int64_t kSlotsPerLinear = 6;
+// Rows up to which a dense linear takes its packed weight (prepack.PACKED_MAX_ROWS).
+constexpr int64_t kPackedMaxRows = 256;
 constexpr int64_t kMetaPerLinear = 3;
 constexpr int64_t kLinearsPerLayer = 4;
 // A micro-batch's thread waiting for the other: pause-spins before yielding the core.
@@ -173,6 +178,18 @@ Tensor required(const OptTensors& w, int64_t i, int64_t linear, const char* what
   return *t;
 }
 
+// linear(x, weight, bias) on `packed`, weight packed for oneDNN (mkldnn::_linear_pointwise).
+Tensor packed_linear(const Tensor& x, const Tensor& packed, const std::optional<Tensor>& bias) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  std::vector<c10::IValue> stack{x, packed, bias.has_value() ? c10::IValue(*bias) : c10::IValue(),
+                                 c10::IValue(std::string("none")),
+                                 c10::IValue(c10::List<std::optional<at::Scalar>>()),
+                                 c10::IValue(std::string(""))};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
 // Linear `i` of the flattened weights on x (the rules of radixrt/model/linear.py); `silu`: on
 // silu_mul(x) (x = gate_up), fused into qgemm_vnni's quantization where the vnni kernel runs.
 Tensor run_linear(const Ops& ops, const Tensor& x, const OptTensors& w, c10::IntArrayRef meta,
@@ -189,8 +206,11 @@ Tensor run_linear(const Ops& ops, const Tensor& x, const OptTensors& w, c10::Int
     return bias.has_value() ? y + *bias : y;
   }
   const Tensor a = silu ? ops.silu_mul.call(x) : x;
-  if (kind == 0) return at::linear(a, required(w, base, i, "weight"), bias);
-  if (!on_kernel) return at::linear(a, *dense, bias);
+  if (kind == 0 || !on_kernel) {
+    const std::optional<Tensor> packed = slot(w, base + 5);
+    if (packed.has_value() && a.size(0) <= kPackedMaxRows) return packed_linear(a, *packed, bias);
+    return at::linear(a, kind == 0 ? required(w, base, i, "weight") : *dense, bias);
+  }
   Tensor y = kind == 2 ? ops.qgemm_vnni.call(a.contiguous(), required(w, base, i, "packed"), bits)
                        : ops.qgemv.call(a.contiguous(), required(w, base, i, "codes"),
                                         required(w, base + 1, i, "scale"),
@@ -792,4 +812,10 @@ TORCH_LIBRARY_FRAGMENT(radixrt, m) {
 TORCH_LIBRARY_IMPL(radixrt, CPU, m) {
   m.impl("decode_layers", &radixrt_cpu::decode_layers);
   m.impl("decode_step", &radixrt_cpu::decode_step);
+}
+
+// A weight list holding oneDNN-packed tensors (prepack.py) dispatches decode_layers on their
+// key; the same CPU function takes them.
+TORCH_LIBRARY_IMPL(radixrt, MkldnnCPU, m) {
+  m.impl("decode_layers", &radixrt_cpu::decode_layers);
 }

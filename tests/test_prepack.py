@@ -1,0 +1,149 @@
+"""Prepacked bf16 matmul weights (`radixrt/model/prepack.py`): the packed call is bitwise the
+plain one wherever it is taken (rows up to PACKED_MAX_ROWS, not invariant calls), the start-up
+decision and its overrides, the quantization probe timing plain dense weights, and a model whose dense weights are packed giving bitwise the plain model's logits through the
+Python layers and the C++ decode step alike.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from model_fixtures import PagedRunner, make_tiny_checkpoint, write_tiny_gguf
+
+from radixrt.attention import cpu_kernels
+from radixrt.model import prepack
+from radixrt.model.decode_layers import DecodeLayers
+from radixrt.model.linear import DenseWeight, QuantizedWeight
+from radixrt.model.loader import load_model
+from radixrt.model.model_config import ModelConfig
+from radixrt.model.quant import QuantPlan
+from radixrt.model.quant_matmul import vnni_kernel_available
+
+needs_onednn = pytest.mark.skipif(not prepack.available(), reason="torch without oneDNN packing")
+
+
+@pytest.fixture
+def forced(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
+    """Sets RADIXRT_PREPACK for one test (the decision is cached per process: cleared around)."""
+
+    def force(value: str) -> None:
+        monkeypatch.setenv(prepack.ENV_FORCE, value)
+        prepack.prepack_pays.cache_clear()
+
+    yield force
+    prepack.prepack_pays.cache_clear()
+
+
+@needs_onednn
+@pytest.mark.parametrize(("out_f", "in_f"), [(96, 64), (200, 96), (960, 576)])
+def test_packed_calls_are_bitwise_the_plain_matmul(out_f: int, in_f: int,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    g = torch.Generator().manual_seed(out_f)
+    w = DenseWeight(torch.randn(out_f, in_f, generator=g).bfloat16())
+    plain = DenseWeight(w.weight.detach().clone())
+    bias = torch.randn(out_f, generator=g).bfloat16()
+    w.pack()
+    calls = []
+    real = prepack.packed_linear
+    monkeypatch.setattr(prepack, "packed_linear", lambda *a: calls.append(1) or real(*a))
+    for rows in (1, 2, 3, 7, 16, 31, 64, 65, 128, 200, prepack.PACKED_MAX_ROWS):
+        x = torch.randn(rows, in_f, generator=g).bfloat16()
+        for b in (None, bias):
+            assert torch.equal(w(x, b), plain(x, b)), (rows, b is not None)
+    assert len(calls) == 22  # every call above took the packed weight
+    big = torch.randn(prepack.PACKED_MAX_ROWS + 1, in_f, generator=g).bfloat16()
+    assert torch.equal(w(big), plain(big))
+    assert torch.equal(w(big[:3], None, True), plain(big[:3], None, True))  # invariant: plain
+    assert len(calls) == 22
+    assert w.nbytes() == 2 * plain.nbytes() and w.bytes_read(8) == plain.bytes_read(8)
+
+
+def test_the_decision_and_its_overrides(forced: object) -> None:
+    forced("")  # type: ignore[operator]
+    assert not prepack.prepack_pays(torch.float32)  # bf16 only
+    assert not prepack.prepack_pays(torch.bfloat16, "cuda")
+    forced("0")  # type: ignore[operator]
+    assert not prepack.prepack_pays(torch.bfloat16)
+    forced("1")  # type: ignore[operator]
+    assert prepack.prepack_pays(torch.bfloat16) == prepack.available()
+    forced("yes")  # type: ignore[operator]
+    with pytest.raises(ValueError, match=prepack.ENV_FORCE):
+        prepack.prepack_pays(torch.bfloat16)
+
+
+@needs_onednn
+def test_the_measured_decision_times_both_forms(forced: object,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    forced("")  # type: ignore[operator]
+    monkeypatch.setattr(prepack, "_measure", lambda dtype: (2.0, 1.0))
+    assert prepack.prepack_pays(torch.bfloat16)
+    prepack.prepack_pays.cache_clear()
+    monkeypatch.setattr(prepack, "_measure", lambda dtype: (1.1, 1.0))  # under the margin
+    assert not prepack.prepack_pays(torch.bfloat16)
+    monkeypatch.undo()
+    plain, packed = prepack._measure(torch.bfloat16, reps=1, copies=2)  # the real timing runs
+    assert plain > 0 and packed > 0
+
+
+@needs_onednn
+def test_the_quant_probe_times_plain_dense_weights(forced: object) -> None:
+    """The probe's crossover is measured on plain dense weights (packed ones won at 64 rows in
+    the cache-resident probe and not in a real step)."""
+    from radixrt.model import quant_probe
+
+    forced("1")  # type: ignore[operator]
+    weights = quant_probe._probe_weights(576, 1536, torch.bfloat16, ("vnni",))
+    assert all(w.packed is None for w in weights["dense"])
+
+
+def _decode(path: Path, plan: QuantPlan | None, pack: bool, fused: bool) -> torch.Tensor:
+    model, _ = load_model(path, None, torch.bfloat16, "cpu",
+                          model_config=ModelConfig.from_path(path), quant=plan)
+    if pack:
+        assert prepack.pack_dense_weights(model) > 0
+    runner = PagedRunner.for_model(model)
+    model.fused_decode = fused
+    g = torch.Generator().manual_seed(5)
+    rows = [runner.new_request() for _ in range(5)]
+    logits = [runner.extend(rows, [torch.randint(3, 256, (n,), generator=g).tolist()
+                                   for n in (3, 9, 1, 17, 6)])]
+    for _ in range(3):
+        logits.append(runner.decode(rows, logits[-1].argmax(-1).tolist()))
+    if fused and pack:
+        stack = model.decode_layers()
+        assert isinstance(stack, DecodeLayers)
+        assert any(t is not None and t.is_mkldnn for t in stack.weights)  # the op gets them
+    runner.kv_pool.check_invariants()
+    return torch.cat(logits)
+
+
+@needs_onednn
+@pytest.mark.parametrize("case", ["bf16-dense", "gguf-vnni-dense-copy"])
+def test_a_packed_model_gives_the_plain_models_logits(tmp_path: Path, case: str,
+                                                      forced: object) -> None:
+    """Prefill and decode (the C++ one-call step and the Python layer loop) with every dense
+    weight packed: bitwise the unpacked model."""
+    if not cpu_kernels.load_cpu_kernels():
+        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
+    forced("1")  # type: ignore[operator]
+    hf = make_tiny_checkpoint(tmp_path / "hf", "llama", seed=4, num_hidden_layers=2,
+                              tie_word_embeddings=True)
+    path, plan = tmp_path / "hf", None
+    if case.startswith("gguf"):
+        if not vnni_kernel_available():
+            pytest.skip("no vnni kernel here")
+        path = write_tiny_gguf(hf, tmp_path / "m.gguf", "llama", "Q4_1", "Q8_0")
+        plan = QuantPlan("gguf", max_rows_int4=2, max_rows_int8=2, kernel="vnni")
+    out = {(pack, fused): _decode(path, plan, pack, fused)
+           for pack in (False, True) for fused in (True, False)}
+    base = out[(False, False)]
+    for key, logits in out.items():
+        assert torch.equal(logits, base), key
+    if plan is not None:  # the dense copies were packed (5 decode rows > max_rows 2)
+        model, _ = load_model(path, None, torch.bfloat16, "cpu",
+                              model_config=ModelConfig.from_path(path), quant=plan)
+        prepack.pack_dense_weights(model)
+        dense = [m.dense for m in model.modules() if isinstance(m, QuantizedWeight)]
+        assert dense and all(d is not None and d.packed is not None for d in dense)
