@@ -124,6 +124,10 @@ inline void pack_v(const RowOf& row_of, int64_t nb, uint16_t* out) {
   }
 }
 
+// The tile routines below spell every tile number out: GCC's _tile_* intrinsics are macros that
+// paste their literal register number into inline asm, so it cannot come from a template
+// argument or a constexpr.
+
 // s[16 rows][64 keys] = q[16 rows] · kpack (fp32, unscaled); q rows of D bf16.
 template <int D>
 inline void scores_tile(const uint16_t* q, const uint16_t* kpack, float* s) {

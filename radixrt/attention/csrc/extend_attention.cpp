@@ -692,7 +692,8 @@ void extend_impl(const Tensor& q, const Tensor& k_buffer, const Tensor& v_buffer
   };
 #endif
 
-  // fp32 FMA path: one part per item, keys converted to fp32 per block.
+  // One part per item: on AMX tiles where `amx` (bf16 queries as given, the scores scaled in
+  // fp32), else the fp32 FMA path (keys converted to fp32 per block, queries scaled).
   auto work = [&](const Item& it, Scratch& sc) {
     const Part& pt = plan.parts[it.p_begin];
     const int64_t b = pt.req, h = it.kv_head;
@@ -700,67 +701,47 @@ void extend_impl(const Tensor& q, const Tensor& k_buffer, const Tensor& v_buffer
     const int32_t* pidx = pre_idx + kptr[b];
     const int32_t* nidx = new_idx + qptr[b];
     const int64_t nt = pt.t1 - pt.t0, nq = nt * G;
-    sc.q.resize(nq * D);
     sc.o.assign(nq * D, 0.f);
     sc.m.assign(nq, kNegInf);
     sc.l.assign(nq, 0.f);
     const int64_t key_end = p_len + pt.t1;  // keys of the last token: 0..p_len + t1 - 1
     auto slot_of = [&](int64_t j) { return check_slot(j < p_len ? pidx[j] : nidx[j - p_len]); };
-    // Row r = token (t0 + r / G), query head h * G + r % G; scaled, fp32.
+    // rows whose token sees no key of block j0 are skipped (a suffix of tokens is active)
+    auto row_lo = [&](int64_t j0) { return std::max<int64_t>(0, j0 - p_len - pt.t0) * G; };
+    // the causal limit: keys of block j0 (nb of them) that row r sees, >= 1
+    auto visible = [&](int64_t r, int64_t j0, int64_t nb) {
+      return std::min(nb, p_len + pt.t0 + r / G - j0 + 1);
+    };
+    // Row r = token (t0 + r / G), query head h * G + r % G.
+    auto query = [&](int64_t t) { return qp + ((qptr[b] + pt.t0 + t) * H + h * G) * D; };
+#ifdef RADIXRT_AMX_ATTENTION
+    if constexpr (std::is_same_v<T, at::BFloat16> && amx_attention::supports_head_dim(D)) {
+      if (amx) {
+        sc.qb.resize(nq * D);
+        for (int64_t t = 0; t < nt; ++t) std::copy_n(query(t), G * D, sc.qb.data() + t * G * D);
+        amx_attention::attend<D>(sc.qb.data(), nq, scale, key_end, slot_of, row_lo, visible,
+                                 kb + h * head_stride, vb + h * head_stride, slot_stride,
+                                 sc.m.data(), sc.l.data(), sc.o.data(), sc.amx);
+        return write_out(Part{pt.req, pt.t0, pt.t1, 0}, h, sc.o.data(), sc.l.data());
+      }
+    }
+#endif
+    sc.q.resize(nq * D);
     for (int64_t t = 0; t < nt; ++t) {
-      const T* src = qp + ((qptr[b] + pt.t0 + t) * H + h * G) * D;
+      const T* src = query(t);
       float* dst = sc.q.data() + t * G * D;
       const Vec vs(scale);
       for (int64_t e = 0; e < G * D; e += kVec) (load_f32<T>(src + e) * vs).store(dst + e);
     }
-    fma_attention::attend<T, D>(
-        sc.q.data(), nq, key_end, slot_of,
-        // rows whose token sees no key of block j0 are skipped (a suffix of tokens is active)
-        [&](int64_t j0) { return std::max<int64_t>(0, j0 - p_len - pt.t0) * G; },
-        // the causal limit: keys of block j0 (nb of them) that row r sees, >= 1
-        [&](int64_t r, int64_t j0, int64_t nb) { return std::min(nb, p_len + pt.t0 + r / G - j0 + 1); },
-        kb + h * head_stride, vb + h * head_stride, slot_stride, sc.m.data(), sc.l.data(),
-        sc.o.data(), sc);
+    fma_attention::attend<T, D>(sc.q.data(), nq, key_end, slot_of, row_lo, visible,
+                                kb + h * head_stride, vb + h * head_stride, slot_stride,
+                                sc.m.data(), sc.l.data(), sc.o.data(), sc);
     write_out(Part{pt.req, pt.t0, pt.t1, 0}, h, sc.o.data(), sc.l.data());
   };
-
-#ifdef RADIXRT_AMX_ATTENTION
-  // AMX path: the fp32 path's items, bf16 queries as given (the scores are scaled in fp32).
-  auto work_amx = [&](const Item& it, Scratch& sc) {
-    if constexpr (std::is_same_v<T, at::BFloat16> && amx_attention::supports_head_dim(D)) {
-      const Part& pt = plan.parts[it.p_begin];
-      const int64_t b = pt.req, h = it.kv_head;
-      const int64_t p_len = kptr[b + 1] - kptr[b];
-      const int32_t* pidx = pre_idx + kptr[b];
-      const int32_t* nidx = new_idx + qptr[b];
-      const int64_t nt = pt.t1 - pt.t0, nq = nt * G;
-      sc.qb.resize(nq * D);
-      sc.o.assign(nq * D, 0.f);
-      sc.m.assign(nq, kNegInf);
-      sc.l.assign(nq, 0.f);
-      const int64_t key_end = p_len + pt.t1;
-      auto slot_of = [&](int64_t j) { return check_slot(j < p_len ? pidx[j] : nidx[j - p_len]); };
-      for (int64_t t = 0; t < nt; ++t) {  // row r = token t0 + r / G, query head h * G + r % G
-        std::copy_n(qp + ((qptr[b] + pt.t0 + t) * H + h * G) * D, G * D,
-                    sc.qb.data() + t * G * D);
-      }
-      amx_attention::attend<D>(
-          sc.qb.data(), nq, scale, key_end, slot_of,
-          [&](int64_t j0) { return std::max<int64_t>(0, j0 - p_len - pt.t0) * G; },
-          [&](int64_t r, int64_t j0, int64_t nb) { return std::min(nb, p_len + pt.t0 + r / G - j0 + 1); },
-          kb + h * head_stride, vb + h * head_stride, slot_stride, sc.m.data(), sc.l.data(),
-          sc.o.data(), sc.amx);
-      write_out(Part{pt.req, pt.t0, pt.t1, 0}, h, sc.o.data(), sc.l.data());
-    }
-  };
-#endif
 
   std::vector<Item> items = plan.items;
   run_largest_first(items, kMinParallelWork, [&](const Item& it) {
     thread_local Scratch sc;  // grows to the largest item a thread has run
-#ifdef RADIXRT_AMX_ATTENTION
-    if (amx) return work_amx(it, sc);
-#endif
 #ifdef RADIXRT_EXTEND_BF16_DOT
     if (lanes) return work_lanes(it, sc);
 #endif
