@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_fixtures import PagedRunner, make_tiny_checkpoint, write_tiny_gguf
+from model_fixtures import PagedRunner, make_tiny_checkpoint, make_tiny_runner, write_tiny_gguf
 
 from radixrt.attention import cpu_kernels
 from radixrt.model import prepack
@@ -147,3 +147,15 @@ def test_a_packed_model_gives_the_plain_models_logits(tmp_path: Path, case: str,
         prepack.pack_dense_weights(model)
         dense = [m.dense for m in model.modules() if isinstance(m, QuantizedWeight)]
         assert dense and all(d is not None and d.packed is not None for d in dense)
+
+
+@needs_onednn
+@pytest.mark.parametrize("disable", [False, True])
+def test_runner_packs_unless_disabled(tmp_path: Path, forced: object, disable: bool) -> None:
+    """`ServerArgs.disable_prepacked_weights` reaches the runner: every dense weight packed by
+    default (here forced to pay), none with the flag."""
+    forced("1")  # type: ignore[operator]
+    r = make_tiny_runner(tmp_path / "hf", dtype="bfloat16", disable_prepacked_weights=disable)
+    dense = [m for m in r.model.modules() if isinstance(m, DenseWeight)]
+    assert dense
+    assert all((m.packed is None) == disable for m in dense)
