@@ -3,8 +3,9 @@
 `F.linear` on a plain bf16 weight lets oneDNN reorder the weight into its blocked layout on
 every call. Packing it once (`torch.ops.mkldnn._reorder_linear_weight`) and calling
 `mkldnn::_linear_pointwise` skips that: on a 2-core Xeon with AMX-BF16, SmolLM2's 30 layers at
-16-128 rows took 0.58-0.71x the time (at 64 rows 21.9 -> 12.8 ms, more than radixrt's int4
-kernel there), while at 512 rows the two are even and oneDNN picks other kernels for some shapes.
+16-128 rows took 0.58-0.71x the time with the weights in the caches (at 64 rows 21.9 -> 12.8
+ms; in a batch-64 decode step, with K/V streaming through the caches, only as fast as the int4
+kernel), while at 512 rows the two are even and oneDNN picks other kernels for some shapes.
 Up to PACKED_MAX_ROWS rows the packed call is bitwise the plain one (tested over row counts,
 shapes and biases), so packing changes speed only, never a result.
 

@@ -17,9 +17,9 @@ quantizes them), so nothing is assumed from the dtype:
   widths do, no weight keeps one. That needs a margin at ROWS[-1] (EVERY_CALL_MARGIN): on
   Zen 1 the 8-bit LM head won there by 9% in one start and lost in another, and with every
   matmul on the vnni kernel `dtype=auto` takes bf16 (`dtype_probe`), so two starts of one
-  server on one machine resolved to fp32 and to bf16 and gave different logits. (The kernel's time per row is flat from 64 rows on; a dense
-  GEMM's is too, once past 512: on Zen 1 the 4-bit kernel beat fp32 by 1.12-1.24x at 512, 1024
-  and 2048 rows.)
+  server on one machine resolved to fp32 and to bf16 and gave different logits. (The kernel's
+  time per row is flat from 64 rows on; a dense GEMM's is too, once past 512: on Zen 1 the
+  4-bit kernel beat fp32 by 1.12-1.24x at 512, 1024 and 2048 rows.)
 - `quant_kernel="auto"` with several candidate kernels (`quant_kernel_candidates`: vnni and
   radixrt on AVX512-VNNI and AVX2 CPUs) times each and keeps the one with the smallest mean of its
   time / dense time over the widths and row counts all of them were timed at.
