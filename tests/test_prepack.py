@@ -15,7 +15,7 @@ from model_fixtures import PagedRunner, make_tiny_checkpoint, make_tiny_runner, 
 from radixrt.attention import cpu_kernels
 from radixrt.model import prepack
 from radixrt.model.decode_layers import DecodeLayers
-from radixrt.model.linear import DenseWeight, QuantizedWeight
+from radixrt.model.linear import DenseWeight, QuantizedWeight, pack_dense_weights
 from radixrt.model.loader import load_model
 from radixrt.model.model_config import ModelConfig
 from radixrt.model.quant import QuantPlan
@@ -102,7 +102,7 @@ def _decode(path: Path, plan: QuantPlan | None, pack: bool, fused: bool) -> torc
     model, _ = load_model(path, None, torch.bfloat16, "cpu",
                           model_config=ModelConfig.from_path(path), quant=plan)
     if pack:
-        assert prepack.pack_dense_weights(model) > 0
+        assert pack_dense_weights(model) > 0
     runner = PagedRunner.for_model(model)
     model.fused_decode = fused
     g = torch.Generator().manual_seed(5)
@@ -144,7 +144,7 @@ def test_a_packed_model_gives_the_plain_models_logits(tmp_path: Path, case: str,
     if plan is not None:  # the dense copies were packed (5 decode rows > max_rows 2)
         model, _ = load_model(path, None, torch.bfloat16, "cpu",
                               model_config=ModelConfig.from_path(path), quant=plan)
-        prepack.pack_dense_weights(model)
+        pack_dense_weights(model)
         dense = [m.dense for m in model.modules() if isinstance(m, QuantizedWeight)]
         assert dense and all(d is not None and d.packed is not None for d in dense)
 

@@ -182,3 +182,15 @@ class QuantizedWeight(LinearWeight):
     def describe(self) -> str:
         rows = "every call" if self.dense is None else f"<= {self.max_rows} rows, dense above"
         return f"{self.bits}-bit groups of {GROUP} on the {self.kernel.name} kernel ({rows})"
+
+
+def pack_dense_weights(module: nn.Module) -> int:
+    """`pack()` every `DenseWeight` under `module` (quantized weights' dense copies included)
+    where `prepack.prepack_pays` for its dtype and device; returns how many were packed."""
+    packed = 0
+    for m in module.modules():
+        if isinstance(m, DenseWeight) and prepack.prepack_pays(m.weight.dtype,
+                                                               m.weight.device.type):
+            m.pack()
+            packed += 1
+    return packed

@@ -92,15 +92,3 @@ def prepack_pays(dtype: torch.dtype, device_type: str = "cpu") -> bool:
                 plain, packed, PREPACK_MIN_SPEEDUP)
     return pays
 
-
-def pack_dense_weights(module: torch.nn.Module) -> int:
-    """`pack()` every bf16 `DenseWeight` under `module` (quantized weights' dense copies
-    included) where `prepack_pays` for its dtype and device; returns how many were packed."""
-    from radixrt.model.linear import DenseWeight  # linear imports this module
-
-    packed = 0
-    for m in module.modules():
-        if isinstance(m, DenseWeight) and prepack_pays(m.weight.dtype, m.weight.device.type):
-            m.pack()
-            packed += 1
-    return packed

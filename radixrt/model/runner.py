@@ -18,6 +18,7 @@ from radixrt.mem.memory_pool import ReqToTokenPool, TokenToKVPool, kv_bytes_per_
 from radixrt.model.decode_layers import DecodeLayers, set_team_steal
 from radixrt.model.decode_path_tuner import DecodePathTuner
 from radixrt.model.dtype_probe import DtypeProbe, probe_cpu_dtype
+from radixrt.model.linear import pack_dense_weights
 from radixrt.model.loader import (
     default_model_path,
     gguf_matrix_types,
@@ -26,7 +27,6 @@ from radixrt.model.loader import (
     resolve_dtype,
 )
 from radixrt.model.model_config import ModelConfig, resolve_gguf_file
-from radixrt.model.prepack import pack_dense_weights
 from radixrt.model.quant import QuantPlan
 from radixrt.model.quant_probe import QuantProbe, probe_quant_kernels, resolve_quantization
 from radixrt.model.scoring import RowScores, score_hidden

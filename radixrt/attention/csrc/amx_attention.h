@@ -40,6 +40,14 @@
 namespace radixrt_cpu {
 namespace amx_attention {
 
+// Per-thread buffers (grown to the largest call): bf16 queries, fp32 outputs and scores of
+// the rows padded to whole tiles, P in bf16, the packed K and V of a block, per-row alpha.
+// Declared in every build (callers keep one beside their other scratch), used where AMX is.
+struct Scratch {
+  std::vector<uint16_t> q, p, k, v;
+  std::vector<float> o, s, alpha;
+};
+
 #ifdef RADIXRT_AMX_ATTENTION
 
 using fma_attention::kKeyBlock;
@@ -72,13 +80,6 @@ struct alignas(64) TileConfig {
       rows[t] = 16;
     }
   }
-};
-
-// Per-thread buffers (grown to the largest call): bf16 queries, fp32 outputs and scores of
-// the rows padded to whole tiles, P in bf16, the packed K and V of a block, per-row alpha.
-struct Scratch {
-  std::vector<uint16_t> q, p, k, v;
-  std::vector<float> o, s, alpha;
 };
 
 // K rows of keys j0 .. j0 + 63 (nb real, zeros after) -> B tiles of S = Q Kᵀ: for head-dim chunk
