@@ -46,6 +46,30 @@ def test_decision_from_injected_timings(fp32: float, bf16: float, expect: torch.
     assert p.as_info()["choice"] == str(expect).removeprefix("torch.")
 
 
+def test_a_reading_near_the_threshold_is_measured_again() -> None:
+    """A loaded first reading (1.33x) is timed again and each dtype keeps its best time; clear
+    readings are timed once, and an ambiguous machine stops after RETRIES more."""
+    from radixrt.model import dtype_probe
+
+    readings = iter([(1.0e-3, 0.75e-3), (0.55e-3, 0.5e-3), (0.9e-3, 0.27e-3), (5.0, 5.0)])
+    calls = []
+
+    def measure() -> tuple[float, float]:
+        calls.append(1)
+        return next(readings)
+
+    p = probe_cpu_dtype(measure=measure)
+    assert len(calls) == 3  # 1.33x, then 0.55 / 0.5 = 1.1x: still near; then 0.55 / 0.27
+    assert p.fp32_ms == pytest.approx(0.55) and p.bf16_ms == pytest.approx(0.27)
+    assert p.choice == torch.bfloat16
+    calls.clear()
+    assert probe_cpu_dtype(measure=lambda: calls.append(1) or (2e-3, 1e-3)).choice == (
+        torch.bfloat16) and len(calls) == 1
+    calls.clear()
+    near = probe_cpu_dtype(measure=lambda: calls.append(1) or (1.25e-3, 1e-3))
+    assert near.choice == torch.float32 and len(calls) == 1 + dtype_probe.RETRIES
+
+
 def test_without_dense_matmuls_takes_bf16_unless_forced(monkeypatch: pytest.MonkeyPatch) -> None:
     slow_bf16 = probe_cpu_dtype(measure=lambda: (1e-3, 30e-3))
     assert slow_bf16.choice == torch.float32 and slow_bf16.note is None
