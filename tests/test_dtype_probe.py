@@ -37,13 +37,32 @@ def _config(torch_dtype: torch.dtype | None = None) -> ModelConfig:
     (1.3, 1.0, torch.bfloat16),  # exactly MIN_SPEEDUP
 ])
 def test_decision_from_injected_timings(fp32: float, bf16: float, expect: torch.dtype) -> None:
-    p = probe_cpu_dtype(measure=lambda: (fp32 * 1e-3, bf16 * 1e-3))
+    p = probe_cpu_dtype(measure=lambda: (fp32 * 1e-3, bf16 * 1e-3), flags=frozenset({"avx2"}))
     assert p.choice == expect and not p.forced
     assert p.fp32_ms == pytest.approx(fp32) and p.bf16_ms == pytest.approx(bf16)
     assert p.speedup == pytest.approx(fp32 / bf16)
     assert p.threads == torch.get_num_threads()
     assert str(expect).removeprefix("torch.") in p.describe()
     assert p.as_info()["choice"] == str(expect).removeprefix("torch.")
+
+
+@pytest.mark.parametrize(("flag", "expect"), [("amx_bf16", torch.bfloat16),
+                                              ("avx512_bf16", torch.bfloat16),
+                                              ("avx512_vnni", torch.float32)])
+def test_native_bf16_needs_only_to_be_no_slower(flag: str, expect: torch.dtype) -> None:
+    """A CPU listing native bf16 takes it at 1.2x (a loaded start-up reading); others need
+    MIN_SPEEDUP; bf16 slower than fp32 is refused even where it is native."""
+    from radixrt.model import dtype_probe
+
+    p = probe_cpu_dtype(measure=lambda: (1.2e-3, 1e-3), flags=frozenset({"avx2", flag}))
+    assert p.choice == expect
+    assert f"needs >= {p.min_speedup}x" in p.describe()
+    assert p.min_speedup == (dtype_probe.NATIVE_MIN_SPEEDUP if expect == torch.bfloat16
+                             else dtype_probe.MIN_SPEEDUP)
+    slower = probe_cpu_dtype(measure=lambda: (1e-3, 1.5e-3), flags=frozenset({flag}))
+    assert slower.choice == torch.float32
+    assert dtype_probe.native_bf16(frozenset({"amx_bf16"}))
+    assert not dtype_probe.native_bf16(frozenset({"avx512f", "avx512_vnni"}))
 
 
 def test_a_reading_near_the_threshold_is_measured_again() -> None:
@@ -58,15 +77,15 @@ def test_a_reading_near_the_threshold_is_measured_again() -> None:
         calls.append(1)
         return next(readings)
 
-    p = probe_cpu_dtype(measure=measure)
+    p = probe_cpu_dtype(measure=measure, flags=frozenset())
     assert len(calls) == 3  # 1.33x, then 0.55 / 0.5 = 1.1x: still near; then 0.55 / 0.27
     assert p.fp32_ms == pytest.approx(0.55) and p.bf16_ms == pytest.approx(0.27)
     assert p.choice == torch.bfloat16
     calls.clear()
-    assert probe_cpu_dtype(measure=lambda: calls.append(1) or (2e-3, 1e-3)).choice == (
-        torch.bfloat16) and len(calls) == 1
+    assert probe_cpu_dtype(measure=lambda: calls.append(1) or (2e-3, 1e-3),
+                           flags=frozenset()).choice == torch.bfloat16 and len(calls) == 1
     calls.clear()
-    near = probe_cpu_dtype(measure=lambda: calls.append(1) or (1.25e-3, 1e-3))
+    near = probe_cpu_dtype(measure=lambda: calls.append(1) or (1.25e-3, 1e-3), flags=frozenset())
     assert near.choice == torch.float32 and len(calls) == 1 + dtype_probe.RETRIES
 
 

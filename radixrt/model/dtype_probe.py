@@ -3,7 +3,9 @@
 bf16 matmul speed depends on the CPU, not on anything we can read from torch cheaply: with
 AVX-512-BF16 or AMX it can be ~2x faster than fp32; without native bf16 it is emulated and
 7-100x slower. So `auto` measures (with the thread count already set for this process) and takes
-bf16 only when it is clearly faster (>= MIN_SPEEDUP), fp32 otherwise.
+bf16 only when it is clearly faster (>= MIN_SPEEDUP), fp32 otherwise; where the CPU lists native
+bf16 (NATIVE_BF16_FLAGS), when it is no slower (a timing taken beside the server's other
+processes starting up can understate a 2x speedup).
 
 The matmul timing is the whole story only while matmuls run in the model dtype. Where every
 matmul runs on the int8-activation vnni kernel with no dense copy (`ModelRunner` decides, once
@@ -33,6 +35,12 @@ MIN_SPEEDUP = 1.3
 # whose HTTP and detokenizer processes were starting beside it, read 1.33x where the probe alone
 # reads 2.0-2.1x; a few percent more load would have flipped the start to fp32.
 AMBIGUITY, RETRIES = 1.3, 3
+# Where /proc/cpuinfo lists native bf16 matmul (AVX512-BF16, AMX-BF16), bf16 needs only to be no
+# slower than fp32: those CPUs ran it 2-2.6x faster, but a scheduler starting beside the server's
+# other processes read 1.27-1.33x on the AMX Xeon (the probe alone: 2.0-2.1x), and one start
+# resolved to fp32 timings for its quantization probe.
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+NATIVE_MIN_SPEEDUP = 1.0
 # A decode-sized and a prefill-sized GEMM of a small Llama (hidden 576, MLP 1536).
 SHAPES = ((8, 576, 1536), (64, 576, 1536))
 WARMUP = 3  # steps per dtype before timing (the first bf16 calls set up their kernels)
@@ -51,6 +59,7 @@ class DtypeProbe:
     threads: int
     forced: bool = False
     note: str | None = None  # why `choice` is not the matmul timing's answer, when it is not
+    min_speedup: float = MIN_SPEEDUP  # the threshold the timing was judged by
 
     @property
     def speedup(self) -> float | None:
@@ -75,7 +84,7 @@ class DtypeProbe:
         note = f"; {self.note}" if self.note else ""
         return (f"{_name(self.choice)} (matmul probe, {self.threads} threads: fp32 "
                 f"{self.fp32_ms:.3f} ms, bf16 {self.bf16_ms:.3f} ms, bf16 speedup "
-                f"{self.speedup:.2f}x, needs >= {MIN_SPEEDUP}x{note})")
+                f"{self.speedup:.2f}x, needs >= {self.min_speedup}x{note})")
 
     def as_info(self) -> dict[str, object]:
         return {"choice": _name(self.choice), "fp32_ms": self.fp32_ms, "bf16_ms": self.bf16_ms,
@@ -120,11 +129,24 @@ def decide(fp32_s: float, bf16_s: float, min_speedup: float = MIN_SPEEDUP) -> to
 _cached: DtypeProbe | None = None
 
 
-def probe_cpu_dtype(measure: Measure | None = None,
-                    min_speedup: float = MIN_SPEEDUP) -> DtypeProbe:
+def native_bf16(flags: frozenset[str]) -> bool:
+    """Whether these CPU flags list a native bf16 matmul (NATIVE_BF16_FLAGS)."""
+    return bool(flags & NATIVE_BF16_FLAGS)
+
+
+def probe_cpu_dtype(measure: Measure | None = None, min_speedup: float | None = None,
+                    flags: frozenset[str] | None = None) -> DtypeProbe:
     """The dtype `auto` means on this CPU, with the figures behind the choice. Measured once per
-    process (later calls return the first result) unless `measure` is injected."""
+    process (later calls return the first result) unless `measure` is injected. The threshold
+    is `min_speedup`, else NATIVE_MIN_SPEEDUP where `flags` (default: this CPU's) list native
+    bf16, else MIN_SPEEDUP."""
     global _cached
+    if min_speedup is None:
+        if flags is None:
+            from radixrt.attention.cpu_kernels import cpu_flags
+
+            flags = cpu_flags()
+        min_speedup = NATIVE_MIN_SPEEDUP if native_bf16(flags) else MIN_SPEEDUP
     threads = torch.get_num_threads()
     forced = os.environ.get(ENV_FORCE, "").strip()
     if forced:
@@ -140,7 +162,8 @@ def probe_cpu_dtype(measure: Measure | None = None,
                 break
             again = (measure or measure_matmul)()
             fp32, bf16 = min(fp32, again[0]), min(bf16, again[1])
-    result = DtypeProbe(decide(fp32, bf16, min_speedup), fp32 * 1e3, bf16 * 1e3, threads)
+    result = DtypeProbe(decide(fp32, bf16, min_speedup), fp32 * 1e3, bf16 * 1e3, threads,
+                        min_speedup=min_speedup)
     if measure is None:
         _cached = result
     return result
