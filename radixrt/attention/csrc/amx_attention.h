@@ -153,42 +153,38 @@ inline void scores_tile(const uint16_t* q, const uint16_t* kpack, float* s) {
   _tile_stored(3, s + 48, kKeyBlock * 4);
 }
 
-// o[16 rows][D] += p[16 rows][64 keys] · vpack (fp32 o, bf16 p).
+// o[16 rows][D] += p[16 rows][64 keys] · vpack (fp32 o, bf16 p): D / 16 output tiles, tiles 2
+// and 3 only for D = 64.
 template <int D>
 inline void accumulate_tile(const uint16_t* p, const uint16_t* vpack, float* o) {
-  if constexpr (D == 64) {
-    _tile_loadd(0, o + 0, D * 4);
-    _tile_loadd(1, o + 16, D * 4);
+  static_assert(D == 32 || D == 64, "supports_head_dim");
+  constexpr bool kWide = D == 64;
+  constexpr int kTiles = D / 16;
+  _tile_loadd(0, o + 0, D * 4);
+  _tile_loadd(1, o + 16, D * 4);
+  if constexpr (kWide) {
     _tile_loadd(2, o + 32, D * 4);
     _tile_loadd(3, o + 48, D * 4);
-    for (int u = 0; u < 2; ++u) {
-      _tile_loadd(4, p + u * 32, kKeyBlock * 2);
-      _tile_loadd(5, vpack + (u * 4 + 0) * 512, 64);
-      _tile_dpbf16ps(0, 4, 5);
-      _tile_loadd(6, vpack + (u * 4 + 1) * 512, 64);
-      _tile_dpbf16ps(1, 4, 6);
-      _tile_loadd(5, vpack + (u * 4 + 2) * 512, 64);
+  }
+  for (int u = 0; u < 2; ++u) {
+    const uint16_t* b = vpack + u * kTiles * 512;
+    _tile_loadd(4, p + u * 32, kKeyBlock * 2);
+    _tile_loadd(5, b, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(6, b + 512, 64);
+    _tile_dpbf16ps(1, 4, 6);
+    if constexpr (kWide) {
+      _tile_loadd(5, b + 2 * 512, 64);
       _tile_dpbf16ps(2, 4, 5);
-      _tile_loadd(6, vpack + (u * 4 + 3) * 512, 64);
+      _tile_loadd(6, b + 3 * 512, 64);
       _tile_dpbf16ps(3, 4, 6);
     }
-    _tile_stored(0, o + 0, D * 4);
-    _tile_stored(1, o + 16, D * 4);
+  }
+  _tile_stored(0, o + 0, D * 4);
+  _tile_stored(1, o + 16, D * 4);
+  if constexpr (kWide) {
     _tile_stored(2, o + 32, D * 4);
     _tile_stored(3, o + 48, D * 4);
-  } else {
-    static_assert(D == 32, "supports_head_dim");
-    _tile_loadd(0, o + 0, D * 4);
-    _tile_loadd(1, o + 16, D * 4);
-    for (int u = 0; u < 2; ++u) {
-      _tile_loadd(4, p + u * 32, kKeyBlock * 2);
-      _tile_loadd(5, vpack + (u * 2 + 0) * 512, 64);
-      _tile_dpbf16ps(0, 4, 5);
-      _tile_loadd(6, vpack + (u * 2 + 1) * 512, 64);
-      _tile_dpbf16ps(1, 4, 6);
-    }
-    _tile_stored(0, o + 0, D * 4);
-    _tile_stored(1, o + 16, D * 4);
   }
 }
 
