@@ -238,6 +238,7 @@ EXTEND_KERNEL_SHAPES: dict[str, tuple[list[tuple[int, int]], int]] = {
     "mixed 20x(850+65) + 40x(899+1), 700 shared": ([(850, 65)] * 20 + [(899, 1)] * 40, 700),
     "fresh 1x512": ([(0, 512)], 0),
     "fresh 4x512": ([(0, 512)] * 4, 0),
+    "fresh 8x512": ([(0, 512)] * 8, 0),
     "fresh 1x2048": ([(0, 2048)], 0),
 }
 

@@ -65,6 +65,7 @@ SHAPES: dict[str, list[tuple[int, int]]] = {
     "mixed64": [(850, 65)] * 64 + [(899, 1)] * 40,
     "fresh1": [(0, 512)],
     "fresh4": [(0, 512)] * 4,
+    "fresh8": [(0, 512)] * 8,
 }
 
 # Shapes whose requests' prefixes start with the same cached slots (the radix cache's hit on the

@@ -140,6 +140,10 @@ class ServerArgs:
         False, "CPU bf16: keep no oneDNN-packed copy of dense matmul weights (by default kept "
                "where a start-up measurement finds it faster: calls of up to 256 rows take it, "
                "bitwise the plain matmul)")
+    disable_heap_retention: bool = _f(
+        False, "CPU: let glibc map and unmap large step tensors afresh each step (faulting and "
+               "zeroing their pages again) instead of keeping freed ones of up to 32 MiB in the "
+               "heap for the next step (radixrt/mem/step_heap.py)")
     disable_fused_cpu_ops: bool = _f(
         False, "run each layer's residual add + RMSNorm, RoPE and SiLU-mul as separate torch "
                "ops instead of the fused C++ CPU ops (built with the decode kernel; used only "

@@ -15,6 +15,7 @@ from radixrt.config import ServerArgs
 from radixrt.core.forward_batch import ForwardBatch
 from radixrt.mem.huge_pages import move_to_huge_pages
 from radixrt.mem.memory_pool import ReqToTokenPool, TokenToKVPool, kv_bytes_per_token
+from radixrt.mem.step_heap import retain_step_heap
 from radixrt.model.decode_layers import DecodeLayers, set_team_steal
 from radixrt.model.decode_path_tuner import DecodePathTuner
 from radixrt.model.dtype_probe import DtypeProbe, probe_cpu_dtype
@@ -123,6 +124,8 @@ class ModelRunner:
         if not args.disable_huge_pages and self.device.type == "cpu":
             moved = move_to_huge_pages([*self.model.parameters(), *self.model.buffers()])
             logger.info("model tensors: %.1f MiB moved to huge-page buffers", moved / 2**20)
+        if not args.disable_heap_retention and self.device.type == "cpu":
+            logger.info("step heap: %s", retain_step_heap())
         if not args.disable_prepacked_weights and self.device.type == "cpu":
             packed = pack_dense_weights(self.model)  # before the C++ decode stack lists them
             if packed:
