@@ -717,8 +717,10 @@ void extend_impl(const Tensor& q, const Tensor& k_buffer, const Tensor& v_buffer
 #ifdef RADIXRT_AMX_ATTENTION
     if constexpr (std::is_same_v<T, at::BFloat16> && amx_attention::supports_head_dim(D)) {
       if (amx) {
-        sc.qb.resize(nq * D);
+        // queries and outputs with the slack rows attend's tiles may touch
+        sc.qb.resize((nq + amx_attention::kSlackRows) * D);
         for (int64_t t = 0; t < nt; ++t) std::copy_n(query(t), G * D, sc.qb.data() + t * G * D);
+        sc.o.resize((nq + amx_attention::kSlackRows) * D);
         amx_attention::attend<D>(sc.qb.data(), nq, scale, key_end, slot_of, row_lo, visible,
                                  kb + h * head_stride, vb + h * head_stride, slot_stride,
                                  sc.m.data(), sc.l.data(), sc.o.data(), sc.amx);

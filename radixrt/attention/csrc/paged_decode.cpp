@@ -485,7 +485,7 @@ struct KeyScan : TiledScan<KeyScan<T, D>, typename RowDot<T, D, kBf16Dot<T>>::QT
       if constexpr (amx_attention::supports_head_dim(D)) {
         if (g_amx.load(std::memory_order_relaxed) && amx_attention::amx_usable()) {
           thread_local amx_attention::Scratch sc;
-          amx_attention::attend<D>(
+          amx_attention::attend_copying<D>(
               q, nq, scale, n, [idx](int64_t j) { return static_cast<int64_t>(idx[j]); },
               [](int64_t) { return int64_t{0}; }, [](int64_t, int64_t, int64_t nb) { return nb; },
               kbase, vbase, stride, m, l, acc, sc);
