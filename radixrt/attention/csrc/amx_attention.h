@@ -189,6 +189,70 @@ inline void accumulate_tile(const uint16_t* p, const uint16_t* vpack, float* o) 
   }
 }
 
+// The online softmax of one row tile (n <= 16 rows of unscaled fp32 scores s, stride
+// kKeyBlock; row i's first visible[i] >= 1 entries real) in two passes, straight to bf16 P
+// (rows past n: zeros): the rows' raw maxima, m_new = max(m, raw max * scale) (a positive scale
+// keeps the order, so the same bits as the maximum of the scaled scores), alpha = exp(m - m_new),
+// then p = exp(s * scale - m_new) (one rounding, fused) on the visible entries, summed into l
+// and stored rounded to bf16.
+inline void softmax_to_p16(const float* s, int n, const int64_t* visible, float scale, float* m,
+                           float* l, float* alpha, uint16_t* p) {
+  const __m512 neg_inf = _mm512_set1_ps(kNegInf);
+  __m512 part[16];
+  for (int i = 0; i < 16; ++i) {
+    part[i] = neg_inf;
+    if (i >= n) continue;
+    for (int c = 0; c < 4; ++c) {
+      const int64_t k = visible[i] - 16 * c;  // real entries in this vector
+      const __mmask16 real = k >= 16 ? 0xFFFF : k <= 0 ? 0 : static_cast<__mmask16>((1u << k) - 1u);
+      part[i] = _mm512_mask_max_ps(part[i], real, part[i], _mm512_loadu_ps(s + i * kKeyBlock + 16 * c));
+    }
+  }
+  const __mmask16 rows = static_cast<__mmask16>((1u << n) - 1u);
+  const __m512 raw_max = fma_attention::transpose_reduce16(part, [](__m512 a, __m512 b) {
+    return _mm512_max_ps(a, b);
+  });
+  alignas(64) float m_new[16];
+  _mm512_store_ps(m_new, _mm512_max_ps(_mm512_mask_loadu_ps(neg_inf, rows, m),
+                                       _mm512_mul_ps(raw_max, _mm512_set1_ps(scale))));
+  for (int i = 0; i < n; ++i) {
+    alpha[i] = std::exp(m[i] - m_new[i]);  // 0 while m is -inf
+    m[i] = m_new[i];
+  }
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int i = 0; i < 16; ++i) {
+    uint16_t* prow = p + i * kKeyBlock;
+    if (i >= n) {
+      part[i] = _mm512_setzero_ps();
+      _mm512_storeu_si512(prow, _mm512_setzero_si512());
+      _mm512_storeu_si512(prow + 32, _mm512_setzero_si512());
+      continue;
+    }
+    const __m512 vm = _mm512_set1_ps(m_new[i]);
+    __m512 sum = _mm512_setzero_ps();
+    for (int c = 0; c < 4; c += 2) {
+      __m512 e[2];
+      for (int h = 0; h < 2; ++h) {
+        const int64_t k = visible[i] - 16 * (c + h);
+        const __mmask16 real =
+            k >= 16 ? 0xFFFF : k <= 0 ? 0 : static_cast<__mmask16>((1u << k) - 1u);
+        const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(s + i * kKeyBlock + 16 * (c + h)),
+                                         vscale, vm);
+        e[h] = _mm512_maskz_mov_ps(real, at::vec::Vectorized<float>(x).exp_u20());
+        sum = _mm512_add_ps(sum, e[h]);
+      }
+      _mm512_storeu_si512(prow + 16 * c, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
+    }
+    part[i] = sum;
+  }
+  const __m512 sums = fma_attention::transpose_reduce16(part, [](__m512 a, __m512 b) {
+    return _mm512_add_ps(a, b);
+  });
+  alignas(64) float lsum[16];
+  _mm512_store_ps(lsum, sums);
+  for (int i = 0; i < n; ++i) l[i] = l[i] * alpha[i] + lsum[i];
+}
+
 // Rows a caller's q and o must have past the nq real ones for `attend` (a tile may start at
 // any row below nq). Their contents never matter: a tile's rows never mix, and rows >= nq are
 // neither softmaxed nor read back.
@@ -215,7 +279,6 @@ void attend(const at::BFloat16* q, int64_t nq, float scale, int64_t key_end,
   const uint16_t* qh = reinterpret_cast<const uint16_t*>(q);
   const TileConfig cfg;
   _tile_loadconfig(&cfg);
-  const __m512 vscale = _mm512_set1_ps(scale);
   for (int64_t j0 = 0; j0 < key_end; j0 += kKeyBlock) {
     const int64_t nb = std::min(kKeyBlock, key_end - j0);
     const int64_t r_lo = row_lo(j0);
@@ -234,21 +297,8 @@ void attend(const at::BFloat16* q, int64_t nq, float scale, int64_t key_end,
       scores_tile<D>(qh + r0 * D, sc.k.data(), s);
       int64_t visible[16];
       for (int i = 0; i < n; ++i) visible[i] = visible_keys(r0 + i, j0, nb);
-      for (int i = 0; i < n * kKeyBlock; i += 16) {
-        _mm512_storeu_ps(s + i, _mm512_mul_ps(_mm512_loadu_ps(s + i), vscale));
-      }
-      fma_attention::softmax_rows16(s, n, visible, m + r0, l + r0, sc.alpha.data() + r0);
-      // P in bf16 (rows past n: zeros), O rows rescaled by alpha, then O += P V.
       uint16_t* p = sc.p.data() + r0 * kKeyBlock;
-      for (int i = 0; i < 16; ++i) {
-        for (int c = 0; c < kKeyBlock; c += 32) {
-          const __m512i pr =
-              i < n ? (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + i * kKeyBlock + c + 16),
-                                                   _mm512_loadu_ps(s + i * kKeyBlock + c))
-                    : _mm512_setzero_si512();
-          _mm512_storeu_si512(p + i * kKeyBlock + c, pr);
-        }
-      }
+      softmax_to_p16(s, n, visible, scale, m + r0, l + r0, sc.alpha.data() + r0, p);
       // O rows rescaled by alpha (every row: skipping those whose alpha is 1 measured 5-7%
       // slower, the branch mispredicted).
       float* orow = o + r0 * D;
