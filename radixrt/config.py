@@ -211,6 +211,11 @@ class ServerArgs:
     helper_nice: int = _f(10, "niceness added to the processes that do no tensor work (the "
                               "detokenizer; the HTTP server's process under `radixrt serve`), "
                               "so they yield to the scheduler; 0 = leave them alone")
+    startup_quiet_wait_s: float = _f(
+        3.0, "before its start-up probes (dtype, quantized kernels, prepacked weights) time "
+             "anything, the scheduler waits up to this long for other processes (the "
+             "detokenizer and HTTP process starting beside it) to leave its CPUs alone, so the "
+             "probes' choices are not skewed by them; 0 = probe at once")
     disable_huge_pages: bool = _f(
         False, "keep the model's tensors and the KV pool on the allocator's default pages "
                "instead of 2 MiB-aligned buffers advised for transparent huge pages (CPU; "
@@ -284,6 +289,8 @@ class ServerArgs:
             bad("schedule_policy", f"must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
         if self.thread_wait not in THREAD_WAITS:
             bad("thread_wait", f"must be one of {THREAD_WAITS}, got {self.thread_wait!r}")
+        if not 0 <= self.startup_quiet_wait_s <= 60:
+            bad("startup_quiet_wait_s", f"must be in 0..60, got {self.startup_quiet_wait_s}")
         if not 0 <= self.helper_nice <= 19:
             bad("helper_nice", f"must be in 0..19, got {self.helper_nice}")
         if self.attention_backend not in ("auto", "torch", "flashinfer"):

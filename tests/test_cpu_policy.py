@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -29,7 +30,9 @@ def test_passive_and_spin_environments():
 
 
 @pytest.mark.parametrize(("field", "value"), [("thread_wait", "busy"), ("helper_nice", -1),
-                                              ("helper_nice", 20)])
+                                              ("helper_nice", 20),
+                                              ("startup_quiet_wait_s", -1.0),
+                                              ("startup_quiet_wait_s", 61.0)])
 def test_bad_knobs_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"ServerArgs.{field}"):
         ServerArgs(**{field: value})
@@ -45,3 +48,23 @@ def test_become_helper_lowers_priority_and_threads():
     delta, threads = out.stdout.split()
     assert int(threads) == 1
     assert int(delta) == min(3, 19 - os.getpriority(os.PRIO_PROCESS, 0))
+
+
+needs_proc = pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="reads /proc")
+
+
+@needs_proc
+def test_quiet_wait_sees_a_busy_process_and_its_end():
+    """A busy loop beside us reads as about a core of other use, and the start-up wait holds
+    for its whole bound; once the loop is gone, the wait returns at its first quiet reading."""
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        assert cpu_policy.other_cpu_use(0.3) > 0.5
+        waited, use = cpu_policy.wait_for_quiet_cpus(0.6)
+        assert waited >= 0.6 and use is not None and use > 0.25
+    finally:
+        busy.kill()
+        busy.wait()
+    waited, use = cpu_policy.wait_for_quiet_cpus(5.0)
+    assert use is not None and use < 0.25 and waited < 5.0

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 from radixrt.config import THREAD_WAITS
 
@@ -79,3 +80,71 @@ def become_helper(nice: int) -> None:
             os.nice(nice)
         except OSError as e:  # pragma: no cover - e.g. a sandbox forbidding it
             logger.warning("could not lower this process's priority: %s", e)
+
+
+# -- start-up probes on a quiet CPU -------------------------------------------------------------
+# The scheduler's start-up probes (dtype, quantized kernels, prepacked weights) time kernels on
+# its threads and keep what they decide for the process's life. Started beside it, the
+# detokenizer and the HTTP process import their libraries and load a tokenizer for a second or
+# two, and a probe that overlaps them reads distorted ratios: bf16 over fp32 read 1.27-1.57x at
+# `radixrt serve` starts on an AMX Xeon where a quiet probe reads 2.0-2.6x, and one start chose
+# 2x slower prefill matmuls from such a reading. So the scheduler first waits, a bounded time,
+# until the other processes leave its cores alone (`wait_for_quiet_cpus`).
+
+def _busy_ticks(cpus: set[int] | None) -> int | None:
+    """Busy clock ticks (user, nice, system, irq, softirq) summed over `cpus` (None: all), from
+    /proc/stat; None where it cannot be read."""
+    try:
+        with open("/proc/stat") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    total = 0
+    for line in lines:
+        name, *fields = line.split()
+        if not name.startswith("cpu") or name == "cpu" or len(fields) < 7:
+            continue
+        if cpus is not None and int(name[3:]) not in cpus:
+            continue
+        user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in fields[:7])
+        total += user + nice + system + irq + softirq
+    return total
+
+
+def _own_ticks() -> int | None:
+    """This process's CPU time (every thread, user + system) in clock ticks."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15 of stat)
+
+
+def other_cpu_use(interval_s: float = 0.2) -> float | None:
+    """How many cores' worth of CPU time every other process used over the next `interval_s` on
+    the CPUs this process may run on; None where /proc cannot tell."""
+    cpus = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    b0, o0, t0 = _busy_ticks(cpus), _own_ticks(), time.monotonic()
+    if b0 is None or o0 is None:
+        return None
+    time.sleep(interval_s)
+    b1, o1, t1 = _busy_ticks(cpus), _own_ticks(), time.monotonic()
+    if b1 is None or o1 is None:
+        return None
+    ticks_per_s = os.sysconf("SC_CLK_TCK")
+    return max(0.0, ((b1 - b0) - (o1 - o0)) / ticks_per_s / (t1 - t0))
+
+
+def wait_for_quiet_cpus(max_wait_s: float, threshold_cores: float = 0.25,
+                        interval_s: float = 0.2) -> tuple[float, float | None]:
+    """Sleeps until other processes use under `threshold_cores` of this process's CPUs (each
+    reading over `interval_s`), or `max_wait_s` has passed; returns (seconds waited, the last
+    reading: None where /proc cannot tell, which returns at once)."""
+    start = time.monotonic()
+    use = None
+    while True:
+        use = other_cpu_use(interval_s)
+        waited = time.monotonic() - start
+        if use is None or use < threshold_cores or waited >= max_wait_s:
+            return waited, use
