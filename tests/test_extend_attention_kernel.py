@@ -261,47 +261,57 @@ def _amx_usable() -> bool:
 
 @pytest.mark.parametrize("shape", ["one-fresh-token", "fresh-causal", "prefix-1", "ragged",
                                    "agent-like", "many"])
-def test_amx_path_matches_reference_and_the_other_bf16_paths(shape: str) -> None:
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 2, 32), (6, 2, 96),
+                                                        (8, 2, 128)], ids=lambda v: str(v))
+def test_amx_path_matches_reference_and_the_other_bf16_paths(shape: str, heads: int,
+                                                             kv_heads: int, dim: int) -> None:
     """AMX tiles (the default for bf16 pools where usable) against the float64 reference, and
-    against the vdpbf16ps / fp32 FMA path: only the bf16 rounding of P and of the output differ."""
+    against the vdpbf16ps / fp32 FMA path: only the bf16 rounding of P and of the output differ.
+    Head dims 32 and 96 take a two-tile slice of P·V, 128 two four-tile slices; a scale that is
+    no power of two rounds s * scale - m once."""
     if not _amx_usable():
         pytest.skip("no AMX tiles in this process (CPU, build, hypervisor or kernel)")
-    case = _case(13, torch.bfloat16, 9, 3, 64, SHAPES[shape])
+    case = _case(13, torch.bfloat16, heads, kv_heads, dim, SHAPES[shape])
+    scale = dim**-0.5
     toggle = torch.ops.radixrt.extend_attention_amx
     previous = toggle(True)
     try:
-        tiles = torch.ops.radixrt.extend_attention(*case, 0.125)
+        tiles = torch.ops.radixrt.extend_attention(*case, scale)
         toggle(False)
-        other = torch.ops.radixrt.extend_attention(*case, 0.125)
+        other = torch.ops.radixrt.extend_attention(*case, scale)
     finally:
         toggle(previous)
-    torch.testing.assert_close(tiles.double(), _reference(case, 0.125), atol=2e-2, rtol=0)
+    torch.testing.assert_close(tiles.double(), _reference(case, scale), atol=2e-2, rtol=0)
     torch.testing.assert_close(tiles.float(), other.float(), atol=8e-3, rtol=0)
 
 
-def test_amx_results_do_not_depend_on_batch_threads_or_the_cached_split() -> None:
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 2, 128)],
+                         ids=lambda v: str(v))
+def test_amx_results_do_not_depend_on_batch_threads_or_the_cached_split(heads: int, kv_heads: int,
+                                                                        dim: int) -> None:
     """AMX path: a request's rows are bitwise the same in a batch, alone, at 1 or 2 threads, and
     whether its first keys were cached (prefix slots) or computed in the same step (new slots):
     a radix-cache hit does not change a prompt's outputs."""
     if not _amx_usable():
         pytest.skip("no AMX tiles in this process (CPU, build, hypervisor or kernel)")
     rows = [(100, 30), (0, 77), (850, 65), (5, 1), (64, 64)]
-    case = _case(14, torch.bfloat16, 9, 3, 64, rows)
+    case = _case(14, torch.bfloat16, heads, kv_heads, dim, rows)
+    scale = dim**-0.5
     op = torch.ops.radixrt.extend_attention
     threads = torch.get_num_threads()
     try:
-        batch = op(*case, 0.125)
+        batch = op(*case, scale)
         torch.set_num_threads(1)
-        one_thread = op(*case, 0.125)
+        one_thread = op(*case, scale)
         torch.set_num_threads(max(2, threads))
         qptr = case[6]
-        alone = torch.cat([op(*_request_alone(case, b), 0.125) for b in range(len(rows))])
+        alone = torch.cat([op(*_request_alone(case, b), scale) for b in range(len(rows))])
         # request 0 with its 100 prefix keys computed in the step instead of cached
         q, kb, vb, kvi, kptr, loc, _ = _request_alone(case, 0)
         g = torch.Generator().manual_seed(15)
-        q_pre = torch.randn(100, 9, 64, generator=g).to(torch.bfloat16)
+        q_pre = torch.randn(100, heads, dim, generator=g).to(torch.bfloat16)
         uncached = op(torch.cat([q_pre, q]), kb, vb, kvi[:0], torch.tensor([0, 0]),
-                      torch.cat([kvi, loc]), torch.tensor([0, 130]), 0.125)
+                      torch.cat([kvi, loc]), torch.tensor([0, 130]), scale)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(batch, one_thread)

@@ -282,7 +282,9 @@ def test_large_group_matches_reference_and_keeps_each_rows_bits(dtype: torch.dty
         torch.set_num_threads(threads)
 
 
-def test_amx_groups_match_reference_and_the_scan() -> None:
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 2, 32), (6, 2, 96),
+                                                        (8, 2, 128)], ids=lambda v: str(v))
+def test_amx_groups_match_reference_and_the_scan(heads: int, kv_heads: int, dim: int) -> None:
     """bf16 cascade groups on AMX tiles (the default where usable) against the float64 reference
     and against the vdpbf16ps / fp32 scan (switched off): only P's bf16 rounding differs. The
     LSE comes from the same fp32 scores and sums, so it agrees closely too."""
@@ -290,16 +292,17 @@ def test_amx_groups_match_reference_and_the_scan() -> None:
     previous = toggle(True)
     if not toggle(previous):
         pytest.skip("no AMX tiles in this process (CPU, build, hypervisor or kernel)")
+    scale = dim**-0.5
     for own, groups in CASCADE_CASES:
-        c = _case(21, torch.bfloat16, 9, 3, 64, own, groups)
+        c = _case(21, torch.bfloat16, heads, kv_heads, dim, own, groups)
         try:
             toggle(True)
-            tiles = _run(c, 0.125)
+            tiles = _run(c, scale)
             toggle(False)
-            scan = _run(c, 0.125)
+            scan = _run(c, scale)
         finally:
             toggle(previous)
-        ref_out, ref_lse = _reference(c, 0.125)
+        ref_out, ref_lse = _reference(c, scale)
         torch.testing.assert_close(tiles[0].double(), ref_out, atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(tiles[1].double(), ref_lse, atol=2e-5, rtol=2e-5)
         torch.testing.assert_close(tiles[0].float(), scan[0].float(), atol=8e-3, rtol=0)

@@ -65,9 +65,9 @@ inline bool amx_usable() {
   return ok;
 }
 
-// Head dims the tiles take: whole 32-element chunks, and D / 16 output tiles that fit beside
-// the two operand tiles (8 tile registers).
-constexpr bool supports_head_dim(int64_t D) { return D == 32 || D == 64; }
+// Head dims the tiles take: whole 32-element chunks of Q·Kᵀ, P·V in slices of at most four
+// output tiles (beside P and V: 8 tile registers).
+constexpr bool supports_head_dim(int64_t D) { return D == 32 || D == 64 || D == 96 || D == 128; }
 
 // Every tile 16 rows x 64 bytes (palette 1).
 struct alignas(64) TileConfig {
@@ -154,13 +154,13 @@ inline void scores_tile(const uint16_t* q, const uint16_t* kpack, float* s) {
   _tile_stored(3, s + 48, kKeyBlock * 4);
 }
 
-// o[16 rows][D] += p[16 rows][64 keys] · vpack (fp32 o, bf16 p): D / 16 output tiles, tiles 2
-// and 3 only for D = 64.
-template <int D>
-inline void accumulate_tile(const uint16_t* p, const uint16_t* vpack, float* o) {
-  static_assert(D == 32 || D == 64, "supports_head_dim");
-  constexpr bool kWide = D == 64;
-  constexpr int kTiles = D / 16;
+// o[16 rows][dims 16 d0 .. 16 (d0 + kTiles))] += p[16 rows][64 keys] · vpack (fp32 o, row
+// stride D; bf16 p): kTiles (2 or 4) output tiles, tiles 2 and 3 only for 4.
+template <int D, int kTiles>
+inline void accumulate_slice(const uint16_t* p, const uint16_t* vpack, float* o, int d0) {
+  static_assert(kTiles == 2 || kTiles == 4, "two or four output tiles beside P and V");
+  constexpr bool kWide = kTiles == 4;
+  o += d0 * 16;
   _tile_loadd(0, o + 0, D * 4);
   _tile_loadd(1, o + 16, D * 4);
   if constexpr (kWide) {
@@ -168,7 +168,7 @@ inline void accumulate_tile(const uint16_t* p, const uint16_t* vpack, float* o) 
     _tile_loadd(3, o + 48, D * 4);
   }
   for (int u = 0; u < 2; ++u) {
-    const uint16_t* b = vpack + u * kTiles * 512;
+    const uint16_t* b = vpack + (u * (D / 16) + d0) * 512;
     _tile_loadd(4, p + u * 32, kKeyBlock * 2);
     _tile_loadd(5, b, 64);
     _tile_dpbf16ps(0, 4, 5);
@@ -187,6 +187,15 @@ inline void accumulate_tile(const uint16_t* p, const uint16_t* vpack, float* o) 
     _tile_stored(2, o + 32, D * 4);
     _tile_stored(3, o + 48, D * 4);
   }
+}
+
+// o[16 rows][D] += p[16 rows][64 keys] · vpack: slices of 64 dims (four output tiles; D = 32
+// and the last 32 dims of D = 96 take two), each loading P again.
+template <int D>
+inline void accumulate_tile(const uint16_t* p, const uint16_t* vpack, float* o) {
+  static_assert(supports_head_dim(D));
+  for (int d0 = 0; d0 + 4 <= D / 16; d0 += 4) accumulate_slice<D, 4>(p, vpack, o, d0);
+  if constexpr (D % 64 == 32) accumulate_slice<D, 2>(p, vpack, o, D / 16 - 2);
 }
 
 // The online softmax of one row tile (n <= 16 rows of unscaled fp32 scores s, stride
@@ -269,7 +278,7 @@ void attend(const at::BFloat16* q, int64_t nq, float scale, int64_t key_end,
             const SlotOf& slot_of, const RowLo& row_lo, const VisibleKeys& visible_keys,
             const at::BFloat16* kbase, const at::BFloat16* vbase, int64_t slot_stride, float* m,
             float* l, float* o, Scratch& sc) {
-  static_assert(supports_head_dim(D), "AMX attention: head_dim 32 or 64");
+  static_assert(supports_head_dim(D), "AMX attention: head_dim 32, 64, 96 or 128");
   const int64_t padded = nq + kSlackRows;
   sc.s.resize(padded * kKeyBlock);
   sc.p.resize(padded * kKeyBlock);
