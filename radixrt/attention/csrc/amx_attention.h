@@ -198,6 +198,11 @@ inline void accumulate_tile(const uint16_t* p, const uint16_t* vpack, float* o) 
   if constexpr (D % 64 == 32) accumulate_slice<D, 2>(p, vpack, o, D / 16 - 2);
 }
 
+// The first k lanes of a vector (all for k >= 16, none for k <= 0).
+inline __mmask16 first_lanes(int64_t k) {
+  return k >= 16 ? 0xFFFF : k <= 0 ? 0 : static_cast<__mmask16>((1u << k) - 1u);
+}
+
 // The online softmax of one row tile (n <= 16 rows of unscaled fp32 scores s, stride
 // kKeyBlock; row i's first visible[i] >= 1 entries real) in two passes, straight to bf16 P
 // (rows past n: zeros): the rows' raw maxima, m_new = max(m, raw max * scale) (a positive scale
@@ -212,9 +217,8 @@ inline void softmax_to_p16(const float* s, int n, const int64_t* visible, float 
     part[i] = neg_inf;
     if (i >= n) continue;
     for (int c = 0; c < 4; ++c) {
-      const int64_t k = visible[i] - 16 * c;  // real entries in this vector
-      const __mmask16 real = k >= 16 ? 0xFFFF : k <= 0 ? 0 : static_cast<__mmask16>((1u << k) - 1u);
-      part[i] = _mm512_mask_max_ps(part[i], real, part[i], _mm512_loadu_ps(s + i * kKeyBlock + 16 * c));
+      part[i] = _mm512_mask_max_ps(part[i], first_lanes(visible[i] - 16 * c), part[i],
+                                   _mm512_loadu_ps(s + i * kKeyBlock + 16 * c));
     }
   }
   const __mmask16 rows = static_cast<__mmask16>((1u << n) - 1u);
@@ -242,9 +246,7 @@ inline void softmax_to_p16(const float* s, int n, const int64_t* visible, float 
     for (int c = 0; c < 4; c += 2) {
       __m512 e[2];
       for (int h = 0; h < 2; ++h) {
-        const int64_t k = visible[i] - 16 * (c + h);
-        const __mmask16 real =
-            k >= 16 ? 0xFFFF : k <= 0 ? 0 : static_cast<__mmask16>((1u << k) - 1u);
+        const __mmask16 real = first_lanes(visible[i] - 16 * (c + h));
         const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(s + i * kKeyBlock + 16 * (c + h)),
                                          vscale, vm);
         e[h] = _mm512_maskz_mov_ps(real, at::vec::Vectorized<float>(x).exp_u20());
