@@ -212,10 +212,10 @@ class ServerArgs:
                               "detokenizer; the HTTP server's process under `radixrt serve`), "
                               "so they yield to the scheduler; 0 = leave them alone")
     startup_quiet_wait_s: float = _f(
-        3.0, "before its start-up probes (dtype, quantized kernels, prepacked weights) time "
-             "anything, the scheduler waits up to this long for other processes (the "
-             "detokenizer and HTTP process starting beside it) to leave its CPUs alone, so the "
-             "probes' choices are not skewed by them; 0 = probe at once")
+        3.0, "before its first start-up probe (dtype, quantized kernels, prepacked weights) "
+             "times anything, the model runner waits up to this long for other processes (the "
+             "detokenizer and HTTP process starting beside the scheduler) to leave its CPUs "
+             "alone, so the probes' choices are not skewed by them; 0 = probe at once")
     disable_huge_pages: bool = _f(
         False, "keep the model's tensors and the KV pool on the allocator's default pages "
                "instead of 2 MiB-aligned buffers advised for transparent huge pages (CPU; "

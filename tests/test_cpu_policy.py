@@ -68,3 +68,28 @@ def test_quiet_wait_sees_a_busy_process_and_its_end():
         busy.wait()
     waited, use = cpu_policy.wait_for_quiet_cpus(5.0)
     assert use is not None and use < 0.25 and waited < 5.0
+
+
+def test_quiet_gate_waits_once(monkeypatch):
+    calls: list[float] = []
+    monkeypatch.setattr(cpu_policy, "wait_for_quiet_cpus",
+                        lambda s: calls.append(s) or (0.0, 0.0))
+    gate = cpu_policy.QuietBeforeTiming(2.5)
+    gate()
+    gate()
+    assert calls == [2.5]
+    cpu_policy.QuietBeforeTiming(0)()
+    assert calls == [2.5]  # 0: never waits
+
+
+@pytest.mark.parametrize(("dtype", "waits"), [("float32", 0), ("auto", 1)])
+def test_runner_waits_only_before_a_probe(tmp_path, monkeypatch, dtype, waits):
+    """The model runner waits for quiet CPUs once before its first start-up probe (dtype `auto`
+    times fp32 against bf16), and not at all when every choice is given."""
+    from model_fixtures import make_tiny_runner
+
+    calls: list[float] = []
+    monkeypatch.setattr(cpu_policy, "wait_for_quiet_cpus",
+                        lambda s: calls.append(s) or (0.0, 0.0))
+    make_tiny_runner(tmp_path / "hf", dtype=dtype, startup_quiet_wait_s=1.5)
+    assert calls == [1.5] * waits

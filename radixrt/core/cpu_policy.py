@@ -88,8 +88,9 @@ def become_helper(nice: int) -> None:
 # detokenizer and the HTTP process import their libraries and load a tokenizer for a second or
 # two, and a probe that overlaps them reads distorted ratios: bf16 over fp32 read 1.27-1.57x at
 # `radixrt serve` starts on an AMX Xeon where a quiet probe reads 2.0-2.6x, and one start chose
-# 2x slower prefill matmuls from such a reading. So the scheduler first waits, a bounded time,
-# until the other processes leave its cores alone (`wait_for_quiet_cpus`).
+# 2x slower prefill matmuls from such a reading. So before its first probe times anything, the
+# model runner waits, a bounded time, until the other processes leave its cores alone
+# (`QuietBeforeTiming`); a runner whose choices are all given (no probe) never waits.
 
 def _busy_ticks(cpus: set[int] | None) -> int | None:
     """Busy clock ticks (user, nice, system, irq, softirq) summed over `cpus` (None: all), from
@@ -148,3 +149,22 @@ def wait_for_quiet_cpus(max_wait_s: float, threshold_cores: float = 0.25,
         waited = time.monotonic() - start
         if use is None or use < threshold_cores or waited >= max_wait_s:
             return waited, use
+
+
+class QuietBeforeTiming:
+    """Waits for quiet CPUs (`wait_for_quiet_cpus(max_wait_s)`, logged) the first time it is
+    called, never again; with max_wait_s 0 it never waits. The model runner calls it before each
+    start-up probe."""
+
+    def __init__(self, max_wait_s: float):
+        self.max_wait_s = max_wait_s
+        self.done = max_wait_s <= 0
+
+    def __call__(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        waited, use = wait_for_quiet_cpus(self.max_wait_s)
+        logger.info("start-up probes: waited %.1f s for other processes to leave the CPUs (their "
+                    "use at the last reading: %s cores)", waited,
+                    "unknown" if use is None else f"{use:.2f}")

@@ -12,6 +12,7 @@ import torch
 from radixrt.attention import create_attention_backend
 from radixrt.attention.flashinfer import FlashInferBackend
 from radixrt.config import ServerArgs
+from radixrt.core.cpu_policy import QuietBeforeTiming
 from radixrt.core.forward_batch import ForwardBatch
 from radixrt.mem.huge_pages import move_to_huge_pages
 from radixrt.mem.memory_pool import ReqToTokenPool, TokenToKVPool, kv_bytes_per_token
@@ -79,8 +80,10 @@ class ModelRunner:
         self.model_path = args.model_path or str(default_model_path())
         self.model_config = ModelConfig.from_path(self.model_path)
         self.dtype_probe: DtypeProbe | None = None  # set when `auto` timed (or was forced)
+        quiet = QuietBeforeTiming(args.startup_quiet_wait_s if self.device.type == "cpu" else 0)
 
         def probe() -> DtypeProbe:
+            quiet()
             self.dtype_probe = probe_cpu_dtype()
             return self.dtype_probe
 
@@ -89,6 +92,7 @@ class ModelRunner:
         self.quant_probe: QuantProbe | None = None  # set when the kernels were timed
 
         def qprobe(dense_dtype: torch.dtype) -> QuantProbe:
+            quiet()
             self.quant_probe = probe_quant_kernels(cfg.hidden_size, cfg.intermediate_size,
                                                    dense_dtype, kernel=args.quant_kernel)
             return self.quant_probe
@@ -127,6 +131,8 @@ class ModelRunner:
         if not args.disable_heap_retention and self.device.type == "cpu":
             logger.info("step heap: %s", retain_step_heap())
         if not args.disable_prepacked_weights and self.device.type == "cpu":
+            if self.dtype == torch.bfloat16:
+                quiet()  # the packing decision may time plain against packed
             packed = pack_dense_weights(self.model)  # before the C++ decode stack lists them
             if packed:
                 logger.info("prepacked matmul weights: %d dense weights packed for oneDNN",

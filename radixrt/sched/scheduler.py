@@ -18,7 +18,7 @@ import torch
 import zmq
 
 from radixrt.config import ServerArgs
-from radixrt.core import cpu_policy, ipc
+from radixrt.core import ipc
 from radixrt.core.errors import InvalidRequestError, InvariantError
 from radixrt.core.logprobs import TokenLogprobs
 from radixrt.core.messages import (
@@ -625,11 +625,6 @@ def run_scheduler(args: ServerArgs, paths: ipc.IpcPaths, parent_pid: int,
     recv = ipc.pull_socket(ctx, paths.scheduler)
     to_detok = ipc.push_socket(ctx, paths.detokenizer)
     to_tok = ipc.push_socket(ctx, paths.tokenizer)
-    if args.startup_quiet_wait_s > 0:
-        waited, use = cpu_policy.wait_for_quiet_cpus(args.startup_quiet_wait_s)
-        logger.info("start-up probes: waited %.1f s for other processes to leave the CPUs "
-                    "(their use at the last reading: %s cores)", waited,
-                    "unknown" if use is None else f"{use:.2f}")
     try:
         runner = ModelRunner(args)
         sched = Scheduler(args, runner)
