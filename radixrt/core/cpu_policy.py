@@ -143,7 +143,6 @@ def wait_for_quiet_cpus(max_wait_s: float, threshold_cores: float = 0.25,
     reading over `interval_s`), or `max_wait_s` has passed; returns (seconds waited, the last
     reading: None where /proc cannot tell, which returns at once)."""
     start = time.monotonic()
-    use = None
     while True:
         use = other_cpu_use(interval_s)
         waited = time.monotonic() - start
