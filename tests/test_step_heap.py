@@ -46,10 +46,11 @@ def _faults_per_step(mode: str) -> float:
 @needs_glibc
 def test_retained_heap_reuses_pages() -> None:
     """72 MiB of step tensors: thousands of page faults per step by default (each 4 KiB page
-    faulted and zeroed again; 18432 pages in all), almost none once retained."""
+    faulted and zeroed again; 18432 pages in all; 2458-11059 seen, glibc's dynamic thresholds
+    keep some), almost none once retained."""
     default, retained = _faults_per_step("default"), _faults_per_step("retain")
-    assert default > 4000, default
-    assert retained < 200, retained
+    assert default > 500, default
+    assert retained < min(200, default / 10), (retained, default)
 
 
 @pytest.mark.parametrize("disable", [False, True])
