@@ -16,41 +16,47 @@ from radixrt.model import runner as runner_mod
 
 needs_glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
 
-# One "step": three 24 MiB tensors written, then freed together. Once freed they form a 72 MiB
-# free heap top, over glibc's dynamic trim threshold (twice the largest freed mapping), so by
-# default the top is trimmed and the next step faults every page in again.
+# In a fresh process: a 24 MiB tensor written, freed, then allocated and written again. By
+# default glibc serves the first from a mapping of its own (its mmap threshold starts at 128 KiB)
+# and unmaps it when freed, so its pages go back to the kernel, and the second allocation faults
+# every page in afresh. Retained, both come from the heap and the second reuses the first's pages.
 _STEPS = """
-import json, resource, sys, torch
+import json, os, resource, sys, torch
 if sys.argv[1] == "retain":
     from radixrt.mem.step_heap import retain_step_heap
     print(retain_step_heap(), file=sys.stderr)
-def step():
-    ts = [torch.empty(24 << 20, dtype=torch.uint8).fill_(1) for _ in range(3)]
-    del ts
-for _ in range(3):
-    step()
+page = os.sysconf("SC_PAGE_SIZE")
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * page
+t = torch.empty(24 << 20, dtype=torch.uint8).fill_(1)
+held = rss()
+del t
+released = held - rss()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(5):
-    step()
-print(json.dumps((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 5))
+t = torch.empty(24 << 20, dtype=torch.uint8).fill_(1)
+print(json.dumps([released, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before]))
 """
 
 
-def _faults_per_step(mode: str) -> float:
+def _free_then_again(mode: str) -> tuple[int, int]:
+    """(bytes given back to the kernel by the free, page faults of the second allocation)."""
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-c", _STEPS, mode], capture_output=True, text=True,
                          cwd=root, check=True, timeout=120)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    released, faults = json.loads(out.stdout.strip().splitlines()[-1])
+    return released, faults
 
 
 @needs_glibc
 def test_retained_heap_reuses_pages() -> None:
-    """72 MiB of step tensors: thousands of page faults per step by default (each 4 KiB page
-    faulted and zeroed again; 18432 pages in all; 2458-11059 seen, glibc's dynamic thresholds
-    keep some), almost none once retained."""
-    default, retained = _faults_per_step("default"), _faults_per_step("retain")
-    assert default > 500, default
-    assert retained < min(200, default / 10), (retained, default)
+    """A freed 24 MiB tensor: by default its pages go back to the kernel and the next one of
+    that size faults all 6144 in again; retained, none go back and the next one reuses them."""
+    default_released, default_faults = _free_then_again("default")
+    released, faults = _free_then_again("retain")
+    assert default_released > 20 << 20 and default_faults > 5000, (default_released,
+                                                                    default_faults)
+    assert released < 1 << 20 and faults < 100, (released, faults)
 
 
 @pytest.mark.parametrize("disable", [False, True])
