@@ -151,3 +151,16 @@ def test_real_probe_is_cheap_and_cached(monkeypatch: pytest.MonkeyPatch) -> None
     assert math.isfinite(p.fp32_ms) and p.fp32_ms > 0 and math.isfinite(p.bf16_ms)
     assert took < 5.0  # ~0.3-0.7 s; generous for a loaded machine
     assert probe_cpu_dtype() is p  # once per process
+
+
+def test_interleaved_best_takes_turns_and_stops_on_its_budget():
+    from radixrt.model.probe_timing import interleaved_best
+
+    calls: list[str] = []
+    best = interleaved_best({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")},
+                            warmup=1, min_reps=3, max_reps=3)
+    assert calls == ["a", "b"] * 4 and set(best) == {"a", "b"}
+    assert all(0 <= t < 1 for t in best.values())
+    calls.clear()
+    interleaved_best({"a": lambda: calls.append("a")}, min_reps=2, max_reps=50, budget_s=0.0)
+    assert calls == ["a", "a"]  # the budget is spent: stops once the minimum reps are in

@@ -21,12 +21,14 @@ machine whose answer is known); an explicit `--dtype` bypasses `auto` altogether
 
 from __future__ import annotations
 
+import functools
 import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
+
+from radixrt.model.probe_timing import interleaved_best
 
 ENV_FORCE = "RADIXRT_AUTO_DTYPE"
 MIN_SPEEDUP = 1.3
@@ -96,29 +98,18 @@ def _name(dtype: torch.dtype) -> str:
 
 
 def measure_matmul() -> tuple[float, float]:
-    """Best wall time (s) of one step (each of SHAPES' `x @ w` once) in fp32 and in bf16. The
-    two dtypes alternate step by step and each keeps its minimum, so load from other processes
-    hits both alike and rarely survives the minimum."""
+    """Best wall time (s) of one step (each of SHAPES' `x @ w` once) in fp32 and in bf16, the
+    two timed in alternation (`interleaved_best`)."""
     g = torch.Generator().manual_seed(0)
     operands = {dt: [(torch.randn(m, k, generator=g).to(dt), torch.randn(k, n, generator=g).to(dt))
                      for m, k, n in SHAPES] for dt in (torch.float32, torch.bfloat16)}
 
-    def step(dt: torch.dtype) -> float:
-        t0 = time.perf_counter()
+    def step(dt: torch.dtype) -> None:
         for x, w in operands[dt]:
             torch.matmul(x, w)
-        return time.perf_counter() - t0
 
-    for _ in range(WARMUP):
-        for dt in operands:
-            step(dt)
-    best = {dt: float("inf") for dt in operands}
-    start = time.perf_counter()
-    for rep in range(MAX_REPS):
-        for dt in operands:
-            best[dt] = min(best[dt], step(dt))
-        if rep + 1 >= MIN_REPS and time.perf_counter() - start > BUDGET_S:
-            break
+    best = interleaved_best({dt: functools.partial(step, dt) for dt in operands}, warmup=WARMUP,
+                            min_reps=MIN_REPS, max_reps=MAX_REPS, budget_s=BUDGET_S)
     return best[torch.float32], best[torch.bfloat16]
 
 

@@ -21,9 +21,10 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import time
 
 import torch
+
+from radixrt.model.probe_timing import interleaved_best
 
 logger = logging.getLogger(__name__)
 
@@ -57,16 +58,16 @@ def _measure(dtype: torch.dtype, reps: int = 5, copies: int = 8) -> tuple[float,
     ws = [torch.full((n, k), 0.01, dtype=dtype) for _ in range(copies)]
     ps = [pack(w) for w in ws]
     x = torch.randn(_PROBE_ROWS, k).to(dtype)
-    best = {"plain": float("inf"), "packed": float("inf")}
-    for _ in range(reps):
-        for name in best:
-            t0 = time.perf_counter()
-            for w, p in zip(ws, ps, strict=True):
-                if name == "plain":
-                    torch.nn.functional.linear(x, w)
-                else:
-                    packed_linear(x, p, None)
-            best[name] = min(best[name], time.perf_counter() - t0)
+
+    def plain() -> None:
+        for w in ws:
+            torch.nn.functional.linear(x, w)
+
+    def packed() -> None:
+        for p in ps:
+            packed_linear(x, p, None)
+
+    best = interleaved_best({"plain": plain, "packed": packed}, min_reps=reps, max_reps=reps)
     return best["plain"] * 1e3, best["packed"] * 1e3
 
 
