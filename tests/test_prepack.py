@@ -1,7 +1,10 @@
-"""Prepacked bf16 matmul weights (`radixrt/model/prepack.py`): the packed call is bitwise the
-plain one wherever it is taken (rows up to PACKED_MAX_ROWS, not invariant calls), the start-up
-decision and its overrides, the quantization probe timing plain dense weights, and a model whose dense weights are packed giving bitwise the plain model's logits through the
-Python layers and the C++ decode step alike.
+"""Prepacked bf16 matmul weights (`radixrt/model/prepack.py`): a oneDNN-packed call is bitwise
+the plain one wherever it is taken (rows up to PACKED_MAX_ROWS, not invariant calls); an
+AMX-packed one (`radixrt::amx_linear`, where AMX-BF16 is usable) is row-invariant, bitwise the
+plain call at 1-8 rows and as accurate up to AMX_MAX_ROWS; the start-up decision
+and its overrides, the quantization probe timing plain dense weights, and a model whose dense
+weights are packed giving the plain model's logits (bitwise for oneDNN's layout, within the
+ulps for AMX's) with the Python layers and the C++ decode step bitwise alike.
 """
 
 from __future__ import annotations
@@ -24,6 +27,18 @@ from radixrt.model.quant_matmul import vnni_kernel_available
 needs_onednn = pytest.mark.skipif(not prepack.available(), reason="torch without oneDNN packing")
 
 
+@pytest.fixture(params=["onednn", "amx"])
+def layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The packed layout a test runs: oneDNN's (RADIXRT_AMX_LINEAR=0), or AMX's (skipped where
+    amx_linear cannot run)."""
+    monkeypatch.setenv(prepack.ENV_AMX, "0" if request.param == "onednn" else "")
+    prepack.amx_available.cache_clear()
+    if request.param == "amx" and not prepack.amx_available():
+        pytest.skip("no usable AMX-BF16 tiles in this build or CPU")
+    yield request.param
+    prepack.amx_available.cache_clear()
+
+
 @pytest.fixture
 def forced(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
     """Sets RADIXRT_PREPACK for one test (the decision is cached per process: cleared around)."""
@@ -40,6 +55,8 @@ def forced(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
 @pytest.mark.parametrize(("out_f", "in_f"), [(96, 64), (200, 96), (960, 576)])
 def test_packed_calls_are_bitwise_the_plain_matmul(out_f: int, in_f: int,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(prepack.ENV_AMX, "0")  # oneDNN's layout
+    prepack.amx_available.cache_clear()
     g = torch.Generator().manual_seed(out_f)
     w = DenseWeight(torch.randn(out_f, in_f, generator=g).bfloat16())
     plain = DenseWeight(w.weight.detach().clone())
@@ -58,6 +75,75 @@ def test_packed_calls_are_bitwise_the_plain_matmul(out_f: int, in_f: int,
     assert torch.equal(w(big[:3], None, True), plain(big[:3], None, True))  # invariant: plain
     assert len(calls) == 22
     assert w.nbytes() == 2 * plain.nbytes() and w.bytes_read(8) == plain.bytes_read(8)
+
+
+@pytest.mark.parametrize(("out_f", "in_f"), [(96, 64), (960, 576), (576, 1536)])
+def test_amx_packed_calls(out_f: int, in_f: int, layout: str,
+                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """AMX layout: every call up to AMX_MAX_ROWS rows takes it (with and without a bias, row
+    counts off the 16-row tiles): the exact result rounded once, up to the fp32 sums' error;
+    as close to the plain matmul, and bitwise it at 1-8 rows; each row's outputs are the same bits whatever the call's other rows; larger and
+    invariant calls stay plain."""
+    if layout != "amx":
+        pytest.skip("the AMX layout's own test")
+    g = torch.Generator().manual_seed(out_f + in_f)
+    w = DenseWeight((torch.randn(out_f, in_f, generator=g) * 0.05).bfloat16())
+    plain = DenseWeight(w.weight.detach().clone())
+    bias = torch.randn(out_f, generator=g).bfloat16()
+    w.pack()
+    assert w.packed is not None and prepack.is_amx(w.packed)
+    calls = []
+    real = prepack.packed_linear
+    monkeypatch.setattr(prepack, "packed_linear", lambda *a: calls.append(1) or real(*a))
+    x = torch.randn(prepack.AMX_MAX_ROWS + 1, in_f, generator=g).bfloat16()
+    w64 = w.weight.double()
+    row_counts = (1, 2, 7, 8, 15, 16, 17, 33, 64, 100, 256, 300, prepack.AMX_MAX_ROWS)
+    for b in (None, bias):
+        whole = w(x[:300], b)
+        for rows in row_counts:
+            xs = x[:rows]
+            got, want = w(xs, b), plain(xs, b)
+            # the fp32 sum plus the bias, rounded once: half a bf16 ulp of the exact result
+            # and the fp32 sums' error (derived: K * 2^-24 of the terms' magnitude)
+            b64 = torch.zeros(out_f, dtype=torch.float64) if b is None else b.double()
+            exact = xs.double() @ w64.t() + b64
+            terms = xs.double().abs() @ w64.abs().t() + b64.abs()
+            err = (got.double() - exact).abs()
+            half_ulp = torch.exp2(torch.floor(torch.log2(got.double().abs().clamp_min(
+                2.0**-126))) - 8)
+            assert bool((err <= half_ulp + in_f * 2.0**-24 * terms).all()), (rows, b is not None)
+            if b is None:  # oneDNN sums K in another order at some row counts
+                assert bool(((got.double() - want.double()).abs()
+                             <= 2 * half_ulp + in_f * 2.0**-23 * terms).all()), rows
+            if rows <= 8:
+                assert torch.equal(got, want), (rows, b is not None)
+            if rows <= 300:
+                assert torch.equal(got, whole[:rows]), (rows, b is not None)
+    assert len(calls) == 2 * (len(row_counts) + 1)
+    assert torch.equal(w(x), plain(x))  # above AMX_MAX_ROWS: the plain weight
+    assert torch.equal(w(x[:3], None, True), plain(x[:3], None, True))  # invariant: plain
+    assert len(calls) == 2 * (len(row_counts) + 1)
+    # sizes off the 32-blocks keep oneDNN's layout
+    odd = DenseWeight(torch.randn(200, 96, generator=g).bfloat16())
+    odd.pack()
+    assert odd.packed is not None and not prepack.is_amx(odd.packed)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        prepack.amx_pack(odd.weight)
+
+
+def test_amx_linear_refuses_bad_input() -> None:
+    if not cpu_kernels.load_cpu_kernels() or not torch.ops.radixrt.amx_linear_available():
+        pytest.skip("amx_linear cannot run here")
+    packed = prepack.amx_pack(torch.zeros(64, 64, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="x has 32 features"):
+        torch.ops.radixrt.amx_linear(torch.zeros(2, 32, dtype=torch.bfloat16), packed, None)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        torch.ops.radixrt.amx_linear(torch.zeros(2, 64), packed, None)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        torch.ops.radixrt.amx_linear(torch.zeros(2, 64, dtype=torch.bfloat16), packed,
+                                     torch.zeros(3))
+    assert torch.ops.radixrt.amx_linear(torch.zeros(0, 64, dtype=torch.bfloat16), packed,
+                                        None).shape == (0, 64)
 
 
 def test_the_decision_and_its_overrides(forced: object) -> None:
@@ -114,7 +200,8 @@ def _decode(path: Path, plan: QuantPlan | None, pack: bool, fused: bool) -> torc
     if fused and pack:
         stack = model.decode_layers()
         assert isinstance(stack, DecodeLayers)
-        assert any(t is not None and t.is_mkldnn for t in stack.weights)  # the op gets them
+        assert any(t is not None and (t.is_mkldnn or prepack.is_amx(t))
+                   for t in stack.weights)  # the op gets them
     runner.kv_pool.check_invariants()
     return torch.cat(logits)
 
@@ -122,9 +209,10 @@ def _decode(path: Path, plan: QuantPlan | None, pack: bool, fused: bool) -> torc
 @needs_onednn
 @pytest.mark.parametrize("case", ["bf16-dense", "gguf-vnni-dense-copy"])
 def test_a_packed_model_gives_the_plain_models_logits(tmp_path: Path, case: str,
-                                                      forced: object) -> None:
+                                                      forced: object, layout: str) -> None:
     """Prefill and decode (the C++ one-call step and the Python layer loop) with every dense
-    weight packed: bitwise the unpacked model."""
+    weight packed: bitwise the unpacked model in oneDNN's layout; in AMX's, the C++ step and
+    the layer loop bitwise alike, and close to the unpacked model (bf16 ulps in the matmuls)."""
     if not cpu_kernels.load_cpu_kernels():
         pytest.skip(f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
     forced("1")  # type: ignore[operator]
@@ -139,8 +227,12 @@ def test_a_packed_model_gives_the_plain_models_logits(tmp_path: Path, case: str,
     out = {(pack, fused): _decode(path, plan, pack, fused)
            for pack in (False, True) for fused in (True, False)}
     base = out[(False, False)]
-    for key, logits in out.items():
-        assert torch.equal(logits, base), key
+    assert torch.equal(out[(False, True)], base)
+    assert torch.equal(out[(True, True)], out[(True, False)])
+    if layout == "onednn":
+        assert torch.equal(out[(True, True)], base)
+    else:
+        assert torch.allclose(out[(True, True)], base, rtol=0.02, atol=0.02)
     if plan is not None:  # the dense copies were packed (5 decode rows > max_rows 2)
         model, _ = load_model(path, None, torch.bfloat16, "cpu",
                               model_config=ModelConfig.from_path(path), quant=plan)

@@ -5,7 +5,8 @@ The sources are compiled with `torch.utils.cpp_extension` into one shared librar
 (`csrc/decode_plan.cpp`), a CPU decode batch's index tensors (`csrc/decode_batch.cpp`, used by
 `ForwardBatch.build`), extend (prefill) attention (`csrc/extend_attention.cpp`), the
 quantized small-M matmul (`csrc/qgemv.cpp`), the int8-activation VNNI quantized matmul
-(`csrc/qgemm_vnni.cpp`, AVX512-VNNI or AVX2 CPUs), the fused layer ops (`csrc/fused_ops.cpp`), the
+(`csrc/qgemm_vnni.cpp`, AVX512-VNNI or AVX2 CPUs), the bf16 linear on AMX tiles
+(`csrc/amx_linear.cpp`, AMX-BF16 CPUs), the fused layer ops (`csrc/fused_ops.cpp`), the
 decode step's layer loop over them (`csrc/decode_layers.cpp`, its thread team in
 `csrc/team.h`), greedy sampling's row-wise argmax (`csrc/argmax.cpp`), the sampled rows' filter and draw
 (`csrc/sample.cpp`) and what benchmarks
@@ -53,7 +54,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 SOURCES: tuple[str, ...] = ("paged_decode.cpp", "qgemv.cpp", "qgemm_vnni.cpp", "fused_ops.cpp",
-                           "extend_attention.cpp", "decode_layers.cpp", "argmax.cpp",
+                           "amx_linear.cpp", "extend_attention.cpp", "decode_layers.cpp", "argmax.cpp",
                            "decode_plan.cpp", "decode_batch.cpp", "cpu_probe.cpp", "sample.cpp")
 LIB_NAME = "radixrt_cpu_kernels"
 ISAS: tuple[str, ...] = ("avx512", "avx2", "default")  # best first

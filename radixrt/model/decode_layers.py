@@ -45,7 +45,8 @@ SLOTS_PER_LINEAR = 6  # (a, b, c, dense, bias, packed): decode_layers.cpp's kSlo
 def _linear_entry(w: LinearWeight, bias: torch.Tensor | None
                   ) -> tuple[list[torch.Tensor | None], list[int]] | str:
     """(SLOTS_PER_LINEAR weight slots, 3 meta ints) of one matmul for the op, or why it cannot
-    run there. The last slot is the dense weight's oneDNN-packed copy (prepack.py), if any."""
+    run there. The last slot is the dense weight's packed copy (prepack.py: AMX or oneDNN
+    layout), if any."""
     if isinstance(w, DenseWeight):
         return [w.weight, None, None, None, bias, w.packed], [KIND_DENSE, 0, 0]
     dense = None if not isinstance(w, QuantizedWeight) or w.dense is None else w.dense

@@ -82,15 +82,15 @@ class LinearWeight(nn.Module, ABC):
 
 
 class DenseWeight(LinearWeight):
-    """A plain weight; `pack()` adds a oneDNN-packed copy (`prepack.py`) that calls of up to
-    PACKED_MAX_ROWS rows take (bitwise the plain matmul there), except invariant ones."""
+    """A plain weight; `pack()` adds a packed copy (`prepack.py`: AMX or oneDNN layout) that
+    calls of up to `prepack.max_rows(packed)` rows take, except invariant ones."""
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(
             weight, requires_grad=False)
         self.out_features, self.in_features = (int(s) for s in weight.shape)
-        self.packed: torch.Tensor | None = None  # opaque oneDNN tensor, not a parameter
+        self.packed: torch.Tensor | None = None  # prepack.pack's copy, not a parameter
 
     def pack(self) -> None:
         """Keep a packed copy of the weight as it is now (call after its last change)."""
@@ -98,7 +98,8 @@ class DenseWeight(LinearWeight):
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None,
                 invariant: bool = False) -> torch.Tensor:
-        if self.packed is not None and not invariant and x.shape[0] <= prepack.PACKED_MAX_ROWS:
+        if (self.packed is not None and not invariant
+                and x.shape[0] <= prepack.max_rows(self.packed)):
             return prepack.packed_linear(x, self.packed, bias)
         return dense_linear(x, self.weight, bias, invariant)
 

@@ -1,19 +1,28 @@
-"""Prepacked bf16 matmul weights (oneDNN's blocked layout), where they pay on this CPU.
+"""Prepacked bf16 matmul weights, where they pay on this CPU: radixrt's AMX layout on CPUs with
+usable AMX-BF16 tiles, else oneDNN's blocked layout.
 
-`F.linear` on a plain bf16 weight lets oneDNN reorder the weight into its blocked layout on
-every call. Packing it once (`torch.ops.mkldnn._reorder_linear_weight`) and calling
-`mkldnn::_linear_pointwise` skips that: on a 2-core Xeon with AMX-BF16, SmolLM2's 30 layers at
-16-128 rows took 0.58-0.71x the time with the weights in the caches (at 64 rows 21.9 -> 12.8
-ms; in a batch-64 decode step, with K/V streaming through the caches, only as fast as the int4
-kernel), while at 512 rows the two are even and oneDNN picks other kernels for some shapes.
-Up to PACKED_MAX_ROWS rows the packed call is bitwise the plain one (tested over row counts,
-shapes and biases), so packing changes speed only, never a result.
+- **AMX** (`csrc/amx_linear.cpp`, `amx_pack`): weight blocks of 32 x 32 in the tiles' pair
+  layout, run by `radixrt::amx_linear`. Row-invariant (each output a fixed sequence of tile
+  sums over K, whatever the row count; the bias added before the one rounding), bitwise
+  `F.linear` where oneDNN also sums K in order (1-8 and 512 rows on SmolLM2's shapes), elsewhere
+  a few outputs in 10^4 differ by the fp32 sums' order. Measured on a 2-vCPU AMX Xeon against
+  oneDNN's plain call, SmolLM2's four layer matmuls with their weights in the caches: 64 rows
+  2.0x, 256 rows 1.3x, 512 rows 1.0x, 1024 rows 1.1x, 2048 rows 0.8x; whole prefills of the
+  default model (bf16 dense copies): 128 tokens 1.10x, 256 1.04x, 512 1.02-1.04x, 1024 0.89x.
+  Calls of up to AMX_MAX_ROWS rows take it; weights whose sizes are multiples of 32.
+- **oneDNN** (`torch.ops.mkldnn._reorder_linear_weight`, `mkldnn::_linear_pointwise`):
+  `F.linear` on a plain bf16 weight lets oneDNN reorder the weight on every call; packing once
+  skips that. On the same Xeon, 30 layers at 16-128 rows took 0.58-0.71x the time with the
+  weights in the caches (at 64 rows 21.9 -> 12.8 ms), while at 512 rows the two are even and
+  oneDNN picks other kernels for some shapes. Up to PACKED_MAX_ROWS rows the packed call is
+  bitwise the plain one (tested over row counts, shapes and biases).
 
-`prepack_pays(dtype)` measures once per process whether packed beats plain at 64 rows on a
-model-shaped layer by PREPACK_MIN_SPEEDUP (bf16 on CPU only: elsewhere, or without oneDNN, it is
-False). `RADIXRT_PREPACK=0|1` forces the outcome (benchmarks, tests). The packed tensor is an
-opaque oneDNN tensor kept beside the plain weight (which larger calls, invariant calls and every
-other path still use): it costs the weight's bytes again.
+`prepack_pays(dtype)` measures once per process whether packed (in the layout `pack` makes)
+beats plain at 64 rows on a model-shaped layer by PREPACK_MIN_SPEEDUP (bf16 on CPU only:
+elsewhere, or without oneDNN and AMX, it is False). `RADIXRT_PREPACK=0|1` forces the outcome
+(benchmarks, tests); `RADIXRT_AMX_LINEAR=0` keeps oneDNN's layout where AMX is usable. The packed
+tensor is kept beside the plain weight (which larger calls, invariant calls and every other path
+still use): it costs the weight's bytes again.
 """
 
 from __future__ import annotations
@@ -29,7 +38,10 @@ from radixrt.model.probe_timing import interleaved_best
 logger = logging.getLogger(__name__)
 
 ENV_FORCE = "RADIXRT_PREPACK"
-PACKED_MAX_ROWS = 256  # calls of up to this many rows take the packed weight
+ENV_AMX = "RADIXRT_AMX_LINEAR"
+PACKED_MAX_ROWS = 256  # calls of up to this many rows take a oneDNN-packed weight
+AMX_MAX_ROWS = 512  # ... and an AMX-packed one (the measurements above)
+AMX_BLOCK = 32  # outputs and inputs per AMX weight block
 PREPACK_MIN_SPEEDUP = 1.15
 _PROBE_SHAPE = (3072, 576)  # SmolLM2's gate_up: [out, in]
 _PROBE_ROWS = 64
@@ -41,14 +53,60 @@ def available() -> bool:
                                                             "_reorder_linear_weight")
 
 
+@functools.cache
+def amx_available() -> bool:
+    """Whether radixrt's kernels run `amx_linear` here (built with AMX-BF16, tiles usable), and
+    `RADIXRT_AMX_LINEAR` does not say 0."""
+    forced = os.environ.get(ENV_AMX, "").strip()
+    if forced not in ("", "0", "1"):
+        raise ValueError(f"{ENV_AMX} must be 0 or 1, got {forced!r}")
+    if forced == "0":
+        return False
+    from radixrt.attention import cpu_kernels
+
+    return (cpu_kernels.load_cpu_kernels() and hasattr(torch.ops.radixrt, "amx_linear_available")
+            and bool(torch.ops.radixrt.amx_linear_available()))
+
+
+def amx_pack(weight: torch.Tensor) -> torch.Tensor:
+    """bf16 `weight` [N, K] (N and K multiples of AMX_BLOCK) in amx_linear's layout
+    [N/32, K/32, 2, 16, 32]: block (nb, kb), half t, row r holds outputs 32 nb + 16 t + 0..15,
+    each as its input pair (32 kb + 2r, 32 kb + 2r + 1)."""
+    n, k = weight.shape
+    if weight.dtype != torch.bfloat16 or n % AMX_BLOCK or k % AMX_BLOCK:
+        raise ValueError(f"amx_pack: needs a bfloat16 weight with both sizes multiples of "
+                         f"{AMX_BLOCK}, got {tuple(weight.shape)} {weight.dtype}")
+    b = AMX_BLOCK
+    w = weight.detach().reshape(n // b, 2, 16, k // b, 16, 2)  # (nb, t, n, kb, r, e)
+    return w.permute(0, 3, 1, 4, 2, 5).contiguous().reshape(n // b, k // b, 2, 16, 2 * 16)
+
+
+def is_amx(packed: torch.Tensor) -> bool:
+    """Whether `packed` is in amx_linear's layout (else oneDNN's)."""
+    return packed.dim() == 5
+
+
+def max_rows(packed: torch.Tensor) -> int:
+    """Calls of up to this many rows take `packed` (the others the plain weight)."""
+    return AMX_MAX_ROWS if is_amx(packed) else PACKED_MAX_ROWS
+
+
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` [out, in] in oneDNN's blocked layout (an opaque tensor)."""
+    """`weight` [out, in] packed: amx_linear's layout where `amx_available()` and its sizes
+    allow, else oneDNN's blocked layout (an opaque tensor)."""
+    n, k = weight.shape
+    if (weight.dtype == torch.bfloat16 and n % AMX_BLOCK == 0 and k % AMX_BLOCK == 0
+            and amx_available()):
+        return amx_pack(weight)
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PROBE_ROWS)
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor,
                   bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` on `pack(weight)`."""
+    """`F.linear(x, weight, bias)` on `pack(weight)` (bitwise or within an ulp: see above)."""
+    if is_amx(packed):
+        y = torch.ops.radixrt.amx_linear(x.reshape(-1, x.shape[-1]), packed, bias)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 

@@ -17,6 +17,7 @@ from radixrt.core.forward_batch import ForwardBatch
 from radixrt.mem.huge_pages import move_to_huge_pages
 from radixrt.mem.memory_pool import ReqToTokenPool, TokenToKVPool, kv_bytes_per_token
 from radixrt.mem.step_heap import retain_step_heap
+from radixrt.model import prepack
 from radixrt.model.decode_layers import DecodeLayers, set_team_steal
 from radixrt.model.decode_path_tuner import DecodePathTuner
 from radixrt.model.dtype_probe import DtypeProbe, probe_cpu_dtype
@@ -135,8 +136,9 @@ class ModelRunner:
                 quiet()  # the packing decision may time plain against packed
             packed = pack_dense_weights(self.model)  # before the C++ decode stack lists them
             if packed:
-                logger.info("prepacked matmul weights: %d dense weights packed for oneDNN",
-                            packed)
+                logger.info("prepacked matmul weights: %d dense weights packed for %s", packed,
+                            "AMX tiles (radixrt::amx_linear)" if prepack.amx_available()
+                            else "oneDNN")
         # compiled dense parts replace the layers' Python methods, which the C++ loop skips
         self.model.fused_decode = not (args.disable_fused_decode or args.compile_decode)
         self.model.decode_microbatch_rows = args.decode_microbatch_rows

@@ -17,12 +17,11 @@
 // kKeyBlock from key 0; a tile's rows never mix), never on the other rows, the thread or the
 // call.
 //
-// Linux hands out the AMX register state only on request (arch_prctl ARCH_REQ_XCOMP_PERM):
-// `amx_usable()` asks once per process and says whether the tiles may be used; where they may
-// not (no AMX, a hypervisor that does not enable it, an old kernel) callers take another path.
+// Requires amx_usable() (amx_tiles.h); callers take another path where it is false.
 
 #pragma once
 
+#include "amx_tiles.h"
 #include "fma_attention.h"
 #include "vec_util.h"
 
@@ -33,8 +32,6 @@
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define RADIXRT_AMX_ATTENTION 1
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
 
 namespace radixrt_cpu {
@@ -55,15 +52,7 @@ using fma_attention::kKeyBlock;
 using fma_attention::kNegInf;
 static_assert(kKeyBlock == 64, "four 16-key score tiles and two 32-key value tiles per block");
 
-// Whether this process may use the AMX tiles (asked of the kernel once).
-inline bool amx_usable() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023;  // ARCH_REQ_XCOMP_PERM
-    constexpr long kXtileData = 18;         // XFEATURE_XTILEDATA
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
-  }();
-  return ok;
-}
+using radixrt_cpu::amx_usable;
 
 // Head dims the tiles take: whole 32-element chunks of Q·Kᵀ, P·V in slices of at most four
 // output tiles (beside P and V: 8 tile registers).
@@ -343,7 +332,7 @@ void attend_copying(const at::BFloat16* q, int64_t nq, float scale, int64_t key_
 
 #else
 
-inline bool amx_usable() { return false; }
+using radixrt_cpu::amx_usable;
 constexpr bool supports_head_dim(int64_t) { return false; }
 
 #endif

@@ -14,9 +14,10 @@
 //   kind 1 (qgemv):  rows > max_rows and a dense copy: y = linear(x, dense, bias); else
 //                    y = qgemv(x, codes a, scale b, offset c, bits) (+ bias)
 //   kind 2 (vnni):   the same rule, with y = qgemm_vnni(x, packed a, bits) (+ bias)
-// `packed`, when given, is the dense weight (a for kind 0, else dense) packed for oneDNN
-// (radixrt/model/prepack.py): a dense linear of up to kPackedMaxRows rows runs
-// mkldnn::_linear_pointwise on it, bitwise linear(x, weight, bias) there.
+// `packed`, when given, is the dense weight (a for kind 0, else dense) packed
+// (radixrt/model/prepack.py): in radixrt's AMX layout (5-D), a dense linear of up to
+// kAmxMaxRows rows runs radixrt::amx_linear on it; in oneDNN's, one of up to kPackedMaxRows
+// rows runs mkldnn::_linear_pointwise on it, bitwise linear(x, weight, bias) there.
 // The MLP's down projection takes silu_mul(gate_up); on a vnni linear running its kernel, that
 // is qgemm_vnni_silu(gate_up, ...) instead: the SiLU-mul computed while quantizing the
 // activations, bitwise qgemm_vnni(silu_mul(gate_up)) (one op and one intermediate fewer).
@@ -88,7 +89,8 @@ using OptTensors = c10::List<std::optional<Tensor>>;
 
 constexpr int64_t kSlotsPerLinear = 6;
 // Rows up to which a dense linear takes its packed weight (prepack.PACKED_MAX_ROWS).
-constexpr int64_t kPackedMaxRows = 256;
+constexpr int64_t kPackedMaxRows = 256;  // prepack.PACKED_MAX_ROWS
+constexpr int64_t kAmxMaxRows = 512;     // prepack.AMX_MAX_ROWS
 constexpr int64_t kMetaPerLinear = 3;
 constexpr int64_t kLinearsPerLayer = 4;
 // A micro-batch's thread waiting for the other: pause-spins before yielding the core.
@@ -178,8 +180,19 @@ Tensor required(const OptTensors& w, int64_t i, int64_t linear, const char* what
   return *t;
 }
 
-// linear(x, weight, bias) on `packed`, weight packed for oneDNN (mkldnn::_linear_pointwise).
+// Whether `packed` is in radixrt's AMX layout (else oneDNN's).
+bool amx_packed(const Tensor& packed) { return packed.dim() == 5; }
+
+// linear(x, weight, bias) on `packed`: radixrt::amx_linear on the AMX layout, else
+// mkldnn::_linear_pointwise on oneDNN's.
 Tensor packed_linear(const Tensor& x, const Tensor& packed, const std::optional<Tensor>& bias) {
+  if (amx_packed(packed)) {
+    static const auto amx =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("radixrt::amx_linear", "")
+            .typed<Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&)>();
+    return amx.call(x, packed, bias);
+  }
   static const c10::OperatorHandle op =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   std::vector<c10::IValue> stack{x, packed, bias.has_value() ? c10::IValue(*bias) : c10::IValue(),
@@ -208,7 +221,9 @@ Tensor run_linear(const Ops& ops, const Tensor& x, const OptTensors& w, c10::Int
   const Tensor a = silu ? ops.silu_mul.call(x) : x;
   if (kind == 0 || !on_kernel) {
     const std::optional<Tensor> packed = slot(w, base + 5);
-    if (packed.has_value() && a.size(0) <= kPackedMaxRows) return packed_linear(a, *packed, bias);
+    if (packed.has_value() &&
+        a.size(0) <= (amx_packed(*packed) ? kAmxMaxRows : kPackedMaxRows))
+      return packed_linear(a, *packed, bias);
     return at::linear(a, kind == 0 ? required(w, base, i, "weight") : *dense, bias);
   }
   Tensor y = kind == 2 ? ops.qgemm_vnni.call(a.contiguous(), required(w, base, i, "packed"), bits)
