@@ -33,6 +33,7 @@ import os
 
 import torch
 
+from radixrt.attention import cpu_kernels
 from radixrt.model.probe_timing import interleaved_best
 
 logger = logging.getLogger(__name__)
@@ -62,8 +63,6 @@ def amx_available() -> bool:
         raise ValueError(f"{ENV_AMX} must be 0 or 1, got {forced!r}")
     if forced == "0":
         return False
-    from radixrt.attention import cpu_kernels
-
     return (cpu_kernels.load_cpu_kernels() and hasattr(torch.ops.radixrt, "amx_linear_available")
             and bool(torch.ops.radixrt.amx_linear_available()))
 

@@ -58,19 +58,7 @@ using radixrt_cpu::amx_usable;
 // output tiles (beside P and V: 8 tile registers).
 constexpr bool supports_head_dim(int64_t D) { return D == 32 || D == 64 || D == 96 || D == 128; }
 
-// Every tile 16 rows x 64 bytes (palette 1).
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-  TileConfig() {
-    for (int t = 0; t < 8; ++t) {
-      colsb[t] = 64;
-      rows[t] = 16;
-    }
-  }
-};
+using radixrt_cpu::TileConfig;  // every tile 16 rows x 64 bytes
 
 // K rows of keys j0 .. j0 + 63 (nb real, zeros after) -> B tiles of S = Q Kᵀ: for head-dim chunk
 // c (32 dims) and key tile t (16 keys), row i holds dims (2i, 2i + 1) of the tile's 16 keys.

@@ -48,20 +48,6 @@ constexpr int64_t kBlock = 32;  // outputs and inputs per weight block
 constexpr int64_t kChunkRows = 256;
 constexpr int64_t kBlockElems = 2 * 16 * 32;  // bf16 elements of one (nb, kb) block
 
-// Tiles 0-3: C (rows 0-15 / 16-31 x outputs 0-15 / 16-31), 4-5: A, 6-7: B; all 16 x 64 bytes.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-  TileConfig() {
-    for (int t = 0; t < 8; ++t) {
-      colsb[t] = 64;
-      rows[t] = 16;
-    }
-  }
-};
-
 // `rows` rows of 16 fp32 sums (+ bias) rounded to bf16 at y (row stride ldy).
 inline void store_rows(const float* c, int64_t rows, const float* bias, at::BFloat16* y,
                        int64_t ldy) {
@@ -74,7 +60,8 @@ inline void store_rows(const float* c, int64_t rows, const float* bias, at::BFlo
 }
 
 // Rows [0, rows) (rows <= 16 * (TWO ? 2 : 1)) of a at stride lda (elements) x N block `w`
-// (ksteps blocks): y's 32 outputs of those rows.
+// (ksteps blocks): y's 32 outputs of those rows. Tiles (TileConfig, amx_tiles.h: all 16 x 64
+// bytes) 0-3: C (rows 0-15 / 16-31 x outputs 0-15 / 16-31), 4-5: A, 6-7: B.
 template <bool TWO>
 inline void pass(const at::BFloat16* a, int64_t lda, const at::BFloat16* w, int64_t ksteps,
                  const float* bias, at::BFloat16* y, int64_t ldy, int64_t rows, float* cbuf) {
