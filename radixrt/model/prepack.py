@@ -6,10 +6,9 @@ usable AMX-BF16 tiles, else oneDNN's blocked layout.
   sums over K, whatever the row count; the bias added before the one rounding), bitwise
   `F.linear` where oneDNN also sums K in order (1-8 and 512 rows on SmolLM2's shapes), elsewhere
   a few outputs in 10^4 differ by the fp32 sums' order. Measured on a 2-vCPU AMX Xeon against
-  oneDNN's plain call, SmolLM2's four layer matmuls with their weights in the caches: 64 rows
-  2.0x, 256 rows 1.3x, 512 rows 1.0x, 1024 rows 1.1x, 2048 rows 0.8x; whole prefills of the
-  default model (bf16 dense copies): 128 tokens 1.10x, 256 1.04x, 512 1.02-1.04x, 1024 0.89x.
-  Calls of up to AMX_MAX_ROWS rows take it; weights whose sizes are multiples of 32.
+  oneDNN's plain call: whole prefills of the default model (its bf16 dense copies) of 256
+  tokens 1.18x, 512 1.11x, 1024 1.15x, 1300 1.05x, 1536 0.91x; calls of up to AMX_MAX_ROWS rows
+  take it, weights whose sizes are multiples of 32.
 - **oneDNN** (`torch.ops.mkldnn._reorder_linear_weight`, `mkldnn::_linear_pointwise`):
   `F.linear` on a plain bf16 weight lets oneDNN reorder the weight on every call; packing once
   skips that. On the same Xeon, 30 layers at 16-128 rows took 0.58-0.71x the time with the
@@ -41,7 +40,7 @@ logger = logging.getLogger(__name__)
 ENV_FORCE = "RADIXRT_PREPACK"
 ENV_AMX = "RADIXRT_AMX_LINEAR"
 PACKED_MAX_ROWS = 256  # calls of up to this many rows take a oneDNN-packed weight
-AMX_MAX_ROWS = 512  # ... and an AMX-packed one (the measurements above)
+AMX_MAX_ROWS = 1024  # ... and an AMX-packed one (the measurements above)
 AMX_BLOCK = 32  # outputs and inputs per AMX weight block
 PREPACK_MIN_SPEEDUP = 1.15
 _PROBE_SHAPE = (3072, 576)  # SmolLM2's gate_up: [out, in]

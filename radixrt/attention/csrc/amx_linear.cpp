@@ -15,12 +15,15 @@
 // 512 rows on SmolLM2's shapes); elsewhere a few outputs in 10^4 differ, by the fp32 sums' order.
 //
 // Blocking: 32 rows x 32 outputs per pass (four C tiles; two A tiles of activation rows read in
-// place, two B tiles of weights), all of K. Rows in chunks of kChunkRows (the chunk's
-// activations stay in L2 while every N block passes over them); N blocks split over the threads.
+// place, two B tiles of weights), all of K. N blocks are split over the threads; a thread takes
+// its blocks in groups of kGroupBytes of weights (kept in L2) and passes every 32-row block of
+// activations (in L1) over a group before the next (rows in 256-row chunks with every N block
+// inside was 0.75-0.9x oneDNN for gate_up [3072, 576] at 512-1300 rows: its weights left L2).
 // Measured on a 2-vCPU Xeon with AMX (SmolLM2's four layer matmuls, weights in the caches, against
-// oneDNN's plain call): 64 rows 2.0-3.0x, 256 rows 1.05-1.7x, 512 rows 0.9-1.16x by shape,
-// 2048 rows and more 0.6-0.96x; prefills on the default model: 128 tokens 1.10x, 256 1.04x,
-// 512 1.02-1.04x, 1024 0.89x: hence prepack.AMX_MAX_ROWS.
+// oneDNN's plain call, layer sums): 64 rows 2.0x, 256 rows 1.5x, 512 rows 1.07x, 768-1300 rows
+// 1.09-1.18x (the 576-wide outputs 1.5-1.9x at 768-1024, where oneDNN drops to 1.3-1.6
+// TFLOP/s), 2048 rows and more 0.73-0.78x; prefills on the default model: 256 tokens 1.18x, 512
+// 1.11x, 1024 1.15x, 1300 1.05x, 1536 0.91x: hence prepack.AMX_MAX_ROWS.
 
 #include <torch_headers.h>  // first: precompiled by the build
 #include <c10/util/BFloat16.h>
@@ -45,7 +48,9 @@ using at::Tensor;
 
 constexpr int64_t kBlock = 32;  // outputs and inputs per weight block
 #if defined(RADIXRT_AMX_LINEAR)
-constexpr int64_t kChunkRows = 256;
+// Weight bytes of the N blocks a thread takes together over every row (they stay in L2 while
+// each 32-row block of activations, in L1, passes over them).
+constexpr int64_t kGroupBytes = 256 << 10;
 constexpr int64_t kBlockElems = 2 * 16 * 32;  // bf16 elements of one (nb, kb) block
 
 // `rows` rows of 16 fp32 sums (+ bias) rounded to bf16 at y (row stride ldy).
@@ -144,26 +149,37 @@ Tensor amx_linear(const Tensor& x, const Tensor& packed, const std::optional<Ten
     tail.assign(16 * k, at::BFloat16(0.f));
     std::memcpy(tail.data(), xa + full * k, (m - full) * k * sizeof(at::BFloat16));
   }
-  for (int64_t c0 = 0; c0 < m; c0 += kChunkRows) {
-    const int64_t c1 = std::min(m, c0 + kChunkRows), whole = std::min(c1, full);
-    at::parallel_for(0, n_blocks, 1, [&](int64_t b0, int64_t b1) {
-      static const TileConfig cfg;
-      _tile_loadconfig(&cfg);
-      alignas(64) float cbuf[4 * 256];
-      for (int64_t nb = b0; nb < b1; ++nb) {
-        const at::BFloat16* wb = w + nb * ksteps * kBlockElems;
-        const float* bb = bp ? bp + nb * kBlock : nullptr;
-        at::BFloat16* yb = yp + nb * kBlock;
-        int64_t r = c0;
-        for (; r + 32 <= whole; r += 32)
-          pass<true>(xa + r * k, k, wb, ksteps, bb, yb + r * n, n, 32, cbuf);
-        for (; r + 16 <= whole; r += 16)
-          pass<false>(xa + r * k, k, wb, ksteps, bb, yb + r * n, n, 16, cbuf);
-        if (r < c1) pass<false>(tail.data(), k, wb, ksteps, bb, yb + r * n, n, c1 - r, cbuf);
+  at::parallel_for(0, n_blocks, 1, [&](int64_t b0, int64_t b1) {
+    static const TileConfig cfg;
+    _tile_loadconfig(&cfg);
+    alignas(64) float cbuf[4 * 256];
+    const int64_t group = std::max<int64_t>(
+        1, kGroupBytes / (ksteps * kBlockElems * static_cast<int64_t>(sizeof(at::BFloat16))));
+    for (int64_t g0 = b0; g0 < b1; g0 += group) {
+      const int64_t g1 = std::min(b1, g0 + group);
+      for (int64_t r = 0; r < m; r += 32) {
+        const int64_t rows = std::min<int64_t>(32, m - r);
+        for (int64_t nb = g0; nb < g1; ++nb) {
+          const at::BFloat16* wb = w + nb * ksteps * kBlockElems;
+          const float* bb = bp ? bp + nb * kBlock : nullptr;
+          at::BFloat16* yb = yp + r * n + nb * kBlock;
+          if (r + 32 <= full) {
+            pass<true>(xa + r * k, k, wb, ksteps, bb, yb, n, 32, cbuf);
+          } else {
+            int64_t q = r;
+            if (q + 16 <= full) {
+              pass<false>(xa + q * k, k, wb, ksteps, bb, yb, n, 16, cbuf);
+              q += 16;
+            }
+            if (q < r + rows)
+              pass<false>(tail.data(), k, wb, ksteps, bb, yp + q * n + nb * kBlock, n, m - q,
+                          cbuf);
+          }
+        }
       }
-      _tile_release();
-    });
-  }
+    }
+    _tile_release();
+  });
 #endif
   return y;
 }
