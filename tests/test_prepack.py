@@ -251,3 +251,11 @@ def test_runner_packs_unless_disabled(tmp_path: Path, forced: object, disable: b
     dense = [m for m in r.model.modules() if isinstance(m, DenseWeight)]
     assert dense
     assert all((m.packed is None) == disable for m in dense)
+
+
+def test_the_one_call_step_takes_packed_weights_up_to_the_same_rows() -> None:
+    """decode_layers.cpp's row limits are prepack's (the C++ step and the Python layers must
+    pick the same weight for a call, or their results would differ)."""
+    src = (Path(cpu_kernels.__file__).parent / "csrc" / "decode_layers.cpp").read_text()
+    assert f"constexpr int64_t kPackedMaxRows = {prepack.PACKED_MAX_ROWS};" in src
+    assert f"constexpr int64_t kAmxMaxRows = {prepack.AMX_MAX_ROWS};" in src

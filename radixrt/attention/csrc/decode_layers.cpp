@@ -88,9 +88,10 @@ using at::Tensor;
 using OptTensors = c10::List<std::optional<Tensor>>;
 
 constexpr int64_t kSlotsPerLinear = 6;
-// Rows up to which a dense linear takes its packed weight (prepack.PACKED_MAX_ROWS).
-constexpr int64_t kPackedMaxRows = 256;  // prepack.PACKED_MAX_ROWS
-constexpr int64_t kAmxMaxRows = 1024;    // prepack.AMX_MAX_ROWS
+// Rows up to which a dense linear takes its packed weight: oneDNN's layout
+// (prepack.PACKED_MAX_ROWS), the AMX one (prepack.AMX_MAX_ROWS).
+constexpr int64_t kPackedMaxRows = 256;
+constexpr int64_t kAmxMaxRows = 1024;
 constexpr int64_t kMetaPerLinear = 3;
 constexpr int64_t kLinearsPerLayer = 4;
 // A micro-batch's thread waiting for the other: pause-spins before yielding the core.
