@@ -27,15 +27,36 @@ from radixrt.model.quant_matmul import vnni_kernel_available
 needs_onednn = pytest.mark.skipif(not prepack.available(), reason="torch without oneDNN packing")
 
 
+def _use_layout(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Packs in oneDNN's layout (RADIXRT_AMX_LINEAR=0) or AMX's (skips where amx_linear cannot
+    run) for the rest of the test (the decision is cached per process: cleared)."""
+    monkeypatch.setenv(prepack.ENV_AMX, "0" if name == "onednn" else "")
+    prepack.amx_available.cache_clear()
+    if name == "amx" and not prepack.amx_available():
+        pytest.skip("no usable AMX-BF16 tiles in this build or CPU")
+
+
 @pytest.fixture(params=["onednn", "amx"])
 def layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The packed layout a test runs: oneDNN's (RADIXRT_AMX_LINEAR=0), or AMX's (skipped where
-    amx_linear cannot run)."""
-    monkeypatch.setenv(prepack.ENV_AMX, "0" if request.param == "onednn" else "")
-    prepack.amx_available.cache_clear()
-    if request.param == "amx" and not prepack.amx_available():
-        pytest.skip("no usable AMX-BF16 tiles in this build or CPU")
+    """Each packed layout in turn."""
+    _use_layout(request.param, monkeypatch)
     yield request.param
+    prepack.amx_available.cache_clear()
+
+
+@pytest.fixture
+def amx_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """AMX's layout only."""
+    _use_layout("amx", monkeypatch)
+    yield
+    prepack.amx_available.cache_clear()
+
+
+@pytest.fixture
+def onednn_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """oneDNN's layout only."""
+    _use_layout("onednn", monkeypatch)
+    yield
     prepack.amx_available.cache_clear()
 
 
@@ -53,10 +74,9 @@ def forced(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
 
 @needs_onednn
 @pytest.mark.parametrize(("out_f", "in_f"), [(96, 64), (200, 96), (960, 576)])
+@pytest.mark.usefixtures("onednn_layout")
 def test_packed_calls_are_bitwise_the_plain_matmul(out_f: int, in_f: int,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(prepack.ENV_AMX, "0")  # oneDNN's layout
-    prepack.amx_available.cache_clear()
     g = torch.Generator().manual_seed(out_f)
     w = DenseWeight(torch.randn(out_f, in_f, generator=g).bfloat16())
     plain = DenseWeight(w.weight.detach().clone())
@@ -78,14 +98,12 @@ def test_packed_calls_are_bitwise_the_plain_matmul(out_f: int, in_f: int,
 
 
 @pytest.mark.parametrize(("out_f", "in_f"), [(96, 64), (960, 576), (576, 1536)])
-def test_amx_packed_calls(out_f: int, in_f: int, layout: str,
-                          monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.usefixtures("amx_layout")
+def test_amx_packed_calls(out_f: int, in_f: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """AMX layout: every call up to AMX_MAX_ROWS rows takes it (with and without a bias, row
     counts off the 16-row tiles): the exact result rounded once, up to the fp32 sums' error;
-    as close to the plain matmul, and bitwise it at 1-8 rows; each row's outputs are the same bits whatever the call's other rows; larger and
-    invariant calls stay plain."""
-    if layout != "amx":
-        pytest.skip("the AMX layout's own test")
+    as close to the plain matmul, and bitwise it at 1-8 rows; each row's outputs are the same
+    bits whatever the call's other rows; larger and invariant calls stay plain."""
     g = torch.Generator().manual_seed(out_f + in_f)
     w = DenseWeight((torch.randn(out_f, in_f, generator=g) * 0.05).bfloat16())
     plain = DenseWeight(w.weight.detach().clone())

@@ -101,7 +101,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor,
                   bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` on `pack(weight)` (bitwise or within an ulp: see above)."""
+    """`F.linear(x, weight, bias)` on `pack(weight)` (how close: the module docstring)."""
     if is_amx(packed):
         y = torch.ops.radixrt.amx_linear(x.reshape(-1, x.shape[-1]), packed, bias)
         return y.reshape(*x.shape[:-1], y.shape[-1])

@@ -158,20 +158,19 @@ Tensor amx_linear(const Tensor& x, const Tensor& packed, const std::optional<Ten
     for (int64_t g0 = b0; g0 < b1; g0 += group) {
       const int64_t g1 = std::min(b1, g0 + group);
       for (int64_t r = 0; r < m; r += 32) {
-        const int64_t rows = std::min<int64_t>(32, m - r);
         for (int64_t nb = g0; nb < g1; ++nb) {
           const at::BFloat16* wb = w + nb * ksteps * kBlockElems;
           const float* bb = bp ? bp + nb * kBlock : nullptr;
           at::BFloat16* yb = yp + r * n + nb * kBlock;
           if (r + 32 <= full) {
             pass<true>(xa + r * k, k, wb, ksteps, bb, yb, n, 32, cbuf);
-          } else {
+          } else {  // the last rows: a whole tile of them if there is one, then the tail
             int64_t q = r;
             if (q + 16 <= full) {
               pass<false>(xa + q * k, k, wb, ksteps, bb, yb, n, 16, cbuf);
               q += 16;
             }
-            if (q < r + rows)
+            if (q < m)
               pass<false>(tail.data(), k, wb, ksteps, bb, yp + q * n + nb * kBlock, n, m - q,
                           cbuf);
           }
