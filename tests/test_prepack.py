@@ -18,6 +18,7 @@ from model_fixtures import PagedRunner, make_tiny_checkpoint, make_tiny_runner, 
 from radixrt.attention import cpu_kernels
 from radixrt.model import prepack
 from radixrt.model.decode_layers import DecodeLayers
+from radixrt.model.layer_ops import FusedCpuLayerOps, TorchLayerOps
 from radixrt.model.linear import DenseWeight, QuantizedWeight, pack_dense_weights
 from radixrt.model.loader import load_model
 from radixrt.model.model_config import ModelConfig
@@ -147,6 +148,44 @@ def test_amx_packed_calls(out_f: int, in_f: int, monkeypatch: pytest.MonkeyPatch
     assert odd.packed is not None and not prepack.is_amx(odd.packed)
     with pytest.raises(ValueError, match="multiples of 32"):
         prepack.amx_pack(odd.weight)
+
+
+@pytest.mark.parametrize(("inter", "in_f"), [(96, 64), (64, 96), (1536, 576)])
+@pytest.mark.usefixtures("amx_layout")
+def test_amx_fused_silu_mul(inter: int, in_f: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A `[gate; up]` weight's `silu_mul` on AMX tiles (`amx_linear_silu`, the SiLU-mul in the
+    linear's epilogue) is bitwise radixrt::silu_mul of the linear, which is torch's
+    `F.silu(gate) * up` (inter = 96: its last 32 columns on silu_mul's scalar path), at row
+    counts off the tiles, with and without a bias; larger, invariant and odd-block calls take
+    the linear then `silu_mul`."""
+    g = torch.Generator().manual_seed(inter + in_f)
+    w = DenseWeight((torch.randn(2 * inter, in_f, generator=g) * 0.2).bfloat16())
+    bias = torch.randn(2 * inter, generator=g).bfloat16()
+    w.pack()
+    fused = []
+    real = prepack.packed_linear_silu
+    monkeypatch.setattr(prepack, "packed_linear_silu", lambda *a: fused.append(1) or real(*a))
+    ops, ref = FusedCpuLayerOps(), TorchLayerOps()
+    x = torch.randn(prepack.AMX_MAX_ROWS + 1, in_f, generator=g).bfloat16()
+    row_counts = (1, 5, 16, 17, 33, 100, prepack.AMX_MAX_ROWS)
+    for b in (None, bias):
+        for rows in row_counts:
+            got = w.silu_mul(x[:rows], b, False, ops.silu_mul)
+            assert got.shape == (rows, inter)
+            y = w(x[:rows], b)
+            assert torch.equal(got, ops.silu_mul(y)), (rows, b is not None)
+            assert torch.equal(got, ref.silu_mul(y)), (rows, b is not None)
+    assert len(fused) == 2 * len(row_counts)
+    assert torch.equal(w.silu_mul(x, None, False, ops.silu_mul), ops.silu_mul(w(x)))
+    assert torch.equal(w.silu_mul(x[:3], None, True, ops.silu_mul),
+                       ops.silu_mul(w(x[:3], None, True)))
+    odd = DenseWeight(torch.randn(96, in_f, generator=g).bfloat16())  # three 32-blocks
+    odd.pack()
+    assert odd.packed is not None and prepack.is_amx(odd.packed)
+    assert torch.equal(odd.silu_mul(x[:9], None, False, ops.silu_mul), ops.silu_mul(odd(x[:9])))
+    assert len(fused) == 2 * len(row_counts)
+    with pytest.raises(RuntimeError, match="even number of 32-output blocks"):
+        torch.ops.radixrt.amx_linear_silu(x[:4], odd.packed, None)
 
 
 def test_amx_linear_refuses_bad_input() -> None:

@@ -17,6 +17,7 @@ no dense copy is kept).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -69,6 +70,13 @@ class LinearWeight(nn.Module, ABC):
         the logits (bitwise `sampler.row_argmax(logits)`), else None in its place."""
         return self.logits(x, invariant), None
 
+    def silu_mul(self, x: torch.Tensor, bias: torch.Tensor | None, invariant: bool,
+                 silu_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """`silu_mul(self(x, bias, invariant))` for a `[gate; up]` weight (`silu_mul` bitwise
+        radixrt::silu_mul, as every `LayerOps.silu_mul` is); weights with a fused kernel skip
+        the `[M, out]` intermediate."""
+        return silu_mul(self(x, bias, invariant))
+
     @abstractmethod
     def bytes_read(self, rows: int) -> int:
         """Weight bytes one call with `rows` input rows reads (the representation it runs on)."""
@@ -102,6 +110,14 @@ class DenseWeight(LinearWeight):
                 and x.shape[0] <= prepack.max_rows(self.packed)):
             return prepack.packed_linear(x, self.packed, bias)
         return dense_linear(x, self.weight, bias, invariant)
+
+    def silu_mul(self, x: torch.Tensor, bias: torch.Tensor | None, invariant: bool,
+                 silu_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        if (self.packed is not None and prepack.is_amx(self.packed) and not invariant
+                and self.packed.shape[0] % 2 == 0
+                and x.shape[0] <= prepack.max_rows(self.packed)):
+            return prepack.packed_linear_silu(x, self.packed, bias)
+        return silu_mul(self(x, bias, invariant))
 
     def bytes_read(self, rows: int) -> int:
         return self.weight.numel() * self.weight.element_size()
@@ -160,6 +176,12 @@ class QuantizedWeight(LinearWeight):
             return self.dense(x, bias, invariant)
         y = self._on_kernel(x, invariant, f32=False)
         return y if bias is None else y + bias
+
+    def silu_mul(self, x: torch.Tensor, bias: torch.Tensor | None, invariant: bool,
+                 silu_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        if self._on_dense(x.shape[0], invariant):
+            return self.dense.silu_mul(x, bias, invariant, silu_mul)
+        return silu_mul(self(x, bias, invariant))
 
     def logits(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         if self._on_dense(x.shape[0], invariant):

@@ -119,8 +119,8 @@ class LlamaDecoderLayer(nn.Module):
         n = o.shape[0]
         h = self.o_proj(o.reshape(n, self.q_size), self.o_bias, inv)
         x, residual = self.ops.add_rms_norm(h, residual, self.post_attention_layernorm, self.eps)
-        gate_up = self.gate_up_proj(x, self.gate_up_bias, inv)
-        h = self.down_proj(self.ops.silu_mul(gate_up), self.down_bias, inv)
+        act = self.gate_up_proj.silu_mul(x, self.gate_up_bias, inv, self.ops.silu_mul)
+        h = self.down_proj(act, self.down_bias, inv)
         return h, residual
 
 

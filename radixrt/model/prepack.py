@@ -108,6 +108,14 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor,
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def packed_linear_silu(x: torch.Tensor, packed: torch.Tensor,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+    """radixrt::silu_mul of `packed_linear(x, packed, bias)` for a `[gate; up]` weight in
+    amx_linear's layout (bitwise; an even number of 32-output blocks), in one call."""
+    y = torch.ops.radixrt.amx_linear_silu(x.reshape(-1, x.shape[-1]), packed, bias)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
 def _measure(dtype: torch.dtype, reps: int = 5, copies: int = 8) -> tuple[float, float]:
     """Best ms of a pass over `copies` model-shaped weights, plain and packed."""
     n, k = _PROBE_SHAPE

@@ -29,6 +29,7 @@
 #include <c10/util/BFloat16.h>
 
 #include "amx_tiles.h"
+#include "silu_mul.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -45,6 +46,7 @@ namespace radixrt_cpu {
 namespace {
 
 using at::Tensor;
+using BF16 = at::BFloat16;
 
 constexpr int64_t kBlock = 32;  // outputs and inputs per weight block
 #if defined(RADIXRT_AMX_LINEAR)
@@ -53,24 +55,97 @@ constexpr int64_t kBlock = 32;  // outputs and inputs per weight block
 constexpr int64_t kGroupBytes = 256 << 10;
 constexpr int64_t kBlockElems = 2 * 16 * 32;  // bf16 elements of one (nb, kb) block
 
-// `rows` rows of 16 fp32 sums (+ bias) rounded to bf16 at y (row stride ldy).
-inline void store_rows(const float* c, int64_t rows, const float* bias, at::BFloat16* y,
-                       int64_t ldy) {
-  const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-  for (int64_t r = 0; r < rows; ++r) {
-    __m512 v = _mm512_load_ps(c + r * 16);
-    if (bias) v = _mm512_add_ps(v, b);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy), (__m256i)_mm512_cvtneps_pbh(v));
+// Software prefetch of the next group's weights into L2, spread over the current group's K
+// steps (a group's first row block otherwise waits on memory for every B tile).
+struct Prefetch {
+  const char* p = nullptr;    // next line to prefetch
+  const char* end = nullptr;  // end of the next group's weights
+  int64_t per_step = 0;       // lines per K step
+  inline void step() {
+    for (int64_t i = 0; i < per_step && p < end; ++i, p += 64) _mm_prefetch(p, _MM_HINT_T1);
   }
-}
+};
+
+// A finished pass's epilogue: its rows' vector work, run a few rows at a time inside the next
+// two passes' K loops (see Drain). `c`: the pass's four fp32 C tiles (tile t at c + 256 t:
+// rows 16 (t / 2) + 0..15, outputs 16 (t % 2) + 0..15). Kinds:
+// - kStore: row r's 32 outputs + bias, rounded to bf16, at y + r * ldy;
+// - kGate: the same values kept in `gate` [32 rows][32] (the gate half of a fused SiLU-mul);
+// - kSilu: silu(gate) * up of the row (up = this pass's rounded outputs), rounded to bf16 at
+//   y + r * ldy, as radixrt::silu_mul rounds it (silu_mul.h; `scalar`: columns past its
+//   vectorised end, which silu_mul runs on the scalar path).
+struct Epilogue {
+  enum Kind { kStore, kGate, kSilu };
+  const float* c = nullptr;
+  const float* bias = nullptr;
+  BF16* y = nullptr;
+  BF16* gate = nullptr;
+  int64_t ldy = 0, rows = 0, next = 0;
+  Kind kind = kStore;
+  bool scalar = false;
+
+  inline bool done() const { return next >= rows; }
+  inline void row(int64_t r) {
+    const float* c0 = c + (r / 16) * 512 + (r % 16) * 16;
+    __m512 lo = _mm512_load_ps(c0), hi = _mm512_load_ps(c0 + 256);
+    if (bias) {
+      lo = _mm512_add_ps(lo, _mm512_loadu_ps(bias));
+      hi = _mm512_add_ps(hi, _mm512_loadu_ps(bias + 16));
+    }
+    const __m256i blo = (__m256i)_mm512_cvtneps_pbh(lo), bhi = (__m256i)_mm512_cvtneps_pbh(hi);
+    BF16* dst = kind == kGate ? gate + r * 32 : y + r * ldy;
+    if (kind != kSilu) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), blo);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16), bhi);
+      return;
+    }
+    alignas(64) BF16 up[32];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(up), blo);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(up + 16), bhi);
+    const BF16* g = gate + r * 32;
+    if (!scalar) {
+      Vec va, vb;
+      silu_times_up<BF16>(g, up, va, vb);
+      store_pair<BF16>(dst, va, vb);
+    } else {
+      for (int i = 0; i < 32; ++i) {
+        dst[i] = static_cast<BF16>(silu_times_up_scalar<BF16>(g[i], up[i]));
+      }
+    }
+  }
+  // Rows up to (not including) `end`.
+  inline void run_to(int64_t end) {
+    for (end = std::min(rows, end); next < end; ++next) row(next);
+  }
+};
+
+// The last pass's epilogue, run in the next pass's K loop, a few rows per step: the vector work
+// then overlaps that pass's tile work instead of leaving the tiles idle (a pass's stores wait
+// for its last tile ops). Finished before that pass's own epilogue takes its place, so two C
+// buffers and one gate buffer suffice. (Spreading each epilogue over two passes, so a SiLU-mul's
+// costly rows and a gate's cheap ones share every pass, measured no faster.)
+struct Drain {
+  Epilogue prev;
+  int64_t per = 0;
+
+  inline void plan(int64_t ksteps) { per = (prev.rows - prev.next + ksteps - 1) / ksteps; }
+  inline void step() { prev.run_to(prev.next + per); }
+  inline void push(const Epilogue& e) {
+    finish();
+    prev = e;
+  }
+  inline void finish() { prev.run_to(prev.rows); }
+};
 
 // Rows [0, rows) (rows <= 16 * (TWO ? 2 : 1)) of a at stride lda (elements) x N block `w`
-// (ksteps blocks): y's 32 outputs of those rows. Tiles (TileConfig, amx_tiles.h: all 16 x 64
-// bytes) 0-3: C (rows 0-15 / 16-31 x outputs 0-15 / 16-31), 4-5: A, 6-7: B.
+// (ksteps blocks) into the C tiles, stored as fp32 at c (Epilogue's layout). Tiles (TileConfig,
+// amx_tiles.h: all 16 x 64 bytes) 0-3: C (rows 0-15 / 16-31 x outputs 0-15 / 16-31), 4-5: A,
+// 6-7: B. Each K step also prefetches and runs its share of the drain's epilogues.
 template <bool TWO>
-inline void pass(const at::BFloat16* a, int64_t lda, const at::BFloat16* w, int64_t ksteps,
-                 const float* bias, at::BFloat16* y, int64_t ldy, int64_t rows, float* cbuf) {
-  const int64_t stride = lda * static_cast<int64_t>(sizeof(at::BFloat16));
+inline void pass(const BF16* a, int64_t lda, const BF16* w, int64_t ksteps, float* c,
+                 Prefetch& pf, Prefetch& pa, Drain& drain) {
+  const int64_t stride = lda * static_cast<int64_t>(sizeof(BF16));
+  drain.plan(ksteps);
   _tile_zero(0);
   _tile_zero(1);
   if constexpr (TWO) {
@@ -78,7 +153,7 @@ inline void pass(const at::BFloat16* a, int64_t lda, const at::BFloat16* w, int6
     _tile_zero(3);
   }
   for (int64_t kb = 0; kb < ksteps; ++kb) {
-    const at::BFloat16* b = w + kb * kBlockElems;
+    const BF16* b = w + kb * kBlockElems;
     _tile_loadd(6, b, 64);
     _tile_loadd(7, b + kBlockElems / 2, 64);
     _tile_loadd(4, a + kb * kBlock, stride);
@@ -89,20 +164,104 @@ inline void pass(const at::BFloat16* a, int64_t lda, const at::BFloat16* w, int6
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
+    pf.step();
+    pa.step();
+    drain.step();
   }
-  _tile_stored(0, cbuf, 64);
-  _tile_stored(1, cbuf + 256, 64);
+  _tile_stored(0, c, 64);
+  _tile_stored(1, c + 256, 64);
   if constexpr (TWO) {
-    _tile_stored(2, cbuf + 512, 64);
-    _tile_stored(3, cbuf + 768, 64);
+    _tile_stored(2, c + 512, 64);
+    _tile_stored(3, c + 768, 64);
   }
-  const int64_t top = std::min<int64_t>(rows, 16);
-  store_rows(cbuf, top, bias, y, ldy);
-  store_rows(cbuf + 256, top, bias ? bias + 16 : nullptr, y + 16, ldy);
-  if (TWO && rows > 16) {
-    store_rows(cbuf + 512, rows - 16, bias, y + 16 * ldy, ldy);
-    store_rows(cbuf + 768, rows - 16, bias ? bias + 16 : nullptr, y + 16 * ldy + 16, ldy);
+}
+
+// One thread's share of a call: N blocks [b0, b1) of `w` over every row of x (m rows, k = 32
+// ksteps columns; `tail`: the rows past the last whole 16, padded with zero rows) into y
+// (ldy = its row stride). With `silu`, block j is a gate block whose up block is j + up_offset:
+// each pass over a gate block is followed by one over its up block, and y's block j is their
+// SiLU-mul (the output has up_offset blocks); else y's block j is x W_j^T.
+void run_blocks(const BF16* xa, int64_t m, int64_t k, const BF16* tail, const BF16* w,
+                int64_t ksteps, const float* bias, BF16* y, int64_t ldy, int64_t b0, int64_t b1,
+                bool silu, int64_t up_offset, int64_t vec_end) {
+  static const TileConfig cfg;
+  _tile_loadconfig(&cfg);
+  alignas(64) float cbuf[2][4 * 256];
+  alignas(64) BF16 gate[32 * 32];
+  const int64_t block_bytes = ksteps * kBlockElems * static_cast<int64_t>(sizeof(BF16));
+  const int64_t weights_per_block = silu ? 2 : 1;
+  const int64_t group = std::max<int64_t>(1, kGroupBytes / (block_bytes * weights_per_block));
+  const int64_t row_blocks = (m + 31) / 32;
+  const int64_t full = m / 16 * 16;
+  Drain drain;
+  Prefetch pf_a;  // the next row block's activations
+  int buf = 0;
+  // One pass of `rows` rows at a (stride lda) over weight block wb into the next C buffer; its
+  // epilogue (kind, writing y rows at dst, bias bb) joins the drain.
+  auto one = [&](const BF16* a, int64_t lda, int64_t rows, const BF16* wb, Epilogue::Kind kind,
+                 const float* bb, BF16* dst, bool scalar, Prefetch& pf) {
+    float* c = cbuf[buf];
+    if (rows > 16) {
+      pass<true>(a, lda, wb, ksteps, c, pf, pf_a, drain);
+    } else {
+      pass<false>(a, lda, wb, ksteps, c, pf, pf_a, drain);
+    }
+    buf ^= 1;
+    drain.push(Epilogue{c, bb, dst, gate, ldy, rows, 0, kind, scalar});
+  };
+  for (int64_t g0 = b0; g0 < b1; g0 += group) {
+    const int64_t g1 = std::min(b1, g0 + group);
+    Prefetch pf;  // the next group's weights (for silu: its gate blocks, then its up blocks)
+    Prefetch pf_up;
+    if (g1 < b1) {
+      const int64_t next = std::min(b1, g1 + group) - g1;
+      const int64_t steps = row_blocks * (g1 - g0) * ksteps * weights_per_block;
+      const int64_t lines = next * block_bytes / 64;
+      const int64_t per = (lines * weights_per_block + steps - 1) / steps;
+      pf.p = reinterpret_cast<const char*>(w + g1 * ksteps * kBlockElems);
+      pf.end = pf.p + lines * 64;
+      pf.per_step = per;
+      if (silu) {
+        pf_up.p = reinterpret_cast<const char*>(w + (g1 + up_offset) * ksteps * kBlockElems);
+        pf_up.end = pf_up.p + lines * 64;
+        pf_up.per_step = per;
+      }
+    }
+    for (int64_t r = 0; r < m; r += 32) {
+      // the first group prefetches the next row block's activations (they come from the cores
+      // that wrote them: without this the tile loads wait on each line; later groups find them
+      // in L2)
+      if (g0 == b0 && r + 32 < m) {
+        const int64_t lines = (std::min(m, r + 64) - (r + 32)) * k * 2 / 64;
+        const int64_t steps = (g1 - g0) * ksteps * weights_per_block;
+        pf_a.p = reinterpret_cast<const char*>(xa + (r + 32) * k);
+        pf_a.end = pf_a.p + lines * 64;
+        pf_a.per_step = (lines + steps - 1) / steps;
+      }
+      for (int64_t nb = g0; nb < g1; ++nb) {
+        // the rows of this block: a pass of 32 (or 16) rows in place, then the padded tail
+        int64_t q = r;
+        while (q < std::min(m, r + 32)) {
+          const int64_t rows = q + 32 <= full ? 32 : (q + 16 <= full ? 16 : m - q);
+          const BF16* a = q + 16 <= full ? xa + q * k : tail;
+          BF16* dst = y + q * ldy + nb * kBlock;
+          const float* bb = bias ? bias + nb * kBlock : nullptr;
+          const BF16* wg = w + nb * ksteps * kBlockElems;
+          if (!silu) {
+            one(a, k, rows, wg, Epilogue::kStore, bb, dst, false, pf);
+          } else {
+            const int64_t ub = nb + up_offset;
+            one(a, k, rows, wg, Epilogue::kGate, bb, dst, false, pf);
+            one(a, k, rows, w + ub * ksteps * kBlockElems, Epilogue::kSilu,
+                bias ? bias + ub * kBlock : nullptr, dst, nb * kBlock >= vec_end, pf_up);
+          }
+          q += rows;
+        }
+      }
+    }
   }
+  drain.finish();
+  _tile_release();
 }
 #endif  // RADIXRT_AMX_LINEAR
 
@@ -115,72 +274,62 @@ bool amx_linear_available() {
 #endif
 }
 
-Tensor amx_linear(const Tensor& x, const Tensor& packed, const std::optional<Tensor>& bias) {
-  TORCH_CHECK(amx_linear_available(),
-              "amx_linear: this kernel library or CPU has no usable AMX-BF16 tiles");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16,
-              "amx_linear: x must be 2-D bfloat16 [M, K], got ", x.sizes(), " ", x.scalar_type());
+// Checks and the common call: x [M, K] times packed [N/32, K/32, 2, 16, 32] (+ bias), into y
+// [M, N] or, with `silu`, silu_mul's [M, N/2] of the [gate | up] result.
+Tensor linear_impl(const Tensor& x, const Tensor& packed, const std::optional<Tensor>& bias,
+                   bool silu, const char* op) {
+  TORCH_CHECK(amx_linear_available(), op,
+              ": this kernel library or CPU has no usable AMX-BF16 tiles");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, op,
+              ": x must be 2-D bfloat16 [M, K], got ", x.sizes(), " ", x.scalar_type());
   TORCH_CHECK(packed.dim() == 5 && packed.scalar_type() == at::kBFloat16 &&
                   packed.is_contiguous() && packed.size(2) == 2 && packed.size(3) == 16 &&
                   packed.size(4) == 32,
-              "amx_linear: packed must be contiguous bfloat16 [N/32, K/32, 2, 16, 32], got ",
+              op, ": packed must be contiguous bfloat16 [N/32, K/32, 2, 16, 32], got ",
               packed.sizes());
   const int64_t m = x.size(0), k = x.size(1), n_blocks = packed.size(0), ksteps = packed.size(1);
-  TORCH_CHECK(k == ksteps * kBlock, "amx_linear: x has ", k, " features, the weight ",
-              ksteps * kBlock);
+  TORCH_CHECK(k == ksteps * kBlock, op, ": x has ", k, " features, the weight ", ksteps * kBlock);
+  TORCH_CHECK(!silu || n_blocks % 2 == 0, op,
+              ": packed [gate | up] must have an even number of 32-output blocks, got ",
+              n_blocks);
   const int64_t n = n_blocks * kBlock;
   Tensor bias_f;
   if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "amx_linear: bias must be [", n,
-                "], got ", bias->sizes());
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, op, ": bias must be [", n, "], got ",
+                bias->sizes());
     bias_f = bias->to(at::kFloat).contiguous();
   }
-  Tensor y = at::empty({m, n}, x.options());
+  const int64_t out_n = silu ? n / 2 : n;
+  Tensor y = at::empty({m, out_n}, x.options());
   if (m == 0) return y;
 #if defined(RADIXRT_AMX_LINEAR)
   const Tensor xc = x.contiguous();
-  const auto* xa = xc.data_ptr<at::BFloat16>();
-  const auto* w = packed.data_ptr<at::BFloat16>();
-  auto* yp = y.data_ptr<at::BFloat16>();
+  const auto* xa = xc.data_ptr<BF16>();
+  const auto* w = packed.data_ptr<BF16>();
+  auto* yp = y.data_ptr<BF16>();
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   const int64_t full = m / 16 * 16;
-  std::vector<at::BFloat16> tail;  // the last rows short of a tile, padded with zero rows
+  std::vector<BF16> tail;  // the last rows short of a tile, padded with zero rows
   if (full < m) {
-    tail.assign(16 * k, at::BFloat16(0.f));
-    std::memcpy(tail.data(), xa + full * k, (m - full) * k * sizeof(at::BFloat16));
+    tail.assign(16 * k, BF16(0.f));
+    std::memcpy(tail.data(), xa + full * k, (m - full) * k * sizeof(BF16));
   }
-  at::parallel_for(0, n_blocks, 1, [&](int64_t b0, int64_t b1) {
-    static const TileConfig cfg;
-    _tile_loadconfig(&cfg);
-    alignas(64) float cbuf[4 * 256];
-    const int64_t group = std::max<int64_t>(
-        1, kGroupBytes / (ksteps * kBlockElems * static_cast<int64_t>(sizeof(at::BFloat16))));
-    for (int64_t g0 = b0; g0 < b1; g0 += group) {
-      const int64_t g1 = std::min(b1, g0 + group);
-      for (int64_t r = 0; r < m; r += 32) {
-        for (int64_t nb = g0; nb < g1; ++nb) {
-          const at::BFloat16* wb = w + nb * ksteps * kBlockElems;
-          const float* bb = bp ? bp + nb * kBlock : nullptr;
-          at::BFloat16* yb = yp + r * n + nb * kBlock;
-          if (r + 32 <= full) {
-            pass<true>(xa + r * k, k, wb, ksteps, bb, yb, n, 32, cbuf);
-          } else {  // the last rows: a whole tile of them if there is one, then the tail
-            int64_t q = r;
-            if (q + 16 <= full) {
-              pass<false>(xa + q * k, k, wb, ksteps, bb, yb, n, 16, cbuf);
-              q += 16;
-            }
-            if (q < m)
-              pass<false>(tail.data(), k, wb, ksteps, bb, yp + q * n + nb * kBlock, n, m - q,
-                          cbuf);
-          }
-        }
-      }
-    }
-    _tile_release();
+  const int64_t blocks = silu ? n_blocks / 2 : n_blocks;
+  const int64_t vec_end = silu ? silu_mul_vec_end<BF16>(out_n) : 0;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    run_blocks(xa, m, k, tail.data(), w, ksteps, bp, yp, out_n, b0, b1, silu, blocks, vec_end);
   });
 #endif
   return y;
+}
+
+Tensor amx_linear(const Tensor& x, const Tensor& packed, const std::optional<Tensor>& bias) {
+  return linear_impl(x, packed, bias, false, "amx_linear");
+}
+
+// silu_mul(amx_linear(x, packed, bias)) bitwise, without the [M, N] intermediate.
+Tensor amx_linear_silu(const Tensor& x, const Tensor& packed, const std::optional<Tensor>& bias) {
+  return linear_impl(x, packed, bias, true, "amx_linear_silu");
 }
 
 }  // namespace
@@ -188,7 +337,11 @@ Tensor amx_linear(const Tensor& x, const Tensor& packed, const std::optional<Ten
 
 TORCH_LIBRARY_FRAGMENT(radixrt, m) {
   m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
+  m.def("amx_linear_silu(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
   m.def("amx_linear_available() -> bool", &radixrt_cpu::amx_linear_available);
 }
 
-TORCH_LIBRARY_IMPL(radixrt, CPU, m) { m.impl("amx_linear", &radixrt_cpu::amx_linear); }
+TORCH_LIBRARY_IMPL(radixrt, CPU, m) {
+  m.impl("amx_linear", &radixrt_cpu::amx_linear);
+  m.impl("amx_linear_silu", &radixrt_cpu::amx_linear_silu);
+}

@@ -20,7 +20,9 @@
 // rows runs mkldnn::_linear_pointwise on it, bitwise linear(x, weight, bias) there.
 // The MLP's down projection takes silu_mul(gate_up); on a vnni linear running its kernel, that
 // is qgemm_vnni_silu(gate_up, ...) instead: the SiLU-mul computed while quantizing the
-// activations, bitwise qgemm_vnni(silu_mul(gate_up)) (one op and one intermediate fewer).
+// activations, bitwise qgemm_vnni(silu_mul(gate_up)) (one op and one intermediate fewer). A
+// gate_up on an AMX-packed weight runs radixrt::amx_linear_silu instead (the SiLU-mul in its
+// epilogue, bitwise silu_mul(amx_linear)), and the down projection takes its output as is.
 // The attention of layer l writes this step's K/V at `loc` into k_buffers[l] / v_buffers[l]
 // (kv_store) and runs paged_decode over the plan (radixrt/attention/paged_decode.py). An int8
 // pool passes its per-layer scales in k_scales / v_scales (empty lists otherwise): then
@@ -232,6 +234,27 @@ Tensor run_linear(const Ops& ops, const Tensor& x, const OptTensors& w, c10::Int
                                         required(w, base + 1, i, "scale"),
                                         required(w, base + 2, i, "offset"), bits);
   return bias.has_value() ? y + *bias : y;
+}
+
+// The MLP's gate_up (linear i) on x: (silu_mul of it, true) where the call takes an AMX-packed
+// dense weight of whole [gate | up] block pairs (radixrt::amx_linear_silu: the SiLU-mul in the
+// linear's epilogue, bitwise silu_mul(amx_linear)), else (gate_up, false), the SiLU-mul left
+// to the down projection (the rules of LinearWeight.silu_mul in radixrt/model/linear.py).
+std::pair<Tensor, bool> run_gate_up(const Ops& ops, const Tensor& x, const OptTensors& w,
+                                    c10::IntArrayRef meta, int64_t i) {
+  const int64_t kind = meta[i * kMetaPerLinear], max_rows = meta[i * kMetaPerLinear + 2];
+  const int64_t base = i * kSlotsPerLinear;
+  const bool dense = kind == 0 || (slot(w, base + 3).has_value() && x.size(0) > max_rows);
+  const std::optional<Tensor> packed = slot(w, base + 5);
+  if (dense && packed.has_value() && amx_packed(*packed) && packed->size(0) % 2 == 0 &&
+      x.size(0) <= kAmxMaxRows) {
+    static const auto fused =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("radixrt::amx_linear_silu", "")
+            .typed<Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&)>();
+    return {fused.call(x, *packed, slot(w, base + 4)), true};
+  }
+  return {run_linear(ops, x, w, meta, i), false};
 }
 
 // The paged plan of one micro-batch: its rows' own keys and the shared-prefix groups it reads.
@@ -462,9 +485,9 @@ std::tuple<Tensor, Tensor> run_layers(const Stack& st, const Tensor& h0, const T
     before_norm();
     std::tie(x, residual) = ops.add_rms_norm.call(attn_out, residual, st.norms[2 * l + 1], eps);
     RADIXRT_TEAM_PHASE(8);
-    const Tensor gate_up = run_linear(ops, x, st.weights, st.meta, lin + 2);
+    const auto [act, activated] = run_gate_up(ops, x, st.weights, st.meta, lin + 2);
     RADIXRT_TEAM_PHASE(9);
-    h = run_linear(ops, gate_up, st.weights, st.meta, lin + 3, /*silu=*/true);
+    h = run_linear(ops, act, st.weights, st.meta, lin + 3, /*silu=*/!activated);
   }
   RADIXRT_TEAM_PHASE(0);
   return {h, residual};
