@@ -116,7 +116,7 @@ def test_amx_packed_calls(out_f: int, in_f: int, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(prepack, "packed_linear", lambda *a: calls.append(1) or real(*a))
     x = torch.randn(prepack.AMX_MAX_ROWS + 1, in_f, generator=g).bfloat16()
     w64 = w.weight.double()
-    row_counts = (1, 2, 7, 8, 15, 16, 17, 33, 64, 100, 256, 300, prepack.AMX_MAX_ROWS)
+    row_counts = (1, 2, 7, 8, 15, 16, 17, 33, 64, 100, 256, 300, 517, prepack.AMX_MAX_ROWS)
     for b in (None, bias):
         whole = w(x[:300], b)
         for rows in row_counts:
@@ -138,6 +138,8 @@ def test_amx_packed_calls(out_f: int, in_f: int, monkeypatch: pytest.MonkeyPatch
                 assert torch.equal(got, want), (rows, b is not None)
             if rows <= 300:
                 assert torch.equal(got, whole[:rows]), (rows, b is not None)
+            else:  # from 512 rows the threads split the rows, not the outputs
+                assert torch.equal(got[:300], whole), (rows, b is not None)
     assert len(calls) == 2 * (len(row_counts) + 1)
     assert torch.equal(w(x), plain(x))  # above AMX_MAX_ROWS: the plain weight
     assert torch.equal(w(x[:3], None, True), plain(x[:3], None, True))  # invariant: plain

@@ -15,15 +15,24 @@
 // 512 rows on SmolLM2's shapes); elsewhere a few outputs in 10^4 differ, by the fp32 sums' order.
 //
 // Blocking: 32 rows x 32 outputs per pass (four C tiles; two A tiles of activation rows read in
-// place, two B tiles of weights), all of K. N blocks are split over the threads; a thread takes
-// its blocks in groups of kGroupBytes of weights (kept in L2) and passes every 32-row block of
-// activations (in L1) over a group before the next (rows in 256-row chunks with every N block
-// inside was 0.75-0.9x oneDNN for gate_up [3072, 576] at 512-1300 rows: its weights left L2).
-// Measured on a 2-vCPU Xeon with AMX (SmolLM2's four layer matmuls, weights in the caches, against
-// oneDNN's plain call, layer sums): 64 rows 2.0x, 256 rows 1.5x, 512 rows 1.07x, 768-1300 rows
-// 1.09-1.18x (the 576-wide outputs 1.5-1.9x at 768-1024, where oneDNN drops to 1.3-1.6
-// TFLOP/s), 2048 rows and more 0.73-0.78x; prefills on the default model: 256 tokens 1.18x, 512
-// 1.11x, 1024 1.15x, 1300 1.05x, 1536 0.91x: hence prepack.AMX_MAX_ROWS.
+// place, two B tiles of weights), all of K. The threads split the N blocks (or, from kSplitRows
+// rows, the rows); a thread takes its blocks in groups of kGroupBytes of weights (kept in L2,
+// the next group prefetched meanwhile) and passes every 32-row block of its activations over a
+// group before the next (rows in 256-row chunks with every N block inside was 0.75-0.9x oneDNN
+// for gate_up [3072, 576] at 512-1300 rows: its weights left L2). A pass's epilogue (bias,
+// rounding, stores; for amx_linear_silu the SiLU-mul) runs inside the next pass's K loop.
+//
+// amx_linear_silu: a [gate | up] weight's silu_mul(amx_linear(x)) bitwise, without the [M, N]
+// intermediate: each pass over gate block j is followed by one over up block j + N/64, and the
+// second's epilogue computes silu_mul's arithmetic (silu_mul.h) on the two rounded results.
+//
+// Measured on a 2-vCPU Xeon with AMX (bench/amx_linear_ab.py; SmolLM2's matmuls): the first
+// version (no prefetch, epilogue after each pass, N split) was against oneDNN's plain call
+// (layer sums, weights in cache) 2.0x at 64 rows, 1.5x at 256, 1.07x at 512, 1.09-1.18x at
+// 768-1300, 0.73-0.78x from 2048; prefills on the default model 1.18x at 256 tokens, 1.11x at
+// 512, 1.15x at 1024, 0.91x at 1536: hence prepack.AMX_MAX_ROWS. This version against the
+// first, weights from memory: 64 rows 1.13-1.33x, 512 rows 1.01-1.27x; gate_up then silu_mul
+// against amx_linear_silu 1.45-1.58x.
 
 #include <torch_headers.h>  // first: precompiled by the build
 #include <c10/util/BFloat16.h>
@@ -49,6 +58,13 @@ using at::Tensor;
 using BF16 = at::BFloat16;
 
 constexpr int64_t kBlock = 32;  // outputs and inputs per weight block
+// Calls of at least this many rows split their rows over the threads (each reads every weight),
+// smaller ones their N blocks (each reads its share of the weights once). Rows: each thread
+// then writes the rows that the row-split ops around it (norms, RoPE) read on the same core,
+// and reads its own activations. Against N blocks, SmolLM2's matmuls with weights from memory:
+// 128 rows 0.76-0.87x (the weights read twice), 256 0.91-0.99x, 512 1.01-1.14x, 1024
+// 1.08-1.32x, 2048 1.11-1.19x.
+constexpr int64_t kSplitRows = 512;
 #if defined(RADIXRT_AMX_LINEAR)
 // Weight bytes of the N blocks a thread takes together over every row (they stay in L2 while
 // each 32-row block of activations, in L1, passes over them).
@@ -316,9 +332,17 @@ Tensor linear_impl(const Tensor& x, const Tensor& packed, const std::optional<Te
   }
   const int64_t blocks = silu ? n_blocks / 2 : n_blocks;
   const int64_t vec_end = silu ? silu_mul_vec_end<BF16>(out_n) : 0;
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    run_blocks(xa, m, k, tail.data(), w, ksteps, bp, yp, out_n, b0, b1, silu, blocks, vec_end);
-  });
+  if (m >= kSplitRows && at::get_num_threads() > 1) {
+    at::parallel_for(0, (m + 31) / 32, 1, [&](int64_t r0, int64_t r1) {
+      const int64_t q0 = r0 * 32, q1 = std::min(m, r1 * 32);
+      run_blocks(xa + q0 * k, q1 - q0, k, tail.data(), w, ksteps, bp, yp + q0 * out_n, out_n, 0,
+                 blocks, silu, blocks, vec_end);
+    });
+  } else {
+    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+      run_blocks(xa, m, k, tail.data(), w, ksteps, bp, yp, out_n, b0, b1, silu, blocks, vec_end);
+    });
+  }
 #endif
   return y;
 }
