@@ -158,8 +158,8 @@ def test_amx_fused_silu_mul(inter: int, in_f: int, monkeypatch: pytest.MonkeyPat
     """A `[gate; up]` weight's `silu_mul` on AMX tiles (`amx_linear_silu`, the SiLU-mul in the
     linear's epilogue) is bitwise radixrt::silu_mul of the linear, which is torch's
     `F.silu(gate) * up` (inter = 96: its last 32 columns on silu_mul's scalar path), at row
-    counts off the tiles, with and without a bias; larger, invariant and odd-block calls take
-    the linear then `silu_mul`."""
+    counts off the tiles, with and without a bias, and above AMX_MAX_ROWS (where the linear
+    alone is plain); invariant and odd-block calls take the linear then `silu_mul`."""
     g = torch.Generator().manual_seed(inter + in_f)
     w = DenseWeight((torch.randn(2 * inter, in_f, generator=g) * 0.2).bfloat16())
     bias = torch.randn(2 * inter, generator=g).bfloat16()
@@ -178,14 +178,19 @@ def test_amx_fused_silu_mul(inter: int, in_f: int, monkeypatch: pytest.MonkeyPat
             assert torch.equal(got, ops.silu_mul(y)), (rows, b is not None)
             assert torch.equal(got, ref.silu_mul(y)), (rows, b is not None)
     assert len(fused) == 2 * len(row_counts)
-    assert torch.equal(w.silu_mul(x, None, False, ops.silu_mul), ops.silu_mul(w(x)))
+    # above AMX_MAX_ROWS too (the linear alone is plain there: within its ulps)
+    big = w.silu_mul(x, None, False, ops.silu_mul)
+    assert len(fused) == 2 * len(row_counts) + 1
+    assert torch.equal(big[:prepack.AMX_MAX_ROWS],
+                       w.silu_mul(x[:prepack.AMX_MAX_ROWS], None, False, ops.silu_mul))
+    assert torch.allclose(big.float(), ops.silu_mul(w(x)).float(), rtol=0.02, atol=0.02)
     assert torch.equal(w.silu_mul(x[:3], None, True, ops.silu_mul),
                        ops.silu_mul(w(x[:3], None, True)))
     odd = DenseWeight(torch.randn(96, in_f, generator=g).bfloat16())  # three 32-blocks
     odd.pack()
     assert odd.packed is not None and prepack.is_amx(odd.packed)
     assert torch.equal(odd.silu_mul(x[:9], None, False, ops.silu_mul), ops.silu_mul(odd(x[:9])))
-    assert len(fused) == 2 * len(row_counts)
+    assert len(fused) == 2 * len(row_counts) + 2
     with pytest.raises(RuntimeError, match="even number of 32-output blocks"):
         torch.ops.radixrt.amx_linear_silu(x[:4], odd.packed, None)
 

@@ -114,8 +114,7 @@ class DenseWeight(LinearWeight):
     def silu_mul(self, x: torch.Tensor, bias: torch.Tensor | None, invariant: bool,
                  silu_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         if (self.packed is not None and prepack.is_amx(self.packed) and not invariant
-                and self.packed.shape[0] % 2 == 0
-                and x.shape[0] <= prepack.max_rows(self.packed)):
+                and self.packed.shape[0] % 2 == 0):  # any row count (prepack.py)
             return prepack.packed_linear_silu(x, self.packed, bias)
         return silu_mul(self(x, bias, invariant))
 

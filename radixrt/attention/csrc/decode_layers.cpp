@@ -236,8 +236,8 @@ Tensor run_linear(const Ops& ops, const Tensor& x, const OptTensors& w, c10::Int
   return bias.has_value() ? y + *bias : y;
 }
 
-// The MLP's gate_up (linear i) on x: (silu_mul of it, true) where the call takes an AMX-packed
-// dense weight of whole [gate | up] block pairs (radixrt::amx_linear_silu: the SiLU-mul in the
+// The MLP's gate_up (linear i) on x: (silu_mul of it, true) where the call takes the dense
+// weight, AMX-packed in whole [gate | up] block pairs, at any row count (radixrt::amx_linear_silu: the SiLU-mul in the
 // linear's epilogue, bitwise silu_mul(amx_linear)), else (gate_up, false), the SiLU-mul left
 // to the down projection (the rules of LinearWeight.silu_mul in radixrt/model/linear.py).
 std::pair<Tensor, bool> run_gate_up(const Ops& ops, const Tensor& x, const OptTensors& w,
@@ -246,8 +246,7 @@ std::pair<Tensor, bool> run_gate_up(const Ops& ops, const Tensor& x, const OptTe
   const int64_t base = i * kSlotsPerLinear;
   const bool dense = kind == 0 || (slot(w, base + 3).has_value() && x.size(0) > max_rows);
   const std::optional<Tensor> packed = slot(w, base + 5);
-  if (dense && packed.has_value() && amx_packed(*packed) && packed->size(0) % 2 == 0 &&
-      x.size(0) <= kAmxMaxRows) {
+  if (dense && packed.has_value() && amx_packed(*packed) && packed->size(0) % 2 == 0) {
     static const auto fused =
         c10::Dispatcher::singleton()
             .findSchemaOrThrow("radixrt::amx_linear_silu", "")
