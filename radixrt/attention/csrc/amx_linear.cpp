@@ -172,10 +172,10 @@ inline void pass(const BF16* a, int64_t lda, const BF16* w, int64_t ksteps, floa
   }
   for (int64_t kb = 0; kb < ksteps; ++kb) {
     const BF16* b = w + kb * kBlockElems;
-    _tile_loadd(6, b, 64);
-    _tile_loadd(7, b + kBlockElems / 2, 64);
     _tile_loadd(4, a + kb * kBlock, stride);
+    _tile_loadd(6, b, 64);
     _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, b + kBlockElems / 2, 64);
     _tile_dpbf16ps(1, 4, 7);
     if constexpr (TWO) {
       _tile_loadd(5, a + 16 * lda + kb * kBlock, stride);
