@@ -4,7 +4,8 @@
 
 This checkout's `decode_layers.cpp` (the one-call decode step) is rebuilt under the op namespace
 `radixrt_phases` with a steady-clock lap after each phase of every layer (input norms, qkv
-matmul, RoPE + K/V store, paged decode, o matmul, gate_up matmul, down matmul); the ops it calls
+matmul, RoPE + K/V store, paged decode, o matmul, gate_up matmul (with the SiLU-mul where
+`amx_linear_silu` runs it), down matmul); the ops it calls
 are radixrt's own, so the arithmetic is the step's. The default model, a `ModelRunner` as the
 server builds it, `bs` requests over `--ctx` random cached tokens (bench/decode_steps.py). Prints
 the median step and, per step, each phase's mean, the layers' sum, and the time outside the
@@ -43,8 +44,10 @@ _LAPS = (
     ("    const Tensor attn_out = run_linear(ops, o, st.weights, st.meta, lin + 1);\n", "LAP(4)"),
     ("    std::tie(x, residual) = ops.add_rms_norm.call(attn_out, residual, st.norms[2 * l + 1], "
      "eps);\n", "LAP(0)"),
-    ("    const Tensor gate_up = run_linear(ops, x, st.weights, st.meta, lin + 2);\n", "LAP(5)"),
-    ("    h = run_linear(ops, gate_up, st.weights, st.meta, lin + 3, /*silu=*/true);\n", "LAP(6)"),
+    ("    const auto [act, activated] = run_gate_up(ops, x, st.weights, st.meta, lin + 2);\n",
+     "LAP(5)"),
+    ("    h = run_linear(ops, act, st.weights, st.meta, lin + 3, /*silu=*/!activated);\n",
+     "LAP(6)"),
 )
 _PRELUDE = """
 #include <chrono>

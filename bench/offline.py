@@ -200,8 +200,8 @@ def one_batch(batch_sizes: Sequence[int], input_len: int, output_len: int, threa
     which costs a decode step the same), then `output_len` decode steps, each timed from
     building its `ForwardBatch` to the sampled ids on the host. With `with_ceiling`, the
     machine's ceilings (read bandwidth, matmul peak in the model's dtype), measured again right
-    before each batch size's runs, and each row's roofline against its own ceilings
-    (bench/roofline.py); a quantized model's decode weight bytes are what its `LinearWeight`s
+    before each batch size's runs, and each row's roofline against its own ceilings, each never
+    below the first reading (`roofline.best_ceilings`) (bench/roofline.py); a quantized model's decode weight bytes are what its `LinearWeight`s
     read at that row count. Each row also records where the first two threads ran before and
     after its runs (`roofline.thread_placement`)."""
     import torch
@@ -237,7 +237,8 @@ def one_batch(batch_sizes: Sequence[int], input_len: int, output_len: int, threa
     for i, bs in enumerate(batch_sizes):
         ceil = first_ceil
         if with_ceiling and i > 0:  # the machine's state may have changed since (see README)
-            ceil = roofline.measure_ceilings(threads, runner.dtype)
+            ceil = roofline.best_ceilings(first_ceil, roofline.measure_ceilings(threads,
+                                                                               runner.dtype))
         placement = [roofline.thread_placement()]
         timed_prefill = bs * input_len <= prefill_max_tokens
         prefill_s: list[float] = []

@@ -326,6 +326,22 @@ def test_roofline_bound_and_fraction():
     assert R.bound_s(mem_bound, c, memory=False) == pytest.approx(2e-6)
 
 
+def test_a_rows_ceilings_never_read_below_the_first():
+    """A re-measured ceiling that came out low (the machine busy) is replaced by the first
+    reading, component by component; a higher one is kept."""
+    from bench import roofline as R
+
+    first = R.Ceilings(mem_gbps=30.0, matmul_gflops=2500.0, dtype="bfloat16", threads=2,
+                       matmul_n=2048)
+    low = R.Ceilings(mem_gbps=31.0, matmul_gflops=1180.0, dtype="bfloat16", threads=2,
+                     matmul_n=2048)
+    best = R.best_ceilings(first, low)
+    assert (best.mem_gbps, best.matmul_gflops) == (31.0, 2500.0)
+    assert best.dtype == "bfloat16" and best.threads == 2
+    cost = R.StepCost(bytes=1, flops=int(2.5e12))  # 1 s at the first reading
+    assert R.roofline_fields(cost, best, 2.0)["fraction"] == pytest.approx(0.5)
+
+
 @pytest.mark.parametrize("bf16_gflops,expect", [(61.0, "float32"), (440.0, "bfloat16")])
 def test_ceilings_take_the_faster_of_the_dtype_and_fp32(monkeypatch, bf16_gflops, expect):
     """Where bf16 matmul is emulated (an AVX512-VNNI Xeon without AVX512-BF16: ~61 against
