@@ -73,19 +73,24 @@ constexpr int64_t kGroupBytes = 256 << 10;
 constexpr int64_t kChunkBytes = 1 << 20;
 constexpr int64_t kBlockElems = 2 * 16 * 32;  // bf16 elements of one (nb, kb) block
 
-// Software prefetch of the next group's weights into L2, spread over the current group's K
-// steps (a group's first row block otherwise waits on memory for every B tile).
+// Software prefetch into L2 of `lines` cache lines from `from`, spread over `steps` K steps (the
+// next group's weights: a group's first row block otherwise waits on memory for every B tile;
+// the next row block's activations).
 struct Prefetch {
   const char* p = nullptr;    // next line to prefetch
-  const char* end = nullptr;  // end of the next group's weights
+  const char* end = nullptr;  // past the last line
   int64_t per_step = 0;       // lines per K step
+  Prefetch() = default;
+  Prefetch(const void* from, int64_t lines, int64_t steps)
+      : p(static_cast<const char*>(from)), end(p + lines * 64),
+        per_step((lines + steps - 1) / steps) {}
   inline void step() {
     for (int64_t i = 0; i < per_step && p < end; ++i, p += 64) _mm_prefetch(p, _MM_HINT_T1);
   }
 };
 
 // A finished pass's epilogue: its rows' vector work, run a few rows at a time inside the next
-// two passes' K loops (see Drain). `c`: the pass's four fp32 C tiles (tile t at c + 256 t:
+// pass's K loop (see Drain). `c`: the pass's four fp32 C tiles (tile t at c + 256 t:
 // rows 16 (t / 2) + 0..15, outputs 16 (t % 2) + 0..15). Kinds:
 // - kStore: row r's 32 outputs + bias, rounded to bf16, at y + r * ldy;
 // - kGate: the same values kept in `gate` [32 rows][32] (the gate half of a fused SiLU-mul);
@@ -102,7 +107,6 @@ struct Epilogue {
   Kind kind = kStore;
   bool scalar = false;
 
-  inline bool done() const { return next >= rows; }
   inline void row(int64_t r) {
     const float* c0 = c + (r / 16) * 512 + (r % 16) * 16;
     __m512 lo = _mm512_load_ps(c0), hi = _mm512_load_ps(c0 + 256);
@@ -241,29 +245,18 @@ void run_blocks(const BF16* xa, int64_t m, int64_t k, const BF16* tail, const BF
       Prefetch pf, pf_up;
       const int64_t n0 = g1 < b1 ? g1 : (c1 < m ? b0 : b1);
       if (n0 < b1) {
-        const int64_t next = std::min(b1, n0 + group) - n0;
-        const int64_t steps = chunk_blocks * (g1 - g0) * ksteps * weights_per_block;
-        const int64_t lines = next * block_bytes / 64;
-        const int64_t per = (lines * weights_per_block + steps - 1) / steps;
-        pf.p = reinterpret_cast<const char*>(w + n0 * ksteps * kBlockElems);
-        pf.end = pf.p + lines * 64;
-        pf.per_step = per;
-        if (silu) {
-          pf_up.p = reinterpret_cast<const char*>(w + (n0 + up_offset) * ksteps * kBlockElems);
-          pf_up.end = pf_up.p + lines * 64;
-          pf_up.per_step = per;
-        }
+        const int64_t lines = (std::min(b1, n0 + group) - n0) * block_bytes / 64;
+        const int64_t steps = chunk_blocks * (g1 - g0) * ksteps;  // passes over each stream
+        pf = Prefetch(w + n0 * ksteps * kBlockElems, lines, steps);
+        if (silu) pf_up = Prefetch(w + (n0 + up_offset) * ksteps * kBlockElems, lines, steps);
       }
       for (int64_t r = c0; r < c1; r += 32) {
         // a chunk's first group prefetches the next row block's activations (from the cores
         // that wrote them, or memory: without this the tile loads wait on each line; later
         // groups find them in L2)
         if (g0 == b0 && r + 32 < c1) {
-          const int64_t lines = (std::min(c1, r + 64) - (r + 32)) * k * 2 / 64;
-          const int64_t steps = (g1 - g0) * ksteps * weights_per_block;
-          pf_a.p = reinterpret_cast<const char*>(xa + (r + 32) * k);
-          pf_a.end = pf_a.p + lines * 64;
-          pf_a.per_step = (lines + steps - 1) / steps;
+          pf_a = Prefetch(xa + (r + 32) * k, (std::min(c1, r + 64) - (r + 32)) * k * 2 / 64,
+                          (g1 - g0) * ksteps * weights_per_block);
         }
         for (int64_t nb = g0; nb < g1; ++nb) {
           // the rows of this block: a pass of 32 (or 16) rows in place, then the padded tail

@@ -206,17 +206,23 @@ Tensor packed_linear(const Tensor& x, const Tensor& packed, const std::optional<
   return stack[0].toTensor();
 }
 
+// Whether a call of `rows` rows to linear `i` runs on its dense weight (kind 0, or a dense copy
+// above max_rows) rather than its quantized kernel (the rule of radixrt/model/linear.py).
+bool on_dense(const OptTensors& w, c10::IntArrayRef meta, int64_t i, int64_t rows) {
+  const int64_t kind = meta[i * kMetaPerLinear], max_rows = meta[i * kMetaPerLinear + 2];
+  return kind == 0 || (slot(w, i * kSlotsPerLinear + 3).has_value() && rows > max_rows);
+}
+
 // Linear `i` of the flattened weights on x (the rules of radixrt/model/linear.py); `silu`: on
 // silu_mul(x) (x = gate_up), fused into qgemm_vnni's quantization where the vnni kernel runs.
 Tensor run_linear(const Ops& ops, const Tensor& x, const OptTensors& w, c10::IntArrayRef meta,
                   int64_t i, bool silu = false) {
   const int64_t kind = meta[i * kMetaPerLinear], bits = meta[i * kMetaPerLinear + 1];
-  const int64_t max_rows = meta[i * kMetaPerLinear + 2];
   const int64_t base = i * kSlotsPerLinear;
   const std::optional<Tensor> bias = slot(w, base + 4);
   TORCH_CHECK(kind >= 0 && kind <= 2, "decode_layers: linear ", i, " has unknown kind ", kind);
   const std::optional<Tensor> dense = kind == 0 ? std::nullopt : slot(w, base + 3);
-  const bool on_kernel = kind != 0 && !(dense.has_value() && x.size(0) > max_rows);
+  const bool on_kernel = !on_dense(w, meta, i, x.size(0));
   if (silu && kind == 2 && on_kernel) {
     const Tensor y = ops.qgemm_vnni_silu.call(x.contiguous(), required(w, base, i, "packed"), bits);
     return bias.has_value() ? y + *bias : y;
@@ -242,11 +248,9 @@ Tensor run_linear(const Ops& ops, const Tensor& x, const OptTensors& w, c10::Int
 // to the down projection (the rules of LinearWeight.silu_mul in radixrt/model/linear.py).
 std::pair<Tensor, bool> run_gate_up(const Ops& ops, const Tensor& x, const OptTensors& w,
                                     c10::IntArrayRef meta, int64_t i) {
-  const int64_t kind = meta[i * kMetaPerLinear], max_rows = meta[i * kMetaPerLinear + 2];
   const int64_t base = i * kSlotsPerLinear;
-  const bool dense = kind == 0 || (slot(w, base + 3).has_value() && x.size(0) > max_rows);
   const std::optional<Tensor> packed = slot(w, base + 5);
-  if (dense && packed.has_value() && amx_packed(*packed) && packed->size(0) % 2 == 0) {
+  if (on_dense(w, meta, i, x.size(0)) && packed.has_value() && amx_packed(*packed) && packed->size(0) % 2 == 0) {
     static const auto fused =
         c10::Dispatcher::singleton()
             .findSchemaOrThrow("radixrt::amx_linear_silu", "")
