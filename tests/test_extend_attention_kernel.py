@@ -291,7 +291,9 @@ def test_amx_results_do_not_depend_on_batch_threads_or_the_cached_split(heads: i
                                                                         dim: int) -> None:
     """AMX path: a request's rows are bitwise the same in a batch, alone, at 1 or 2 threads, and
     whether its first keys were cached (prefix slots) or computed in the same step (new slots):
-    a radix-cache hit does not change a prompt's outputs."""
+    a radix-cache hit does not change a prompt's outputs. Alone, the 77- and 130-token requests
+    are cut into 3+ parts and their key blocks packed once ahead for all of them; in the batch
+    each of their items packs its own."""
     if not _amx_usable():
         pytest.skip("no AMX tiles in this process (CPU, build, hypervisor or kernel)")
     rows = [(100, 30), (0, 77), (850, 65), (5, 1), (64, 64)]
@@ -317,6 +319,33 @@ def test_amx_results_do_not_depend_on_batch_threads_or_the_cached_split(heads: i
     assert torch.equal(batch, one_thread)
     assert torch.equal(batch, alone)
     assert torch.equal(uncached[100:], batch[: int(qptr[1])])
+
+
+@pytest.mark.parametrize("rise", [3.0, 30.0])
+def test_amx_running_max_slack_keeps_the_softmax(rise: float) -> None:
+    """Scores that climb along the keys (by `rise` in all, in natural-log units): a row's
+    running max moves only when a block's max passes it by more than the slack (e^8), so its
+    probabilities go above 1 between moves; the outputs still match the float64 softmax."""
+    if not _amx_usable():
+        pytest.skip("no AMX tiles in this process (CPU, build, hypervisor or kernel)")
+    heads, kv_heads, dim = 9, 3, 64
+    case = list(_case(16, torch.bfloat16, heads, kv_heads, dim, [(700, 130), (0, 300)]))
+    q, kb = case[0], case[1]
+    g = torch.Generator().manual_seed(17)
+    u = torch.randn(dim, generator=g)
+    u /= u.norm()
+    scale = dim**-0.5
+    # every query along u; key slot s gets a component along u rising with its position in
+    # its request, so scores rise by about `rise` over the keys
+    q = (u * 8.0 + 0.1 * torch.randn(q.shape, generator=g)).to(torch.bfloat16)
+    order = torch.cat([case[3], case[5]]).long()
+    pos = torch.zeros(kb.shape[0])
+    pos[order] = torch.linspace(0.0, 1.0, order.numel())
+    along = (rise / (8.0 * scale)) * pos
+    kb = (0.3 * kb.float() + along[:, None, None] * u).to(torch.bfloat16)
+    case[0], case[1] = q, kb
+    out = torch.ops.radixrt.extend_attention(*case, scale)
+    torch.testing.assert_close(out.double(), _reference(tuple(case), scale), atol=2e-2, rtol=0)
 
 
 def test_thread_count_does_not_change_results() -> None:

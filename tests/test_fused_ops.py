@@ -73,6 +73,14 @@ def test_norms_match_torch(dtype: torch.dtype, rows: int, hidden: int) -> None:
     ref_out, ref_s = REF.add_rms_norm(x, r, w, 1e-6)
     assert torch.equal(s, ref_s)  # one rounded add
     _assert_same(out, ref_out, "add_rms_norm")
+    # in place: the sum into the residual, the norm into x, the same bits as the fresh outputs
+    xi, ri = x.clone(), r.clone()
+    got_x, got_r = FUSED.add_rms_norm_(xi, ri, w, 1e-6)
+    assert got_x is xi and got_r is ri
+    assert torch.equal(ri, s) and torch.equal(xi, out)
+    xt, rt = x.clone(), r.clone()
+    REF.add_rms_norm_(xt, rt, w, 1e-6)
+    assert torch.equal(rt, ref_s) and torch.equal(xt, ref_out)
     # strided rows (a row slice of a wider tensor) read the same
     wide = _rand(g, rows, hidden + 8, dtype=dtype)
     _assert_same(FUSED.rms_norm(wide[:, :hidden], w, 1e-5),
@@ -176,6 +184,14 @@ def test_bad_input_raises_naming_the_argument() -> None:
         torch.ops.radixrt.rms_norm(x, w.bfloat16(), 1e-5)
     with pytest.raises(RuntimeError, match="residual"):
         torch.ops.radixrt.add_rms_norm(x, torch.randn(3, 64), w, 1e-5)
+    with pytest.raises(RuntimeError, match="residual"):
+        torch.ops.radixrt.add_rms_norm_(x.clone(), torch.randn(3, 64), w, 1e-5)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        torch.ops.radixrt.add_rms_norm_(torch.randn(64, 4).t(), x.clone(), w, 1e-5)
+    shared = x.clone()
+    with pytest.raises(RuntimeError, match="share memory"):
+        torch.ops.radixrt.add_rms_norm_(shared, shared, w, 1e-5)
+    assert torch.equal(shared, x)  # refused before anything was written
     with pytest.raises(RuntimeError, match="dtype must be"):
         torch.ops.radixrt.rms_norm(x.double(), w.double(), 1e-5)
     with pytest.raises(RuntimeError, match="even"):

@@ -225,6 +225,10 @@ def _register_fakes() -> None:
     def _(x, residual, weight, eps):
         return x.new_empty(x.shape), x.new_empty(x.shape)
 
+    @torch.library.register_fake("radixrt::add_rms_norm_")
+    def _(x, residual, weight, eps):
+        return None
+
     @torch.library.register_fake("radixrt::silu_mul")
     def _(gate_up):
         return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)

@@ -105,7 +105,8 @@ class LlamaDecoderLayer(nn.Module):
         if residual is None:
             residual, x = h, ops.rms_norm(h, self.input_layernorm, self.eps)
         else:
-            x, residual = ops.add_rms_norm(h, residual, self.input_layernorm, self.eps)
+            # in place: h (the last layer's MLP output) and the residual are this step's own
+            x, residual = ops.add_rms_norm_(h, residual, self.input_layernorm, self.eps)
         n = x.shape[0]
         qkv = self.qkv_proj(x, self.qkv_bias, inv)
         q, k = ops.rope_qk(qkv, cos, sin, self.num_heads, self.num_kv_heads)
@@ -118,7 +119,8 @@ class LlamaDecoderLayer(nn.Module):
         """o_proj, residual add, post-attention norm and the MLP: (MLP output, residual)."""
         n = o.shape[0]
         h = self.o_proj(o.reshape(n, self.q_size), self.o_bias, inv)
-        x, residual = self.ops.add_rms_norm(h, residual, self.post_attention_layernorm, self.eps)
+        x, residual = self.ops.add_rms_norm_(h, residual, self.post_attention_layernorm,
+                                             self.eps)
         act = self.gate_up_proj.silu_mul(x, self.gate_up_bias, inv, self.ops.silu_mul)
         h = self.down_proj(act, self.down_bias, inv)
         return h, residual

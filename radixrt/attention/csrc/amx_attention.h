@@ -42,7 +42,7 @@ namespace amx_attention {
 // outputs with slack rows.
 // Declared in every build (callers keep one beside their other scratch), used where AMX is.
 struct Scratch {
-  std::vector<uint16_t> q, p, k, v;
+  std::vector<uint16_t> q, p, k;
   std::vector<float> o, s, alpha;
 };
 
@@ -101,6 +101,17 @@ inline void pack_v(const RowOf& row_of, int64_t nb, uint16_t* out) {
       }
     }
   }
+}
+
+// bf16 elements of one 64-key block's packed K and V (pack_block's output).
+template <int D>
+constexpr int64_t kBlockPack = 2 * kKeyBlock * D;
+
+// Keys j0 .. j0 + 63 of one KV head (nb real, zeros after) packed as pack_k, then pack_v.
+template <int D, typename KRow, typename VRow>
+inline void pack_block(const KRow& krow, const VRow& vrow, int64_t nb, uint16_t* out) {
+  pack_k<D>(krow, nb, out);
+  pack_v<D>(vrow, nb, out + kKeyBlock * D);
 }
 
 // The tile routines below spell every tile number out: GCC's _tile_* intrinsics are macros that
@@ -180,13 +191,22 @@ inline __mmask16 first_lanes(int64_t k) {
   return k >= 16 ? 0xFFFF : k <= 0 ? 0 : static_cast<__mmask16>((1u << k) - 1u);
 }
 
+// How far a block's maximum may exceed a row's running max m before m moves to it (natural-log
+// units): below it m stays, p = exp(s scale - m) reaches up to e^8 (fp32 sums and bf16 P hold
+// that at the same relative precision) and the row's O needs no rescaling (alpha = 1). A row's
+// max settles after its first blocks, so most tiles skip the rescale pass over O (it had taken
+// ~20% of a 512-token prefill's attention). Whether m moves depends only on the row's own
+// scores: results stay batch-invariant.
+constexpr float kMaxSlack = 8.f;
+
 // The online softmax of one row tile (n <= 16 rows of unscaled fp32 scores s, stride
 // kKeyBlock; row i's first visible[i] >= 1 entries real) in two passes, straight to bf16 P
-// (rows past n: zeros): the rows' raw maxima, m_new = max(m, raw max * scale) (a positive scale
-// keeps the order, so the same bits as the maximum of the scaled scores), alpha = exp(m - m_new),
-// then p = exp(s * scale - m_new) (one rounding, fused) on the visible entries, summed into l
-// and stored rounded to bf16.
-inline void softmax_to_p16(const float* s, int n, const int64_t* visible, float scale, float* m,
+// (rows past n: zeros): the rows' raw maxima, m_new = raw max * scale where it exceeds m by more
+// than kMaxSlack (or m is -inf), else m (a positive scale keeps the order, so the same bits as
+// the maximum of the scaled scores), alpha = exp(m - m_new), then p = exp(s * scale - m_new)
+// (one rounding, fused) on the visible entries, summed into l and stored rounded to bf16.
+// Returns whether any row's m moved (else every alpha is 1).
+inline bool softmax_to_p16(const float* s, int n, const int64_t* visible, float scale, float* m,
                            float* l, float* alpha, uint16_t* p) {
   const __m512 neg_inf = _mm512_set1_ps(kNegInf);
   __m512 part[16];
@@ -203,10 +223,14 @@ inline void softmax_to_p16(const float* s, int n, const int64_t* visible, float 
     return _mm512_max_ps(a, b);
   });
   alignas(64) float m_new[16];
-  _mm512_store_ps(m_new, _mm512_max_ps(_mm512_mask_loadu_ps(neg_inf, rows, m),
-                                       _mm512_mul_ps(raw_max, _mm512_set1_ps(scale))));
+  const __m512 m_old = _mm512_mask_loadu_ps(neg_inf, rows, m);
+  const __m512 block_max = _mm512_mul_ps(raw_max, _mm512_set1_ps(scale));
+  // -inf + slack is -inf: a row's first block always moves m
+  const __mmask16 moved = _mm512_mask_cmp_ps_mask(
+      rows, block_max, _mm512_add_ps(m_old, _mm512_set1_ps(kMaxSlack)), _CMP_GT_OQ);
+  _mm512_store_ps(m_new, _mm512_mask_blend_ps(moved, m_old, block_max));
   for (int i = 0; i < n; ++i) {
-    alpha[i] = std::exp(m[i] - m_new[i]);  // 0 while m is -inf
+    alpha[i] = (moved >> i) & 1 ? std::exp(m[i] - m_new[i]) : 1.f;  // 0 while m is -inf
     m[i] = m_new[i];
   }
   const __m512 vscale = _mm512_set1_ps(scale);
@@ -239,6 +263,7 @@ inline void softmax_to_p16(const float* s, int n, const int64_t* visible, float 
   alignas(64) float lsum[16];
   _mm512_store_ps(lsum, sums);
   for (int i = 0; i < n; ++i) l[i] = l[i] * alpha[i] + lsum[i];
+  return moved != 0;
 }
 
 // Rows a caller's q and o must have past the nq real ones for `attend` (a tile may start at
@@ -251,18 +276,20 @@ constexpr int64_t kSlackRows = 16;
 // have kSlackRows rows of room past nq (o's may be overwritten). Key j is the pool row at
 // kbase / vbase + slot_of(j) * slot_stride (a valid slot). Block j0's rows below row_lo(j0) see
 // none of its keys and are skipped; visible_keys(r, j0, nb) >= 1 is how many of its nb keys row
-// r >= row_lo(j0) sees. Requires amx_usable() and supports_head_dim(D).
+// r >= row_lo(j0) sees. `packed`: null, or the keys' blocks already packed (block j0 / 64 at
+// packed + (j0 / 64) * kBlockPack<D>, by pack_block over at least key_end keys: keys a row does
+// not see are masked out of P, so a block packed with more real keys gives the same bits).
+// Requires amx_usable() and supports_head_dim(D).
 template <int D, typename SlotOf, typename RowLo, typename VisibleKeys>
 void attend(const at::BFloat16* q, int64_t nq, float scale, int64_t key_end,
             const SlotOf& slot_of, const RowLo& row_lo, const VisibleKeys& visible_keys,
             const at::BFloat16* kbase, const at::BFloat16* vbase, int64_t slot_stride, float* m,
-            float* l, float* o, Scratch& sc) {
+            float* l, float* o, Scratch& sc, const uint16_t* packed = nullptr) {
   static_assert(supports_head_dim(D), "AMX attention: head_dim 32, 64, 96 or 128");
   const int64_t padded = nq + kSlackRows;
   sc.s.resize(padded * kKeyBlock);
   sc.p.resize(padded * kKeyBlock);
-  sc.k.resize(kKeyBlock * D);
-  sc.v.resize(kKeyBlock * D);
+  sc.k.resize(kBlockPack<D>);  // one block's K, then its V
   sc.alpha.resize(padded);
   const uint16_t* qh = reinterpret_cast<const uint16_t*>(q);
   const TileConfig cfg;
@@ -277,26 +304,32 @@ void attend(const at::BFloat16* q, int64_t nq, float scale, int64_t key_end,
     auto vrow = [&](int64_t jj) {
       return reinterpret_cast<const uint16_t*>(vbase + slot_of(j0 + jj) * slot_stride);
     };
-    pack_k<D>(krow, nb, sc.k.data());
-    pack_v<D>(vrow, nb, sc.v.data());
+    const uint16_t* kp = sc.k.data();
+    if (packed) {
+      kp = packed + j0 / kKeyBlock * kBlockPack<D>;
+    } else {
+      pack_block<D>(krow, vrow, nb, sc.k.data());
+    }
+    const uint16_t* vp = kp + kKeyBlock * D;
     for (int64_t r0 = r_lo; r0 < nq; r0 += 16) {
       const int n = static_cast<int>(std::min<int64_t>(16, nq - r0));
       float* s = sc.s.data() + r0 * kKeyBlock;
-      scores_tile<D>(qh + r0 * D, sc.k.data(), s);
+      scores_tile<D>(qh + r0 * D, kp, s);
       int64_t visible[16];
       for (int i = 0; i < n; ++i) visible[i] = visible_keys(r0 + i, j0, nb);
       uint16_t* p = sc.p.data() + r0 * kKeyBlock;
-      softmax_to_p16(s, n, visible, scale, m + r0, l + r0, sc.alpha.data() + r0, p);
-      // O rows rescaled by alpha (every row: skipping those whose alpha is 1 measured 5-7%
-      // slower, the branch mispredicted).
+      const bool moved =
+          softmax_to_p16(s, n, visible, scale, m + r0, l + r0, sc.alpha.data() + r0, p);
+      // O rows rescaled by alpha where any row's m moved (then every row: skipping those whose
+      // alpha is 1 measured 5-7% slower, the branch mispredicted).
       float* orow = o + r0 * D;
-      for (int i = 0; i < n; ++i) {
+      for (int i = 0; moved && i < n; ++i) {
         const __m512 a = _mm512_set1_ps(sc.alpha[r0 + i]);
         for (int c = 0; c < D; c += 16) {
           _mm512_storeu_ps(orow + i * D + c, _mm512_mul_ps(_mm512_loadu_ps(orow + i * D + c), a));
         }
       }
-      accumulate_tile<D>(p, sc.v.data(), orow);
+      accumulate_tile<D>(p, vp, orow);
     }
   }
   _tile_release();

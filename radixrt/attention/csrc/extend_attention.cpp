@@ -69,6 +69,14 @@ constexpr int64_t kMaxBlockTokens = 64;
 constexpr int64_t kMinBlockTokens = 16;
 // The same on the rows-in-lanes path (its per-item cost, packing V, is amortized over more rows).
 constexpr int64_t kMaxLaneBlockTokens = 128;
+// Most bytes of K / V blocks the AMX path packs ahead for requests cut into several parts; the
+// requests past it pack in their items. More stays in no cache and was slower than packing twice
+// (Xeon, 64 agents x (850 + 65) keys: 46 MB of blocks, 0.93x; 20 of them, 14 MB: 1.03-1.15x).
+constexpr int64_t kMaxPackBytes = int64_t{16} << 20;
+// Fewest parts of a request for its blocks to be packed ahead: two parts read each block about
+// twice, and packing ahead measured 0.94-1.18x on the agent and mixed shapes (65 new tokens in
+// two parts on 850 cached), run to run; a fresh 512-token prefill (8 parts) 1.12-1.25x.
+constexpr int64_t kMinPackParts = 3;
 // Below this many (query, key) pairs in the whole call, it runs on the calling thread.
 constexpr int64_t kMinParallelWork = 16384;
 
@@ -692,6 +700,75 @@ void extend_impl(const Tensor& q, const Tensor& k_buffer, const Tensor& v_buffer
   };
 #endif
 
+#ifdef RADIXRT_AMX_ATTENTION
+  // AMX: the K / V blocks of each request cut into kMinPackParts parts or more, packed once
+  // for all of them (each part's item attends every block up to its last token: a 512-token
+  // prefill in 64-token parts packed 36 blocks instead of 8), up to kMaxPackBytes in all.
+  // packed_at[b * Hkv + h]: request b's blocks for KV head h in `packs`, or -1 (its items pack
+  // as they go). `packs` is kept from call to call, grown to the largest (a fresh allocation of
+  // MBs is mapped anew by each call, its page faults costing more than the packing saves), 64-byte
+  // aligned (each packed tile row one cache line), held by the calling thread: the workers reach
+  // it through `pack_base` (a thread_local named in a worker is the worker's own).
+  std::vector<int64_t> packed_at;
+  thread_local Tensor packs;
+  uint16_t* pack_base = nullptr;
+  if constexpr (std::is_same_v<T, at::BFloat16> && amx_attention::supports_head_dim(D)) {
+    if (amx && team_member() == nullptr) {  // a decode team's members would each pack all
+      std::vector<int32_t> nparts(B, 0);
+      for (const Part& pt : plan.parts) ++nparts[pt.req];
+      packed_at.assign(B * Hkv, -1);
+      struct PackTask {
+        int32_t req, kv_head, j0;
+      };
+      std::vector<PackTask> tasks;
+      int64_t total = 0;
+      for (int64_t b = 0; b < B; ++b) {
+        if (nparts[b] < kMinPackParts) continue;
+        const int64_t keys = kptr[b + 1] - kptr[b] + qptr[b + 1] - qptr[b];
+        const int64_t need = Hkv * ((keys + kKeyBlock - 1) / kKeyBlock) *
+                             amx_attention::kBlockPack<D>;
+        if ((total + need) * 2 > kMaxPackBytes) continue;
+        for (int64_t h = 0; h < Hkv; ++h) {
+          packed_at[b * Hkv + h] = total;
+          total += (keys + kKeyBlock - 1) / kKeyBlock * amx_attention::kBlockPack<D>;
+          for (int64_t j0 = 0; j0 < keys; j0 += kKeyBlock) {
+            tasks.push_back({static_cast<int32_t>(b), static_cast<int32_t>(h),
+                             static_cast<int32_t>(j0)});
+          }
+        }
+      }
+      if (total > 0) {
+        if (!packs.defined() || packs.numel() < total) {
+          packs = at::empty({total}, at::TensorOptions().dtype(at::kShort));
+        }
+        pack_base = reinterpret_cast<uint16_t*>(packs.data_ptr<int16_t>());
+        uint16_t* pk = pack_base;
+        at::parallel_for(0, static_cast<int64_t>(tasks.size()), 4, [&](int64_t t0, int64_t t1) {
+          for (int64_t t = t0; t < t1; ++t) {
+            const PackTask& task = tasks[t];
+            const int64_t b = task.req, h = task.kv_head, j0 = task.j0;
+            const int64_t p_len = kptr[b + 1] - kptr[b];
+            const int64_t keys = p_len + qptr[b + 1] - qptr[b];
+            const int32_t* pidx = pre_idx + kptr[b];
+            const int32_t* nidx = new_idx + qptr[b];
+            auto row = [&](const T* base, int64_t jj) {
+              const int64_t j = j0 + jj;
+              const int64_t slot = check_slot(j < p_len ? pidx[j] : nidx[j - p_len]);
+              return reinterpret_cast<const uint16_t*>(base + slot * slot_stride +
+                                                       h * head_stride);
+            };
+            amx_attention::pack_block<D>([&](int64_t jj) { return row(kb, jj); },
+                                         [&](int64_t jj) { return row(vb, jj); },
+                                         std::min(kKeyBlock, keys - j0),
+                                         pk + packed_at[b * Hkv + h] +
+                                             j0 / kKeyBlock * amx_attention::kBlockPack<D>);
+          }
+        });
+      }
+    }
+  }
+#endif
+
   // One part per item: on AMX tiles where `amx` (bf16 queries as given, the scores scaled in
   // fp32), else the fp32 FMA path (keys converted to fp32 per block, queries scaled).
   auto work = [&](const Item& it, Scratch& sc) {
@@ -721,9 +798,11 @@ void extend_impl(const Tensor& q, const Tensor& k_buffer, const Tensor& v_buffer
         sc.qb.resize((nq + amx_attention::kSlackRows) * D);
         for (int64_t t = 0; t < nt; ++t) std::copy_n(query(t), G * D, sc.qb.data() + t * G * D);
         sc.o.resize((nq + amx_attention::kSlackRows) * D);
+        const int64_t at = packed_at[b * Hkv + h];
+        const uint16_t* packed = at < 0 ? nullptr : pack_base + at;
         amx_attention::attend<D>(sc.qb.data(), nq, scale, key_end, slot_of, row_lo, visible,
                                  kb + h * head_stride, vb + h * head_stride, slot_stride,
-                                 sc.m.data(), sc.l.data(), sc.o.data(), sc.amx);
+                                 sc.m.data(), sc.l.data(), sc.o.data(), sc.amx, packed);
         return write_out(Part{pt.req, pt.t0, pt.t1, 0}, h, sc.o.data(), sc.l.data());
       }
     }

@@ -2,6 +2,7 @@
 // attention, each one pass over its rows instead of several torch kernels and temporaries.
 //
 //   rms_norm(x, weight, eps) -> out;  add_rms_norm(x, residual, weight, eps) -> (out, x + residual)
+//   add_rms_norm_(x, residual, weight, eps): the same in place (residual <- x + residual, x <- out)
 //       out = RMSNorm(x or x + residual) * weight, HF's rounding order: normalise in fp32, round to the
 //       model dtype, then multiply by weight (fp32: (r * inv) * w, as F.rms_norm).
 //   silu_mul(gate_up [n, 2I]) -> [n, I]: silu(gate) * up, each op rounded to the dtype.
@@ -239,8 +240,8 @@ void add_rms_norm_impl(const Tensor& x, const Tensor* residual, const Tensor& we
   });
 }
 
-Tensor rms_norm_into(const Tensor& x, const Tensor* residual, const Tensor& weight, double eps,
-                     Tensor& res_out) {
+// The checks of every norm op: x [n, d] rows, weight [d], residual (if any) x's shape and dtype.
+void check_norm_args(const Tensor& x, const Tensor* residual, const Tensor& weight) {
   check_rows(x, "rms_norm: x");
   const int64_t n = x.size(0), d = x.size(1);
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == d && weight.is_contiguous(),
@@ -254,7 +255,12 @@ Tensor rms_norm_into(const Tensor& x, const Tensor* residual, const Tensor& weig
     TORCH_CHECK(residual->scalar_type() == x.scalar_type(), "add_rms_norm: residual dtype ",
                 residual->scalar_type(), " != x dtype ", x.scalar_type());
   }
-  Tensor out = team_empty({n, d}, x.options());
+}
+
+Tensor rms_norm_into(const Tensor& x, const Tensor* residual, const Tensor& weight, double eps,
+                     Tensor& res_out) {
+  check_norm_args(x, residual, weight);
+  Tensor out = team_empty({x.size(0), x.size(1)}, x.options());
   dispatch_dtype(x.scalar_type(), "rms_norm", [&](auto t) {
     add_rms_norm_impl<decltype(t)>(x, residual, weight, eps, out, res_out);
   });
@@ -271,6 +277,22 @@ std::tuple<Tensor, Tensor> add_rms_norm(const Tensor& x, const Tensor& residual,
   Tensor res_out = team_empty({x.size(0), x.size(1)}, x.options());
   Tensor out = rms_norm_into(x, &residual, weight, eps, res_out);
   return {out, res_out};
+}
+
+// add_rms_norm in place: residual = x + residual, then x = rms_norm(that). Both are rows the
+// caller has just produced and reads no more, so the stores land in lines the loads brought in
+// (a fresh output's stores each fetched a line from memory first: a 512 x 576 bf16 call in a
+// prefill took 134 us against 69 with its outputs in the caches). Row r is read whole before
+// any of its elements is written, so the results are bitwise add_rms_norm's.
+void add_rms_norm_inplace(Tensor x, Tensor residual, const Tensor& weight, double eps) {
+  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous(),
+              "add_rms_norm_: x and residual must be contiguous");
+  TORCH_CHECK(x.data_ptr() != residual.data_ptr(),
+              "add_rms_norm_: x and residual must not share memory");
+  check_norm_args(x, &residual, weight);
+  dispatch_dtype(x.scalar_type(), "add_rms_norm_", [&](auto t) {
+    add_rms_norm_impl<decltype(t)>(x, &residual, weight, eps, x, residual);
+  });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -620,6 +642,7 @@ std::string fused_ops_isa() {
 TORCH_LIBRARY_FRAGMENT(radixrt, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("rope_qk(Tensor qkv, Tensor cos, Tensor sin, int num_q_heads, int num_kv_heads)"
         " -> (Tensor, Tensor)");
@@ -634,6 +657,7 @@ TORCH_LIBRARY_FRAGMENT(radixrt, m) {
 TORCH_LIBRARY_IMPL(radixrt, CPU, m) {
   m.impl("rms_norm", &radixrt_cpu::rms_norm);
   m.impl("add_rms_norm", &radixrt_cpu::add_rms_norm);
+  m.impl("add_rms_norm_", &radixrt_cpu::add_rms_norm_inplace);
   m.impl("silu_mul", &radixrt_cpu::silu_mul);
   m.impl("rope_qk", &radixrt_cpu::rope_qk);
   m.impl("kv_store", &radixrt_cpu::kv_store);
