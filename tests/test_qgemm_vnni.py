@@ -50,6 +50,11 @@ from radixrt.model.quant_matmul import (
     vnni_kernel_available,
     vnni_symmetric,
 )
+from radixrt.model.quant_probe import (
+    ENV_SINGLE_TILE,
+    _single_tile_probe_bytes,
+    probe_single_tile_passes,
+)
 from radixrt.sampling.sampler import row_argmax
 
 SUM_EPS = 1e-5
@@ -348,6 +353,77 @@ def test_zero_rows_zero_groups_and_bad_input() -> None:
         op(torch.zeros(2, 64), vm.packed[..., :-16].contiguous(), 4)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         torch.ops.radixrt.qgemm_vnni_quantize(torch.zeros(2, 40))
+
+
+# -- one tile per pass for one row (qgemm_vnni_single_tile, chosen by a start-up probe) ----------
+@pytest.fixture
+def single_tile() -> object:
+    """The kernel's one-row pass setting, for a test that flips it (restored after)."""
+    if torch.ops.radixrt.qgemm_vnni_isa() != "avx512vnni":
+        pytest.skip("only the AVX-512 build has the choice")
+    op = torch.ops.radixrt.qgemm_vnni_single_tile
+    before = op(False)
+    op(before)
+    yield op
+    op(before)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_one_tile_per_pass_gives_the_same_bits(layout: str, threads: int,
+                                               single_tile: object) -> None:
+    """A row on one tile per pass or on several: every output form bitwise the same (37 tiles,
+    not a multiple of the 4-tile pass, so both tails run); the setter returns the previous
+    setting."""
+    vm = _layout(layout, 16 * 37, 96, seed=11)
+    x = torch.randn(1, 96, generator=torch.Generator().manual_seed(12)).bfloat16()
+    gu = torch.randn(1, 192, generator=torch.Generator().manual_seed(13)).bfloat16()
+
+    def outputs() -> list[torch.Tensor]:
+        return [vm(x), vm(x.float()), vm.forward_f32(x), *vm.forward_f32_argmax(x),
+                torch.ops.radixrt.qgemm_vnni_silu(gu, vm.packed, vm.bits)]
+
+    out = {}
+    for single in (False, True):
+        single_tile(single)
+        out[single] = with_threads(threads, outputs)
+    assert single_tile(False) is True
+    assert single_tile(False) is False
+    for a, b in zip(out[False], out[True], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_single_tile_probe_keeps_one_tile_only_when_clearly_faster(
+        monkeypatch: pytest.MonkeyPatch, single_tile: object) -> None:
+    monkeypatch.delenv(ENV_SINGLE_TILE, raising=False)
+    for several, one, chosen in ((1.0, 0.9, True), (1.0, 0.99, False), (1.0, 1.2, False)):
+        got, why = probe_single_tile_passes(576, 1536, measure=lambda s=several, o=one: {
+            False: s, True: o})
+        assert got is chosen and single_tile(not chosen) is chosen  # the kernel was set
+        assert ("one tile" if chosen else "several tiles") in why and "probe" in why
+
+
+def test_single_tile_env_forces_the_choice_and_bad_values_are_named(
+        monkeypatch: pytest.MonkeyPatch, single_tile: object) -> None:
+    def never() -> dict[bool, float]:
+        raise AssertionError("forced: no timing")
+
+    for value, chosen in (("1", True), ("0", False)):
+        monkeypatch.setenv(ENV_SINGLE_TILE, value)
+        got, why = probe_single_tile_passes(576, 1536, measure=never)
+        assert got is chosen and single_tile(False) is chosen and ENV_SINGLE_TILE in why
+    monkeypatch.setenv(ENV_SINGLE_TILE, "2")
+    with pytest.raises(ValueError, match=ENV_SINGLE_TILE):
+        probe_single_tile_passes(576, 1536, measure=never)
+
+
+def test_single_tile_probe_times_weights_beyond_the_last_level_cache(
+        monkeypatch: pytest.MonkeyPatch, single_tile: object) -> None:
+    """The real timing streams at least 64 MiB (twice the LLC) and sets what it returns."""
+    monkeypatch.delenv(ENV_SINGLE_TILE, raising=False)
+    assert _single_tile_probe_bytes() >= 64 << 20
+    got, why = probe_single_tile_passes(576, 1536)
+    assert single_tile(False) is got and "ms" in why
 
 
 # -- the quantization inside the parallel region, and the SiLU-mul input ---------------------------

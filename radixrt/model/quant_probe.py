@@ -48,8 +48,14 @@ from dataclasses import dataclass, field
 import torch
 
 from radixrt.model.linear import DenseWeight, LinearWeight, QuantizedWeight
+from radixrt.model.probe_timing import interleaved_best
 from radixrt.model.quant import EVERY_CALL, GROUP, QUANTIZATION_MODES, Int4Groups, QuantPlan
-from radixrt.model.quant_matmul import VNNI_CODE_BYTES, VnniQuantMatmul, quant_kernel_candidates
+from radixrt.model.quant_matmul import (
+    VNNI_CODE_BYTES,
+    VnniQuantMatmul,
+    quant_kernel_candidates,
+    vnni_kernel_available,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -279,6 +285,85 @@ def probe_quant_kernels(hidden: int, intermediate: int, dense_dtype: torch.dtype
     if measure is None:
         _cached[key] = result
     return result
+
+
+ENV_SINGLE_TILE = "RADIXRT_VNNI_SINGLE_TILE"
+SINGLE_TILE_MARGIN = 1.03  # one tile per pass is kept only this much faster
+
+
+def probe_single_tile_passes(hidden: int, intermediate: int,
+                             measure: Callable[[], dict[bool, float]] | None = None
+                             ) -> tuple[bool, str]:
+    """Whether the vnni kernel's one-row passes take one tile at a time (one sequential weight
+    stream per thread) instead of several (more independent dot chains): one-row calls over
+    model-shaped 4-bit weights of twice the last-level cache, both ways in alternation, each keeping its
+    best; one tile is kept only SINGLE_TILE_MARGIN x faster. Sets the kernel
+    (`radixrt::qgemm_vnni_single_tile`) and returns (the choice, why). The outputs are bitwise
+    the same either way; only the AVX-512 build has the choice. `RADIXRT_VNNI_SINGLE_TILE=0|1`
+    forces it."""
+    ops = torch.ops.radixrt
+    forced = os.environ.get(ENV_SINGLE_TILE, "").strip()
+    if forced not in ("", "0", "1"):
+        raise ValueError(f"{ENV_SINGLE_TILE} must be 0 or 1, got {forced!r}")
+    if not vnni_kernel_available():
+        return False, "several tiles per pass (no vnni kernel here)"
+    if ops.qgemm_vnni_isa() != "avx512vnni":
+        ops.qgemm_vnni_single_tile(False)
+        return False, f"several tiles per pass (the {ops.qgemm_vnni_isa()} build has no choice)"
+    if forced:
+        ops.qgemm_vnni_single_tile(forced == "1")
+        return forced == "1", f"forced by {ENV_SINGLE_TILE}={forced}"
+    if measure is None:
+        measure = _measure_single_tile(hidden, intermediate)
+    best = measure()
+    single = best[True] * SINGLE_TILE_MARGIN < best[False]
+    ops.qgemm_vnni_single_tile(single)
+    return single, (f"{'one tile' if single else 'several tiles'} per pass for one row (probe, "
+                    f"one row: {best[False] * 1e3:.2f} ms several, {best[True] * 1e3:.2f} ms one)")
+
+
+def _single_tile_probe_bytes() -> int:
+    """Weight bytes the one-tile probe streams: twice the last-level cache (sysfs; 32 MiB if
+    unread), at least 64 MiB. Within a cache both ways run alike (a 12 MB set on Zen 4's 32 MiB
+    L3 timed the same); only from memory does the stream layout show."""
+    llc = 32 << 20
+    try:
+        text = open("/sys/devices/system/cpu/cpu0/cache/index3/size").read().strip()
+        llc = int(text[:-1]) << (10 if text.endswith("K") else 20) if text[-1] in "KM" else int(text)
+    except (OSError, ValueError, IndexError):
+        pass
+    return max(64 << 20, 2 * llc)
+
+
+def _measure_single_tile(hidden: int, intermediate: int) -> Callable[[], dict[bool, float]]:
+    """The timing for `probe_single_tile_passes`: best seconds of a one-row pass over at least
+    PROBE_PARAMS 4-bit parameters, keyed by the setting."""
+
+    def measure() -> dict[bool, float]:
+        g = torch.Generator().manual_seed(0)
+        drawn: _Codes = {}
+        shapes = [(2 * intermediate, hidden), (hidden, intermediate)]
+        shapes = [(n, k) for n, k in shapes if k % GROUP == 0 and n % 16 == 0] or [(1536, 576)]
+        weights: list[QuantizedWeight] = []
+        total = 0
+        while total < _single_tile_probe_bytes():
+            n, k = shapes[len(weights) % len(shapes)]
+            weights.append(QuantizedWeight(_random_vnni(n, k, 4, g, drawn)))
+            total += weights[-1].bytes_read(1)
+        inputs = {k: torch.randn(1, k).to(torch.bfloat16) for _, k in shapes}
+
+        def run(single: bool) -> Callable[[], object]:
+            def step() -> None:
+                torch.ops.radixrt.qgemm_vnni_single_tile(single)
+                for w in weights:
+                    w(inputs[w.in_features])
+            return step
+
+        with torch.inference_mode():
+            return interleaved_best({False: run(False), True: run(True)}, min_reps=5,
+                                    max_reps=15, warmup=1, budget_s=0.5)
+
+    return measure
 
 
 ProbeFn = Callable[[torch.dtype], QuantProbe]

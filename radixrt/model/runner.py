@@ -31,7 +31,12 @@ from radixrt.model.loader import (
 )
 from radixrt.model.model_config import ModelConfig, resolve_gguf_file
 from radixrt.model.quant import QuantPlan
-from radixrt.model.quant_probe import QuantProbe, probe_quant_kernels, resolve_quantization
+from radixrt.model.quant_probe import (
+    QuantProbe,
+    probe_quant_kernels,
+    probe_single_tile_passes,
+    resolve_quantization,
+)
 from radixrt.model.scoring import RowScores, score_hidden
 
 logger = logging.getLogger(__name__)
@@ -111,6 +116,10 @@ class ModelRunner:
         if self.dtype_probe is not None:
             logger.info("dtype auto -> %s", self.dtype_probe.describe())
         logger.info("quantization %s -> %s", args.quantization, why)
+        if self.quant.mode != "none" and self.quant.kernel == "vnni":
+            quiet()
+            _, passes = probe_single_tile_passes(cfg.hidden_size, cfg.intermediate_size)
+            logger.info("vnni kernel passes -> %s", passes)
         self.sizes = plan_pools(args, cfg, self.dtype, self.device)
         self.req_to_token_pool = ReqToTokenPool(
             self.sizes.max_running_requests, self.sizes.max_context_len, self.device)

@@ -40,7 +40,8 @@
 //
 // Blocking: MT rows x TT tiles per pass, MT * TT i32 dot and fp32 accumulators in registers:
 // 8 x 1 for full 8-row blocks (each unpacked weight vector serves 8 rows), 1 x 4, 2 x 3, 3 x 2,
-// 4 x 2, 5..7 x 1 for fewer rows. The activations are quantized into blocks of 8 rows (one
+// 4 x 2, 5..7 x 1 for fewer rows; one row 1 x 1 where the start-up probe set
+// g_single_tile_passes (rows_any). The activations are quantized into blocks of 8 rows (one
 // pointer and fixed offsets per group). Work items are (row chunk, tile chunk) pairs, balanced
 // across threads; in an item, panels of a few tiles are passed by every row block.
 //
@@ -108,6 +109,9 @@ constexpr int64_t kPanelTiles = 4;
 #define RADIXRT_VNNI_PREFETCH 1
 #endif
 constexpr bool kPrefetchNextPass = RADIXRT_VNNI_PREFETCH;
+// One tile per pass for one row on the AVX-512 path (rows_any); set by
+// qgemm_vnni_single_tile, which the start-up probe calls (radixrt/model/quant_probe.py).
+std::atomic<bool> g_single_tile_passes{false};
 // Activation quantization (~10 ns per group of 32 on Zen 4): inside the matmul's parallel
 // region, one lane of shares per thread (at most kMaxLanes), shares of at least
 // kMinGroupsPerShare groups, at most kSharesPerThread per lane (a late-waking thread leaves its
@@ -284,10 +288,18 @@ inline void rows_pass(const Problem& p, int64_t m0, int64_t t0, int64_t t1, Out*
 }
 
 // `rows` (1 .. kRowBlock) rows at m over tiles [t0, t1): few rows take several tiles per pass
-// (each activation broadcast serves them all), more rows one tile.
+// (each activation broadcast serves them all, more independent dot chains), more rows one tile.
+// With g_single_tile_passes one row takes one tile per pass too: each thread then reads its
+// weights as one sequential stream instead of 4 interleaved ones (Zen 4, a decode step's
+// matmuls from memory: 1.08-1.18x at one row, bench/vnni_ab.py; at 2-4 rows the LM head lost
+// its extra dot chains and the whole steps did not gain). Each tile's groups accumulate in the
+// same order either way: the outputs are bitwise the same.
 template <int BITS, bool AFFINE, typename Out>
 inline void rows_any(const Problem& p, int64_t rows, int64_t m, int64_t t0, int64_t t1, Out* y,
                      int64_t ldy, bool prefetch) {
+  if (rows == 1 && g_single_tile_passes.load(std::memory_order_relaxed)) {
+    return rows_pass<1, 1, BITS, AFFINE>(p, m, t0, t1, y, ldy, prefetch);
+  }
   switch (rows) {
     case 1: return rows_pass<1, 4, BITS, AFFINE>(p, m, t0, t1, y, ldy, prefetch);
     case 2: return rows_pass<2, 3, BITS, AFFINE>(p, m, t0, t1, y, ldy, prefetch);
@@ -1197,6 +1209,17 @@ Tensor qgemm_vnni_silu(const Tensor& gate_up, const Tensor& packed, int64_t bits
                          blob);
 }
 
+// Sets whether one row takes one tile per pass (AVX-512 path only: the AVX2 path's passes are
+// its own); returns the previous setting. The outputs are bitwise the same either way.
+bool qgemm_vnni_single_tile(bool enable) {
+#if defined(RADIXRT_QGEMM_INT8)
+  return g_single_tile_passes.exchange(enable);
+#else
+  (void)enable;  // a generic build's op refuses every call anyway
+  return false;
+#endif
+}
+
 std::string qgemm_vnni_isa() {
 #if defined(RADIXRT_QGEMM_VNNI)
   return "avx512vnni";
@@ -1217,6 +1240,7 @@ TORCH_LIBRARY_FRAGMENT(radixrt, m) {
   m.def("qgemm_vnni_silu(Tensor gate_up, Tensor packed, int bits) -> Tensor");
   m.def("qgemm_vnni_quantize(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.def("qgemm_vnni_isa() -> str", &radixrt_cpu::qgemm_vnni_isa);
+  m.def("qgemm_vnni_single_tile(bool enable) -> bool", &radixrt_cpu::qgemm_vnni_single_tile);
 }
 
 TORCH_LIBRARY_IMPL(radixrt, CPU, m) {
