@@ -44,6 +44,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -296,8 +297,8 @@ def probe_single_tile_passes(hidden: int, intermediate: int,
                              ) -> tuple[bool, str]:
     """Whether the vnni kernel's one-row passes take one tile at a time (one sequential weight
     stream per thread) instead of several (more independent dot chains): one-row calls over
-    model-shaped 4-bit weights of twice the last-level cache, both ways in alternation, each keeping its
-    best; one tile is kept only SINGLE_TILE_MARGIN x faster. Sets the kernel
+    model-shaped 4-bit weights of twice the last-level cache, both ways in alternation, each
+    keeping its best; one tile is kept only SINGLE_TILE_MARGIN x faster. Sets the kernel
     (`radixrt::qgemm_vnni_single_tile`) and returns (the choice, why). The outputs are bitwise
     the same either way; only the AVX-512 build has the choice. `RADIXRT_VNNI_SINGLE_TILE=0|1`
     forces it."""
@@ -328,7 +329,7 @@ def _single_tile_probe_bytes() -> int:
     L3 timed the same); only from memory does the stream layout show."""
     llc = 32 << 20
     try:
-        text = open("/sys/devices/system/cpu/cpu0/cache/index3/size").read().strip()
+        text = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
         llc = int(text[:-1]) << (10 if text.endswith("K") else 20) if text[-1] in "KM" else int(text)
     except (OSError, ValueError, IndexError):
         pass
@@ -336,8 +337,8 @@ def _single_tile_probe_bytes() -> int:
 
 
 def _measure_single_tile(hidden: int, intermediate: int) -> Callable[[], dict[bool, float]]:
-    """The timing for `probe_single_tile_passes`: best seconds of a one-row pass over at least
-    PROBE_PARAMS 4-bit parameters, keyed by the setting."""
+    """The timing for `probe_single_tile_passes`: best seconds of a one-row pass over
+    `_single_tile_probe_bytes()` of 4-bit weights, keyed by the setting."""
 
     def measure() -> dict[bool, float]:
         g = torch.Generator().manual_seed(0)
@@ -345,8 +346,8 @@ def _measure_single_tile(hidden: int, intermediate: int) -> Callable[[], dict[bo
         shapes = [(2 * intermediate, hidden), (hidden, intermediate)]
         shapes = [(n, k) for n, k in shapes if k % GROUP == 0 and n % 16 == 0] or [(1536, 576)]
         weights: list[QuantizedWeight] = []
-        total = 0
-        while total < _single_tile_probe_bytes():
+        total, want = 0, _single_tile_probe_bytes()
+        while total < want:
             n, k = shapes[len(weights) % len(shapes)]
             weights.append(QuantizedWeight(_random_vnni(n, k, 4, g, drawn)))
             total += weights[-1].bytes_read(1)
