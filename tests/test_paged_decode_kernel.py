@@ -309,6 +309,68 @@ def test_amx_groups_match_reference_and_the_scan(heads: int, kv_heads: int, dim:
         torch.testing.assert_close(tiles[1], scan[1], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 2, 32), (6, 2, 96),
+                                                        (8, 2, 128), (2, 1, 256)],
+                         ids=lambda v: str(v))
+def test_dot_block_groups_match_reference_and_the_scan(heads: int, kv_heads: int,
+                                                       dim: int) -> None:
+    """bf16 cascade groups in vdpbf16ps register-tiled key blocks (dpbf16_attention.h, on
+    AVX512-BF16 CPUs where AMX tiles are not used) against the float64 reference and against
+    the scan: only P's bf16 rounding and the order of the fp32 sums differ, so the outputs agree
+    to P's rounding and the LSE closely, and a long group's bits do differ (the blocks ran)."""
+    toggle = torch.ops.radixrt.paged_decode_dot_blocks
+    default = toggle(-1)
+    if default < 0:
+        pytest.skip("this build has no vdpbf16ps attention (no AVX512-BF16)")
+    amx_before = torch.ops.radixrt.paged_decode_amx(False)  # AMX tiles take groups first
+    scale = dim**-0.5
+    try:
+        for own, groups in CASCADE_CASES:
+            c = _case(21, torch.bfloat16, heads, kv_heads, dim, own, groups)
+            toggle(1)
+            blocks = _run(c, scale)
+            toggle(0)
+            scan = _run(c, scale)
+            ref_out, ref_lse = _reference(c, scale)
+            torch.testing.assert_close(blocks[0].double(), ref_out, atol=2e-2, rtol=2e-2)
+            torch.testing.assert_close(blocks[1].double(), ref_lse, atol=2e-5, rtol=2e-5)
+            torch.testing.assert_close(blocks[0].float(), scan[0].float(), atol=8e-3, rtol=0)
+            torch.testing.assert_close(blocks[1], scan[1], atol=1e-5, rtol=1e-5)
+            if max(n for n, _ in groups) >= 300:
+                assert not torch.equal(blocks[1], scan[1])
+    finally:
+        toggle(default)
+        torch.ops.radixrt.paged_decode_amx(amx_before)
+
+
+def test_dot_blocks_take_groups_from_their_row_threshold() -> None:
+    """With the default threshold a group below it keeps the scan's bits and one at it gets the
+    blocks' (a row's bits depend only on its group's size class); a bad threshold is refused."""
+    toggle = torch.ops.radixrt.paged_decode_dot_blocks
+    default = toggle(-1)
+    if default < 0:
+        pytest.skip("this build has no vdpbf16ps attention (no AVX512-BF16)")
+    assert default == 16
+    amx_before = torch.ops.radixrt.paged_decode_amx(False)
+    try:
+        for rows in (default - 1, default):
+            c = _case(5, torch.bfloat16, 9, 3, 64, [3] * rows, [(200, list(range(rows)))])
+            got = _run(c, 0.125)
+            toggle(0)
+            scan = _run(c, 0.125)
+            toggle(1)
+            blocks = _run(c, 0.125)
+            toggle(default)
+            want = blocks if rows >= default else scan
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), rows
+            assert not torch.equal(blocks[1], scan[1])
+        with pytest.raises(RuntimeError, match="rows must be >= 0"):
+            toggle(-2)
+    finally:
+        toggle(default)
+        torch.ops.radixrt.paged_decode_amx(amx_before)
+
+
 def test_result_does_not_depend_on_the_one_thread_threshold() -> None:
     """Whether an attention phase (a group's shared prefix, the rows' own keys) runs on one
     thread or is split over two (`radixrt::attention_parallel_work`, the regions' threshold

@@ -20,7 +20,9 @@
 // chunk's query rows; each row then continues the same online softmax over its own keys. Large
 // groups on pools without a dot-product instruction pass over the prefix in register-tiled key
 // blocks (fma_attention.h) instead of the scan; on bf16 pools where AMX tiles are usable every
-// group does, on tiles (amx_attention.h: P rounded to bf16, as the vdpbf16ps scan does).
+// group does, on tiles (amx_attention.h: P rounded to bf16, as the vdpbf16ps scan does); on
+// bf16 pools with AVX512-BF16 but no AMX, groups of kDotBlockGroupRows rows or more do, in
+// vector registers over the same packed blocks (dpbf16_attention.h).
 // GQA: query head h uses KV head h / (heads / kv_heads); K/V are never expanded.
 //
 // Two scans (KeyScan), chosen by the instruction set this file is compiled for (by the builder,
@@ -41,6 +43,7 @@
 #include <torch_headers.h>  // first: precompiled by the build
 
 #include "amx_attention.h"
+#include "dpbf16_attention.h"
 #include "fma_attention.h"
 #include "kv_pool_layout.h"
 #include "team.h"
@@ -116,6 +119,20 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // 1.39 -> 1.23-1.26 ms, 4 rows 2.46 -> 1.62, 8 rows 3.47 -> 2.19, 16 rows 6.99 -> 3.9-4.1.
 // Benchmarks and tests switch it.
 std::atomic<bool> g_amx{true};
+// Cascade groups of at least this many rows over a bf16 pool, on CPUs with AVX512-BF16 where
+// AMX tiles are not used, pass over their prefix in register-tiled blocks of 64 keys
+// (dpbf16_attention.h) instead of the scan. A row's bits then depend on whether its group is
+// that large (never on the threads or the chunking). Zen 4, 2 threads, 30 layers from memory,
+// each group's rows with 100-112 keys of their own: 16 rows over a 400-key prefix 1.04-1.06x
+// the scan, 64 rows 1.12-1.13x, 32 rows over 1500 keys 1.21-1.24x; 4 and 8 rows 0.99-1.00x
+// (with the K/V in the caches 1.13-1.28x at 8 rows, 1.42-1.47x at 64: the packing of each
+// block is shared by fewer queries at few rows, and the scan's reads start sooner).
+constexpr int64_t kDotBlockGroupRows = 16;
+#ifdef RADIXRT_DPBF16_ATTENTION
+// kDotBlockGroupRows as set for this process (0: never); benchmarks and tests set it
+// (paged_decode_dot_blocks).
+std::atomic<int64_t> g_dot_block_rows{kDotBlockGroupRows};
+#endif
 
 // Whether this call runs on the calling thread alone: inside another parallel region (a nested
 // one runs on its caller) or with one intra-op thread; in a decode team (team.h), when the team
@@ -486,6 +503,20 @@ struct KeyScan : TiledScan<KeyScan<T, D>, typename RowDot<T, D, kBf16Dot<T>>::QT
         if (g_amx.load(std::memory_order_relaxed) && amx_attention::amx_usable()) {
           thread_local amx_attention::Scratch sc;
           amx_attention::attend_copying<D>(
+              q, nq, scale, n, [idx](int64_t j) { return static_cast<int64_t>(idx[j]); },
+              [](int64_t) { return int64_t{0}; }, [](int64_t, int64_t, int64_t nb) { return nb; },
+              kbase, vbase, stride, m, l, acc, sc);
+          return;
+        }
+      }
+#endif
+#ifdef RADIXRT_DPBF16_ATTENTION
+      // In vector registers: each 64-key block packed once for all of the item's queries.
+      if constexpr (dpbf16_attention::supports_head_dim(D)) {
+        const int64_t from = g_dot_block_rows.load(std::memory_order_relaxed);
+        if (from > 0 && group_rows >= from) {
+          thread_local dpbf16_attention::Scratch sc;
+          dpbf16_attention::attend<D>(
               q, nq, scale, n, [idx](int64_t j) { return static_cast<int64_t>(idx[j]); },
               [](int64_t) { return int64_t{0}; }, [](int64_t, int64_t, int64_t nb) { return nb; },
               kbase, vbase, stride, m, l, acc, sc);
@@ -1445,6 +1476,16 @@ bool paged_decode_amx(bool enable) {
   return g_amx.exchange(enable);
 }
 
+int64_t paged_decode_dot_blocks(int64_t rows) {
+#ifdef RADIXRT_DPBF16_ATTENTION
+  TORCH_CHECK(rows >= -1, "paged_decode_dot_blocks: rows must be >= 0 (or -1 to read), got ", rows);
+  return rows < 0 ? g_dot_block_rows.load() : g_dot_block_rows.exchange(rows);
+#else
+  (void)rows;
+  return -1;
+#endif
+}
+
 std::vector<int64_t> paged_decode_head_dims() { return {16, 32, 64, 80, 96, 128, 256}; }
 
 std::string paged_decode_isa() { return RADIXRT_STR(CPU_CAPABILITY); }
@@ -1476,6 +1517,10 @@ TORCH_LIBRARY(radixrt, m) {
   // this process may use them) or the scan; returns the previous setting (always false where AMX
   // is unusable).
   m.def("paged_decode_amx(bool enable) -> bool", &radixrt_cpu::paged_decode_amx);
+  // Benchmarks / tests: from how many rows cascade groups over a bf16 pool pass over their
+  // prefix in vdpbf16ps register tiles where AMX is not used (0: never, -1: only read it);
+  // returns the previous setting, or -1 where this build has no such path (no AVX512-BF16).
+  m.def("paged_decode_dot_blocks(int rows) -> int", &radixrt_cpu::paged_decode_dot_blocks);
   // Benchmarks / tests: the (query, key) pairs of an attention phase below which it runs on one
   // thread, in a decode team and with a parallel region per op (work_queue.h); a negative value
   // leaves that one as it is. Returns the previous [team, regions]. Not while a decode step
