@@ -5,8 +5,9 @@ files under radixrt/attention/csrc, so the package data must carry every one of 
 from __future__ import annotations
 
 import fnmatch
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 
