@@ -164,16 +164,16 @@ class ServerArgs:
                "is done (a thread slowed by another process or by uneven rows then holds up the "
                "team; bitwise the same result)")
     decode_microbatch_rows: int = _f(
-        12, "a one-call decode step of at least this many rows, on exactly 2 scheduler "
-            "threads, runs as two micro-batches, one per thread, so that one's attention "
-            "(memory-bound) overlaps the other's matmuls (compute-bound), or as one team pass "
-            "where that is faster as timed (disable_decode_path_tuning); bitwise the same "
-            "result; a decode team whose two threads sit far apart (no shared cache, a cache "
-            "line's round trip over 300 ns, probed every step: two CCDs) splits from 8 rows; "
-            "0: never")
+        8, "a one-call decode step of at least this many rows, on exactly 2 scheduler "
+           "threads, runs as two micro-batches, one per thread, so that one's attention "
+           "(memory-bound) overlaps the other's matmuls (compute-bound), or as one pass (a "
+           "team of threads, else a parallel region per op) where that is faster as timed "
+           "(disable_decode_path_tuning); bitwise the same result; a decode team whose two "
+           "threads sit far apart (no shared cache, a cache line's round trip over 300 ns, "
+           "probed every step: two CCDs) splits from 8 rows; 0: never")
     disable_decode_path_tuning: bool = _f(
         False, "from decode_microbatch_rows rows, always run two micro-batches instead of "
-               "timing them against a one-pass team step as the server runs and taking the "
+               "timing them against a one-pass step as the server runs and taking the "
                "faster, per range of row counts (both bitwise the same result)")
     disable_grammar_fast_forward: bool = _f(
         False, "constrained decoding: sample every token of a grammar-constrained request "

@@ -364,7 +364,8 @@ def test_decode_split_policy(tmp_path: Path, two_threads: object) -> None:
     one = ("one pass as a team of threads" if model.decode_layers().team_capable  # type: ignore[union-attr]
            else "one pass with a parallel region per op (a matmul is not on the vnni kernel)")
     timed = (" or the team pass, whichever is faster when timed"
-             if model.decode_layers().team_capable else "")  # type: ignore[union-attr]
+             if model.decode_layers().team_capable  # type: ignore[union-attr]
+             else " or one pass, whichever is faster when timed")
     assert model.decode_path() == f"one C++ call, {one}, two micro-batches from 16 rows{timed}"
     model.decode_path_tuner = None
     assert model.decode_path() == f"one C++ call, {one}, two micro-batches from 16 rows"
@@ -520,12 +521,14 @@ def test_team_is_bitwise_a_region_per_op(tmp_path: Path, kv_dtype: torch.dtype |
             assert torch.equal(a, b), f"{key}: max diff {(a - b).abs().max()}"
 
 
+@pytest.mark.parametrize("team", [True, False], ids=["team", "region-per-op"])
 def test_path_tuner_alternates_bitwise_alike(tmp_path: Path, two_threads: object,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where a step could run as two micro-batches or as a team pass, the model's path tuner
-    (`DecodePathTuner`) takes each in turn while it explores: the 4 decode steps of 4 rows
-    (micro-batches from 2 rows here) alternate team, split, split, team; the logits are
-    bitwise those of always splitting (no tuner), and the times it was given come as pairs."""
+                                             monkeypatch: pytest.MonkeyPatch, team: bool) -> None:
+    """Where a step could run as two micro-batches or as one pass (a team pass, or a parallel
+    region per op with the team disabled), the model's path tuner (`DecodePathTuner`) takes
+    each in turn while it explores: the 4 decode steps of 4 rows (micro-batches from 2 rows
+    here) alternate one pass, split, split, one pass; the logits are bitwise those of always
+    splitting (no tuner), and the times it was given come as pairs."""
     from radixrt.model.decode_path_tuner import DecodePathTuner
 
     path, plan = _tiny_vnni_gguf(tmp_path, 13, "Q4_0")
@@ -535,6 +538,7 @@ def test_path_tuner_alternates_bitwise_alike(tmp_path: Path, two_threads: object
         model, _ = load_model(path, None, torch.bfloat16, "cpu", model_config=config, quant=plan)
         runner = PagedRunner.for_model(model, kv_size=12288, max_context=8192)
         runner.model.decode_microbatch_rows = 2
+        runner.model.decode_team = team
         stack = runner.model.decode_layers()
         assert isinstance(stack, DecodeLayers) and stack.team_capable
         tuner = DecodePathTuner(pairs=8) if tuned else None

@@ -2,14 +2,16 @@
 by timing both while the server runs.
 
 From `decode_microbatch_rows` rows a one-call decode step can run as two micro-batches (one per
-thread, sharing nothing) or as one pass of the team of threads (every op shared, each member
-taking the other's last items when it is done with its own). Which is faster depends on the
-machine and on where the hypervisor put the two vCPUs: on the Xeon of stops 37-41 the team pass
-was 1.01-1.06x faster from 12 to 64 rows (stop 41); on Zen 5 at stop 28 the micro-batches were
-from 16-24 rows. Both give bitwise the same logits (tests/test_decode_layers.py), so the choice
-only changes speed and may change at any step.
+thread, sharing nothing) or as one pass: of the team of threads (every op shared, each member
+taking the other's last items when it is done with its own), or with a parallel region per op
+where no team runs the step. Which is faster depends on the machine and on where the
+hypervisor put the two vCPUs: on the Xeon of stops 37-41 the team pass was 1.01-1.06x faster
+from 12 to 64 rows (stop 41); on Zen 5 at stop 28 the micro-batches were from 16-24 rows, the
+team 1.2x faster at 8; on Zen 4 at stop 58 the micro-batches were 1.02-1.04x faster at 8 rows
+and 1.04-1.05x at 10, the team 1.01-1.03x at 6. Both give bitwise the same logits
+(tests/test_decode_layers.py), so the choice only changes speed and may change at any step.
 
-Per bucket of row counts (half octaves: 12-15, 16-22, 23-31, ...) the tuner alternates the two
+Per bucket of row counts (half octaves: 8-11, 12-15, 16-22, 23-31, ...) the tuner alternates the two
 paths step by step until it has `pairs` pairs of adjacent steps with the same row count (a pair
 sees the same contexts and the same moment of the machine, so slow drifts cancel), keeps the
 path whose median time ratio is lower, and explores again after `every` more steps of that
@@ -25,7 +27,9 @@ from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
 
-TEAM, SPLIT = False, True  # a pick: one team pass, or two micro-batches
+# A pick: one pass ("team": the team of threads, or a parallel region per op where no team runs
+# the step), or two micro-batches.
+TEAM, SPLIT = False, True
 
 
 @dataclass

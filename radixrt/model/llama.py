@@ -169,8 +169,9 @@ class LlamaForCausalLM(nn.Module):
         # One pass of a one-call decode step runs as a team of threads where it can (see
         # `DecodeLayers.team_capable`); the runner sets it from its ServerArgs.
         self.decode_team = not ServerArgs.disable_decode_team
-        # From decode_microbatch_rows rows, micro-batches or a team pass, as timed
-        # (`DecodePathTuner`); None: always micro-batches there. The runner sets it.
+        # From decode_microbatch_rows rows, micro-batches or one pass (a team, else a parallel
+        # region per op), as timed (`DecodePathTuner`); None: always micro-batches there. The
+        # runner sets it.
         self.decode_path_tuner: DecodePathTuner | None = (
             None if ServerArgs.disable_decode_path_tuning else DecodePathTuner())
         self._decode_layers: DecodeLayers | str | None = None
@@ -218,24 +219,17 @@ class LlamaForCausalLM(nn.Module):
 
     def _microbatch_args(self, rows: int) -> tuple[int, int | None, bool]:
         """`run_step`'s (split, far_split) for a `rows`-row step, and whether the path tuner
-        picked the split (it then wants the step's time): far_split 0 where micro-batches are
+        picked the path (it then wants the step's time): far_split 0 where micro-batches are
         off (else None: the team's own setting); from `decode_microbatch_rows` rows the step
-        splits, or, where a team pass could run it instead and `decode_path_tuner` is set,
-        takes whichever of the two the tuner picks. Reads `_microbatches_off` once."""
+        takes whichever of two micro-batches and one pass (a team where it fits, else a
+        parallel region per op) the tuner picks, or splits where `decode_path_tuner` is None.
+        Reads `_microbatches_off` once."""
         if self._microbatches_off() is not None:
             return 0, 0, False
         half = self._split_rows(rows)
-        if half and self.decode_path_tuner is not None and self._team_takes(rows):
+        if half and self.decode_path_tuner is not None:
             return (half if self.decode_path_tuner.pick(rows) else 0), None, True
         return half, None, False
-
-    def _team_takes(self, rows: int) -> bool:
-        """Whether a one-pass step of `rows` rows runs as a team, micro-batches being on (so 2
-        threads: `_microbatches_off`; decode_layers.cpp team_fits: with more than the stack's
-        team_rows the pass would take a parallel region per op)."""
-        stack = self.decode_layers()
-        return (self.decode_team and isinstance(stack, DecodeLayers) and stack.team_capable
-                and rows <= stack.team_rows)
 
     def decode_path(self) -> str:
         """How decode steps run on this model, for the start-up log."""
@@ -256,8 +250,9 @@ class LlamaForCausalLM(nn.Module):
             if one.startswith("one pass as a team of threads") and stack.team_far_split != 0:
                 one += " (two micro-batches from 8 rows where its threads are far apart)"
             many = f"two micro-batches from {self.decode_microbatch_rows} rows"
-            if self.decode_path_tuner is not None and one.startswith("one pass as a team"):
-                many += " or the team pass, whichever is faster when timed"
+            if self.decode_path_tuner is not None:
+                team = one.startswith("one pass as a team")
+                many += f" or {'the team pass' if team else 'one pass'}, whichever is faster when timed"
             return f"one C++ call, {one}, {many}"
         return f"one C++ call, {one} (no micro-batches: {why})"
 
