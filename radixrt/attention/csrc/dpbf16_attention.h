@@ -84,7 +84,9 @@ inline void scores(const uint16_t* q, const uint16_t* kp, float* s) {
     for (int i = 0; i < 16; ++i) {
       __m512bh kv[4];
 #pragma GCC unroll 4
-      for (int t = 0; t < 4; ++t) kv[t] = (__m512bh)_mm512_loadu_si512(kp + (c * 4 + t) * 512 + i * 32);
+      for (int t = 0; t < 4; ++t) {
+        kv[t] = (__m512bh)_mm512_loadu_si512(kp + (c * 4 + t) * 512 + i * 32);
+      }
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const __m512bh qb = pair_at(q + r * D, c * 32 + 2 * i);

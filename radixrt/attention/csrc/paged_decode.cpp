@@ -496,6 +496,10 @@ struct KeyScan : TiledScan<KeyScan<T, D>, typename RowDot<T, D, kBf16Dot<T>>::QT
   // unnormalized in natural order.
   void run_group(const QType* q, int64_t nq, const int32_t* idx, int64_t n, float* m, float* l,
                  float* acc, int64_t group_rows) const {
+    // The block passes' view of a prefix: key j at slot idx[j], every key seen by every query.
+    [[maybe_unused]] const auto slot_of = [idx](int64_t j) { return static_cast<int64_t>(idx[j]); };
+    [[maybe_unused]] const auto no_row_skips = [](int64_t) { return int64_t{0}; };
+    [[maybe_unused]] const auto every_key = [](int64_t, int64_t, int64_t nb) { return nb; };
     if constexpr (kDot) {
 #ifdef RADIXRT_AMX_ATTENTION
       // On AMX tiles: each 64-key block packed once for all of the item's queries.
@@ -503,9 +507,8 @@ struct KeyScan : TiledScan<KeyScan<T, D>, typename RowDot<T, D, kBf16Dot<T>>::QT
         if (g_amx.load(std::memory_order_relaxed) && amx_attention::amx_usable()) {
           thread_local amx_attention::Scratch sc;
           amx_attention::attend_copying<D>(
-              q, nq, scale, n, [idx](int64_t j) { return static_cast<int64_t>(idx[j]); },
-              [](int64_t) { return int64_t{0}; }, [](int64_t, int64_t, int64_t nb) { return nb; },
-              kbase, vbase, stride, m, l, acc, sc);
+              q, nq, scale, n, slot_of, no_row_skips, every_key, kbase, vbase, stride, m, l, acc,
+              sc);
           return;
         }
       }
@@ -517,9 +520,8 @@ struct KeyScan : TiledScan<KeyScan<T, D>, typename RowDot<T, D, kBf16Dot<T>>::QT
         if (from > 0 && group_rows >= from) {
           thread_local dpbf16_attention::Scratch sc;
           dpbf16_attention::attend<D>(
-              q, nq, scale, n, [idx](int64_t j) { return static_cast<int64_t>(idx[j]); },
-              [](int64_t) { return int64_t{0}; }, [](int64_t, int64_t, int64_t nb) { return nb; },
-              kbase, vbase, stride, m, l, acc, sc);
+              q, nq, scale, n, slot_of, no_row_skips, every_key, kbase, vbase, stride, m, l, acc,
+              sc);
           return;
         }
       }
@@ -540,10 +542,8 @@ struct KeyScan : TiledScan<KeyScan<T, D>, typename RowDot<T, D, kBf16Dot<T>>::QT
           for (int c = 0; c < NV; ++c) _mm512_storeu_ps(qs.data() + i * D + c * 16, v[c]);
         }
       }
-      fma_attention::attend<T, D>(
-          qs.data(), nq, n, [idx](int64_t j) { return static_cast<int64_t>(idx[j]); },
-          [](int64_t) { return int64_t{0}; }, [](int64_t, int64_t, int64_t nb) { return nb; },
-          kbase, vbase, stride, m, l, acc, sc);
+      fma_attention::attend<T, D>(qs.data(), nq, n, slot_of, no_row_skips, every_key, kbase,
+                                  vbase, stride, m, l, acc, sc);
     }
   }
 
@@ -1478,7 +1478,8 @@ bool paged_decode_amx(bool enable) {
 
 int64_t paged_decode_dot_blocks(int64_t rows) {
 #ifdef RADIXRT_DPBF16_ATTENTION
-  TORCH_CHECK(rows >= -1, "paged_decode_dot_blocks: rows must be >= 0 (or -1 to read), got ", rows);
+  TORCH_CHECK(rows >= -1, "paged_decode_dot_blocks: rows must be >= 0 (or -1 to read), got ",
+              rows);
   return rows < 0 ? g_dot_block_rows.load() : g_dot_block_rows.exchange(rows);
 #else
   (void)rows;
