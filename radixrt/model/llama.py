@@ -251,8 +251,8 @@ class LlamaForCausalLM(nn.Module):
                 one += " (two micro-batches from 8 rows where its threads are far apart)"
             many = f"two micro-batches from {self.decode_microbatch_rows} rows"
             if self.decode_path_tuner is not None:
-                team = one.startswith("one pass as a team")
-                many += f" or {'the team pass' if team else 'one pass'}, whichever is faster when timed"
+                other = "the team pass" if one.startswith("one pass as a team") else "one pass"
+                many += f" or {other}, whichever is faster when timed"
             return f"one C++ call, {one}, {many}"
         return f"one C++ call, {one} (no micro-batches: {why})"
 
