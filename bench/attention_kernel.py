@@ -4,6 +4,7 @@
     python bench/attention_kernel.py extend --dtype bfloat16 float32 --reps 5
     python bench/attention_kernel.py step --batch 1 8 64 --ctx 512 2048 --dtype bfloat16
     python bench/attention_kernel.py kernel --baseline 1e7a68f --batch 8 64 --ctx 512 2048
+    python bench/attention_kernel.py prefetch --ahead 1 2 3 --batch 8 64 --ctx 512 --prefix 0 400
     python bench/attention_kernel.py extend-kernel --baseline bad92c2 --dtype bfloat16 --reps 7
     python bench/attention_kernel.py extend-phases --threads 1 --reps 9
 
@@ -24,6 +25,12 @@ the same flags, registered as `torch.ops.radixrt_baseline`), with the K+V bytes 
 read (each shared prefix once) and the bandwidth that makes. Enough layers are allocated that K/V
 comes from memory, as in a real step; `--hot` attends one layer 30 times instead (the kernel's
 compute where K/V fits in the caches).
+
+`prefetch`: the op alone on 30 layers from memory (as `kernel`) at each of `--ahead` prefetch
+distances (key blocks the scans fetch ahead, `torch.ops.radixrt.paged_decode_prefetch`, set for
+calls sharing their items among threads and for calls alone alike), alternating in one process;
+the GB/s of K/V each reads and its speed against the first distance. The defaults were chosen
+this way (csrc/paged_decode.cpp); another CPU may want others.
 
 `attention`: the attention backend alone on SmolLM2's shape (9 query heads, 3 KV heads, head dim
 64): one step's plan (`init_forward_metadata`) plus `forward` on every layer of a pool filled with
@@ -542,6 +549,54 @@ def _kernel_case(dname: str, bs: int, ctx: int, prefix: int, reps: int,
             "max_abs_diff": max_diff}
 
 
+def _prefetch_case(dname: str, bs: int, ctx: int, prefix: int, reps: int,
+                   ahead: list[int]) -> dict[str, Any]:
+    """The op on 30 layers from memory at each prefetch distance in `ahead`, alternating."""
+    dtype = DTYPES[dname]
+    elem = torch.empty((), dtype=dtype).element_size()
+    tokens = prefix + bs * (ctx - prefix)
+    per_layer = tokens * KV_HEADS * HEAD_DIM * 2 * elem
+    kv = TokenToKVPool(tokens + 8, LAYERS, KV_HEADS, HEAD_DIM, dtype)
+    fill_random(kv, tokens + 8)
+    fb = decode_batch(ReqToTokenPool(bs, ctx + 1), kv, bs, ctx, prefix)
+    plan = PagedDecodePlan.build(fb, [SharedPrefixGroup(list(range(bs)), prefix)] if prefix else [])
+    q = torch.randn(bs, HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(1)).to(dtype)
+    setting = torch.ops.radixrt.paged_decode_prefetch
+
+    def at(blocks: int) -> Callable[[], None]:
+        def step() -> None:
+            setting(blocks, blocks)
+            for layer in range(LAYERS):
+                plan.run(q, kv.k_buffer[layer], kv.v_buffer[layer], HEAD_DIM**-0.5)
+        return step
+
+    before = setting()
+    try:
+        med = interleaved({str(b): at(b) for b in ahead}, reps)
+    finally:
+        setting(*before)
+    row: dict[str, Any] = {"dtype": dname, "batch": bs, "ctx": ctx, "prefix": prefix,
+                           "kv_mb_per_layer": per_layer / 2**20, "default_ahead": list(before)}
+    for b in ahead:
+        row[f"ms_{b}"] = med[str(b)] * 1e3
+        row[f"gb_s_{b}"] = per_layer * LAYERS / med[str(b)] / 1e9
+        row[f"speedup_{b}"] = med[str(ahead[0])] / med[str(b)]
+    return row
+
+
+def markdown_prefetch(rows: list[dict[str, Any]], ahead: list[int]) -> str:
+    head = ("Op alone, ms per 30-layer decode step from memory, by key blocks prefetched ahead "
+            f"(speed against {ahead[0]})\n\n| dtype | batch | ctx | shared prefix | "
+            + " | ".join(f"{b} ahead" for b in ahead) + " |\n|---|---|---|---|"
+            + "---|" * len(ahead) + "\n")
+    body = "".join(
+        f"| {r['dtype']} | {r['batch']} | {r['ctx']} | {r['prefix'] or '-'} | "
+        + " | ".join(f"{r[f'ms_{b}']:.2f} ({r[f'gb_s_{b}']:.1f} GB/s, {r[f'speedup_{b}']:.2f}x)"
+                     for b in ahead) + " |\n"
+        for r in rows)
+    return head + body
+
+
 def bench_kernel(batches: list[int], ctxs: list[int], prefixes: list[int], dtypes: list[str],
                  reps: int, hot: bool) -> list[dict[str, Any]]:
     out = []
@@ -579,8 +634,8 @@ def markdown(rows: list[dict[str, Any]], what: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=("attention", "step", "kernel", "extend", "extend-kernel",
-                                     "extend-phases"))
+    ap.add_argument("what", choices=("attention", "step", "kernel", "prefetch", "extend",
+                                     "extend-kernel", "extend-phases"))
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--ctx", type=int, nargs="+", default=[512, 2048])
     ap.add_argument("--prefix", type=int, nargs="+", default=[0, 400])
@@ -596,6 +651,8 @@ def main() -> None:
                          "extend_attention.cpp to compare against (default 1e7a68f / HEAD)")
     ap.add_argument("--hot", action="store_true",
                     help="kernel: one layer's K/V attended 30 times (cache-resident where it fits)")
+    ap.add_argument("--ahead", type=int, nargs="+", default=[1, 2, 3],
+                    help="prefetch: key blocks fetched ahead, the first the reference")
     ap.add_argument("--out", default=None, help="write rows + machine info as JSON here")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -634,6 +691,17 @@ def main() -> None:
         with torch.inference_mode():
             rows = bench_kernel(a.batch, a.ctx, a.prefix, a.dtype, a.reps, a.hot)
         print(markdown_kernel(rows, a.baseline))
+        if a.out:
+            Path(a.out).write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
+        return
+    if a.what == "prefetch":
+        with torch.inference_mode():
+            rows = []
+            for dname in a.dtype:
+                for bs, ctx, prefix in _cases(a.batch, a.ctx, a.prefix):
+                    rows.append(_prefetch_case(dname, bs, ctx, prefix, a.reps, a.ahead))
+                    print(json.dumps(rows[-1]), flush=True)
+        print(markdown_prefetch(rows, a.ahead))
         if a.out:
             Path(a.out).write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
         return

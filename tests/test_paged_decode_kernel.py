@@ -397,6 +397,41 @@ def test_result_does_not_depend_on_the_one_thread_threshold() -> None:
     torch.testing.assert_close(split[1].double(), ref_lse, atol=1e-3, rtol=1e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_prefetch_distance_changes_no_bit(dtype: torch.dtype) -> None:
+    """How many key blocks the scans prefetch ahead (`radixrt::paged_decode_prefetch`: calls
+    sharing their items among threads, calls alone) moves only loads: the same bits on one and
+    two threads, none to several blocks ahead, cascade groups included. The setter returns the
+    previous pair, keeps a -1's value and refuses a distance out of [0, 16]."""
+    op = torch.ops.radixrt.paged_decode_prefetch
+    c = _case(13, dtype, 9, 3, 64, [300, 3, 77, 1, 160, 33], [(150, [1, 3, 5]), (40, [0, 4])])
+    before, threads = op(), torch.get_num_threads()
+    assert all(0 <= b <= 16 for b in before)
+    try:
+        assert op(3, -1) == before
+        assert op(-1, 5) == [3, before[1]]
+        assert op() == [3, 5]
+        with pytest.raises(RuntimeError, match="paged_decode_prefetch: blocks ahead"):
+            op(17, -1)
+        with pytest.raises(RuntimeError, match="paged_decode_prefetch: blocks ahead"):
+            op(-1, -2)
+        results = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for ahead in (0, 1, 2, 6):
+                op(ahead, ahead)
+                results.append(_run(c, 0.125))
+    finally:
+        op(*before)
+        torch.set_num_threads(threads)
+    assert op() == before
+    for out, lse in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
+    ref_out, ref_lse = _reference(c, 0.125)
+    torch.testing.assert_close(results[0][0].double(), ref_out, atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(results[0][1].double(), ref_lse, atol=2e-5, rtol=2e-5)
+
+
 def test_bad_input_raises_naming_the_argument() -> None:
     c = _case(1, torch.float32, 4, 2, 16, [3, 4], [])
     bad_slot = dict(c, idx=c["idx"].clone())

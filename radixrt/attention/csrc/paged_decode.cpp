@@ -75,14 +75,19 @@ static_assert(kBlock % kVec == 0, "key block must be a whole number of vectors")
 // prefetched, and whether P V uses bf16 pairs (vdpbf16ps) on bf16 pools with AVX512-BF16.
 constexpr int64_t kBlock16 = 16;
 // Measured on Zen 4 (bench/results/2026-11-24-paged-decode-v2.md): no prefetch is 1.6-1.8x
-// slower from memory, 2 or 3 blocks ahead slower than 1; fp32 P V 1.2x slower than bf16 pairs
-// with K/V in the caches, the same from memory. A call that runs on one thread (a micro-batch
-// of radixrt::decode_layers, or a one-thread process) prefetches further ahead: one thread
-// needs more misses in flight to draw the bandwidth two share (Zen 5, 2-core decode steps of
-// two 32-row micro-batches: 2 blocks ahead 1.03-1.05x over 1, 3 no better than 2).
-// RADIXRT_PD_* override them for such measurements.
+// slower from memory; fp32 P V 1.2x slower than bf16 pairs with K/V in the caches, the same
+// from memory. A call that runs on one thread (a micro-batch of radixrt::decode_layers, or a
+// one-thread process) needs more misses in flight to draw the bandwidth two share: Zen 5,
+// 2-core decode steps of two 32-row micro-batches, 2 blocks ahead 1.03-1.05x over 1, 3 no
+// better than 2; Zen 4 at stop 59, one thread, 8-32 rows x 512 keys: 2 ahead 1.02x over 3,
+// 1.08x over 4. A call sharing its items among threads took 1 block ahead until stop 59, when
+// on Zen 4 (op alone, 30 layers from memory, 2 threads, bench/attention_kernel.py prefetch)
+// 2 ahead read bf16 pools 1.11-1.12x faster than 1 at 8 and 64 rows x 512 keys (3: 1.11-1.17x,
+// but 0.97x over a 400-key shared prefix, where 2 is 1.02x) and fp32 pools 1.04-1.07x; whole
+// team decode steps 1.03x at 8 and 64 rows. Both are 2 now. RADIXRT_PD_* set the defaults,
+// torch.ops.radixrt.paged_decode_prefetch the process's distances (for such measurements).
 #ifndef RADIXRT_PD_PREFETCH_BLOCKS
-#define RADIXRT_PD_PREFETCH_BLOCKS 1
+#define RADIXRT_PD_PREFETCH_BLOCKS 2
 #endif
 #ifndef RADIXRT_PD_PREFETCH_BLOCKS_ALONE
 #define RADIXRT_PD_PREFETCH_BLOCKS_ALONE 2
@@ -149,7 +154,14 @@ inline int64_t call_threads() {
 }
 
 // Blocks ahead the AVX-512 scans prefetch in this call.
-inline int64_t prefetch_blocks() { return runs_alone() ? kPrefetchBlocksAlone : kPrefetchBlocks; }
+// The distances this process uses (paged_decode_prefetch: benchmarks tune them per machine).
+std::atomic<int64_t> g_prefetch_blocks{kPrefetchBlocks};
+std::atomic<int64_t> g_prefetch_blocks_alone{kPrefetchBlocksAlone};
+
+inline int64_t prefetch_blocks() {
+  return (runs_alone() ? g_prefetch_blocks_alone : g_prefetch_blocks)
+      .load(std::memory_order_relaxed);
+}
 
 #if defined(CPU_CAPABILITY_AVX512)
 // ---- AVX-512 scan (see the top of the file) ---------------------------------------------
@@ -1487,6 +1499,16 @@ int64_t paged_decode_dot_blocks(int64_t rows) {
 #endif
 }
 
+std::vector<int64_t> paged_decode_prefetch(int64_t blocks, int64_t alone) {
+  TORCH_CHECK(blocks >= -1 && blocks <= 16 && alone >= -1 && alone <= 16,
+              "paged_decode_prefetch: blocks ahead must be in [0, 16] (or -1 to keep), got ",
+              blocks, ", ", alone);
+  std::vector<int64_t> previous{g_prefetch_blocks.load(), g_prefetch_blocks_alone.load()};
+  if (blocks >= 0) g_prefetch_blocks.store(blocks);
+  if (alone >= 0) g_prefetch_blocks_alone.store(alone);
+  return previous;
+}
+
 std::vector<int64_t> paged_decode_head_dims() { return {16, 32, 64, 80, 96, 128, 256}; }
 
 std::string paged_decode_isa() { return RADIXRT_STR(CPU_CAPABILITY); }
@@ -1522,6 +1544,10 @@ TORCH_LIBRARY(radixrt, m) {
   // prefix in vdpbf16ps register tiles where AMX is not used (0: never, -1: only read it);
   // returns the previous setting, or -1 where this build has no such path (no AVX512-BF16).
   m.def("paged_decode_dot_blocks(int rows) -> int", &radixrt_cpu::paged_decode_dot_blocks);
+  // Benchmarks / tests: how many key blocks ahead the scans prefetch, in a call sharing its
+  // items among threads and in one running alone (-1 keeps one); returns the previous pair.
+  m.def("paged_decode_prefetch(int blocks=-1, int alone=-1) -> int[]",
+        &radixrt_cpu::paged_decode_prefetch);
   // Benchmarks / tests: the (query, key) pairs of an attention phase below which it runs on one
   // thread, in a decode team and with a parallel region per op (work_queue.h); a negative value
   // leaves that one as it is. Returns the previous [team, regions]. Not while a decode step
