@@ -153,11 +153,12 @@ inline int64_t call_threads() {
   return runs_alone() ? 1 : at::get_num_threads();
 }
 
-// Blocks ahead the AVX-512 scans prefetch in this call.
 // The distances this process uses (paged_decode_prefetch: benchmarks tune them per machine).
+// They move only loads, never a result.
 std::atomic<int64_t> g_prefetch_blocks{kPrefetchBlocks};
 std::atomic<int64_t> g_prefetch_blocks_alone{kPrefetchBlocksAlone};
 
+// Blocks ahead the AVX-512 scans prefetch in this call.
 inline int64_t prefetch_blocks() {
   return (runs_alone() ? g_prefetch_blocks_alone : g_prefetch_blocks)
       .load(std::memory_order_relaxed);
