@@ -508,22 +508,34 @@ def load_baseline(rev: str, source: str = "paged_decode.cpp") -> None:
     build_op_library(sources[source], source, "radixrt_baseline", headers)
 
 
-def _kernel_case(dname: str, bs: int, ctx: int, prefix: int, reps: int,
-                 hot: bool) -> dict[str, Any]:
-    """`hot`: one layer's buffers, attended 30 times (K/V from the caches where they fit)."""
+def _kv_bytes_per_layer(dname: str, bs: int, ctx: int, prefix: int) -> int:
+    """K+V bytes one layer's attention reads (a shared prefix once)."""
+    elem = torch.empty((), dtype=DTYPES[dname]).element_size()
+    return (prefix + bs * (ctx - prefix)) * KV_HEADS * HEAD_DIM * 2 * elem
+
+
+def _op_case(dname: str, bs: int, ctx: int, prefix: int, layers: int
+             ) -> tuple[TokenToKVPool, PagedDecodePlan, torch.Tensor]:
+    """A pool of `layers` layers of random K/V, the batch's plan (one cascade group over the
+    first `prefix` slots when > 0) and its queries, for the op alone."""
     dtype = DTYPES[dname]
-    elem = torch.empty((), dtype=dtype).element_size()
     tokens = prefix + bs * (ctx - prefix)
-    per_layer = tokens * KV_HEADS * HEAD_DIM * 2 * elem  # K+V bytes read per layer
-    layers = 1 if hot else min(LAYERS, max(2, math.ceil(256 * 2**20 / per_layer)))
     kv = TokenToKVPool(tokens + 8, layers, KV_HEADS, HEAD_DIM, dtype)
     fill_random(kv, tokens + 8)
     fb = decode_batch(ReqToTokenPool(bs, ctx + 1), kv, bs, ctx, prefix)
     groups = [SharedPrefixGroup(list(range(bs)), prefix)] if prefix else []
-    plan = PagedDecodePlan.build(fb, groups)
+    q = torch.randn(bs, HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(1)).to(dtype)
+    return kv, PagedDecodePlan.build(fb, groups), q
+
+
+def _kernel_case(dname: str, bs: int, ctx: int, prefix: int, reps: int,
+                 hot: bool) -> dict[str, Any]:
+    """`hot`: one layer's buffers, attended 30 times (K/V from the caches where they fit)."""
+    per_layer = _kv_bytes_per_layer(dname, bs, ctx, prefix)
+    layers = 1 if hot else min(LAYERS, max(2, math.ceil(256 * 2**20 / per_layer)))
+    kv, plan, q = _op_case(dname, bs, ctx, prefix, layers)
     args = (plan.kv_indices, plan.row_start, plan.row_len, plan.group_start, plan.group_len,
             plan.group_row_ptr, plan.group_rows)
-    q = torch.randn(bs, HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(1)).to(dtype)
     scale = HEAD_DIM**-0.5
 
     def step(op: Any) -> None:
@@ -552,15 +564,8 @@ def _kernel_case(dname: str, bs: int, ctx: int, prefix: int, reps: int,
 def _prefetch_case(dname: str, bs: int, ctx: int, prefix: int, reps: int,
                    ahead: list[int]) -> dict[str, Any]:
     """The op on 30 layers from memory at each prefetch distance in `ahead`, alternating."""
-    dtype = DTYPES[dname]
-    elem = torch.empty((), dtype=dtype).element_size()
-    tokens = prefix + bs * (ctx - prefix)
-    per_layer = tokens * KV_HEADS * HEAD_DIM * 2 * elem
-    kv = TokenToKVPool(tokens + 8, LAYERS, KV_HEADS, HEAD_DIM, dtype)
-    fill_random(kv, tokens + 8)
-    fb = decode_batch(ReqToTokenPool(bs, ctx + 1), kv, bs, ctx, prefix)
-    plan = PagedDecodePlan.build(fb, [SharedPrefixGroup(list(range(bs)), prefix)] if prefix else [])
-    q = torch.randn(bs, HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(1)).to(dtype)
+    per_layer = _kv_bytes_per_layer(dname, bs, ctx, prefix)
+    kv, plan, q = _op_case(dname, bs, ctx, prefix, LAYERS)
     setting = torch.ops.radixrt.paged_decode_prefetch
 
     def at(blocks: int) -> Callable[[], None]:
