@@ -82,9 +82,9 @@ constexpr int64_t kBlock16 = 16;
 // better than 2; Zen 4 at stop 59, one thread, 8-32 rows x 512 keys: 2 ahead 1.02x over 3,
 // 1.08x over 4. A call sharing its items among threads took 1 block ahead until stop 59, when
 // on Zen 4 (op alone, 30 layers from memory, 2 threads, bench/attention_kernel.py prefetch)
-// 2 ahead read bf16 pools 1.11-1.12x faster than 1 at 8 and 64 rows x 512 keys (3: 1.11-1.17x,
-// but 0.97x over a 400-key shared prefix, where 2 is 1.02x) and fp32 pools 1.04-1.07x; whole
-// team decode steps 1.03x at 8 and 64 rows. Both are 2 now. RADIXRT_PD_* set the defaults,
+// 2 ahead read bf16 pools 1.05-1.12x faster than 1 at 8 and 64 rows x 512 keys in two sweeps
+// (3: 1.11-1.17x, but 0.95-0.97x over a 400-key shared prefix, where 2 is 1.01-1.02x) and fp32
+// pools 1.02-1.07x; whole team decode steps 1.03x at 8 and 64 rows. Both are 2 now. RADIXRT_PD_* set the defaults,
 // torch.ops.radixrt.paged_decode_prefetch the process's distances (for such measurements).
 #ifndef RADIXRT_PD_PREFETCH_BLOCKS
 #define RADIXRT_PD_PREFETCH_BLOCKS 2
