@@ -83,7 +83,8 @@ TIMEOUT_PER_WORKLOAD_S = 600.0
 MIN_SYSTEM_TIMEOUT_S = 1800.0
 # Per-workload time budgets (s) by preset: HF one-by-one takes minutes per workload on the full
 # preset; it serves requests in arrival order until its budget, then stops (noted).
-DEFAULT_BUDGETS = {"full": {"hf-generate": 75.0}, "wide": {"hf-generate": 75.0}, "tiny": {}}
+DEFAULT_BUDGETS = {"full": {"hf-generate": 75.0}, "wide": {"hf-generate": 75.0},
+                   "long": {"hf-generate": 75.0}, "tiny": {}}
 FIELDS = ("workload", "system", "total_tok_per_s", "output_tok_per_s", "ttft_p50_s", "ttft_p99_s",
           "itl_p50_s", "e2e_p50_s", "hit_rate", "optimal_hit_rate", "threads", "note")
 
@@ -586,7 +587,7 @@ def main(argv: list[str] | None = None) -> Path:
     from bench.serving import add_sampling_args, sampling_fields
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", default="full", choices=("full", "wide", "tiny"))
+    ap.add_argument("--preset", default="full", choices=tuple(DEFAULT_BUDGETS))
     ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     ap.add_argument("--workloads", nargs="+", default=None)
     ap.add_argument("--threads", type=int, default=2)

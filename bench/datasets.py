@@ -269,6 +269,13 @@ PRESETS["wide"] = {name: {**params, **more} for (name, params), more in zip(
     [dict(prompts_per_group=16), dict(num_questions=128), dict(conversations=64),
      dict(chains=64), dict(num_prompts=128)], strict=True)}
 
+# The full preset's prompts with chat-length answers: decode-bound traffic, where the step's
+# speed at 8 rows decides, not the prefix reuse (few-shot keeps its one-word answers).
+PRESETS["long"] = {name: {**params, **more} for (name, params), more in zip(
+    PRESETS["full"].items(),
+    [dict(output_len=256), {}, dict(output_len=192), dict(output_len=128),
+     dict(output_len=256)], strict=True)}
+
 
 @functools.lru_cache(maxsize=2)
 def default_tokenizer(model_path: str | None = None) -> Any:

@@ -70,6 +70,25 @@ def test_random_shares_nothing_and_chains_extend(tok):
     assert pre >= 50 and len({tuple(s.turns[0].append[:pre]) for s in f.sessions}) == 1
 
 
+def test_long_preset_is_full_with_chat_length_answers(tok):
+    """`long` sends `full`'s prompts (same ids, same sessions) and asks for longer answers,
+    except few-shot's one-word ones; `compare.py` accepts every preset `datasets` has."""
+    full = {w.name: w for w in datasets.make_preset("full", 0, ["gsp", "few-shot", "random"], tok)}
+    long = {w.name: w for w in datasets.make_preset("long", 0, ["gsp", "few-shot", "random"], tok)}
+    for name in full:
+        a, b = full[name].sessions, long[name].sessions
+        assert [t.append for s in a for t in s.turns] == [t.append for s in b for t in s.turns]
+    assert {t.max_tokens for s in long["gsp"].sessions for t in s.turns} == {256}
+    assert {t.max_tokens for s in long["random"].sessions for t in s.turns} == {256}
+    assert ([t.max_tokens for s in long["few-shot"].sessions for t in s.turns]
+            == [t.max_tokens for s in full["few-shot"].sessions for t in s.turns])
+    assert datasets.PRESETS["long"]["multi-turn"]["output_len"] == 192
+    assert datasets.PRESETS["long"]["agent"]["output_len"] == 128
+    from bench import compare
+
+    assert set(compare.DEFAULT_BUDGETS) == set(datasets.PRESETS)
+
+
 def test_workload_roundtrip_and_arrivals(tmp_path, tok):
     ws = datasets.make_preset("tiny", 0, ["gsp", "agent"], tok, request_rate=4.0)
     common.save_workloads(tmp_path / "w.json", ws)
