@@ -121,6 +121,19 @@ def test_http_process_yields_to_the_scheduler(server):
     assert server.get("/health").json()["status"] == "ok"
 
 
+def test_http_process_runs_uvloop_and_httptools(server):
+    """`radixrt serve` streams on uvloop's event loop with httptools' parser (dependencies of
+    the project): the HTTP process has both compiled modules mapped, and `asgi_stack` names them."""
+    import psutil
+
+    from radixrt.server.http import asgi_stack
+
+    assert asgi_stack() == ("uvloop", "httptools")
+    mapped = {m.path for m in psutil.Process(server.proc.pid).memory_maps()}
+    assert any("/uvloop/loop." in p for p in mapped), sorted(mapped)
+    assert any("/httptools/parser/parser." in p for p in mapped), sorted(mapped)
+
+
 def test_models_and_health(server):
     r = server.get("/v1/models").json()
     assert r["object"] == "list" and r["data"][0]["object"] == "model"

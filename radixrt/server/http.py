@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib.util
 import logging
 import os
 import signal
@@ -641,8 +642,10 @@ def serve(args: ServerArgs) -> int:
         logger.info("tool calls: %s parser; tools %s", app.state.server.tool_parser.name,
                     "through the chat template" if engine.template_takes_tools()
                     else "in the fallback system block")
+        loop, parser = asgi_stack()
+        logger.info("http: %s event loop, %s parser", loop, parser)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                    timeout_graceful_shutdown=5, access_log=False)
+                    timeout_graceful_shutdown=5, access_log=False, loop=loop, http=parser)
     except _Stop as e:
         logger.info("stopping on signal %d", e.args[0])
     finally:
@@ -650,6 +653,13 @@ def serve(args: ServerArgs) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 0
+
+
+def asgi_stack() -> tuple[str, str]:
+    """uvicorn's event loop and HTTP parser: uvloop and httptools where installed (project
+    dependencies; less CPU per streamed chunk than asyncio's loop and h11), else those."""
+    have = importlib.util.find_spec
+    return ("uvloop" if have("uvloop") else "asyncio", "httptools" if have("httptools") else "h11")
 
 
 class _Stop(Exception):
