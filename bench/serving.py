@@ -34,12 +34,13 @@ if __package__ in (None, ""):
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
-import json  # noqa: E402
 import os  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
 from collections.abc import AsyncIterator, Callable  # noqa: E402
 from typing import Any  # noqa: E402
+
+import orjson  # noqa: E402
 
 from bench.common import (  # noqa: E402
     RequestRecord,
@@ -60,7 +61,7 @@ async def sse_events(lines: AsyncIterator[str]) -> AsyncIterator[dict[str, Any]]
         data = line[5:].strip()
         if data == "[DONE]":
             return
-        yield json.loads(data)
+        yield orjson.loads(data)
 
 
 def apply_event(rec: RequestRecord, ev: dict[str, Any], t: float, chat: bool) -> str:
@@ -112,8 +113,6 @@ class Client:
                  sampling: dict[str, Any] | None = None):
         """`sampling`: request fields sent with every request instead of greedy
         (`{"temperature": 0.7, "top_p": 0.9}`, `sampling_fields`)."""
-        import httpx
-
         self.url = base_url.rstrip("/") + ("/v1/chat/completions" if endpoint == "chat"
                                            else "/v1/completions")
         self.chat = endpoint == "chat"
@@ -122,9 +121,20 @@ class Client:
         self.ignore_eos = ignore_eos
         self.tok = tokenizer
         self.sampling = dict(sampling or {})
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.AsyncClient(timeout=timeout_s, headers=headers,
-                                      limits=httpx.Limits(max_connections=1024))
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.timeout_s = timeout_s
+        self.http: Any = None  # an aiohttp session, opened inside the running loop
+
+    def session(self) -> Any:
+        """aiohttp, as SGLang's bench_serving: it shares the server's cores here, and httpx
+        spent about twice its CPU per streamed chunk (stop 60), most of it in the stream."""
+        if self.http is None:
+            import aiohttp
+
+            self.http = aiohttp.ClientSession(
+                headers=self.headers, timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                connector=aiohttp.TCPConnector(limit=1024), read_bufsize=2**16)
+        return self.http
 
     def body(self, prompt: list[int] | str, max_tokens: int) -> dict[str, Any]:
         b: dict[str, Any] = {"model": self.model, "max_tokens": max_tokens, "temperature": 0,
@@ -142,10 +152,10 @@ class Client:
                       now: Callable[[], float]) -> str:
         text = ""
         req = self.body(prompt, max_tokens)
-        async with self.http.stream("POST", self.url, json=req) as r:
-            if r.status_code != 200:
-                body = (await r.aread()).decode(errors="replace")
-                if r.status_code in (400, 422) and "ignore_eos" in body and "ignore_eos" in req:
+        async with self.session().post(self.url, json=req) as r:
+            if r.status != 200:
+                body = (await r.read()).decode(errors="replace")
+                if r.status in (400, 422) and "ignore_eos" in body and "ignore_eos" in req:
                     # a strict server (e.g. `transformers serve`): go on without it, say so
                     if self.ignore_eos:
                         self.ignore_eos = False
@@ -153,10 +163,10 @@ class Client:
                               file=sys.stderr, flush=True)
                     rec.arrival = now()
                     return await self.request(prompt, max_tokens, rec, now)
-                rec.error = f"HTTP {r.status_code}: {body[:300]}"
+                rec.error = f"HTTP {r.status}: {body[:300]}"
                 rec.end = now()
                 return ""
-            async for ev in sse_events(r.aiter_lines()):
+            async for ev in sse_events(line.decode() async for line in r.content):
                 text += apply_event(rec, ev, now(), self.chat)
         rec.end = now()
         if not rec.chunks and not rec.error:
@@ -164,7 +174,9 @@ class Client:
         return text
 
     async def close(self) -> None:
-        await self.http.aclose()
+        if self.http is not None:
+            await self.http.close()
+            self.http = None
 
 
 async def drive_server(client: Client, workload: Workload, max_concurrency: int | None = None,
@@ -293,11 +305,7 @@ def run(client: Client, workloads: list[Workload], system: str, out: str | None,
 
 
 async def _drive_and_close(client: Client, w: Workload, mc: int | None, progress: bool):
-    # a fresh AsyncClient per event loop (asyncio.run closes the loop each time)
-    import httpx
-
-    client.http = httpx.AsyncClient(timeout=client.http.timeout, headers=client.http.headers,
-                                    limits=httpx.Limits(max_connections=1024))
+    # a fresh session per event loop (asyncio.run closes the loop each time)
     try:
         return await drive_server(client, w, mc, progress)
     finally:
