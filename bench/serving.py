@@ -127,13 +127,17 @@ class Client:
 
     def session(self) -> Any:
         """aiohttp, as SGLang's bench_serving: it shares the server's cores here, and httpx
-        spent about twice its CPU per streamed chunk (stop 60), most of it in the stream."""
+        spent about twice its CPU per streamed chunk (stop 60), most of it in the stream. One
+        connection per request (no keep-alive, as bench_serving's session per request):
+        llama-server closes idle connections, and aiohttp would send the next request into one
+        it had closed ("Can not write request body")."""
         if self.http is None:
             import aiohttp
 
             self.http = aiohttp.ClientSession(
                 headers=self.headers, timeout=aiohttp.ClientTimeout(total=self.timeout_s),
-                connector=aiohttp.TCPConnector(limit=1024), read_bufsize=2**16)
+                connector=aiohttp.TCPConnector(limit=1024, force_close=True),
+                read_bufsize=2**16)
         return self.http
 
     def body(self, prompt: list[int] | str, max_tokens: int) -> dict[str, Any]:

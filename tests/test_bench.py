@@ -8,6 +8,7 @@ import math
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -698,6 +699,54 @@ def test_sampled_comparisons_send_the_same_fields_to_every_http_system():
         assert cmd[cmd.index("--temperature") + 1] == "0.7", system
     with pytest.raises(SystemExit, match="HTTP-driven"):
         compare.main(["--preset", "tiny", "--systems", "radixrt", "--temperature", "0.7"])
+
+
+def test_client_survives_a_server_that_closes_each_connection():
+    """A server that drops a kept-alive connection as the next request arrives on it (what
+    llama-server's closing of idle connections looked like: "Can not write request body" and
+    "Server disconnected" on the requests after one): every request of `serving.Client` opens
+    its own connection, so all of them stream."""
+    from bench.serving import Client
+
+    served: list[bytes] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(re.search(rb"(?i)content-length: (\d+)", head).group(1))
+        served.append(await reader.readexactly(length))
+        events = [{"choices": [{"index": 0, "text": t}]} for t in ("a", "b")]
+        events.append({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}})
+        body = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+        body += b"data: [DONE]\n\n"
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                     b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        await writer.drain()
+        # one request per connection: a second one on it is dropped unanswered (the race in
+        # which a server closes an idle connection just as the client sends on it)
+        await reader.read(1)
+        writer.close()
+
+    async def drive() -> list[RequestRecord]:
+        srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = srv.sockets[0].getsockname()[1]
+        client = Client(f"http://127.0.0.1:{port}")
+        t0 = time.perf_counter()
+        recs = []
+        try:
+            for i in range(3):
+                rec = RequestRecord(0, i, 3, 2, 0.0)
+                assert await client.request([1, 2, 3], 2, rec,
+                                            lambda: time.perf_counter() - t0) == "ab"
+                recs.append(rec)
+        finally:
+            await client.close()
+            srv.close()
+        return recs
+
+    recs = asyncio.run(drive())
+    assert [r.error for r in recs] == ["", "", ""]
+    assert [(len(r.chunks), r.output_len, r.prompt_len) for r in recs] == [(2, 2, 3)] * 3
+    assert len(served) == 3 and all(json.loads(b)["prompt"] == [1, 2, 3] for b in served)
 
 
 @pytest.mark.slow
