@@ -84,7 +84,8 @@ MIN_SYSTEM_TIMEOUT_S = 1800.0
 # Per-workload time budgets (s) by preset: HF one-by-one takes minutes per workload on the full
 # preset; it serves requests in arrival order until its budget, then stops (noted).
 DEFAULT_BUDGETS = {"full": {"hf-generate": 75.0}, "wide": {"hf-generate": 75.0},
-                   "long": {"hf-generate": 75.0}, "tiny": {}}
+                   "long": {"hf-generate": 75.0}, "wide-long": {"hf-generate": 75.0},
+                   "tiny": {}}
 FIELDS = ("workload", "system", "total_tok_per_s", "output_tok_per_s", "ttft_p50_s", "ttft_p99_s",
           "itl_p50_s", "e2e_p50_s", "hit_rate", "optimal_hit_rate", "threads", "note")
 

@@ -271,10 +271,13 @@ PRESETS["wide"] = {name: {**params, **more} for (name, params), more in zip(
 
 # The full preset's prompts with chat-length answers: decode-bound traffic, where the step's
 # speed at 8 rows decides, not the prefix reuse (few-shot keeps its one-word answers).
+_LONG_ANSWERS = [dict(output_len=256), {}, dict(output_len=192), dict(output_len=128),
+                 dict(output_len=256)]
 PRESETS["long"] = {name: {**params, **more} for (name, params), more in zip(
-    PRESETS["full"].items(),
-    [dict(output_len=256), {}, dict(output_len=192), dict(output_len=128),
-     dict(output_len=256)], strict=True)}
+    PRESETS["full"].items(), _LONG_ANSWERS, strict=True)}
+# ... and `wide`'s sessions with those answers, for 64 in flight.
+PRESETS["wide-long"] = {name: {**params, **more} for (name, params), more in zip(
+    PRESETS["wide"].items(), _LONG_ANSWERS, strict=True)}
 
 
 @functools.lru_cache(maxsize=2)

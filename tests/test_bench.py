@@ -85,6 +85,11 @@ def test_long_preset_is_full_with_chat_length_answers(tok):
             == [t.max_tokens for s in full["few-shot"].sessions for t in s.turns])
     assert datasets.PRESETS["long"]["multi-turn"]["output_len"] == 192
     assert datasets.PRESETS["long"]["agent"]["output_len"] == 128
+    # wide-long: wide's session counts, long's answers
+    for name, params in datasets.PRESETS["wide-long"].items():
+        lengths = {k: v for k, v in datasets.PRESETS["long"][name].items()
+                   if k in ("output_len", "max_output")}
+        assert params == {**datasets.PRESETS["wide"][name], **lengths}, name
     from bench import compare
 
     assert set(compare.DEFAULT_BUDGETS) == set(datasets.PRESETS)
