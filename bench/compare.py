@@ -61,6 +61,7 @@ from bench.common import (  # noqa: E402
     read_results,
     save_workloads,
 )
+from bench.datasets import PRESETS  # noqa: E402
 from bench.metrics import compute_metrics, run_optimal_hit_rate  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,9 +84,8 @@ TIMEOUT_PER_WORKLOAD_S = 600.0
 MIN_SYSTEM_TIMEOUT_S = 1800.0
 # Per-workload time budgets (s) by preset: HF one-by-one takes minutes per workload on the full
 # preset; it serves requests in arrival order until its budget, then stops (noted).
-DEFAULT_BUDGETS = {"full": {"hf-generate": 75.0}, "wide": {"hf-generate": 75.0},
-                   "long": {"hf-generate": 75.0}, "wide-long": {"hf-generate": 75.0},
-                   "tiny": {}}
+DEFAULT_BUDGETS = {preset: {} if preset == "tiny" else {"hf-generate": 75.0}
+                   for preset in PRESETS}
 FIELDS = ("workload", "system", "total_tok_per_s", "output_tok_per_s", "ttft_p50_s", "ttft_p99_s",
           "itl_p50_s", "e2e_p50_s", "hit_rate", "optimal_hit_rate", "threads", "note")
 

@@ -264,20 +264,23 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
 
 # The full preset's workloads with enough sessions to keep 64 requests in flight
 # (`--max-concurrency 64`): the same shapes, more sessions.
-PRESETS["wide"] = {name: {**params, **more} for (name, params), more in zip(
-    PRESETS["full"].items(),
-    [dict(prompts_per_group=16), dict(num_questions=128), dict(conversations=64),
-     dict(chains=64), dict(num_prompts=128)], strict=True)}
+def _derived(base: str, changes: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Preset `base` with `changes[i]` applied to its i-th workload (in WORKLOADS order)."""
+    return {name: {**params, **more}
+            for (name, params), more in zip(PRESETS[base].items(), changes, strict=True)}
+
+
+PRESETS["wide"] = _derived("full", [dict(prompts_per_group=16), dict(num_questions=128),
+                                    dict(conversations=64), dict(chains=64),
+                                    dict(num_prompts=128)])
 
 # The full preset's prompts with chat-length answers: decode-bound traffic, where the step's
 # speed at 8 rows decides, not the prefix reuse (few-shot keeps its one-word answers).
 _LONG_ANSWERS = [dict(output_len=256), {}, dict(output_len=192), dict(output_len=128),
                  dict(output_len=256)]
-PRESETS["long"] = {name: {**params, **more} for (name, params), more in zip(
-    PRESETS["full"].items(), _LONG_ANSWERS, strict=True)}
+PRESETS["long"] = _derived("full", _LONG_ANSWERS)
 # ... and `wide`'s sessions with those answers, for 64 in flight.
-PRESETS["wide-long"] = {name: {**params, **more} for (name, params), more in zip(
-    PRESETS["wide"].items(), _LONG_ANSWERS, strict=True)}
+PRESETS["wide-long"] = _derived("wide", _LONG_ANSWERS)
 
 
 @functools.lru_cache(maxsize=2)
