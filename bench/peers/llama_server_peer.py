@@ -37,10 +37,12 @@ if __package__ in (None, ""):
 
 import argparse  # noqa: E402
 import os  # noqa: E402
+import shlex  # noqa: E402
 import shutil  # noqa: E402
 import socket  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
 from typing import Any  # noqa: E402
 
 from bench.common import Workload, iter_workloads, warmup_prompt  # noqa: E402
@@ -96,10 +98,13 @@ def slot_context(w: Workload) -> int:
 
 
 def server_command(binary: str | os.PathLike[str], model: str, parallel: int, threads: int,
-                   ctx_per_slot: int, port: int, host: str = "127.0.0.1") -> list[str]:
+                   ctx_per_slot: int, port: int, host: str = "127.0.0.1",
+                   extra: Sequence[str] = ()) -> list[str]:
+    """`extra`: flags appended after ours (llama-server takes the last value of a repeated
+    flag, so they can also override one of ours)."""
     return [str(binary), "-m", str(model), "-np", str(parallel), "-t", str(threads),
             "-tb", str(threads), "-c", str(parallel * ctx_per_slot), "-cb", "--cache-prompt",
-            "--host", host, "--port", str(port)]
+            "--host", host, "--port", str(port), *extra]
 
 
 def free_port() -> int:
@@ -139,8 +144,8 @@ def warm_up(base_url: str) -> None:
     r.raise_for_status()
 
 
-def main(argv: list[str] | None = None) -> None:
-    from bench.serving import add_sampling_args, sampling_fields
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from bench.serving import add_sampling_args
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workload-file", required=True)
@@ -153,9 +158,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--port", type=int, default=0, help="0: a free one")
     ap.add_argument("--log", default=None, help="the server's output (default: discarded)")
     ap.add_argument("--progress", action="store_true")
+    ap.add_argument("--server-args", default="",
+                    help="extra llama-server flags, one shell-quoted string (e.g. '-fa on')")
     add_sampling_args(ap)
-    a = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
+
+def main(argv: list[str] | None = None) -> None:
+    from bench.serving import sampling_fields
+
+    a = parse_args(argv)
     binary = find_binary(a.binary)
     if binary is None:
         raise SystemExit(unavailable_note(a.binary))
@@ -172,7 +184,8 @@ def main(argv: list[str] | None = None) -> None:
             ctx = slot_context(w)
             port = a.port or free_port()
             base_url = f"http://127.0.0.1:{port}"
-            cmd = server_command(binary, a.model, parallel, a.threads, ctx, port)
+            cmd = server_command(binary, a.model, parallel, a.threads, ctx, port,
+                                 extra=shlex.split(a.server_args))
             print("$ " + " ".join(cmd), flush=True)
             if log is not subprocess.DEVNULL:
                 log.write(("\n$ " + " ".join(cmd) + "\n").encode())
