@@ -84,10 +84,15 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sample at this temperature (request i seeded with i) instead of "
                          "greedy")
+    ap.add_argument("--speculative-max-rows", type=int, default=None,
+                    help="the `on` Engine's --speculative-max-rows (default: the config's)")
     ap.add_argument("--out", default=None, help="write every row as JSON lines here")
     a = ap.parse_args()
 
     from radixrt import Engine, SamplingParams
+
+    on_args = ({} if a.speculative_max_rows is None
+               else {"speculative_max_rows": a.speculative_max_rows})
 
     rows: dict[tuple[str, int, str], list[dict[str, float]]] = {}
     lines = []
@@ -96,7 +101,8 @@ def main() -> None:
         try:
             for name, algo in (("on", "ngram"), ("off", "none")):
                 engines[name] = Engine(num_threads=a.threads, speculative_algorithm=algo,
-                                       max_running_requests=conc)
+                                       max_running_requests=conc,
+                                       **(on_args if algo == "ngram" else {}))
             for r in range(a.rounds):
                 for kind in a.kinds:
                     msgs = KINDS[kind]

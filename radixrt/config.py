@@ -191,10 +191,9 @@ class ServerArgs:
                                               "step")
     speculative_ngram_min: int = _f(2, "ngram: the shortest n-gram that may match")
     speculative_ngram_max: int = _f(4, "ngram: the longest n-gram tried first")
-    speculative_max_rows: int = _f(8, "ngram: drafts only while the decode step stays within "
-                                      "this many rows (requests + draft tokens): above it a "
-                                      "step is compute-bound and a rejected draft costs what "
-                                      "an accepted one saves")
+    speculative_max_rows: int = _f(32, "ngram: drafts only while the decode step stays within "
+                                       "this many rows (requests + draft tokens); below it the "
+                                       "measured step cost decides how many each request gets")
     stream_interval: int = _f(1, "a streamed request's outputs go out every this many tokens "
                                  "(the first at once, the last when it finishes): larger "
                                  "sends fewer, larger chunks, so less CPU per token goes to "
