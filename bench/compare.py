@@ -359,7 +359,10 @@ def write_markdown(path: Path, records: list[dict[str, Any]], meta: dict[str, An
              + (f"; radixrt serve flags added: `{meta['radixrt_server_args']}`"
                 if meta.get("radixrt_server_args") else ""))
     L.append("- metrics: SGLang bench_serving definitions (TTFT from send, ITL between streamed "
-             "chunks, throughput over the run from t=0 to the last token); hit rate = "
+             "chunks, TPOT = (E2E - TTFT) / (output tokens - 1) per request, throughput over the "
+             "run from t=0 to the last token; a server that sends a step's tokens as separate "
+             "events at once, as llama-server does with speculation, reads an ITL near 0: its "
+             "TPOT is the comparable figure); hit rate = "
              "Σ cached / Σ prompt tokens; optimal = 1 − distinct trie tokens / prompt tokens of the "
              "prompts as sent")
     ls = next((r for r in records if r["system"] == "llama-server" and r.get("parallel")), None)
@@ -397,10 +400,11 @@ def write_markdown(path: Path, records: list[dict[str, Any]], meta: dict[str, An
     L.append("")
     L.extend(markdown_table(
         ["workload", "system", "total tok/s", "output tok/s", "TTFT p50 s", "TTFT p99 s",
-         "ITL p50 ms", "E2E p50 s", "hit rate", "optimal", "note"],
+         "ITL p50 ms", "TPOT p50 ms", "E2E p50 s", "hit rate", "optimal", "note"],
         ([wname, r["system"], _fmt(r["total_tok_per_s"]), _fmt(r["output_tok_per_s"]),
           _fmt(r["ttft_p50_s"], ".2f"), _fmt(r["ttft_p99_s"], ".2f"),
-          _fmt(r["itl_p50_s"], ".1f", 1e3), _fmt(r.get("e2e_p50_s"), ".2f"),
+          _fmt(r["itl_p50_s"], ".1f", 1e3), _fmt(r.get("tpot_p50_s"), ".1f", 1e3),
+          _fmt(r.get("e2e_p50_s"), ".2f"),
           _fmt(r["hit_rate"], ".3f"),
           _fmt(r["optimal_hit_rate"], ".3f"), (r["note"] or "").replace("|", "/")]
          for wname in workloads for r in records if r["workload"] == wname)).splitlines())

@@ -530,6 +530,32 @@ def test_report_states_what_radixrt_resolved(tmp_path):
             "kernels for every call), KV cache bfloat16") in (tmp_path / "r.md").read_text()
 
 
+def test_report_gives_tpot_beside_itl_and_names_llama_server_flags(tmp_path):
+    """A server that sends a step's tokens as separate events at once (llama-server with
+    speculation) reads an ITL near 0; the report's TPOT column is the comparable figure, and
+    the header names the flags llama-server ran with."""
+    from bench import compare
+
+    def rec(system, itl, tpot):
+        r = {k: None for k in compare.FIELDS}
+        r.update(workload="gsp", system=system, total_tok_per_s=100.0, output_tok_per_s=50.0,
+                 ttft_p50_s=0.1, ttft_p99_s=0.2, itl_p50_s=itl, tpot_p50_s=tpot, e2e_p50_s=3.0,
+                 hit_rate=0.5, optimal_hit_rate=0.8, parallel=8, llama_server="v", note="")
+        return r
+
+    meta = {"date": "d", "host": "h", "preset": "long", "seed": 0, "threads": 2, "cpu": "c",
+            "cores": 2, "torch": "t", "radixrt_mode": "server", "max_concurrency": 8,
+            "llama_server_args": "--spec-type ngram-mod"}
+    compare.write_markdown(tmp_path / "r.md", [rec("radixrt", 0.012, 0.0115),
+                                                rec("llama-server", 0.0001, 0.052)],
+                           meta, ["gsp"], [])
+    text = (tmp_path / "r.md").read_text()
+    assert "| ITL p50 ms | TPOT p50 ms | E2E p50 s |" in text
+    assert "| gsp | llama-server | 100.0 | 50.0 | 0.10 | 0.20 | 0.1 | 52.0 | 3.00 |" in text
+    assert "| gsp | radixrt | 100.0 | 50.0 | 0.10 | 0.20 | 12.0 | 11.5 | 3.00 |" in text
+    assert "flags added: `--spec-type ngram-mod`" in text
+
+
 @pytest.mark.slow
 def test_compare_server_mode_records_what_the_server_resolved(tmp_path):
     """A live `radixrt serve` run through serving.py: its `/get_server_info` lands beside the
