@@ -363,6 +363,41 @@ def test_thread_count_does_not_change_results() -> None:
     assert torch.equal(one, many)  # each item's arithmetic is fixed; only who runs it changes
 
 
+def test_query_blocks_keep_the_threads_evenly_busy() -> None:
+    """The rows-in-lanes path's query block for one 75-token extend on 850 cached keys (9 query
+    heads on 3 KV heads): 2 threads get 2 blocks a head (6 items, 3 each, not 9 split 5 / 4),
+    3 threads one block a head (3 items, 1 each); 20 such extends keep whole requests; a fresh
+    512-token prompt is cut into 128-token blocks."""
+    block = torch.ops.radixrt.extend_attention_block
+    assert block([850], [75], 3, 3, 2) == 64
+    assert block([850], [75], 3, 3, 3) == 128
+    assert block([850], [75], 3, 3, 1) == 128
+    assert block([850] * 20, [65] * 20, 3, 3, 2) == 128
+    assert block([0], [512], 3, 3, 2) == 128
+    with pytest.raises(RuntimeError, match="one cached count per request"):
+        block([850, 3], [75], 3, 3, 2)
+
+
+def test_lanes_path_results_do_not_depend_on_threads() -> None:
+    """The 75-token extend above on the rows-in-lanes path at 1, 2 and 3 threads (128-, 64- and
+    128-token blocks): bitwise the same output."""
+    if not _bf16_dot_compiled():
+        pytest.skip("the rows-in-lanes path needs AVX512-BF16")
+    case = _case(5, torch.bfloat16, 9, 3, 64, [(850, 75)], slots=2000)
+    before = torch.get_num_threads()
+    amx = torch.ops.radixrt.extend_attention_amx(False)
+    outs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(torch.ops.radixrt.extend_attention(*case, 0.125))
+    finally:
+        torch.set_num_threads(before)
+        torch.ops.radixrt.extend_attention_amx(amx)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    torch.testing.assert_close(outs[0].double(), _reference(case, 0.125), atol=2e-2, rtol=0)
+
+
 def test_bad_input_names_the_problem() -> None:
     q, kb, vb, kvi, kptr, loc, qptr = _case(5, torch.float32, 9, 3, 64, [(10, 5)])
     op = torch.ops.radixrt.extend_attention
