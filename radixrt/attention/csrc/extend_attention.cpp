@@ -320,6 +320,13 @@ constexpr int64_t kMinShared = kKeyBlock;
 #endif
 constexpr int64_t kGroupItemRows = RADIXRT_EXT_GROUP_ROWS;
 
+// Tokens per part when a request's e new tokens go in blocks of at most `block`: as even as
+// the block count allows (the last part may be shorter).
+inline int64_t part_tokens(int64_t e, int64_t block) {
+  const int64_t nblk = (e + block - 1) / block;
+  return (e + nblk - 1) / nblk;
+}
+
 // The query block (tokens) of make_plan on the rows-in-lanes path: of max_block, max_block / 2,
 // ... kMinBlockTokens, the one whose items finish first when dealt largest first to `threads`
 // threads (the work queue's order), an item costing its keys x its rows padded to 16-row
@@ -338,7 +345,7 @@ int64_t choose_block(int64_t B, const int64_t* kptr, const int64_t* qptr, int64_
     for (int64_t b = 0; b < B; ++b) {
       const int64_t e = qptr[b + 1] - qptr[b];
       if (e <= 0) continue;
-      const int64_t nblk = (e + block - 1) / block, per = (e + nblk - 1) / nblk;
+      const int64_t per = part_tokens(e, block);
       for (int64_t t0 = 0; t0 < e; t0 += per) {
         const int64_t t1 = std::min(e, t0 + per), rows = (t1 - t0) * G;
         const double keys = static_cast<double>(kptr[b + 1] - kptr[b] + (t0 + t1) / 2 + 1);
@@ -380,7 +387,7 @@ Plan make_plan(int64_t B, const int64_t* kptr, const int64_t* qptr, const int32_
   }
   auto add_blocks = [&](int64_t b, int32_t& row0) {  // appends b's token blocks as parts
     const int64_t e = qptr[b + 1] - qptr[b];
-    const int64_t nblk = (e + block - 1) / block, per = (e + nblk - 1) / nblk;
+    const int64_t per = part_tokens(e, block);
     for (int64_t t0 = 0; t0 < e; t0 += per) {
       const int64_t t1 = std::min(e, t0 + per);
       plan.parts.push_back({static_cast<int32_t>(b), static_cast<int32_t>(t0),
