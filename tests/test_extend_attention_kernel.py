@@ -364,18 +364,20 @@ def test_thread_count_does_not_change_results() -> None:
 
 
 def test_query_blocks_keep_the_threads_evenly_busy() -> None:
-    """The rows-in-lanes path's query block for one 75-token extend on 850 cached keys (9 query
-    heads on 3 KV heads): 2 threads get 2 blocks a head (6 items, 3 each, not 9 split 5 / 4),
-    3 threads one block a head (3 items, 1 each); 20 such extends keep whole requests; a fresh
-    512-token prompt is cut into 128-token blocks."""
+    """The query block for one 75-token extend on 850 cached keys (9 query heads on 3 KV heads).
+    Rows-in-lanes path: 2 threads get 2 blocks a head (6 items, 3 each, not 9 split 5 / 4), 1 or
+    3 threads one block a head; 20 such extends keep whole requests; a fresh 512-token prompt
+    goes in 128-token blocks. fp32-FMA path (64-token blocks at most): 2 blocks a head at 2
+    threads (not 3), 32-token blocks for two short requests that would leave a thread idle."""
     block = torch.ops.radixrt.extend_attention_block
-    assert block([850], [75], 3, 3, 2) == 64
-    assert block([850], [75], 3, 3, 3) == 128
-    assert block([850], [75], 3, 3, 1) == 128
-    assert block([850] * 20, [65] * 20, 3, 3, 2) == 128
-    assert block([0], [512], 3, 3, 2) == 128
+    assert [block([850], [75], 3, 3, t, True) for t in (1, 2, 3)] == [128, 64, 128]
+    assert block([850] * 20, [65] * 20, 3, 3, 2, True) == 128
+    assert block([0], [512], 3, 3, 2, True) == 128
+    assert block([850], [75], 3, 3, 2, False) == 64
+    assert block([0, 37], [100, 20], 3, 3, 1, False) == 64
+    assert block([0, 37], [100, 20], 3, 3, 2, False) == 32
     with pytest.raises(RuntimeError, match="one cached count per request"):
-        block([850, 3], [75], 3, 3, 2)
+        block([850, 3], [75], 3, 3, 2, True)
 
 
 def test_lanes_path_results_do_not_depend_on_threads() -> None:

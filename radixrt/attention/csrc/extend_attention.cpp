@@ -327,16 +327,18 @@ inline int64_t part_tokens(int64_t e, int64_t block) {
   return (e + nblk - 1) / nblk;
 }
 
-// The query block (tokens) of make_plan on the rows-in-lanes path: of max_block, max_block / 2,
-// ... kMinBlockTokens, the one whose items finish first when dealt largest first to `threads`
-// threads (the work queue's order), an item costing its keys x its rows padded to 16-row
-// vectors, plus a quarter vector per 48-row tile and a tenth per item (packing V) for the
-// per-key work beside the rows; ties go to the larger block. One 75-token extend on 3 KV heads
-// and 2 threads: 2 blocks (6 items, 3 per thread) rather than the 3 of the old rule (a few
-// items per thread: 9 items, 5 on one thread and 4 on the other); whole agent1 steps
-// (bench/extend_steps.py) 0.97x.
+// The query block (tokens) of make_plan on the rows-in-lanes and fp32-FMA paths: of max_block,
+// max_block / 2, ... kMinBlockTokens, the one whose items finish first when dealt largest first
+// to `threads` threads (the work queue's order); ties go to the larger block. An item costs its
+// keys x its rows plus the per-key work beside the rows: rows-in-lanes, rows padded to 16-row
+// vectors, a quarter vector per 48-row tile and a tenth per item (packing V); fp32 FMA,
+// kFmaKeyRows rows per item (converting the key blocks). One 75-token extend on 3 KV heads and
+// 2 threads: 2 blocks (6 items, 3 per thread), where the old rule (halve until there are 4
+// items per thread, still the AMX path's) cut 3: 9 items, 5 on one thread and 4 on the other.
+// Whole agent1 steps (bench/extend_steps.py) 0.97x in bf16, 0.94-0.96x in fp32.
+constexpr int64_t kFmaKeyRows = 8;
 int64_t choose_block(int64_t B, const int64_t* kptr, const int64_t* qptr, int64_t G, int64_t Hkv,
-                     int64_t max_block, int64_t threads) {
+                     int64_t max_block, int64_t threads, bool lanes) {
   int64_t best_block = max_block;
   double best = std::numeric_limits<double>::infinity();
   std::vector<double> costs, load(static_cast<size_t>(std::max<int64_t>(1, threads)));
@@ -349,7 +351,8 @@ int64_t choose_block(int64_t B, const int64_t* kptr, const int64_t* qptr, int64_
       for (int64_t t0 = 0; t0 < e; t0 += per) {
         const int64_t t1 = std::min(e, t0 + per), rows = (t1 - t0) * G;
         const double keys = static_cast<double>(kptr[b + 1] - kptr[b] + (t0 + t1) / 2 + 1);
-        const double units = 16.0 * ((rows + 15) / 16) + 4.0 * ((rows + 47) / 48) + 1.6;
+        const double units = lanes ? 16.0 * ((rows + 15) / 16) + 4.0 * ((rows + 47) / 48) + 1.6
+                                   : static_cast<double>(rows + kFmaKeyRows);
         for (int64_t h = 0; h < Hkv; ++h) costs.push_back(units * keys);
       }
     }
@@ -366,19 +369,19 @@ int64_t choose_block(int64_t B, const int64_t* kptr, const int64_t* qptr, int64_
 }
 
 // Splits the batch into work items. Requests' query tokens go in blocks of at most `max_block`
-// tokens (rows-in-lanes: choose_block, the split that keeps the threads evenly busy; else fewer,
+// tokens (choose_block, the split that keeps the threads evenly busy; on the AMX path fewer,
 // down to kMinBlockTokens, until there are a few items per thread). With
 // `group`, requests whose prefixes start with the same >= kMinShared slots (the radix cache
 // hands every request that matched a prefix the same slots; the slots are compared here, not
 // assumed) form groups; a group's blocks are cut into items of about kGroupItemRows rows.
 Plan make_plan(int64_t B, const int64_t* kptr, const int64_t* qptr, const int32_t* pre_idx,
-               int64_t G, int64_t Hkv, bool group, int64_t max_block, bool lanes) {
+               int64_t G, int64_t Hkv, bool group, int64_t max_block, bool lanes, bool amx) {
   Plan plan;
   const int64_t threads = at::get_num_threads();
   int64_t block = max_block;
-  if (lanes) {
-    block = choose_block(B, kptr, qptr, G, Hkv, max_block, threads);
-  } else {  // fp32 FMA and AMX items convert or pack their keys: fewer, larger items
+  if (!amx) {
+    block = choose_block(B, kptr, qptr, G, Hkv, max_block, threads, lanes);
+  } else {  // AMX items pack their keys (unmeasured here with choose_block: no AMX machine)
     int64_t total_tokens = 0;
     for (int64_t b = 0; b < B; ++b) total_tokens += qptr[b + 1] - qptr[b];
     while (block > kMinBlockTokens && Hkv * ((total_tokens + block - 1) / block) < 4 * threads) {
@@ -524,7 +527,7 @@ void extend_impl(const Tensor& q, const Tensor& k_buffer, const Tensor& v_buffer
   const bool group = false;
 #endif
   const Plan plan = make_plan(B, kptr, qptr, pre_idx, G, Hkv, group,
-                              lanes ? kMaxLaneBlockTokens : kMaxBlockTokens, lanes);
+                              lanes ? kMaxLaneBlockTokens : kMaxBlockTokens, lanes, amx);
 
   auto check_slot = [&](int64_t slot) {
     TORCH_CHECK(slot >= 0 && slot < num_slots, "extend_attention: kv slot ", slot,
@@ -964,9 +967,11 @@ std::vector<int64_t> extend_attention_head_dims() { return {16, 32, 64, 96, 128}
 
 std::string extend_attention_isa() { return RADIXRT_STR(CPU_CAPABILITY); }
 
-// choose_block for requests with `cached` prefix keys and `new_tokens` query tokens each.
+// choose_block for requests with `cached` prefix keys and `new_tokens` query tokens each, on the
+// rows-in-lanes path (`lanes`) or the fp32-FMA one.
 int64_t extend_attention_block(std::vector<int64_t> cached, std::vector<int64_t> new_tokens,
-                               int64_t group_size, int64_t num_kv_heads, int64_t threads) {
+                               int64_t group_size, int64_t num_kv_heads, int64_t threads,
+                               bool lanes) {
   TORCH_CHECK(cached.size() == new_tokens.size() && group_size > 0 && num_kv_heads > 0 &&
                   threads > 0,
               "extend_attention_block: one cached count per request, positive sizes");
@@ -977,7 +982,7 @@ int64_t extend_attention_block(std::vector<int64_t> cached, std::vector<int64_t>
     qptr[b + 1] = qptr[b] + new_tokens[b];
   }
   return choose_block(B, kptr.data(), qptr.data(), group_size, num_kv_heads,
-                      kMaxLaneBlockTokens, threads);
+                      lanes ? kMaxLaneBlockTokens : kMaxBlockTokens, threads, lanes);
 }
 
 }  // namespace
@@ -999,10 +1004,10 @@ TORCH_LIBRARY_FRAGMENT(radixrt, m) {
   // Benchmarks / tests: bf16 pools on AMX tiles (true, the default where this process may use
   // them) or not; returns the previous setting (always false where AMX is unusable).
   m.def("extend_attention_amx(bool enable) -> bool", &radixrt_cpu::extend_attention_amx);
-  // Tests: the query block (tokens per work item) the rows-in-lanes path picks for these
-  // requests on `threads` threads.
+  // Tests: the query block (tokens per work item) the rows-in-lanes (`lanes`) or fp32-FMA path
+  // picks for these requests on `threads` threads.
   m.def("extend_attention_block(int[] cached, int[] new_tokens, int group_size, "
-        "int num_kv_heads, int threads) -> int",
+        "int num_kv_heads, int threads, bool lanes) -> int",
         &radixrt_cpu::extend_attention_block);
 }
 
