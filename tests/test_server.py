@@ -167,6 +167,35 @@ def test_streaming_completion_and_usage(server, engine):
     assert finals[-1] == "length" and all(f is None for f in finals[:-1])
 
 
+def test_outputs_are_read_on_the_apps_event_loop(engine):
+    """While an app from `create_app` serves, the engine's outputs are read on the app's event
+    loop (no receive-thread hand-off per step): streamed and plain completions through the
+    openai SDK equal the engine's own; afterwards the receive thread reads again (a blocking
+    `generate` answers) and a new app takes the reading over on its own loop."""
+    from starlette.testclient import TestClient
+
+    from radixrt.config import ServerArgs
+    from radixrt.server.http import create_app
+
+    sp = SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True)
+    ref = engine.generate("Radix trees", sp)
+    for _ in range(2):
+        with TestClient(create_app(engine, ServerArgs())) as http:
+            assert engine._tm._reader_loop is not None
+            c = openai.OpenAI(base_url="http://testserver/v1", api_key="none", max_retries=0,
+                              http_client=http)
+            chunks = list(c.completions.create(model="default", prompt="Radix trees",
+                                               max_tokens=10, temperature=0, stream=True,
+                                               extra_body={"ignore_eos": True}))
+            assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == ref.text
+            r = c.completions.create(model="default", prompt="Radix trees", max_tokens=10,
+                                     temperature=0, extra_body={"ignore_eos": True})
+            assert r.choices[0].text == ref.text
+        assert engine._tm._reader_loop is None
+        assert engine.generate("Radix trees", sp).text == ref.text
+    engine.check_invariants()
+
+
 def test_stream_interval_through_the_openai_sdk(tiny_llama_dir, engine):
     """`radixrt serve --stream-interval 3`, driven by the openai SDK: a stream's first token
     comes alone, then 3 tokens a chunk, the rest with the last; the text is per-token

@@ -54,7 +54,8 @@ CHILD_CHECK_S = 0.2  # how often the receive thread looks for dead children
 
 class TokenizerManager:
     """Binds the tokenizer's PULL socket and connects to the scheduler's; call `wait_ready`
-    once the children are started, then `start` the receive thread."""
+    once the children are started, then `start` the receive thread (which an event loop may
+    relieve of the reading: `receive_on`)."""
 
     def __init__(self, paths: ipc.IpcPaths, dead_child: Callable[[], str | None],
                  replica_paths: list[ipc.IpcPaths] | None = None,
@@ -90,6 +91,12 @@ class TokenizerManager:
         self.dead_error: str | None = None
         self._closed = False
         self._thread: threading.Thread | None = None
+        # Where outputs are read: the receive thread, or (`receive_on`) an event loop's reader,
+        # the thread then only checking for dead children. `_parked`: the thread has seen the
+        # loop take over and no longer touches the socket; `_resume`: hand reading back.
+        self._reader_loop: asyncio.AbstractEventLoop | None = None
+        self._parked = threading.Event()
+        self._resume = threading.Event()
 
     # -- start-up -----------------------------------------------------------------------------------
     def wait_ready(self, processes: Iterable[str] | Mapping[str, int],
@@ -128,17 +135,61 @@ class TokenizerManager:
         self._thread.start()
 
     # -- receiving ----------------------------------------------------------------------------------
+    def receive_on(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        """Read outputs on `loop` (the HTTP server's event loop), or again on the receive thread
+        with None; call from `loop`'s thread (None: from the loop that took over).
+
+        On the loop, a step's outputs reach their requests' queues with no thread hand-off (a
+        thread wake-up and a `call_soon_threadsafe` per output, on the cores the scheduler
+        decodes on: README, "Serving"). The thread keeps checking for dead children.
+        Hand-over: the thread finishes its current poll (at most 0.2 s) and parks before the
+        loop reads."""
+        fd = self.recv_sock.getsockopt(zmq.FD)
+        if loop is None:
+            current = self._reader_loop
+            if current is not None:
+                try:
+                    current.remove_reader(fd)
+                except (RuntimeError, ValueError, OSError):  # loop or socket already closed
+                    pass
+                self._reader_loop = None
+                self._resume.set()
+            return
+        if self._reader_loop is not None:
+            raise RuntimeError("outputs are already read on an event loop")
+        self._parked.clear()
+        self._reader_loop = loop
+        if self._thread is not None and self._thread.is_alive():
+            self._parked.wait(timeout=2 * CHILD_CHECK_S + 1.0)
+        loop.add_reader(fd, self._read_ready)
+        self._read_ready()  # the thread may have taken the socket's last wake-up
+
+    def _read_ready(self) -> None:
+        """The loop's reader: every waiting message (the socket's fd only signals that its
+        state changed, so read until `EVENTS` shows none)."""
+        try:
+            while self.recv_sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                for msg in ipc.recv_all(self.recv_sock):
+                    self._dispatch(msg)
+        except zmq.ZMQError:  # closed under us (shutdown)
+            return
+
     def _recv_loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self.recv_sock, zmq.POLLIN)
         while not self._closed:
-            try:
-                events = dict(poller.poll(timeout=200))
-            except zmq.ZMQError:
-                return
-            if self.recv_sock in events:
-                for msg in ipc.recv_all(self.recv_sock):
-                    self._dispatch(msg)
+            if self._reader_loop is not None:  # an event loop reads: only watch the children
+                self._parked.set()
+                if self._resume.wait(CHILD_CHECK_S):
+                    self._resume.clear()
+            else:
+                try:
+                    events = dict(poller.poll(timeout=200))
+                except zmq.ZMQError:
+                    return
+                if self.recv_sock in events and self._reader_loop is None:
+                    for msg in ipc.recv_all(self.recv_sock):
+                        self._dispatch(msg)
             # Also under steady traffic: one replica's outputs must not hide another's death.
             now = time.monotonic()
             if not self._closed and now - self._last_check >= CHILD_CHECK_S:

@@ -94,9 +94,16 @@ class ReqState(UsageFields):
             self.delivered = True
         if self.loop is not None and self.queue is not None:
             try:
-                self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-            except RuntimeError:  # the caller's event loop is closed: nobody is listening
-                pass
+                on_loop = asyncio.get_running_loop() is self.loop
+            except RuntimeError:  # not on an event loop's thread
+                on_loop = False
+            if on_loop:  # read on the caller's own loop (`TokenizerManager.receive_on`)
+                self.queue.put_nowait(item)
+            else:
+                try:
+                    self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+                except RuntimeError:  # the caller's event loop is closed: nobody is listening
+                    pass
         if isinstance(item, BaseException) or self.finish_reason is not None:
             self.done.set()
 

@@ -113,6 +113,11 @@ class Engine:
         given) and it already handed over an output."""
         return self._tm.submit(input_ids, sampling, loop=loop, queue=queue, stream=stream)
 
+    def receive_on(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        """Read the runtime's outputs on `loop` (a server's event loop that submits with
+        `loop=`), or on the receive thread again with None (`TokenizerManager.receive_on`)."""
+        self._tm.receive_on(loop)
+
     def abort(self, rid: str) -> None:
         """Give up on a request: it is forgotten here and freed in the scheduler."""
         self._tm.abort(rid)

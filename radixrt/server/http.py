@@ -17,6 +17,7 @@ import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import orjson
@@ -511,7 +512,17 @@ class Server:
 
 def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
     server = Server(engine, args)
-    app = FastAPI(title="radixrt", docs_url=None, redoc_url=None)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        """While the app serves, the engine's outputs are read on its event loop."""
+        engine.receive_on(asyncio.get_running_loop())
+        try:
+            yield
+        finally:
+            engine.receive_on(None)
+
+    app = FastAPI(title="radixrt", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.server = server
 
     add_guard(app, args.api_key, args.max_request_bytes)
