@@ -339,24 +339,43 @@ inline int64_t part_tokens(int64_t e, int64_t block) {
 constexpr int64_t kFmaKeyRows = 8;
 int64_t choose_block(int64_t B, const int64_t* kptr, const int64_t* qptr, int64_t G, int64_t Hkv,
                      int64_t max_block, int64_t threads, bool lanes) {
+  auto add_parts = [&](int64_t b, int64_t block, std::vector<double>& costs) {
+    const int64_t e = qptr[b + 1] - qptr[b];
+    if (e <= 0) return;
+    const int64_t per = part_tokens(e, block);
+    for (int64_t t0 = 0; t0 < e; t0 += per) {
+      const int64_t t1 = std::min(e, t0 + per), rows = (t1 - t0) * G;
+      const double keys = static_cast<double>(kptr[b + 1] - kptr[b] + (t0 + t1) / 2 + 1);
+      const double units = lanes ? 16.0 * ((rows + 15) / 16) + 4.0 * ((rows + 47) / 48) + 1.6
+                                 : static_cast<double>(rows + kFmaKeyRows);
+      for (int64_t h = 0; h < Hkv; ++h) costs.push_back(units * keys);
+    }
+  };
+  // Requests of at most kMinBlockTokens new tokens (a mixed step's decode rows) are one part
+  // whatever the block: their items are costed once. With no other request, any block will do.
+  std::vector<double> fixed, split, costs;
+  bool any_split = false;
+  for (int64_t b = 0; b < B; ++b) {
+    if (qptr[b + 1] - qptr[b] <= kMinBlockTokens) {
+      add_parts(b, max_block, fixed);
+    } else {
+      any_split = true;
+    }
+  }
+  if (!any_split) return max_block;
+  std::sort(fixed.begin(), fixed.end(), std::greater<double>());
   int64_t best_block = max_block;
   double best = std::numeric_limits<double>::infinity();
-  std::vector<double> costs, load(static_cast<size_t>(std::max<int64_t>(1, threads)));
+  std::vector<double> load(static_cast<size_t>(std::max<int64_t>(1, threads)));
   for (int64_t block = max_block; block >= kMinBlockTokens; block /= 2) {
-    costs.clear();
+    split.clear();
     for (int64_t b = 0; b < B; ++b) {
-      const int64_t e = qptr[b + 1] - qptr[b];
-      if (e <= 0) continue;
-      const int64_t per = part_tokens(e, block);
-      for (int64_t t0 = 0; t0 < e; t0 += per) {
-        const int64_t t1 = std::min(e, t0 + per), rows = (t1 - t0) * G;
-        const double keys = static_cast<double>(kptr[b + 1] - kptr[b] + (t0 + t1) / 2 + 1);
-        const double units = lanes ? 16.0 * ((rows + 15) / 16) + 4.0 * ((rows + 47) / 48) + 1.6
-                                   : static_cast<double>(rows + kFmaKeyRows);
-        for (int64_t h = 0; h < Hkv; ++h) costs.push_back(units * keys);
-      }
+      if (qptr[b + 1] - qptr[b] > kMinBlockTokens) add_parts(b, block, split);
     }
-    std::sort(costs.begin(), costs.end(), std::greater<double>());
+    std::sort(split.begin(), split.end(), std::greater<double>());
+    costs.resize(fixed.size() + split.size());
+    std::merge(fixed.begin(), fixed.end(), split.begin(), split.end(), costs.begin(),
+               std::greater<double>());
     std::fill(load.begin(), load.end(), 0.0);
     for (double c : costs) *std::min_element(load.begin(), load.end()) += c;
     const double span = *std::max_element(load.begin(), load.end());
