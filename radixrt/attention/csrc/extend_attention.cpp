@@ -327,6 +327,12 @@ inline int64_t part_tokens(int64_t e, int64_t block) {
   return (e + nblk - 1) / nblk;
 }
 
+// Keys a query row of request b's tokens [t0, t1) sees on average: its cached prefix plus the
+// new tokens up to the middle of the run (causal), for costing work items.
+inline int64_t mean_keys(const int64_t* kptr, int64_t b, int64_t t0, int64_t t1) {
+  return kptr[b + 1] - kptr[b] + (t0 + t1) / 2 + 1;
+}
+
 // The query block (tokens) of make_plan on the rows-in-lanes and fp32-FMA paths: of max_block,
 // max_block / 2, ... kMinBlockTokens, the one whose items finish first when dealt largest first
 // to `threads` threads (the work queue's order); ties go to the larger block. An item costs its
@@ -345,7 +351,7 @@ int64_t choose_block(int64_t B, const int64_t* kptr, const int64_t* qptr, int64_
     const int64_t per = part_tokens(e, block);
     for (int64_t t0 = 0; t0 < e; t0 += per) {
       const int64_t t1 = std::min(e, t0 + per), rows = (t1 - t0) * G;
-      const double keys = static_cast<double>(kptr[b + 1] - kptr[b] + (t0 + t1) / 2 + 1);
+      const double keys = static_cast<double>(mean_keys(kptr, b, t0, t1));
       const double units = lanes ? 16.0 * ((rows + 15) / 16) + 4.0 * ((rows + 47) / 48) + 1.6
                                  : static_cast<double>(rows + kFmaKeyRows);
       for (int64_t h = 0; h < Hkv; ++h) costs.push_back(units * keys);
@@ -418,7 +424,7 @@ Plan make_plan(int64_t B, const int64_t* kptr, const int64_t* qptr, const int32_
     }
   };
   auto part_cost = [&](const Part& p) {
-    return (p.t1 - p.t0) * G * (kptr[p.req + 1] - kptr[p.req] + (p.t0 + p.t1) / 2 + 1);
+    return (p.t1 - p.t0) * G * mean_keys(kptr, p.req, p.t0, p.t1);
   };
   auto add_items = [&](int32_t p_begin, int32_t p_end, int64_t shared) {
     int64_t cost = 0;
