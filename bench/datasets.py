@@ -282,6 +282,18 @@ PRESETS["long"] = _derived("full", _LONG_ANSWERS)
 # ... and `wide`'s sessions with those answers, for 64 in flight.
 PRESETS["wide-long"] = _derived("wide", _LONG_ANSWERS)
 
+# Long shared prefixes (a document under several questions, a long system prompt or tool
+# preamble, 2k-token unrelated prompts): long-context attention decides, in the prefill of the
+# first request of a prefix, in each later request's extend over it and in every decode step.
+PRESETS["long-context"] = {
+    "gsp": dict(groups=4, prompts_per_group=8, system_len=4096, question_len=48, output_len=64),
+    "few-shot": dict(num_questions=32, preamble_len=3072, question_len=24, max_output=8),
+    "multi-turn": dict(conversations=8, turns=4, system_len=2048, user_len=96, output_len=64),
+    "agent": dict(chains=4, calls=4, preamble_len=3072, task_len=48, tool_len=256,
+                  output_len=64),
+    "random": dict(num_prompts=16, prompt_len=2048, output_len=64),
+}
+
 
 @functools.lru_cache(maxsize=2)
 def default_tokenizer(model_path: str | None = None) -> Any:

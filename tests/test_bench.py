@@ -95,6 +95,34 @@ def test_long_preset_is_full_with_chat_length_answers(tok):
     assert set(compare.DEFAULT_BUDGETS) == set(datasets.PRESETS)
 
 
+def test_long_context_preset_shares_long_prefixes_within_the_models_context(tok):
+    """`long-context`: every shared-prefix workload's prefix is 2k-4k tokens, `random`'s prompts
+    ~2k with no reuse, and every session (history and answers included) fits SmolLM2's 8192
+    positions, so llama-server's per-slot context and radixrt's both hold it."""
+    from bench.peers.llama_server_peer import slot_context
+
+    ws = {w.name: w for w in datasets.make_preset("long-context", 0, None, tok)}
+    assert set(ws) == set(datasets.WORKLOADS)
+    for name, w in ws.items():
+        assert slot_context(w) <= 8192, name
+        firsts = [s.turns[0].append for s in w.sessions]
+        if name == "random":
+            assert min(len(p) for p in firsts) >= 1800
+            assert w.optimal_hit_rate_estimate == 0.0
+            continue
+        def common(a: list[int], b: list[int]) -> int:
+            n = min(len(a), len(b))
+            return next((i for i in range(n) if a[i] != b[i]), n)
+
+        # each first prompt shares 2000+ tokens with another session's first prompt
+        shared = min(max(common(p, q) for j, q in enumerate(firsts) if j != i)
+                     for i, p in enumerate(firsts))
+        assert shared >= 2000, (name, shared)
+    gsp = ws["gsp"]
+    groups = {tuple(s.turns[0].append[:4096]) for s in gsp.sessions}
+    assert len(groups) == datasets.PRESETS["long-context"]["gsp"]["groups"]
+
+
 def test_workload_roundtrip_and_arrivals(tmp_path, tok):
     ws = datasets.make_preset("tiny", 0, ["gsp", "agent"], tok, request_rate=4.0)
     common.save_workloads(tmp_path / "w.json", ws)
