@@ -584,6 +584,34 @@ def test_report_gives_tpot_beside_itl_and_names_llama_server_flags(tmp_path):
     assert "flags added: `--spec-type ngram-mod`" in text
 
 
+def test_report_under_paced_arrivals_judges_latency_not_throughput(tmp_path):
+    """With `--request-rate` every system that keeps up serves the offered load: equal
+    throughput passes when TTFT p50 is at most half the best peer's, and fails when it is not;
+    without a rate the same records fail the 2x throughput target."""
+    from bench import compare
+
+    def rec(system, ttft):
+        r = {k: None for k in compare.FIELDS}
+        r.update(workload="gsp", system=system, total_tok_per_s=200.0, output_tok_per_s=60.0,
+                 ttft_p50_s=ttft, ttft_p99_s=2 * ttft, itl_p50_s=0.01, tpot_p50_s=0.01,
+                 e2e_p50_s=1.0, hit_rate=0.8, optimal_hit_rate=0.8, parallel=8, note="")
+        return r
+
+    def marked(rate, ttft):
+        meta = {"date": "d", "host": "h", "preset": "long", "seed": 0, "threads": 2, "cpu": "c",
+                "cores": 2, "torch": "t", "radixrt_mode": "server", "request_rate": rate}
+        compare.write_markdown(tmp_path / "r.md", [rec("radixrt", ttft),
+                                                    rec("llama-server", 0.3)], meta, ["gsp"], [])
+        text = (tmp_path / "r.md").read_text()
+        row = next(line for line in text.splitlines() if line.startswith("| gsp | 1.00×"))
+        cell = row.split("|")[2]  # the throughput ratio and its mark
+        return "✅" in cell, "❌" in cell, "serves the same offered load" in text
+
+    assert marked(0.25, 0.05) == (True, False, True)
+    assert marked(0.25, 0.2) == (False, True, True)
+    assert marked(None, 0.05) == (False, True, False)
+
+
 @pytest.mark.slow
 def test_compare_server_mode_records_what_the_server_resolved(tmp_path):
     """A live `radixrt serve` run through serving.py: its `/get_server_info` lands beside the
