@@ -18,13 +18,15 @@ import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from radixrt.model.model_config import layer_matmul_macs
+
 # -- what a step moves and computes ------------------------------------------------------------------
 
 
 def layer_linear_params(cfg: Any) -> int:
     """Weights (and biases) of one decoder layer's four matmuls: qkv, o, gate_up, down."""
     h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
-    n = h * (q + 2 * kv) + q * h + h * 2 * i + i * h
+    n = layer_matmul_macs(cfg)
     if cfg.qkv_bias:
         n += q + 2 * kv
     if cfg.o_proj_bias:
@@ -48,9 +50,8 @@ def dense_params_read(cfg: Any) -> int:
 
 def matmul_flops_per_token(cfg: Any, with_lm_head: bool) -> int:
     """2 FLOPs per multiply-add over every layer's matmuls (biases ignored), plus the LM head."""
-    h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
-    per_layer = h * (q + 2 * kv) + q * h + h * 2 * i + i * h
-    return 2 * (cfg.num_layers * per_layer + (lm_head_params(cfg) if with_lm_head else 0))
+    return 2 * (cfg.num_layers * layer_matmul_macs(cfg)
+                + (lm_head_params(cfg) if with_lm_head else 0))
 
 
 def attention_flops(cfg: Any, keys: int) -> int:

@@ -106,10 +106,11 @@ class ServerArgs:
     chunked_prefill_size: int = _f(2048, "longest prefill chunk per step")
     max_prefill_tokens: int = _f(8192, "tokens computed per prefill step")
     prefill_step_target_ms: int = _f(250, "aim prefill steps at about this long: the step's "
-                                          "prefill tokens are capped at the measured prefill "
-                                          "rate x this (at least 256, at most "
-                                          "chunked_prefill_size), so a request arriving during "
-                                          "a step waits less for the next; 0: no cap")
+                                          "prefill work (tokens plus their attention over the "
+                                          "keys before them) is capped at the measured rate x "
+                                          "this (at least 128 tokens' worth, at most "
+                                          "chunked_prefill_size tokens), so a request arriving "
+                                          "during a step waits less for the next; 0: no cap")
     disable_mixed_chunk: bool = _f(False, "run prefill steps alone: by default a step that "
                                           "prefills also advances every decoding request by "
                                           "one token (mixed extend + decode batch)")

@@ -10,6 +10,7 @@ after every step.
 from __future__ import annotations
 
 import argparse
+import math
 import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -48,6 +49,8 @@ from radixrt.sched.schedule_policy import (
     PrefillAdder,
     PrefillPacer,
     SchedulePolicy,
+    prefill_work,
+    tokens_within,
 )
 from radixrt.sched.scheduler import Scheduler
 
@@ -295,10 +298,11 @@ def test_cache_disabled_is_fcfs_without_deferral(name: str) -> None:
 def adder(p: Pools, running: Sequence[Req] = (), max_running: int = 64,
           max_prefill: int = 10_000, chunk: int = 10_000, ratio: float = 0.0,
           free_rows: int | None = None, clip: int = 10**9,
-          step_cost: tuple[float, float] | None = None, decode_rows: int = 0) -> PrefillAdder:
+          step_cost: tuple[float, float] | None = None, decode_rows: int = 0,
+          work: float = math.inf, pair_weight: float = 0.0) -> PrefillAdder:
     rows = p.req_pool.available_size() if free_rows is None else free_rows
     return PrefillAdder(p.kv, rows, list(running), max_running, max_prefill, chunk, ratio, clip,
-                        step_cost, decode_rows)
+                        step_cost, decode_rows, work_budget=work, pair_weight=pair_weight)
 
 
 def unlock(p: Pools, reqs: Iterable[Req]) -> None:
@@ -415,27 +419,27 @@ def test_adder_kv_room_counts_free_evictable_and_reserved() -> None:
 
 def test_prefill_pacer_cap_follows_the_measured_rate() -> None:
     pacer = PrefillPacer(0.5, ceiling=2048)
-    assert pacer.cap() == 2048  # nothing measured yet
+    assert pacer.token_cap() == 2048  # nothing measured yet
     pacer.observe(50, 1.0)  # a short step (< half the floor): fixed costs, not a rate
-    assert pacer.rate is None and pacer.cap() == 2048
+    assert pacer.rate is None and pacer.token_cap() == 2048
     pacer.observe(2048, 2.0)  # 1024 tok/s -> 512 tokens in 0.5 s
-    assert pacer.rate == pytest.approx(1024) and pacer.cap() == 512
+    assert pacer.rate == pytest.approx(1024) and pacer.token_cap() == 512
     pacer.observe(512, 0.25)  # 2048 tok/s, weighted in (a weighted least-squares rate)
-    assert 1024 < pacer.rate < 2048 and pacer.cap() == int(pacer.rate * 0.5)
+    assert 1024 < pacer.rate < 2048 and pacer.token_cap() == int(pacer.rate * 0.5)
     for _ in range(3):
         pacer.observe(1000, 100.0)  # very slow steps: the floor holds
-    assert pacer.cap() == PrefillPacer.MIN_TOKENS
+    assert pacer.token_cap() == PrefillPacer.MIN_TOKENS
     fast = PrefillPacer(0.5, ceiling=2048)
     fast.observe(2048, 0.01)  # a GPU: the ceiling alone applies
-    assert fast.cap() == 2048
+    assert fast.token_cap() == 2048
     off = PrefillPacer(0.0, ceiling=2048)
     off.observe(2048, 10.0)
-    assert off.rate is None and off.cap() == 2048
+    assert off.rate is None and off.token_cap() == 2048
     # A fresh server whose prompts are all shorter than half the ceiling still measures its
     # rate (stop 49: against the cap alone it never did, and never paced).
     fresh = PrefillPacer(0.25, ceiling=2048)
     fresh.observe(748, 2.9)
-    assert fresh.rate == pytest.approx(748 / 2.9) and fresh.cap() == PrefillPacer.MIN_TOKENS
+    assert fresh.rate == pytest.approx(748 / 2.9) and fresh.token_cap() == PrefillPacer.MIN_TOKENS
 
 
 def test_prefill_pacer_gives_costly_decode_rows_a_larger_prefill() -> None:
@@ -448,21 +452,95 @@ def test_prefill_pacer_gives_costly_decode_rows_a_larger_prefill() -> None:
     pacer.observe(1024, 1024 * b)  # a prefill step alone
     assert pacer.rate == pytest.approx(400) and pacer.decode_seconds(8) == 0.0
     assert pacer.step_cost() == pytest.approx((b, b))  # c not told apart yet: taken as b
-    assert pacer.cap(64) == 100  # the rows' cost is not known yet: the target alone
+    assert pacer.token_cap(64) == 100  # the rows' cost is not known yet: the target alone
     for rows in (8, 24, 64):
         pacer.observe(0, rows * c, rows)  # plain decode steps
     for rows in (8, 40):  # mixed steps: their prefill time is told from their rows' time
-        tokens = pacer.cap(rows)
+        tokens = pacer.token_cap(rows)
         pacer.observe(tokens, tokens * b + rows * c, rows)
     assert pacer.rate == pytest.approx(400, rel=1e-6)
     assert pacer.decode_seconds(64) == pytest.approx(64 * c, rel=1e-6)
     assert pacer.step_cost() == pytest.approx((b, c), rel=1e-6)
-    assert abs(pacer.cap(0) - 100) <= 1  # 0.25 s of prefill
-    assert abs(pacer.cap(8) - (0.25 - 8 * c) * 400) <= 1  # the step stays at about the target
-    assert abs(pacer.cap(64) - PrefillPacer.DECODE_SHARE * 64 * c * 400) <= 1  # 3 x 0.32 s
+    assert abs(pacer.token_cap(0) - 100) <= 1  # 0.25 s of prefill
+    assert abs(pacer.token_cap(8) - (0.25 - 8 * c) * 400) <= 1  # the step stays at about the target
+    assert abs(pacer.token_cap(64) - PrefillPacer.DECODE_SHARE * 64 * c * 400) <= 1  # 3 x 0.32 s
     small = PrefillPacer(0.25, ceiling=256, floor=16)
     small.cost = pacer.cost
-    assert small.cap(64) == 256
+    assert small.token_cap(64) == 256
+
+
+def test_prefill_work_counts_attention_pairs_and_tokens_within_inverts_it() -> None:
+    """A chunk's work is its tokens plus pair_weight per causal (query, key) pair;
+    `tokens_within` gives the most tokens whose work fits, for any prefix and weight."""
+    assert prefill_work(4, 10, 0.0) == 4
+    # 4 queries over 10 cached keys plus 1..4 of their own: 40 + 10 pairs
+    assert prefill_work(4, 10, 0.5) == pytest.approx(4 + 0.5 * 50)
+    rng = random.Random(3)
+    for _ in range(500):
+        w = rng.choice((0.0, 1e-4, 3.3e-4, 5e-3, 0.3))
+        prefix, work = rng.randrange(0, 9000), rng.uniform(0, 5000)
+        n = tokens_within(work, prefix, w)
+        assert n >= 0 and prefill_work(n, prefix, w) <= work + 1e-9
+        assert prefill_work(n + 1, prefix, w) > work
+    assert tokens_within(0.5, 0, 0.0) == 0
+
+
+def test_prefill_pacer_holds_the_target_deep_in_a_long_prompt() -> None:
+    """Steps whose time follows the work model (b per token, b x weight per attention pair):
+    once the pacer has measured b, a chunk 4000 tokens into a prompt gets fewer tokens than one
+    at its start and both take about the target; counted in tokens (weight 0, b averaged over the
+    chunks seen) the deep chunk overshoots by 1.6x."""
+    weight, b, target = 5e-4, 1 / 2000, 0.25
+
+    def seconds(n: int, prefix: int) -> float:
+        return b * prefill_work(n, prefix, weight)
+
+    for w, deep_over in ((weight, 1.05), (0.0, None)):
+        pacer = PrefillPacer(target, ceiling=2048, pair_weight=w)
+        prefix = 0
+        for _ in range(12):  # one long prompt, chunk by chunk, the pacer learning as it goes
+            n = pacer.token_cap(0, prefix)
+            pacer.observe(pacer.work([(n, prefix)]), seconds(n, prefix))
+            prefix += n
+        start, deep = pacer.token_cap(0, 0), pacer.token_cap(0, 4000)
+        if deep_over is not None:
+            assert deep < 0.5 * start
+            for n, at in ((start, 0), (deep, 4000)):
+                assert 0.9 * target <= seconds(n, at) <= deep_over * target
+        else:
+            assert deep == start and seconds(deep, 4000) > 1.5 * target
+    assert PrefillPacer(target, ceiling=64, pair_weight=weight).token_cap(0, 4000) == 64
+
+
+def test_adder_gives_a_chunk_over_a_long_prefix_fewer_tokens() -> None:
+    """With a work budget the adder cuts each prompt where its work (tokens plus attention over
+    the cached prefix) fills the budget: behind 100 cached tokens a prompt gets fewer tokens
+    than a fresh one; a second request gets what work is left; the first always gets one."""
+    p = make_pools(slots=512, ctx=512)
+    cached = seq(1000, 100)
+    p.insert(cached)
+    w = 0.05
+    fresh = make_req("fresh", seq(3, 300))
+    deep = make_req("deep", cached + seq(200, 200))
+    a = adder(p, work=60, pair_weight=w)
+    assert a.add(fresh) and not a.add(deep)
+    assert fresh.extend_len == tokens_within(60, 0, w) and a.has_chunked
+    unlock(p, a.admitted)
+    a = adder(p, work=60, pair_weight=w)
+    assert a.add(deep)
+    assert deep.extend_len == tokens_within(60, 100, w) < fresh.extend_len
+    assert prefill_work(deep.extend_len, 100, w) <= 60
+    unlock(p, a.admitted)
+    small = [make_req("s0", seq(3, 4)), make_req("s1", seq(50, 30))]
+    a = adder(p, work=prefill_work(4, 0, w) + 10, pair_weight=w)
+    assert [a.add(r) for r in small] == [True, True]
+    assert small[1].extend_len == tokens_within(10, 0, w)
+    unlock(p, a.admitted)
+    tiny = make_req("tiny", cached + seq(200, 8))
+    a = adder(p, work=0.5, pair_weight=w)  # under one token's work: the first still moves
+    assert a.add(tiny) and tiny.extend_len == 1
+    unlock(p, a.admitted)
+    p.check()
 
 
 def test_prefill_step_target_is_validated_and_on_the_cli() -> None:

@@ -238,6 +238,21 @@ class ModelConfig:
         )
 
 
+def layer_matmul_macs(cfg: Any) -> int:
+    """Multiply-adds per token in one decoder layer's four matmuls (qkv, o, gate_up, down),
+    biases aside. `cfg`: anything with ModelConfig's shape fields."""
+    h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
+    return h * (q + 2 * kv) + q * h + h * 2 * i + i * h
+
+
+def attention_pair_weight(cfg: Any) -> float:
+    """FLOPs of one (query, key) pair of attention (QK^T and PV over every query head) per FLOP
+    of one token's layer matmuls: what a prefill token over k cached keys costs in attention,
+    relative to its matmuls, is about k times this (SmolLM2-135M: 3.3e-4, so 3000 keys double
+    a token's FLOPs)."""
+    return 2 * cfg.q_size / layer_matmul_macs(cfg)
+
+
 def resolve_gguf_file(path: Path) -> Path | None:
     """The GGUF file `path` names: itself, or the only `*.gguf` in a directory without config.json."""
     if path.is_file():

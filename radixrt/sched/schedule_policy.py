@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -119,77 +120,129 @@ class SchedulePolicy:
         return deferred
 
 
+# What one (query, key) pair of a prefill's attention costs on a CPU relative to its FLOPs'
+# share (`attention_pair_weight`): the attention kernels run at a lower FLOP rate than the
+# matmuls. Fitted over a long-context run's prefill and mixed steps on Zen 4 (2 cores, bf16):
+# 1.41; a weight of 1.5 predicted the steps' times to 3.4% (median) against 20% with tokens
+# alone, and 1.0 or 2.0 to 4.7-5.8%.
+ATTENTION_PAIR_COST = 1.5
+
+
+def prefill_work(tokens: int, prefix: int, pair_weight: float) -> float:
+    """What a prefill chunk of `tokens` tokens after `prefix` cached ones costs, in tokens
+    without context: its matmuls (one per token) plus `pair_weight` per (query, key) pair of
+    its causal attention, each token attending to the prefix and the chunk up to itself."""
+    return tokens + pair_weight * tokens * (prefix + (tokens + 1) / 2)
+
+
+def tokens_within(work: float, prefix: int, pair_weight: float) -> int:
+    """The most tokens after `prefix` cached ones whose `prefill_work` is at most `work` (0 if
+    none)."""
+    if work < 1:
+        return 0
+    if pair_weight <= 0:
+        return int(work)
+    # prefill_work(n) = (w / 2) n^2 + (1 + w (prefix + 1/2)) n, increasing in n
+    lin = 1 + pair_weight * (prefix + 0.5)
+    n = int((-lin + (lin * lin + 2 * pair_weight * work) ** 0.5) / pair_weight)
+    while n > 0 and prefill_work(n, prefix, pair_weight) > work:
+        n -= 1
+    while prefill_work(n + 1, prefix, pair_weight) <= work:
+        n += 1
+    return n
+
+
 class PrefillPacer:
-    """The pacing budget of `PrefillAdder`: how many prompt tokens one prefill step computes.
+    """The pacing budget of `PrefillAdder`: how much prompt work one prefill step computes.
 
     A request that arrives while a step runs waits for that step to end; with long steps (2048
     tokens take ~1.8 s on 2 CPU cores) that wait dominates time to first token when requests
-    arrive in waves. A step that prefills also carries the running requests' decode rows
-    (mixed), D seconds of it. Its prefill gets P = max(target_s - D, DECODE_SHARE x D) seconds:
-    about `target_s` in all while the decode rows are cheap, and DECODE_SHARE times their cost
-    when they are not, so that a step of many decode rows still moves the queue (64 rows on 2
-    Zen 1 cores take ~0.3 s: 128-token steps there cut `random`'s throughput at 64 concurrent by
-    14% against 256-token ones, stop 48). The cap is P / b tokens, clamped to [`floor`
-    (`MIN_TOKENS`), `ceiling` (`chunked_prefill_size`)], with b (seconds per prefill token) and D
-    (rows x seconds per decode row) from `MixedStepCost` over the steps run: plain decode steps,
-    and prefill steps that computed at least half the cap in force or half the floor, whichever
-    is less (shorter ones are dominated by fixed costs and would overstate b; against the cap
-    alone, a fresh server whose prompts are all shorter than half the ceiling never measured b
-    and never paced, stop 49). Until a prefill step was seen, and with `target_s == 0`, the cap
-    is `ceiling`; a fast machine (GPU) measures a b whose cap exceeds the ceiling: the ceiling
-    alone applies.
+    arrive in waves, and the running requests' next tokens wait as long. A step that prefills
+    also carries the running requests' decode rows (mixed), D seconds of it. Its prefill gets
+    P = max(target_s - D, DECODE_SHARE x D) seconds: about `target_s` in all while the decode
+    rows are cheap, and DECODE_SHARE times their cost when they are not, so that a step of many
+    decode rows still moves the queue (64 rows on 2 Zen 1 cores take ~0.3 s: 128-token steps
+    there cut `random`'s throughput at 64 concurrent by 14% against 256-token ones, stop 48).
+
+    Prefill is counted in `prefill_work` units (a token's matmuls, plus its attention over the
+    keys before it at `pair_weight` per key), so a chunk deep in a long prompt gets fewer tokens
+    than one at its start: counted in tokens, chunks of a 4096-token document at 3-4k cached
+    keys ran 570-650 ms against a 250 ms target (stop 63). The cap is P / b units, at least
+    `floor` (`MIN_TOKENS`), with b (seconds per unit) and D (rows x seconds per decode row)
+    from `MixedStepCost` over the steps run: plain decode steps, and prefill steps that
+    computed at least half the floor (shorter ones are dominated by fixed costs and would
+    overstate b; stop 49: against the cap alone, a fresh server whose prompts were all short
+    never measured b and never paced). The tokens of a step also stay within `ceiling`
+    (`chunked_prefill_size`, the adder's chunk budget). Until a prefill step was seen, and with
+    `target_s == 0`, the cap is unbounded (`math.inf`): the ceiling alone applies, as it does
+    when a fast machine (GPU) measures a b whose cap exceeds it.
     """
 
     MIN_TOKENS = 128
     DECODE_SHARE = 3.0
 
-    def __init__(self, target_s: float, ceiling: int, floor: int = MIN_TOKENS):
+    def __init__(self, target_s: float, ceiling: int, floor: int = MIN_TOKENS,
+                 pair_weight: float = 0.0):
         self.target_s = target_s
         self.ceiling = ceiling
         self.floor = min(floor, ceiling)
+        self.pair_weight = pair_weight
         self.cost = MixedStepCost()
 
     @property
     def rate(self) -> float | None:
-        """Prefill tokens per second of prefill time, once measured."""
+        """Prefill work units (tokens without context) per second of prefill time, once
+        measured."""
         b = self.cost.seconds_per_token()
         return None if b is None else 1.0 / b
 
     def step_cost(self) -> tuple[float, float] | None:
-        """(b, c): seconds per prefill token and per decode row, None before a prefill step was
-        measured and with pacing off; while the two are not told apart, c is taken as b (a
+        """(b, c): seconds per prefill work unit and per decode row, None before a prefill step
+        was measured and with pacing off; while the two are not told apart, c is taken as b (a
         decode row costs about one prefill token)."""
         return self.budget(0)[1]
 
-    def budget(self, decode_rows: int = 0) -> tuple[int, tuple[float, float] | None]:
+    def budget(self, decode_rows: int = 0) -> tuple[float, tuple[float, float] | None]:
         """(`cap(decode_rows)`, `step_cost()`) from one fit: what a step's admission needs."""
         if self.target_s <= 0:
-            return self.ceiling, None
+            return math.inf, None
         fit = self.cost.fit()
         b = self.cost.seconds_per_token(fit)
         if b is None:
-            return self.ceiling, None
+            return math.inf, None
         d = 0.0 if fit is None or decode_rows <= 0 else fit[1] * decode_rows
         p = max(self.target_s - d, self.DECODE_SHARE * d)
-        cap = max(self.floor, min(self.ceiling, int(p / b)))
-        return cap, (fit if fit is not None else (b, b))
+        return max(float(self.floor), p / b), (fit if fit is not None else (b, b))
 
     def decode_seconds(self, rows: int) -> float:
         """D for `rows` decode rows (0 until the rows' cost is told apart)."""
         fit = self.cost.fit()
         return 0.0 if fit is None or rows <= 0 else fit[1] * rows
 
-    def cap(self, decode_rows: int = 0) -> int:
+    def cap(self, decode_rows: int = 0) -> float:
+        """The work budget of a step carrying `decode_rows` decode rows (`math.inf`: none)."""
         return self.budget(decode_rows)[0]
 
-    def observe(self, tokens: int, seconds: float, decode_rows: int = 0) -> None:
-        """A step computed `tokens` prefill tokens and `decode_rows` decode rows in `seconds`."""
+    def token_cap(self, decode_rows: int = 0, prefix: int = 0) -> int:
+        """The most tokens one prompt after `prefix` cached tokens gets in such a step."""
+        cap = self.cap(decode_rows)
+        if math.isinf(cap):
+            return self.ceiling
+        return min(self.ceiling, max(1, tokens_within(cap, prefix, self.pair_weight)))
+
+    def work(self, extends: list[tuple[int, int]]) -> float:
+        """`prefill_work` of a step's (new tokens, cached prefix) rows."""
+        return sum(prefill_work(n, p, self.pair_weight) for n, p in extends)
+
+    def observe(self, work: float, seconds: float, decode_rows: int = 0) -> None:
+        """A step computed `work` prefill work units and `decode_rows` decode rows in
+        `seconds`."""
         if self.target_s <= 0 or seconds <= 0:
             return
-        if tokens > 0 and 2 * tokens < min(self.cap(decode_rows), self.floor):
+        if work > 0 and 2 * work < self.floor:
             return
-        if tokens > 0 or decode_rows > 0:
-            self.cost.observe(tokens, decode_rows, seconds)
+        if work > 0 or decode_rows > 0:
+            self.cost.observe(work, decode_rows, seconds)
 
 
 def decode_estimate(req: Req, clip: int) -> int:
@@ -200,12 +253,13 @@ def decode_estimate(req: Req, clip: int) -> int:
 class PrefillAdder:
     """Admits requests into one extend batch within these budgets.
 
-    - tokens computed this step ≤ `max_prefill_tokens`; a request longer than the remaining
-      `chunk_budget` (`chunked_prefill_size`, or less when `PrefillPacer` paces steps) is cut
-      into chunks (at most one chunked request per step);
+    - tokens computed this step ≤ `max_prefill_tokens`, and ≤ `chunk_budget`
+      (`chunked_prefill_size`); their `prefill_work` ≤ `work_budget` (`PrefillPacer`'s cap, at
+      `pair_weight` per attention pair): a request that does not fit is cut into chunks (at most
+      one chunked request per step), so a chunk over a long cached prefix takes fewer tokens;
     - a step that already finishes a prompt and has used at least `START_CHUNK_BELOW` of its
       budget does not begin a prompt it cannot finish when that pays: the chunk would delay
-      the k finished prompts' first tokens by its time (n tokens x b), while leaving it out
+      the k finished prompts' first tokens by its time (its work x b), while leaving it out
       costs one more step for the request and the `behind` requests queued after it (that
       step's decode rows, D = c x rows, plus about one row's fixed cost). So the chunk is left
       out when k n b > (1 + behind) c (rows + 1), with b and c from the pacer's fit (`step_cost`;
@@ -227,8 +281,9 @@ class PrefillAdder:
     def __init__(self, kv: KVOwner, free_rows: int, running: list[Req], max_running: int,
                  max_prefill_tokens: int, chunk_budget: int, new_token_ratio: float,
                  clip_max_new_tokens: int = DEFAULT_CLIP_MAX_NEW_TOKENS,
-                 step_cost: tuple[float, float] | None = None, decode_rows: int = 0):
-        """`step_cost`: (b, c), seconds per prefill token and per decode row, measured (the
+                 step_cost: tuple[float, float] | None = None, decode_rows: int = 0,
+                 work_budget: float = math.inf, pair_weight: float = 0.0):
+        """`step_cost`: (b, c), seconds per prefill work unit and per decode row, measured (the
         pacer's); `decode_rows`: the rows this step carries besides its prefill."""
         self.kv = kv
         self.step_cost = step_cost
@@ -238,6 +293,9 @@ class PrefillAdder:
         self.tokens_left = max_prefill_tokens
         self.chunk_budget = chunk_budget
         self.step_budget = min(max_prefill_tokens, chunk_budget)
+        self.work_budget = work_budget
+        self.work_left = work_budget
+        self.pair_weight = pair_weight
         self.finishing = 0  # admitted prompts that complete this step
         self.ratio = new_token_ratio
         self.reserved = sum(self._decode_reserve(r) for r in running)
@@ -253,16 +311,26 @@ class PrefillAdder:
     def add_chunked(self, req: Req) -> bool:
         """Continue a request whose prompt is mid-chunk (it already holds a row and locks)."""
         todo = req.seq_len() - req.kv_len
-        n = min(todo, self.chunk_budget, self.tokens_left)
+        n = self._chunk_tokens(todo, req.kv_len)
         if n <= 0 or n > self._kv_room():
             return False
-        self._take(req, n, final=n == todo)
+        self._take(req, n, req.kv_len, final=n == todo)
         return True
+
+    def _chunk_tokens(self, todo: int, prefix: int) -> int:
+        """Tokens of a `todo`-token prompt after `prefix` cached ones that fit the budgets; the
+        step's first request gets at least one."""
+        n = min(todo, self.chunk_budget, self.tokens_left)
+        if not math.isinf(self.work_left):
+            fit = tokens_within(self.work_left, prefix, self.pair_weight)
+            n = min(n, fit if self.admitted else max(fit, 1))
+        return n
 
     def add(self, req: Req, behind: int = 0) -> bool:
         """Try to admit a waiting request, `behind` others queued after it; False means stop
         admitting this step."""
-        if self.rows_left <= 0 or self.tokens_left <= 0 or self.chunk_budget <= 0:
+        if (self.rows_left <= 0 or self.tokens_left <= 0 or self.chunk_budget <= 0
+                or (self.admitted and self.work_left < 1)):
             return False
         ids = req.all_ids()
         match = self.kv.match(ids[:-1])
@@ -274,37 +342,46 @@ class PrefillAdder:
                 prefix_len = usable
         todo = len(ids) - prefix_len
         self.kv.admit(req, match)  # lock first: a locked prefix is no longer evictable room
-        n = min(todo, self.chunk_budget, self.tokens_left)
+        n = self._chunk_tokens(todo, prefix_len)
         final = n == todo
         reserve = self._decode_reserve(req) if final else 0
         # Nothing running and nothing admitted: admit if the tokens alone fit, so a single
         # request with a pessimistic reserve can still make progress.
         alone = not self.admitted and self.reserved == 0
-        if (not final and (self.has_chunked or self._keep_step_whole(n, behind))
+        if (n <= 0 or not final and (self.has_chunked
+                                     or self._keep_step_whole(n, prefix_len, behind))
                 or n + (0 if alone else reserve) > self._kv_room()):
             self.kv.release(req)
             return False
         if req.cached_tokens is None:
             req.cached_tokens = min(prefix_len, len(req.origin_input_ids))
         self.rows_left -= 1
-        self._take(req, n, final)
+        self._take(req, n, prefix_len, final)
         return True
 
-    def _keep_step_whole(self, n: int, behind: int) -> bool:
-        """Whether an n-token chunk that starts a new prompt is refused (see the class
-        docstring)."""
-        used = self.step_budget - min(self.chunk_budget, self.tokens_left)
+    def _used(self) -> float:
+        """The share of the step's budget taken so far: tokens or work, whichever binds more."""
+        used = 1 - min(self.chunk_budget, self.tokens_left) / self.step_budget
+        if not math.isinf(self.work_budget):
+            used = max(used, 1 - self.work_left / self.work_budget)
+        return used
+
+    def _keep_step_whole(self, n: int, prefix: int, behind: int) -> bool:
+        """Whether an n-token chunk after `prefix` cached tokens that starts a new prompt is
+        refused (see the class docstring)."""
         if (self.step_cost is None or not self.finishing
-                or used < self.START_CHUNK_BELOW * self.step_budget):
+                or self._used() < self.START_CHUNK_BELOW):
             return False
         b, c = self.step_cost
-        return self.finishing * n * b > (1 + behind) * c * (self.decode_rows + 1)
+        chunk_s = prefill_work(n, prefix, self.pair_weight) * b
+        return self.finishing * chunk_s > (1 + behind) * c * (self.decode_rows + 1)
 
-    def _take(self, req: Req, n: int, final: bool) -> None:
+    def _take(self, req: Req, n: int, prefix: int, final: bool) -> None:
         req.extend_len = n
         self.finishing += final
         self.tokens_left -= n
         self.chunk_budget -= n
+        self.work_left -= prefill_work(n, prefix, self.pair_weight)
         self.reserved += n + (self._decode_reserve(req) if final else 0)
         self.has_chunked = self.has_chunked or not final
         self.admitted.append(req)

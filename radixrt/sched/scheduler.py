@@ -39,6 +39,7 @@ from radixrt.mem.base_prefix_cache import BasePrefixCache
 from radixrt.mem.chunk_cache import NoPrefixCache
 from radixrt.mem.huge_pages import huge_page_info
 from radixrt.mem.radix_cache import RadixCache
+from radixrt.model.model_config import attention_pair_weight
 from radixrt.model.runner import ModelRunner
 from radixrt.model.tokenizer import load_tokenizer
 from radixrt.sampling.batch_info import SamplingBatchInfo, SeenIds
@@ -49,6 +50,7 @@ from radixrt.sched.output_processor import OutputProcessor
 from radixrt.sched.prompt_scores import record_scores
 from radixrt.sched.req import Req
 from radixrt.sched.schedule_policy import (
+    ATTENTION_PAIR_COST,
     PrefillAdder,
     PrefillPacer,
     SchedulePolicy,
@@ -120,7 +122,8 @@ class Scheduler:
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
         self.new_token_ratio = args.init_new_token_ratio
-        self.pacer = PrefillPacer(args.prefill_step_target_ms / 1000, args.chunked_prefill_size)
+        self.pacer = PrefillPacer(args.prefill_step_target_ms / 1000, args.chunked_prefill_size,
+                                  pair_weight=ATTENTION_PAIR_COST * attention_pair_weight(cfg))
         self.finished_this_step: list[Req] = []
         self.step_times = {"schedule": 0.0, "build": 0.0, "forward": 0.0, "grammar": 0.0,
                            "sample": 0.0, "process": 0.0}
@@ -257,8 +260,10 @@ class Scheduler:
         cap, step_cost = self.pacer.budget(rows)
         adder = PrefillAdder(
             self.kv, self.req_pool.available_size(), self.running,
-            self.args.max_running_requests, self.args.max_prefill_tokens, cap,
-            self.new_token_ratio, self.args.clip_max_new_tokens_estimation, step_cost, rows)
+            self.args.max_running_requests, self.args.max_prefill_tokens,
+            self.args.chunked_prefill_size, self.new_token_ratio,
+            self.args.clip_max_new_tokens_estimation, step_cost, rows, work_budget=cap,
+            pair_weight=self.pacer.pair_weight)
         in_flight: tuple[Req, ...] = ()
         if self.chunked_req is not None:
             if not adder.add_chunked(self.chunked_req):
@@ -410,14 +415,16 @@ class Scheduler:
         self.step_times["sample"] += (ti - tg) + (t3 - t2)
         self.step_times["process"] += t4 - t3
         n_dec = len(reqs) if mode == "decode" else len(reqs) - n_ext
-        self.pacer.observe(0 if mode == "decode" else fb.num_tokens - n_dec, t4 - t0, n_dec)
+        work = 0.0 if mode == "decode" else self.pacer.work(
+            list(zip(fb.extend_lens_cpu[:n_ext], fb.prefix_lens_cpu[:n_ext], strict=True)))
+        self.pacer.observe(work, t4 - t0, n_dec)
         if logger.isEnabledFor(logging.DEBUG):
             n_pre = 0 if mode == "decode" else n_ext
             logger.debug("step %s: %d prefill rows / %d tokens on %d cached, %d decode rows, "
                          "%d waiting; %.1f ms (forward %.1f); prefill cap %d", mode, n_pre,
                          fb.num_tokens - n_dec, sum(fb.prefix_lens_cpu[:n_pre]), n_dec,
                          len(self.waiting), (t4 - t0) * 1e3, (t2 - ti) * 1e3,
-                         self.pacer.cap(self._mixed_rows()))
+                         self.pacer.token_cap(self._mixed_rows()))
         if mode == "decode":
             if self.speculator is not None:
                 self.speculator.observe_step(fb.batch_size, t4 - t0)
@@ -560,7 +567,8 @@ class Scheduler:
             "cached_evictable_tokens": self.cache.evictable_size(),
             "cached_locked_tokens": self.cache.protected_size(),
             "new_token_ratio": self.new_token_ratio,
-            "prefill_token_cap": self.pacer.cap(self._mixed_rows()),
+            "prefill_token_cap": self.pacer.token_cap(self._mixed_rows()),
+            "prefill_work_cap": self.pacer.cap(self._mixed_rows()),
             "prefill_tokens_per_s": self.pacer.rate,
             "step_time_s": dict(self.step_times),
             "decode_totals": dict(self.decode_totals),

@@ -65,7 +65,8 @@ class MixedStepCost:
     def __init__(self, decay: float = 0.95):
         self.sums = _DecayedSums(decay)  # x = prefill tokens, y = decode rows
 
-    def observe(self, tokens: int, rows: int, seconds: float) -> None:
+    def observe(self, tokens: float, rows: int, seconds: float) -> None:
+        """`tokens`: the step's prefill, in whatever unit b is wanted in (the pacer's work)."""
         self.sums.add(tokens, rows, seconds)
 
     def fit(self) -> tuple[float, float] | None:
