@@ -66,6 +66,9 @@ SHAPES: dict[str, list[tuple[int, int]]] = {
     "fresh1": [(0, 512)],
     "fresh4": [(0, 512)] * 4,
     "fresh8": [(0, 512)] * 8,
+    # long-context preset: a question over a cached 4096-token document, a chunk deep in one
+    "doc1": [(4096, 45)],
+    "docchunk": [(3584, 256)],
 }
 
 # Shapes whose requests' prefixes start with the same cached slots (the radix cache's hit on the
