@@ -10,6 +10,7 @@ after every step.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import random
 from collections.abc import Callable, Iterable, Sequence
@@ -924,7 +925,14 @@ def test_paced_prefill_steps_keep_outputs(make_sched: Callable[..., Scheduler]) 
     for rid in jobs:
         assert run.tokens[rid] == ref[rid], rid
     assert sched.stats()["prefill_token_cap"] == 12
+    assert sched.stats()["prefill_work_cap"] == 12
     assert_clean(sched)
+    # before any prefill step the work budget is unbounded: stats say None (they travel as
+    # JSON, which has no infinity), the token cap is the chunk size
+    fresh = make_sched(prefill_step_target_ms=100).stats()
+    assert fresh["prefill_work_cap"] is None
+    assert fresh["prefill_token_cap"] == sched.args.chunked_prefill_size
+    json.dumps(fresh, allow_nan=False)
 
 
 # -- (c) in-batch prefix sharing ------------------------------------------------------------------

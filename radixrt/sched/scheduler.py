@@ -8,6 +8,7 @@ keeps counters.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 import traceback
@@ -80,6 +81,11 @@ class Counters:
     retractions: int = 0
     forward_steps: int = 0
     # Evicted tokens are counted where eviction happens: `KVOwner.evicted_tokens`.
+
+
+def _finite_or_none(x: float) -> float | None:
+    """`x`, or None where it is infinite (stats travel as JSON)."""
+    return None if math.isinf(x) else x
 
 
 class Scheduler:
@@ -568,7 +574,7 @@ class Scheduler:
             "cached_locked_tokens": self.cache.protected_size(),
             "new_token_ratio": self.new_token_ratio,
             "prefill_token_cap": self.pacer.token_cap(self._mixed_rows()),
-            "prefill_work_cap": self.pacer.cap(self._mixed_rows()),
+            "prefill_work_cap": _finite_or_none(self.pacer.cap(self._mixed_rows())),
             "prefill_tokens_per_s": self.pacer.rate,
             "step_time_s": dict(self.step_times),
             "decode_totals": dict(self.decode_totals),
