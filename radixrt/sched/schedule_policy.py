@@ -262,8 +262,8 @@ class PrefillAdder:
       the k finished prompts' first tokens by its time (its work x b), while leaving it out
       costs one more step for the request and the `behind` requests queued after it (that
       step's decode rows, D = c x rows, plus about one row's fixed cost). So the chunk is left
-      out when k n b > (1 + behind) c (rows + 1), with b and c from the pacer's fit (`step_cost`;
-      without one, as when pacing is off, steps are filled). Four ~75-token agent calls under a
+      out when k w b > (1 + behind) c (rows + 1), w its work, with b and c from the pacer's
+      fit (`step_cost`; without one, as when pacing is off, steps are filled). Four ~75-token agent calls under a
       128-token budget get their first tokens after 1, 2, 3 and 4 calls' compute instead of
       1.7, 3.4, 3.4 and 4.4; 56 queued 45-token prompts behind 30 decode rows keep their full
       steps;
