@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from radixrt.model.model_config import layer_matmul_macs
+from radixrt.model.model_config import attention_pair_macs, layer_matmul_macs
 
 # -- what a step moves and computes ------------------------------------------------------------------
 
@@ -56,7 +56,7 @@ def matmul_flops_per_token(cfg: Any, with_lm_head: bool) -> int:
 
 def attention_flops(cfg: Any, keys: int) -> int:
     """One query token over `keys` keys, every layer: QK^T and PV, 2 FLOPs per multiply-add."""
-    return cfg.num_layers * 2 * 2 * cfg.q_size * keys
+    return cfg.num_layers * 2 * attention_pair_macs(cfg) * keys
 
 
 def kv_bytes(cfg: Any, tokens: int, kv_elem_bytes: float) -> int:

@@ -245,12 +245,18 @@ def layer_matmul_macs(cfg: Any) -> int:
     return h * (q + 2 * kv) + q * h + h * 2 * i + i * h
 
 
+def attention_pair_macs(cfg: Any) -> int:
+    """Multiply-adds of one (query, key) pair of attention in one layer: QK^T and PV over every
+    query head."""
+    return 2 * cfg.q_size
+
+
 def attention_pair_weight(cfg: Any) -> float:
     """FLOPs of one (query, key) pair of attention (QK^T and PV over every query head) per FLOP
     of one token's layer matmuls: what a prefill token over k cached keys costs in attention,
     relative to its matmuls, is about k times this (SmolLM2-135M: 3.3e-4, so 3000 keys double
     a token's FLOPs)."""
-    return 2 * cfg.q_size / layer_matmul_macs(cfg)
+    return attention_pair_macs(cfg) / layer_matmul_macs(cfg)
 
 
 def resolve_gguf_file(path: Path) -> Path | None:

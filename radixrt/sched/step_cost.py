@@ -63,7 +63,7 @@ class MixedStepCost:
     `b` alone is known once a step with tokens ran (`seconds_per_token`)."""
 
     def __init__(self, decay: float = 0.95):
-        self.sums = _DecayedSums(decay)  # x = prefill tokens, y = decode rows
+        self.sums = _DecayedSums(decay)  # x = prefill (the pacer's work), y = decode rows
 
     def observe(self, tokens: float, rows: int, seconds: float) -> None:
         """`tokens`: the step's prefill, in whatever unit b is wanted in (the pacer's work)."""
