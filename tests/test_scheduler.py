@@ -421,25 +421,25 @@ def test_adder_kv_room_counts_free_evictable_and_reserved() -> None:
 def test_prefill_pacer_cap_follows_the_measured_rate() -> None:
     pacer = PrefillPacer(0.5, ceiling=2048)
     assert pacer.token_cap() == 2048  # nothing measured yet
-    pacer.observe(50, 1.0)  # a short step (< half the floor): fixed costs, not a rate
+    pacer.observe([(50, 0)], 1.0)  # a short step (< half the floor): fixed costs, not a rate
     assert pacer.rate is None and pacer.token_cap() == 2048
-    pacer.observe(2048, 2.0)  # 1024 tok/s -> 512 tokens in 0.5 s
+    pacer.observe([(2048, 0)], 2.0)  # 1024 tok/s -> 512 tokens in 0.5 s
     assert pacer.rate == pytest.approx(1024) and pacer.token_cap() == 512
-    pacer.observe(512, 0.25)  # 2048 tok/s, weighted in (a weighted least-squares rate)
+    pacer.observe([(512, 0)], 0.25)  # 2048 tok/s, weighted in (a weighted least-squares rate)
     assert 1024 < pacer.rate < 2048 and pacer.token_cap() == int(pacer.rate * 0.5)
     for _ in range(3):
-        pacer.observe(1000, 100.0)  # very slow steps: the floor holds
+        pacer.observe([(1000, 0)], 100.0)  # very slow steps: the floor holds
     assert pacer.token_cap() == PrefillPacer.MIN_TOKENS
     fast = PrefillPacer(0.5, ceiling=2048)
-    fast.observe(2048, 0.01)  # a GPU: the ceiling alone applies
+    fast.observe([(2048, 0)], 0.01)  # a GPU: the ceiling alone applies
     assert fast.token_cap() == 2048
     off = PrefillPacer(0.0, ceiling=2048)
-    off.observe(2048, 10.0)
+    off.observe([(2048, 0)], 10.0)
     assert off.rate is None and off.token_cap() == 2048
     # A fresh server whose prompts are all shorter than half the ceiling still measures its
     # rate (stop 49: against the cap alone it never did, and never paced).
     fresh = PrefillPacer(0.25, ceiling=2048)
-    fresh.observe(748, 2.9)
+    fresh.observe([(748, 0)], 2.9)
     assert fresh.rate == pytest.approx(748 / 2.9) and fresh.token_cap() == PrefillPacer.MIN_TOKENS
 
 
@@ -450,15 +450,15 @@ def test_prefill_pacer_gives_costly_decode_rows_a_larger_prefill() -> None:
     b, c = 1 / 400, 0.005  # 400 prefill tok/s; 5 ms per decode row (Zen 1-like)
     pacer = PrefillPacer(0.25, ceiling=2048, floor=16)
     assert pacer.step_cost() is None  # nothing measured
-    pacer.observe(1024, 1024 * b)  # a prefill step alone
+    pacer.observe([(1024, 0)], 1024 * b)  # a prefill step alone
     assert pacer.rate == pytest.approx(400) and pacer.decode_seconds(8) == 0.0
     assert pacer.step_cost() == pytest.approx((b, b))  # c not told apart yet: taken as b
     assert pacer.token_cap(64) == 100  # the rows' cost is not known yet: the target alone
     for rows in (8, 24, 64):
-        pacer.observe(0, rows * c, rows)  # plain decode steps
+        pacer.observe([], rows * c, rows)  # plain decode steps
     for rows in (8, 40):  # mixed steps: their prefill time is told from their rows' time
         tokens = pacer.token_cap(rows)
-        pacer.observe(tokens, tokens * b + rows * c, rows)
+        pacer.observe([(tokens, 0)], tokens * b + rows * c, rows)
     assert pacer.rate == pytest.approx(400, rel=1e-6)
     assert pacer.decode_seconds(64) == pytest.approx(64 * c, rel=1e-6)
     assert pacer.step_cost() == pytest.approx((b, c), rel=1e-6)
@@ -497,11 +497,11 @@ def test_prefill_pacer_holds_the_target_deep_in_a_long_prompt() -> None:
         return b * prefill_work(n, prefix, weight)
 
     for w, deep_over in ((weight, 1.05), (0.0, None)):
-        pacer = PrefillPacer(target, ceiling=2048, pair_weight=w)
+        pacer = PrefillPacer(target, ceiling=2048, prior_weight=w)
         prefix = 0
         for _ in range(12):  # one long prompt, chunk by chunk, the pacer learning as it goes
             n = pacer.token_cap(0, prefix)
-            pacer.observe(pacer.work([(n, prefix)]), seconds(n, prefix))
+            pacer.observe([(n, prefix)], seconds(n, prefix))
             prefix += n
         start, deep = pacer.token_cap(0, 0), pacer.token_cap(0, 4000)
         if deep_over is not None:
@@ -510,7 +510,50 @@ def test_prefill_pacer_holds_the_target_deep_in_a_long_prompt() -> None:
                 assert 0.9 * target <= seconds(n, at) <= deep_over * target
         else:
             assert deep == start and seconds(deep, 4000) > 1.5 * target
-    assert PrefillPacer(target, ceiling=64, pair_weight=weight).token_cap(0, 4000) == 64
+    assert PrefillPacer(target, ceiling=64, prior_weight=weight).token_cap(0, 4000) == 64
+
+
+def test_prefill_pacer_measures_the_pair_weight_of_its_cpu() -> None:
+    """The pair weight is a prior (Zen 4's): on a CPU whose attention costs 3x or 1/3 of what it
+    predicts, short fresh prompts (little attention) leave the weight near the prior, and a long
+    document's chunks measure the CPU's own: a chunk 4000 tokens deep then takes about the
+    target, where the prior's chunk would take 1.7x it (or 0.6x). A weight far off is held
+    within 4x the prior."""
+    prior, b, target = 5e-4, 1 / 2000, 0.25
+
+    for factor in (3.0, 1 / 3, 20.0):
+        true = prior * factor
+
+        def seconds(n: int, prefix: int, w: float = true) -> float:
+            return b * prefill_work(n, prefix, w)
+
+        pacer = PrefillPacer(target, ceiling=2048, prior_weight=prior)
+        assert pacer.pair_weight == prior
+        for n in (300, 500, 400, 450):
+            pacer.observe([(n, 0)], seconds(n, 0))
+        assert pacer.pair_weight == pytest.approx(prior, rel=0.35)
+        prefix = 0
+        for _ in range(16):  # one long document, chunk by chunk
+            n = pacer.token_cap(0, prefix)
+            pacer.observe([(n, prefix)], seconds(n, prefix))
+            prefix += n
+        if factor == 20.0:
+            assert pacer.pair_weight == pytest.approx(4 * prior)
+            continue
+        assert pacer.pair_weight == pytest.approx(true, rel=0.15)
+        deep = pacer.token_cap(0, 4000)
+        assert 0.9 * target <= seconds(deep, 4000) <= 1.1 * target
+        at_prior = tokens_within(target / b, 4000, prior)
+        assert not 0.7 * target <= seconds(at_prior, 4000) <= 1.3 * target
+    # Noisy step times (+-10%) of short fresh prompts, where attention is a few percent of a
+    # step, do not move the weight far from the prior.
+    for seed in range(10):
+        rng = random.Random(seed)
+        pacer = PrefillPacer(target, ceiling=2048, prior_weight=prior)
+        for _ in range(60):
+            n = rng.randint(64, 600)
+            pacer.observe([(n, 0)], b * prefill_work(n, 0, prior) * rng.uniform(0.9, 1.1))
+        assert 0.6 * prior <= pacer.pair_weight <= 1.5 * prior
 
 
 def test_adder_gives_a_chunk_over_a_long_prefix_fewer_tokens() -> None:
@@ -1666,10 +1709,16 @@ def test_mixed_step_cost_tells_tokens_from_rows_only_when_they_vary_apart() -> N
 
     cost = MixedStepCost()
     assert cost.fit() is None and cost.seconds_per_token() is None
+    cost.observe(0, 8, 0.04)  # decode steps alone: no prefill rate yet
+    assert cost.fit() is None and cost.seconds_per_token() is None
+    cost = MixedStepCost()
     for k in (1, 2, 3):  # tokens and rows in one proportion: b and c cannot be told apart
         cost.observe(100 * k, 10 * k, 0.5 * k)
-    assert cost.fit() is None
-    assert cost.seconds_per_token() == pytest.approx(0.005)  # rows' time counted as prefill
+    fit = cost.fit()
+    assert fit is not None and not fit.rows_told
+    assert fit.b == pytest.approx(0.005) and fit.c == fit.b  # rows' time counted as prefill
+    assert fit.a == pytest.approx(fit.b)  # no attention seen: the prior holds
     cost.observe(0, 20, 0.1)  # a plain decode step: 5 ms a row
-    b, c = cost.fit()
-    assert c == pytest.approx(0.005) and b == pytest.approx(0.0045)
+    fit = cost.fit()
+    assert fit is not None and fit.rows_told
+    assert fit.c == pytest.approx(0.005) and fit.b == pytest.approx(0.0045)

@@ -12,7 +12,7 @@ from radixrt.mem.base_prefix_cache import BasePrefixCache
 from radixrt.mem.token_trie import TokenTrie
 from radixrt.sched.kv_owner import KVOwner
 from radixrt.sched.req import Req
-from radixrt.sched.step_cost import MixedStepCost
+from radixrt.sched.step_cost import MixedStepCost, StepFit
 
 # See `ServerArgs.clip_max_new_tokens_estimation`.
 DEFAULT_CLIP_MAX_NEW_TOKENS = ServerArgs.clip_max_new_tokens_estimation
@@ -120,11 +120,12 @@ class SchedulePolicy:
         return deferred
 
 
-# What one (query, key) pair of a prefill's attention costs on a CPU relative to its FLOPs'
+# The prior of what one (query, key) pair of a prefill's attention costs relative to its FLOPs'
 # share (`attention_pair_weight`): the attention kernels run at a lower FLOP rate than the
 # matmuls. Fitted over a long-context run's prefill and mixed steps on Zen 4 (2 cores, bf16):
 # 1.41; a weight of 1.5 predicted the steps' times to 3.4% (median) against 20% with tokens
-# alone, and 1.0 or 2.0 to 4.7-5.8%.
+# alone, and 1.0 or 2.0 to 4.7-5.8%. Each server measures its own from its steps
+# (`PrefillPacer.pair_weight`).
 ATTENTION_PAIR_COST = 1.5
 
 
@@ -167,34 +168,54 @@ class PrefillPacer:
     Prefill is counted in `prefill_work` units (a token's matmuls, plus its attention over the
     keys before it at `pair_weight` per key), so a chunk deep in a long prompt gets fewer tokens
     than one at its start: counted in tokens, chunks of a 4096-token document at 3-4k cached
-    keys ran 570-650 ms against a 250 ms target (stop 63). The cap is P / b units, at least
-    `floor` (`MIN_TOKENS`), with b (seconds per unit) and D (rows x seconds per decode row)
-    from `MixedStepCost` over the steps run: plain decode steps, and prefill steps that
-    computed at least half the floor (shorter ones are dominated by fixed costs and would
-    overstate b; stop 49: against the cap alone, a fresh server whose prompts were all short
-    never measured b and never paced). The tokens of a step also stay within `ceiling`
-    (`chunked_prefill_size`, the adder's chunk budget). Until a prefill step was seen, and with
-    `target_s == 0`, the cap is unbounded (`math.inf`): the ceiling alone applies, as it does
-    when a fast machine (GPU) measures a b whose cap exceeds it.
+    keys ran 570-650 ms against a 250 ms target (stop 63). The weight starts at `prior_weight`
+    and is measured from then on: `MixedStepCost` fits seconds per token (b), per unit of
+    attention at the prior weight (a) and per decode row (c) over the steps run, and the weight
+    is the prior times a / b (attention runs at a different speed against the matmuls on every
+    CPU). The cap is P / b units, at least `floor` (`MIN_TOKENS`), D being rows x c. The steps
+    fitted are plain decode steps, and prefill steps that computed at least half the floor
+    (shorter ones are dominated by fixed costs and would overstate b; stop 49: against the cap
+    alone, a fresh server whose prompts were all short never measured b and never paced). The
+    tokens of a step also stay within `ceiling` (`chunked_prefill_size`, the adder's chunk
+    budget). Until a prefill step was seen, and with `target_s == 0`, the cap is unbounded
+    (`math.inf`): the ceiling alone applies, as it does when a fast machine (GPU) measures a b
+    whose cap exceeds it.
     """
 
     MIN_TOKENS = 128
     DECODE_SHARE = 3.0
 
     def __init__(self, target_s: float, ceiling: int, floor: int = MIN_TOKENS,
-                 pair_weight: float = 0.0):
+                 prior_weight: float = 0.0):
         self.target_s = target_s
         self.ceiling = ceiling
         self.floor = min(floor, ceiling)
-        self.pair_weight = pair_weight
+        self.prior_weight = prior_weight
         self.cost = MixedStepCost()
+        self._fit: StepFit | None = None
+        self._fit_valid = False
+
+    def _current(self) -> StepFit | None:
+        """The cost fit, None before a prefill step was measured and with pacing off."""
+        if self.target_s <= 0:
+            return None
+        if not self._fit_valid:
+            self._fit, self._fit_valid = self.cost.fit(), True
+        return self._fit
+
+    @property
+    def pair_weight(self) -> float:
+        """`prefill_work`'s weight of one (query, key) pair: the prior until a prefill step was
+        measured, then the prior times the fitted a / b."""
+        fit = self._current()
+        return self.prior_weight if fit is None else self.prior_weight * fit.a / fit.b
 
     @property
     def rate(self) -> float | None:
         """Prefill work units (tokens without context) per second of prefill time, once
         measured."""
-        b = self.cost.seconds_per_token()
-        return None if b is None else 1.0 / b
+        fit = self._current()
+        return None if fit is None else 1.0 / fit.b
 
     def step_cost(self) -> tuple[float, float] | None:
         """(b, c): seconds per prefill work unit and per decode row, None before a prefill step
@@ -204,20 +225,17 @@ class PrefillPacer:
 
     def budget(self, decode_rows: int = 0) -> tuple[float, tuple[float, float] | None]:
         """(`cap(decode_rows)`, `step_cost()`) from one fit: what a step's admission needs."""
-        if self.target_s <= 0:
+        fit = self._current()
+        if fit is None:
             return math.inf, None
-        fit = self.cost.fit()
-        b = self.cost.seconds_per_token(fit)
-        if b is None:
-            return math.inf, None
-        d = 0.0 if fit is None or decode_rows <= 0 else fit[1] * decode_rows
+        d = self.decode_seconds(decode_rows)
         p = max(self.target_s - d, self.DECODE_SHARE * d)
-        return max(float(self.floor), p / b), (fit if fit is not None else (b, b))
+        return max(float(self.floor), p / fit.b), (fit.b, fit.c)
 
     def decode_seconds(self, rows: int) -> float:
         """D for `rows` decode rows (0 until the rows' cost is told apart)."""
-        fit = self.cost.fit()
-        return 0.0 if fit is None or rows <= 0 else fit[1] * rows
+        fit = self._current()
+        return 0.0 if fit is None or not fit.rows_told or rows <= 0 else fit.c * rows
 
     def cap(self, decode_rows: int = 0) -> float:
         """The work budget of a step carrying `decode_rows` decode rows (`math.inf`: none)."""
@@ -231,18 +249,24 @@ class PrefillPacer:
         return min(self.ceiling, max(1, tokens_within(cap, prefix, self.pair_weight)))
 
     def work(self, extends: list[tuple[int, int]]) -> float:
-        """`prefill_work` of a step's (new tokens, cached prefix) rows."""
-        return sum(prefill_work(n, p, self.pair_weight) for n, p in extends)
+        """`prefill_work` of a step's (new tokens, cached prefix) rows at the current weight."""
+        w = self.pair_weight
+        return sum(prefill_work(n, p, w) for n, p in extends)
 
-    def observe(self, work: float, seconds: float, decode_rows: int = 0) -> None:
-        """A step computed `work` prefill work units and `decode_rows` decode rows in
-        `seconds`."""
+    def observe(self, extends: list[tuple[int, int]], seconds: float,
+                decode_rows: int = 0) -> None:
+        """A step computed the prefill rows `extends` ((new tokens, cached prefix) each) and
+        `decode_rows` decode rows in `seconds`."""
         if self.target_s <= 0 or seconds <= 0:
             return
+        work = self.work(extends)
         if work > 0 and 2 * work < self.floor:
             return
         if work > 0 or decode_rows > 0:
-            self.cost.observe(work, decode_rows, seconds)
+            tokens = sum(n for n, _ in extends)
+            attention = sum(prefill_work(n, p, self.prior_weight) - n for n, p in extends)
+            self.cost.observe(tokens, decode_rows, seconds, attention=attention)
+            self._fit_valid = False
 
 
 def decode_estimate(req: Req, clip: int) -> int:

@@ -129,7 +129,7 @@ class Scheduler:
         self.chunked_req: Req | None = None
         self.new_token_ratio = args.init_new_token_ratio
         self.pacer = PrefillPacer(args.prefill_step_target_ms / 1000, args.chunked_prefill_size,
-                                  pair_weight=ATTENTION_PAIR_COST * attention_pair_weight(cfg))
+                                  prior_weight=ATTENTION_PAIR_COST * attention_pair_weight(cfg))
         self.finished_this_step: list[Req] = []
         self.step_times = {"schedule": 0.0, "build": 0.0, "forward": 0.0, "grammar": 0.0,
                            "sample": 0.0, "process": 0.0}
@@ -421,16 +421,19 @@ class Scheduler:
         self.step_times["sample"] += (ti - tg) + (t3 - t2)
         self.step_times["process"] += t4 - t3
         n_dec = len(reqs) if mode == "decode" else len(reqs) - n_ext
-        work = 0.0 if mode == "decode" else self.pacer.work(
-            list(zip(fb.extend_lens_cpu[:n_ext], fb.prefix_lens_cpu[:n_ext], strict=True)))
-        self.pacer.observe(work, t4 - t0, n_dec)
+        extends = [] if mode == "decode" else list(
+            zip(fb.extend_lens_cpu[:n_ext], fb.prefix_lens_cpu[:n_ext], strict=True))
+        self.pacer.observe(extends, t4 - t0, n_dec)
         if logger.isEnabledFor(logging.DEBUG):
             n_pre = 0 if mode == "decode" else n_ext
             logger.debug("step %s: %d prefill rows / %d tokens on %d cached, %d decode rows, "
-                         "%d waiting; %.1f ms (forward %.1f); prefill cap %d", mode, n_pre,
-                         fb.num_tokens - n_dec, sum(fb.prefix_lens_cpu[:n_pre]), n_dec,
-                         len(self.waiting), (t4 - t0) * 1e3, (t2 - ti) * 1e3,
-                         self.pacer.token_cap(self._mixed_rows()))
+                         "%d waiting; %.1f ms (forward %.1f); prefill cap %d, pair weight "
+                         "%.2fx the prior", mode, n_pre, fb.num_tokens - n_dec,
+                         sum(fb.prefix_lens_cpu[:n_pre]), n_dec, len(self.waiting),
+                         (t4 - t0) * 1e3, (t2 - ti) * 1e3,
+                         self.pacer.token_cap(self._mixed_rows()),
+                         self.pacer.pair_weight / self.pacer.prior_weight
+                         if self.pacer.prior_weight > 0 else 1.0)
         if mode == "decode":
             if self.speculator is not None:
                 self.speculator.observe_step(fb.batch_size, t4 - t0)
@@ -576,6 +579,10 @@ class Scheduler:
             "prefill_token_cap": self.pacer.token_cap(self._mixed_rows()),
             "prefill_work_cap": _finite_or_none(self.pacer.cap(self._mixed_rows())),
             "prefill_tokens_per_s": self.pacer.rate,
+            # The measured weight of one attention pair in prefill work (the prior until then)
+            # and the prior's.
+            "prefill_pair_weight": self.pacer.pair_weight,
+            "prefill_pair_weight_prior": self.pacer.prior_weight,
             "step_time_s": dict(self.step_times),
             "decode_totals": dict(self.decode_totals),
             "mixed_totals": dict(self.mixed_totals),

@@ -1,10 +1,12 @@
 """What a scheduler step costs, measured on the steps the scheduler runs: a decode step as a
 function of its rows (`StepCostModel`: speculative decoding prices a draft row with it), and any
-step as a function of its prefill tokens and decode rows (`MixedStepCost`: the prefill pacer
-sizes a mixed step's prefill against the decode rows it carries). Both are two-term least
-squares on `_DecayedSums`."""
+step as a function of its prefill tokens, their attention and its decode rows (`MixedStepCost`:
+the prefill pacer sizes a step's prefill with it). Both are exponentially weighted least
+squares."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 
 class _DecayedSums:
@@ -55,37 +57,110 @@ class StepCostModel:
         return a, c
 
 
+@dataclass(frozen=True)
+class StepFit:
+    """Seconds per prefill token (`b`, its matmuls and everything else a token costs), per unit
+    of attention work (`a`: (query, key) pairs times the prior pair weight, so the prior says
+    a = b) and per decode row (`c`; taken as `b` while not told apart, `rows_told` False)."""
+
+    b: float
+    a: float
+    c: float
+    rows_told: bool
+
+
 class MixedStepCost:
-    """A step's time as `b x prefill tokens + c x decode rows` (no fixed part: it is spread
-    over both), fitted by exponentially weighted least squares over the steps the scheduler
-    ran: plain decode steps (tokens 0), prefill steps alone (rows 0) and mixed ones. `fit()` is
-    None until the samples tell b and c apart (tokens and rows not in one fixed proportion);
-    `b` alone is known once a step with tokens ran (`seconds_per_token`)."""
+    """A step's time as `b x tokens + a x attention + c x decode rows` (no fixed part: it is
+    spread over the terms), fitted by exponentially weighted least squares over the steps the
+    scheduler ran: plain decode steps (no tokens), prefill steps alone (no rows) and mixed ones.
+
+    `attention` is a step's prefill (query, key) pairs times a prior weight (the pacer's: the
+    attention FLOPs of a pair over a token's matmul FLOPs, times what the attention kernels lose
+    to the matmuls on the CPU it was fitted on), so a = b when the prior holds. How much slower
+    attention runs than the matmuls differs from CPU to CPU (AMX tiles, `vdpbf16ps`, fp32 FMA
+    against int8 matmuls), so a is measured, pulled toward b by a ridge worth
+    `PRIOR_STEPS` steps of `PRIOR_ATTENTION` units each: steps with little attention (short
+    prompts) leave the prior, long-context steps outweigh it within a few steps. a / b stays in
+    [1 / `MAX_RATIO`, `MAX_RATIO`].
+
+    c is fitted once tokens and rows vary apart; before that the rows' time is counted as
+    prefill time (an upper bound on b) and c is taken as b. `fit()` is None before a step with
+    prefill tokens was seen."""
+
+    PRIOR_STEPS = 1.0
+    PRIOR_ATTENTION = 64.0
+    MAX_RATIO = 4.0
 
     def __init__(self, decay: float = 0.95):
-        self.sums = _DecayedSums(decay)  # x = prefill (the pacer's work), y = decode rows
+        self.decay = decay
+        self.gram = [[0.0] * 3 for _ in range(3)]  # over (tokens, attention, rows)
+        self.rhs = [0.0] * 3
 
-    def observe(self, tokens: float, rows: int, seconds: float) -> None:
-        """`tokens`: the step's prefill, in whatever unit b is wanted in (the pacer's work)."""
-        self.sums.add(tokens, rows, seconds)
+    def observe(self, tokens: float, rows: int, seconds: float, attention: float = 0.0) -> None:
+        """A step of `tokens` prefill tokens with `attention` units of attention work (pairs x
+        the prior weight) and `rows` decode rows took `seconds`."""
+        x = (float(tokens), float(attention), float(rows))
+        d = self.decay
+        for i in range(3):
+            self.rhs[i] = d * self.rhs[i] + x[i] * seconds
+            for j in range(3):
+                self.gram[i][j] = d * self.gram[i][j] + x[i] * x[j]
 
-    def fit(self) -> tuple[float, float] | None:
-        """(b, c): seconds per prefill token and per decode row, or None (see the class)."""
-        s = self.sums
-        det = s.det()
-        if s.xx <= 0 or s.yy <= 0 or det <= 1e-3 * s.xx * s.yy:
+    def _ridge(self) -> float:
+        return self.PRIOR_STEPS * self.PRIOR_ATTENTION ** 2
+
+    def _solve(self, idx: tuple[int, ...]) -> list[float] | None:
+        """The ridge least-squares coefficients of the regressors `idx` (0 and 1 always)."""
+        lam = self._ridge()
+        m = [[self.gram[i][j] for j in idx] for i in idx]
+        m[0][0] += lam
+        m[1][1] += lam
+        m[0][1] -= lam
+        m[1][0] -= lam
+        return _solve_linear(m, [self.rhs[i] for i in idx])
+
+    def fit(self) -> StepFit | None:
+        g, r = self.gram, self.rhs
+        if g[0][0] <= 0:
             return None
-        b = (s.xs * s.yy - s.ys * s.xy) / det
-        c = s.q(det)
-        if b <= 0 or c < 0:
-            return None
-        return b, c
+        # tokens (with attention at the prior) against rows: told apart when not collinear
+        xx = g[0][0] + 2 * g[0][1] + g[1][1]
+        xy, yy = g[0][2] + g[1][2], g[2][2]
+        if yy > 0 and xx * yy - xy * xy > 1e-3 * xx * yy:
+            sol = self._solve((0, 1, 2))
+            if sol is not None and sol[0] > 0 and sol[2] >= 0:
+                return self._bounded(sol[0], sol[1], sol[2], True)
+        sol = self._solve((0, 1))
+        if sol is not None and sol[0] > 0:
+            return self._bounded(sol[0], sol[1], sol[0], False)
+        b = (r[0] + r[1]) / xx
+        return StepFit(b, b, b, False) if b > 0 else None
 
-    def seconds_per_token(self, fit: tuple[float, float] | None = None) -> float | None:
-        """b from `fit` (default: a fresh one), else from the steps' tokens alone (decode rows
-        counted as prefill time: an upper bound), None before any step with tokens."""
+    def _bounded(self, b: float, a: float, c: float, rows_told: bool) -> StepFit:
+        a = min(max(a, b / self.MAX_RATIO), b * self.MAX_RATIO)
+        return StepFit(b, a, c, rows_told)
+
+    def seconds_per_token(self, fit: StepFit | None = None) -> float | None:
+        """b from `fit` (default: a fresh one), None before any step with tokens."""
         fit = fit or self.fit()
-        if fit is not None:
-            return fit[0]
-        s = self.sums
-        return s.xs / s.xx if s.xx > 0 else None
+        return None if fit is None else fit.b
+
+
+def _solve_linear(m: list[list[float]], v: list[float]) -> list[float] | None:
+    """x with m x = v by Gaussian elimination with partial pivoting; None if m is singular."""
+    n = len(v)
+    a = [row[:] + [v[i]] for i, row in enumerate(m)]
+    scale = max(abs(x) for row in m for x in row) or 1.0
+    for col in range(n):
+        piv = max(range(col, n), key=lambda i: abs(a[i][col]))
+        if abs(a[piv][col]) <= 1e-12 * scale:
+            return None
+        a[col], a[piv] = a[piv], a[col]
+        for i in range(col + 1, n):
+            f = a[i][col] / a[col][col]
+            for j in range(col, n + 1):
+                a[i][j] -= f * a[col][j]
+    x = [0.0] * n
+    for i in range(n - 1, -1, -1):
+        x[i] = (a[i][n] - sum(a[i][j] * x[j] for j in range(i + 1, n))) / a[i][i]
+    return x
