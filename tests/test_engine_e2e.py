@@ -37,6 +37,11 @@ def conversations() -> list[list[dict[str, str]]]:
 @pytest.fixture(scope="module")
 def engine():
     with Engine(max_total_tokens=20000, dtype="float32") as eng:
+        # The scheduler process timed a warm-up prefill before it reported ready: a fresh server
+        # paces its first prompts (`Scheduler.warm_up`); the warm-up left no trace behind.
+        fresh = eng.stats()
+        assert fresh["prefill_tokens_per_s"] is not None
+        assert fresh["forward_steps_total"] == 0 and fresh["free_tokens"] == 20000
         yield eng
 
 

@@ -978,6 +978,31 @@ def test_paced_prefill_steps_keep_outputs(make_sched: Callable[..., Scheduler]) 
     json.dumps(fresh, allow_nan=False)
 
 
+def test_warm_up_measures_the_prefill_rate_and_gives_everything_back(
+        make_sched: Callable[..., Scheduler]) -> None:
+    """A fresh scheduler has no prefill rate: its first step may take a whole
+    `chunked_prefill_size` chunk. `warm_up` times dummy prefills (the pacer observes the last),
+    leaving the pools as they were, nothing cached or counted, and requests then run as before."""
+    sched = make_sched(prefill_step_target_ms=50, chunked_prefill_size=512)
+    assert sched.pacer.rate is None
+    free = (sched.kv_pool.available_size(), sched.req_pool.available_size())
+    seconds = sched.warm_up(tokens=200)
+    assert seconds is not None and seconds > 0
+    assert sched.pacer.rate == pytest.approx(sched.pacer.work([(200, 0)]) / seconds)
+    assert sched.stats()["prefill_work_cap"] is not None
+    assert (sched.kv_pool.available_size(), sched.req_pool.available_size()) == free
+    assert sched.cache.evictable_size() == 0 and sched.counters.forward_steps == 0
+    sched.check_invariants()
+    jobs = {"a": (list(range(5, 45)), 6), "b": (list(range(50, 70)), 4)}
+    ref = reference(make_sched, jobs)
+    submit(sched, jobs)
+    run = Run().drive(sched)
+    for rid in jobs:
+        assert run.tokens[rid] == ref[rid], rid
+    assert_clean(sched)
+    assert make_sched(prefill_step_target_ms=0).warm_up() is None  # pacing off: nothing runs
+
+
 # -- (c) in-batch prefix sharing ------------------------------------------------------------------
 @pytest.mark.parametrize("name", CACHE_AWARE)
 def test_in_batch_prefix_sharing(make_sched: Callable[..., Scheduler], name: str) -> None:
