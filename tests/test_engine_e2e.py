@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from radixrt import Engine, SamplingParams
+from radixrt.sched.schedule_policy import IN_BATCH_SHARE_MIN_TOKENS
 
 SYSTEM = (
     "You are the support assistant of Northwind Cycles, a bicycle shop. Follow these rules. "
@@ -91,12 +92,15 @@ def test_greedy_matches_hf_and_prefix_is_cached(engine, prompt_ids, hf_reference
     while all(p[common] == prompt_ids[0][common] for p in prompt_ids):
         common += 1
     assert common > 150
-    # The first request computes the shared prefix; the others are held back one step and hit it.
+    # The first request computes the shared prefix; the others are held back and hit it. The
+    # pacer may cut the first prompt into chunks (it measured its rate at start-up); the others
+    # then wait while at least IN_BATCH_SHARE_MIN_TOKENS shared tokens are still uncached.
+    least = common - IN_BATCH_SHARE_MIN_TOKENS
     assert outs[0].cached_tokens == 0
     for out in outs[1:]:
-        assert out.cached_tokens >= common
+        assert out.cached_tokens >= least
     s = engine.stats()
-    assert s["cached_tokens_total"] >= 3 * common
+    assert s["cached_tokens_total"] >= 3 * least
     check_clean(engine)
 
 
