@@ -120,6 +120,8 @@ class MixedStepCost:
         return _solve_linear(m, [self.rhs[i] for i in idx])
 
     def fit(self) -> StepFit | None:
+        """b, a and c from the steps seen: all three where tokens and rows vary apart, else b
+        and a with c = b; None before a step with prefill tokens."""
         g, r = self.gram, self.rhs
         if g[0][0] <= 0:
             return None
