@@ -1733,9 +1733,9 @@ def test_mixed_step_cost_tells_tokens_from_rows_only_when_they_vary_apart() -> N
     from radixrt.sched.step_cost import MixedStepCost
 
     cost = MixedStepCost()
-    assert cost.fit() is None and cost.seconds_per_token() is None
+    assert cost.fit() is None
     cost.observe(0, 8, 0.04)  # decode steps alone: no prefill rate yet
-    assert cost.fit() is None and cost.seconds_per_token() is None
+    assert cost.fit() is None
     cost = MixedStepCost()
     for k in (1, 2, 3):  # tokens and rows in one proportion: b and c cannot be told apart
         cost.observe(100 * k, 10 * k, 0.5 * k)

@@ -250,6 +250,8 @@ class PrefillPacer:
 
     def work(self, extends: list[tuple[int, int]]) -> float:
         """`prefill_work` of a step's (new tokens, cached prefix) rows at the current weight."""
+        if not extends:
+            return 0.0  # a decode step: no fit needed
         w = self.pair_weight
         return sum(prefill_work(n, p, w) for n, p in extends)
 

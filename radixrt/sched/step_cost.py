@@ -142,11 +142,6 @@ class MixedStepCost:
         a = min(max(a, b / self.MAX_RATIO), b * self.MAX_RATIO)
         return StepFit(b, a, c, rows_told)
 
-    def seconds_per_token(self, fit: StepFit | None = None) -> float | None:
-        """b from `fit` (default: a fresh one), None before any step with tokens."""
-        fit = fit or self.fit()
-        return None if fit is None else fit.b
-
 
 def _solve_linear(m: list[list[float]], v: list[float]) -> list[float] | None:
     """x with m x = v by Gaussian elimination with partial pivoting; None if m is singular."""
