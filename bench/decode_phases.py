@@ -1,6 +1,7 @@
 """Where a decode step's time goes, phase by phase, without a profiler's per-op overhead.
 
     python bench/decode_phases.py --batch-sizes 8 64 --ctx 512 --steps 20
+    python bench/decode_phases.py --batch-sizes 4 8 --ctx 4196 --prefix 4096   # cascade decode
 
 This checkout's `decode_layers.cpp` (the one-call decode step) is rebuilt under the op namespace
 `radixrt_phases` with a steady-clock lap after each phase of every layer (input norms, qkv
@@ -114,9 +115,9 @@ def main() -> None:
     # a region per op: the laps are per thread, a team's threads would interleave them
     runner.model.decode_team = False
     print(f"dtype {runner.dtype}, quant {runner.quant}, KV {runner.token_to_kv_pool.kv_dtype}; "
-          f"{a.threads} threads; ctx {a.ctx}")
+          f"{a.threads} threads; ctx {a.ctx}" + (f", {a.prefix} shared" if a.prefix else ""))
     for bs in a.batch_sizes:
-        d = RandomKVDecoder(runner, bs, a.ctx).warmed()
+        d = RandomKVDecoder(runner, bs, a.ctx, prefix=a.prefix).warmed()
         ns.phase_times(True)
         steps = [d.step() for _ in range(a.steps)]
         per = [t / a.steps / 1e3 for t in ns.phase_times(True)][: len(PHASES)]

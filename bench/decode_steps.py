@@ -14,19 +14,28 @@ from typing import Any
 
 class RandomKVDecoder:
     """Decode steps of `bs` requests over `ctx` random cached tokens each, on `runner`
-    (a `ModelRunner`); `step()` returns the forward pass's time by `clock`."""
+    (a `ModelRunner`); `step()` returns the forward pass's time by `clock`. With `prefix` > 0
+    the rows' first `prefix` tokens are the same slots (one cached prefix that every request
+    shares, as a system prompt or document in the radix cache: cascade decode)."""
 
     def __init__(self, runner: Any, bs: int, ctx: int,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, prefix: int = 0):
         import torch
 
+        if not 0 <= prefix < ctx:
+            raise ValueError(f"prefix must be in [0, ctx), got {prefix} for ctx {ctx}")
         self.runner, self.bs, self.seq, self.clock = runner, bs, ctx, clock
         rp, kp = runner.req_to_token_pool, runner.token_to_kv_pool
         rp.clear()
         kp.clear()
         self.rows = [rp.alloc() for _ in range(bs)]
-        slots = kp.alloc(bs * ctx)
-        rp.write(self.rows, [0] * bs, [ctx] * bs, slots)
+        shared = kp.alloc(prefix) if prefix else torch.zeros(0, dtype=torch.int64)
+        own = kp.alloc(bs * (ctx - prefix))
+        assert shared is not None and own is not None, "pool too small"
+        slots = torch.cat([shared, own])
+        for i, row in enumerate(self.rows):
+            mine = own[i * (ctx - prefix):(i + 1) * (ctx - prefix)]
+            rp.write([row], [0], [ctx], torch.cat([shared, mine]))
         g = torch.Generator().manual_seed(0)
         for layer in range(len(kp.k_buffer)):  # set_kv: an int8 pool gets codes and scales
             shape = (slots.numel(), *kp.k_buffer[layer].shape[1:])
@@ -58,12 +67,15 @@ class RandomKVDecoder:
 
 def add_step_args(ap: argparse.ArgumentParser, batch_sizes: list[int]) -> None:
     """The options of a bench over `RandomKVDecoder` steps: --batch-sizes, --ctx, --steps,
-    --threads, --kv-cache-dtype."""
+    --threads, --kv-cache-dtype, --prefix."""
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=batch_sizes)
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kv-cache-dtype", default="auto", help="ServerArgs.kv_cache_dtype")
+    ap.add_argument("--prefix", type=int, default=0,
+                    help="the first PREFIX of the --ctx tokens are one cached prefix every row "
+                         "shares (cascade decode)")
 
 
 def bare_runner(a: argparse.Namespace, ctx_max: int, **server_args: Any) -> Any:

@@ -94,7 +94,7 @@ def main() -> None:
     print(f"{runner.model.decode_path()}; dtype {runner.dtype}, KV "
           f"{runner.token_to_kv_pool.kv_dtype}; {a.threads} threads; ctx {a.ctx}")
     for bs in a.batch_sizes:
-        d = RandomKVDecoder(runner, bs, a.ctx).warmed()
+        d = RandomKVDecoder(runner, bs, a.ctx, prefix=a.prefix).warmed()
         for rnd in range(a.rounds):
             place = thread_placement()
             ns.team_waits(True)

@@ -1043,3 +1043,30 @@ def test_compare_killed_takes_its_running_system_with_it(tmp_path):
             break
         assert time.monotonic() < deadline, "the system's process outlived compare.py"
         time.sleep(0.05)
+
+
+def test_random_kv_decoder_rows_share_a_cached_prefix(tiny_llama_dir: Path) -> None:
+    """`RandomKVDecoder(prefix=P)` (bench/decode_phases.py --prefix): every row's first P slots
+    are the same slots, the rest its own, so a decode step runs as one cascade group; steps
+    run and grow every row by one slot; P outside [0, ctx) is refused."""
+    import torch
+
+    from bench.decode_steps import RandomKVDecoder
+    from radixrt.config import ServerArgs
+    from radixrt.model.runner import ModelRunner
+
+    runner = ModelRunner(ServerArgs(model_path=str(tiny_llama_dir), max_total_tokens=512,
+                                    max_running_requests=4, num_threads=1, dtype="float32"))
+    d = RandomKVDecoder(runner, 3, 40, prefix=32)
+    table = runner.req_to_token_pool.req_to_token
+    shared = table[d.rows[0], :32]
+    own = [set(table[r, 32:40].tolist()) for r in d.rows]
+    assert all(torch.equal(table[r, :32], shared) for r in d.rows)
+    assert len(set().union(*own)) == 3 * 8 and not set().union(*own) & set(shared.tolist())
+    assert d.step() > 0 and d.step() > 0 and d.seq == 42
+    assert len({int(table[r, 41]) for r in d.rows}) == 3
+    flat = RandomKVDecoder(runner, 3, 40)
+    assert len({int(table[r, 0]) for r in flat.rows}) == 3
+    for bad in (40, -1):
+        with pytest.raises(ValueError, match="prefix"):
+            RandomKVDecoder(runner, 3, 40, prefix=bad)
