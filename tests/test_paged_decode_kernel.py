@@ -244,7 +244,9 @@ def test_result_does_not_depend_on_thread_count() -> None:
     cases = [_case(9, torch.bfloat16, 9, 3, 64, [1 + (7 * i) % 90 for i in range(24)],
                    [(50, [0, 3, 5, 7, 9, 11, 13])]),
              # few long rows: split into key-range parts, merged by LSE
-             _case(10, torch.float32, 9, 3, 64, [700, 1300, 5, 2000], [(300, [1, 2])])]
+             _case(10, torch.float32, 9, 3, 64, [700, 1300, 5, 2000], [(300, [1, 2])]),
+             # a 4-row group: one chunk on 1 thread, two 2-row chunks on 2 (3 KV heads)
+             _case(11, torch.bfloat16, 9, 3, 64, [3, 40, 7, 1, 90, 2, 11], [(700, [1, 2, 4, 6])])]
     before = torch.get_num_threads()
     for c in cases:
         try:
