@@ -9,28 +9,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-class _DecayedSums:
-    """Exponentially decayed sums for fitting seconds = p x x + q x y over observed (x, y,
-    seconds): Σx², Σxy, Σy², Σx·s, Σy·s. `det` is the normal equations' determinant."""
+class _DecayedGram:
+    """Exponentially decayed normal-equation sums over observed (x, seconds), x a vector of n
+    regressors: `gram[i][j]` = Σ x_i x_j and `rhs[i]` = Σ x_i · seconds, each older
+    observation weighted `decay` times less than the next."""
 
-    def __init__(self, decay: float):
+    def __init__(self, n: int, decay: float):
         self.decay = decay
-        self.xx = self.xy = self.yy = self.xs = self.ys = 0.0
+        self.gram = [[0.0] * n for _ in range(n)]
+        self.rhs = [0.0] * n
 
-    def add(self, x: float, y: float, seconds: float) -> None:
+    def add(self, x: tuple[float, ...], seconds: float) -> None:
         d = self.decay
-        self.xx = d * self.xx + x * x
-        self.xy = d * self.xy + x * y
-        self.yy = d * self.yy + y * y
-        self.xs = d * self.xs + x * seconds
-        self.ys = d * self.ys + y * seconds
-
-    def det(self) -> float:
-        return self.xx * self.yy - self.xy * self.xy
-
-    def q(self, det: float) -> float:
-        """The y coefficient, for a nonzero `det`."""
-        return (self.ys * self.xx - self.xs * self.xy) / det
+        for i, xi in enumerate(x):
+            self.rhs[i] = d * self.rhs[i] + xi * seconds
+            for j, xj in enumerate(x):
+                self.gram[i][j] = d * self.gram[i][j] + xi * xj
 
 
 class StepCostModel:
@@ -41,19 +35,20 @@ class StepCostModel:
     without the CPU kernels)."""
 
     def __init__(self, decay: float = 0.98):
-        self.sums = _DecayedSums(decay)  # x = 1 (the fixed part a), y = rows
+        self.sums = _DecayedGram(2, decay)  # x = (1: the fixed part a, rows)
 
     def observe(self, rows: int, seconds: float) -> None:
-        self.sums.add(1.0, rows, seconds)
+        self.sums.add((1.0, float(rows)), seconds)
 
     def fit(self) -> tuple[float, float] | None:
         """(a, c) in seconds, or None while the rows seen do not vary enough to tell them."""
-        s = self.sums
-        den = s.det()
-        if s.xx < 4 or den <= 0.25 * s.xx * s.xx:  # row-count variance under 0.25
+        (xx, xy), (_, yy) = self.sums.gram
+        xs, ys = self.sums.rhs
+        den = xx * yy - xy * xy
+        if xx < 4 or den <= 0.25 * xx * xx:  # row-count variance under 0.25
             return None
-        c = s.q(den)
-        a = (s.xs - c * s.xy) / s.xx
+        c = (ys * xx - xs * xy) / den
+        a = (xs - c * xy) / xx
         return a, c
 
 
@@ -92,19 +87,12 @@ class MixedStepCost:
     MAX_RATIO = 4.0
 
     def __init__(self, decay: float = 0.95):
-        self.decay = decay
-        self.gram = [[0.0] * 3 for _ in range(3)]  # over (tokens, attention, rows)
-        self.rhs = [0.0] * 3
+        self.sums = _DecayedGram(3, decay)  # x = (tokens, attention, rows)
 
     def observe(self, tokens: float, rows: int, seconds: float, attention: float = 0.0) -> None:
         """A step of `tokens` prefill tokens with `attention` units of attention work (pairs x
         the prior weight) and `rows` decode rows took `seconds`."""
-        x = (float(tokens), float(attention), float(rows))
-        d = self.decay
-        for i in range(3):
-            self.rhs[i] = d * self.rhs[i] + x[i] * seconds
-            for j in range(3):
-                self.gram[i][j] = d * self.gram[i][j] + x[i] * x[j]
+        self.sums.add((float(tokens), float(attention), float(rows)), seconds)
 
     def _ridge(self) -> float:
         return self.PRIOR_STEPS * self.PRIOR_ATTENTION ** 2
@@ -112,17 +100,17 @@ class MixedStepCost:
     def _solve(self, idx: tuple[int, ...]) -> list[float] | None:
         """The ridge least-squares coefficients of the regressors `idx` (0 and 1 always)."""
         lam = self._ridge()
-        m = [[self.gram[i][j] for j in idx] for i in idx]
+        m = [[self.sums.gram[i][j] for j in idx] for i in idx]
         m[0][0] += lam
         m[1][1] += lam
         m[0][1] -= lam
         m[1][0] -= lam
-        return _solve_linear(m, [self.rhs[i] for i in idx])
+        return _solve_linear(m, [self.sums.rhs[i] for i in idx])
 
     def fit(self) -> StepFit | None:
         """b, a and c from the steps seen: all three where tokens and rows vary apart, else b
         and a with c = b; None before a step with prefill tokens."""
-        g, r = self.gram, self.rhs
+        g, r = self.sums.gram, self.sums.rhs
         if g[0][0] <= 0:
             return None
         # tokens (with attention at the prior) against rows: told apart when not collinear
