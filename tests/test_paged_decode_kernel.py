@@ -246,7 +246,11 @@ def test_result_does_not_depend_on_thread_count() -> None:
              # few long rows: split into key-range parts, merged by LSE
              _case(10, torch.float32, 9, 3, 64, [700, 1300, 5, 2000], [(300, [1, 2])]),
              # a 4-row group: one chunk on 1 thread, two 2-row chunks on 2 (3 KV heads)
-             _case(11, torch.bfloat16, 9, 3, 64, [3, 40, 7, 1, 90, 2, 11], [(700, [1, 2, 4, 6])])]
+             _case(11, torch.bfloat16, 9, 3, 64, [3, 40, 7, 1, 90, 2, 11], [(700, [1, 2, 4, 6])]),
+             # an 8-row group (rows in vector lanes with AVX512-BF16): one 24-query chunk per KV
+             # head on 1 thread, two of 12 on 2
+             _case(12, torch.bfloat16, 9, 3, 64, [5 + 13 * i for i in range(10)],
+                   [(900, [0, 1, 2, 3, 5, 6, 8, 9])])]
     before = torch.get_num_threads()
     for c in cases:
         try:
@@ -314,45 +318,45 @@ def test_amx_groups_match_reference_and_the_scan(heads: int, kv_heads: int, dim:
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 2, 32), (6, 2, 96),
                                                         (8, 2, 128), (2, 1, 256)],
                          ids=lambda v: str(v))
-def test_dot_block_groups_match_reference_and_the_scan(heads: int, kv_heads: int,
-                                                       dim: int) -> None:
-    """bf16 cascade groups in vdpbf16ps register-tiled key blocks (dpbf16_attention.h, on
+def test_lane_groups_match_reference_and_the_scan(heads: int, kv_heads: int, dim: int) -> None:
+    """bf16 cascade groups with their query rows in vector lanes (lane_attention.h, on
     AVX512-BF16 CPUs where AMX tiles are not used) against the float64 reference and against
-    the scan: only P's bf16 rounding and the order of the fp32 sums differ, so the outputs agree
-    to P's rounding and the LSE closely, and a long group's bits do differ (the blocks ran)."""
-    toggle = torch.ops.radixrt.paged_decode_dot_blocks
+    the scan: only P's bf16 rounding, the exp polynomial and the order of the fp32 sums differ,
+    so the outputs agree to P's rounding and the LSE closely, and a long group's bits do differ
+    (the lanes ran)."""
+    toggle = torch.ops.radixrt.paged_decode_lane_groups
     default = toggle(-1)
     if default < 0:
-        pytest.skip("this build has no vdpbf16ps attention (no AVX512-BF16)")
+        pytest.skip("this build has no rows-in-lanes attention (no AVX512-BF16)")
     amx_before = torch.ops.radixrt.paged_decode_amx(False)  # AMX tiles take groups first
     scale = dim**-0.5
     try:
         for own, groups in CASCADE_CASES:
             c = _case(21, torch.bfloat16, heads, kv_heads, dim, own, groups)
             toggle(1)
-            blocks = _run(c, scale)
+            lanes = _run(c, scale)
             toggle(0)
             scan = _run(c, scale)
             ref_out, ref_lse = _reference(c, scale)
-            torch.testing.assert_close(blocks[0].double(), ref_out, atol=2e-2, rtol=2e-2)
-            torch.testing.assert_close(blocks[1].double(), ref_lse, atol=2e-5, rtol=2e-5)
-            torch.testing.assert_close(blocks[0].float(), scan[0].float(), atol=8e-3, rtol=0)
-            torch.testing.assert_close(blocks[1], scan[1], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(lanes[0].double(), ref_out, atol=2e-2, rtol=2e-2)
+            torch.testing.assert_close(lanes[1].double(), ref_lse, atol=2e-5, rtol=2e-5)
+            torch.testing.assert_close(lanes[0].float(), scan[0].float(), atol=8e-3, rtol=0)
+            torch.testing.assert_close(lanes[1], scan[1], atol=1e-5, rtol=1e-5)
             if max(n for n, _ in groups) >= 300:
-                assert not torch.equal(blocks[1], scan[1])
+                assert not torch.equal(lanes[1], scan[1])
     finally:
         toggle(default)
         torch.ops.radixrt.paged_decode_amx(amx_before)
 
 
-def test_dot_blocks_take_groups_from_their_row_threshold() -> None:
+def test_lane_groups_start_at_their_row_threshold() -> None:
     """With the default threshold a group below it keeps the scan's bits and one at it gets the
-    blocks' (a row's bits depend only on its group's size class); a bad threshold is refused."""
-    toggle = torch.ops.radixrt.paged_decode_dot_blocks
+    lanes' (a row's bits depend only on its group's size class); a bad threshold is refused."""
+    toggle = torch.ops.radixrt.paged_decode_lane_groups
     default = toggle(-1)
     if default < 0:
-        pytest.skip("this build has no vdpbf16ps attention (no AVX512-BF16)")
-    assert default == 16
+        pytest.skip("this build has no rows-in-lanes attention (no AVX512-BF16)")
+    assert default == 8
     amx_before = torch.ops.radixrt.paged_decode_amx(False)
     try:
         for rows in (default - 1, default):
@@ -361,11 +365,11 @@ def test_dot_blocks_take_groups_from_their_row_threshold() -> None:
             toggle(0)
             scan = _run(c, 0.125)
             toggle(1)
-            blocks = _run(c, 0.125)
+            lanes = _run(c, 0.125)
             toggle(default)
-            want = blocks if rows >= default else scan
+            want = lanes if rows >= default else scan
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), rows
-            assert not torch.equal(blocks[1], scan[1])
+            assert not torch.equal(lanes[1], scan[1])
         with pytest.raises(RuntimeError, match="rows must be >= 0"):
             toggle(-2)
     finally:

@@ -1,8 +1,7 @@
 // bf16 attention blocks for dot-product tiles: one 64-key block of a KV head's K and V packed
 // in the pair layout that TDPBF16PS (AMX) and vdpbf16ps (AVX512-BF16) take, and the online
-// softmax of a tile of score rows straight to bf16 P. Shared by amx_attention.h (tiles) and
-// dpbf16_attention.h (vector registers), so both read the same packed blocks and compute the
-// same softmax.
+// softmax of a tile of score rows straight to bf16 P: amx_attention.h's blocks (the extend
+// kernel's AMX path packs them ahead for several parts of a request).
 //
 // Packed block (kBlockPack<D> bf16 elements): K first, for head-dim chunk c (32 dims) and key
 // tile t (16 keys) a 16 x 32 bf16 tile whose row i holds dims (2i, 2i + 1) of the tile's 16 keys

@@ -30,6 +30,7 @@
 #include "amx_attention.h"
 #include "fma_attention.h"
 #include "kv_pool_layout.h"
+#include "lane_attention.h"
 #include "vec_util.h"
 #include "work_queue.h"
 
@@ -100,161 +101,11 @@ constexpr int64_t kMinParallelWork = 16384;
 //   P V broadcasts a row's pair against V packed in key pairs (vp [keys/2][D]), one item's rows
 //   x D per register tile as before.
 // Every lane's arithmetic depends only on its own row and keys (key blocks start at multiples
-// of kKeyBlock): outputs do not depend on which rows share a vector, an item or a thread.
-constexpr int kRowVecs = 3;                // 16-row vectors per score tile
-constexpr int64_t kTileRows = kRowVecs * 16;  // query rows per softmax / P V tile
-constexpr int kTileKeys = 8;               // keys per score register tile (3 x 8 accumulators)
-static_assert(kKeyBlock % kTileKeys == 0 && kKeyBlock % 2 == 0, "key tiles split a key block");
-constexpr float kLog2e = 1.4426950408889634f;
+// of kKeyBlock): outputs do not depend on which rows share a vector, an item or a thread. The
+// tiles and the block pass are lane_attention.h's, shared with paged decode's large groups.
 #ifndef RADIXRT_EXT_PREFETCH
 #define RADIXRT_EXT_PREFETCH 1
 #endif
-
-// 2^x as 2^f * 2^n, x = n + f, n = round(x), |f| <= 1/2, 2^f by the polynomial with
-// coefficients c (highest degree first, Horner's rule).
-template <int N>
-inline __m512 exp2_poly(__m512 x, const float (&c)[N]) {
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(c[0]);
-#pragma GCC unroll 8
-  for (int i = 1; i < N; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[i]));
-  return _mm512_scalef_ps(p, n);
-}
-
-// 2^x for x <= 0 (x < -126 gives 2^-126, not 0; callers mask what must be 0): degree 5,
-// relative error 1.1e-7. Used for alpha, whose x is -inf while a row has seen no key.
-constexpr float kExp2Deg5[] = {1.3400433e-3f, 9.6760374e-3f, 5.5503272e-2f, 2.4022107e-1f,
-                               6.9314718e-1f, 1.0000001f};
-inline __m512 exp2_neg(__m512 x) {
-  return exp2_poly(_mm512_max_ps(x, _mm512_set1_ps(-126.f)), kExp2Deg5);
-}
-
-// 2^x for finite x (large negative x underflows to 0; +-inf or NaN give NaN: callers mask
-// those lanes): degree 4, relative error 3.6e-6, far below the bf16 rounding of P (2^-9). The
-// probabilities of a block, 2-3% faster than exp2_neg on the agent shapes.
-constexpr float kExp2Deg4[] = {9.6760374e-3f, 5.5922035e-2f, 2.4022107e-1f, 6.9312102e-1f,
-                               1.0000001f};
-inline __m512 exp2_finite(__m512 x) { return exp2_poly(x, kExp2Deg4); }
-
-// Rows in lanes (see above). Layouts (uint32 = one bf16 pair): qt [D/2][ld] pairs along d;
-// key rows as in the pool ([D/2] pairs); st [kKeyBlock][kTileRows] fp32 scores; pp
-// [kKeyBlock/2][kTileRows] pairs of consecutive keys; vp [kKeyBlock/2][D] pairs of consecutive
-// keys per d.
-template <int D>
-struct LaneTiles {
-  static_assert(D % 16 == 0, "head_dim must be a multiple of 16");
-  static constexpr int DP = D / 2;
-  static constexpr int C_O = largest_divisor(D / 16, 4);
-  static constexpr int R_O = kAcc / C_O;
-
-  // st[j][v * 16 + lane] = Σ_d q[row v * 16 + lane][d] k_j[d] for kTileKeys keys, V vectors.
-  template <int V>
-  static inline void scores(const uint32_t* qt, int64_t ld, const uint32_t* const* krow,
-                            float* st) {
-    __m512 acc[kTileKeys][V];
-#pragma GCC unroll 8
-    for (int j = 0; j < kTileKeys; ++j) {
-#pragma GCC unroll 4
-      for (int v = 0; v < V; ++v) acc[j][v] = _mm512_setzero_ps();
-    }
-    for (int dp = 0; dp < DP; ++dp) {
-      __m512bh qv[V];
-#pragma GCC unroll 4
-      for (int v = 0; v < V; ++v) qv[v] = (__m512bh)_mm512_loadu_si512(qt + dp * ld + v * 16);
-#pragma GCC unroll 8
-      for (int j = 0; j < kTileKeys; ++j) {
-        const __m512bh kv = (__m512bh)_mm512_set1_epi32(static_cast<int>(krow[j][dp]));
-#pragma GCC unroll 4
-        for (int v = 0; v < V; ++v) acc[j][v] = _mm512_dpbf16_ps(acc[j][v], kv, qv[v]);
-      }
-    }
-#pragma GCC unroll 8
-    for (int j = 0; j < kTileKeys; ++j) {
-#pragma GCC unroll 4
-      for (int v = 0; v < V; ++v) _mm512_storeu_ps(st + j * kTileRows + v * 16, acc[j][v]);
-    }
-  }
-
-  // o[r][:] = o[r][:] * alpha[r] (only when `rescale`) + Σ_{jp < np} pp[jp][r] · vp[jp][:] for
-  // R rows; pp and alpha are indexed from this tile's first row, pp rows stride kTileRows.
-  template <int R>
-  static inline void accumulate(const uint32_t* pp, const uint32_t* vp, int64_t np,
-                                const float* alpha, bool rescale, float* o) {
-    for (int64_t c0 = 0; c0 < D; c0 += C_O * 16) {
-      __m512 acc[R][C_O];
-#pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 4
-        for (int c = 0; c < C_O; ++c) acc[r][c] = _mm512_loadu_ps(o + r * D + c0 + c * 16);
-      }
-      if (rescale) {
-#pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) {
-          const __m512 a = _mm512_set1_ps(alpha[r]);
-#pragma GCC unroll 4
-          for (int c = 0; c < C_O; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], a);
-        }
-      }
-      for (int64_t jp = 0; jp < np; ++jp) {
-        __m512bh vv[C_O];
-#pragma GCC unroll 4
-        for (int c = 0; c < C_O; ++c) {
-          vv[c] = (__m512bh)_mm512_loadu_si512(vp + jp * D + c0 + c * 16);
-        }
-#pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) {
-          const __m512bh pb =
-              (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[jp * kTileRows + r]));
-#pragma GCC unroll 4
-          for (int c = 0; c < C_O; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pb, vv[c]);
-        }
-      }
-#pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 4
-        for (int c = 0; c < C_O; ++c) _mm512_storeu_ps(o + r * D + c0 + c * 16, acc[r][c]);
-      }
-    }
-  }
-
-  // Two V rows (keys 2i, 2i+1; b may be null = zeros) interleaved into vp row i: [D] pairs.
-  static inline void pack_v_pair(const at::BFloat16* a, const at::BFloat16* b, uint32_t* dst) {
-    // Word 2i of the result is a[i], word 2i+1 is b[i] (index 32 + i selects b[i]).
-    alignas(64) static const uint16_t kLo[32] = {
-        0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-        8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-    alignas(64) static const uint16_t kHi[32] = {
-        16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
-        24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
-    const __m512i lo = _mm512_load_si512(kLo), hi = _mm512_load_si512(kHi);
-    for (int64_t d = 0; d < D; d += 32) {
-      const __m512i va = D - d >= 32 ? _mm512_loadu_si512(a + d)
-                                     : _mm512_castsi256_si512(_mm256_loadu_si256(
-                                           reinterpret_cast<const __m256i*>(a + d)));
-      __m512i vb = _mm512_setzero_si512();
-      if (b != nullptr) {
-        vb = D - d >= 32 ? _mm512_loadu_si512(b + d)
-                         : _mm512_castsi256_si512(
-                               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + d)));
-      }
-      _mm512_storeu_si512(dst + d, _mm512_permutex2var_epi16(va, lo, vb));
-      if (D - d >= 32) _mm512_storeu_si512(dst + d + 16, _mm512_permutex2var_epi16(va, hi, vb));
-    }
-  }
-};
-
-// Calls f(std::integral_constant<int, v>) for a runtime 1 <= v <= kRowVecs.
-template <typename F>
-inline void with_vecs(int v, const F& f) {
-  if (v == 1) return f(std::integral_constant<int, 1>{});
-  if (v == 2) return f(std::integral_constant<int, 2>{});
-  f(std::integral_constant<int, kRowVecs>{});
-}
-static_assert(kRowVecs == 3, "with_vecs covers 1..3 vectors");
-
-// A pool row of zeros: the keys that pad a block's last score tile read it.
-alignas(64) constexpr uint32_t kZeroKeyRow[64] = {};
 #endif
 
 // Whether bf16 pools use the vdpbf16ps path (when compiled in); benchmarks switch it.
@@ -515,11 +366,8 @@ struct Scratch : fma_attention::Scratch {
   // AMX path: the item's bf16 queries and the tiles' buffers.
   std::vector<at::BFloat16> qb;
   amx_attention::Scratch amx;
-  // vdpbf16ps path: qt / pp / vp pairs, per-row causal limits, key and value row pointers.
-  std::vector<uint32_t> qt, pp, vp2;
-  std::vector<int32_t> lim;
-  std::vector<const uint32_t*> krow;
-  std::vector<const void*> vrow;
+  // vdpbf16ps path (lane_attention.h): query pairs, causal limits, state, tiles, row pointers.
+  lane_attention::Scratch lanes;
 };
 
 template <typename T, int D>
@@ -586,38 +434,18 @@ void extend_impl(const Tensor& q, const Tensor& k_buffer, const Tensor& v_buffer
   // part over its own keys.
   auto work_lanes = [&](const Item& it, Scratch& sc) {
     if constexpr (std::is_same_v<T, at::BFloat16>) {
-    using Lt = LaneTiles<D>;
-    constexpr int64_t DP = D / 2, KP = kKeyBlock / 2;
+    constexpr int64_t DP = D / 2;
     const int64_t h = it.kv_head;
     const Part* parts = plan.parts.data() + it.p_begin;
     const int64_t nparts = it.p_end - it.p_begin;
     const Part& last = parts[nparts - 1];
     const int64_t nr = last.row0 + (last.t1 - last.t0) * G;
-    // Row tiles start anywhere below nr and read kTileRows rows of qt / lim.
-    const int64_t ld = (nr + 15) / 16 * 16 + kTileRows;
-    sc.qt.assign(DP * ld, 0u);
-    sc.o.assign(nr * D, 0.f);
-    sc.m.assign(ld, kNegInf);
-    sc.l.assign(ld, 0.f);
-    sc.lim.assign(ld + 16, -1);
-    sc.alpha.resize(kTileRows);
-    sc.s.resize(kKeyBlock * kTileRows);
-    sc.pp.resize(KP * kTileRows);
-    sc.vp2.resize(KP * D);
-    sc.krow.resize(kKeyBlock);
-    sc.vrow.resize(kKeyBlock);
-    // Raw pointers from here on (sc may be a thread_local: its address is not recomputed).
-    uint32_t* const qt = sc.qt.data();
-    uint32_t* const pp = sc.pp.data();
-    uint32_t* const vp = sc.vp2.data();
-    float* const o = sc.o.data();
-    float* const m = sc.m.data();
-    float* const l = sc.l.data();
-    float* const alpha_t = sc.alpha.data();
-    float* const st = sc.s.data();
-    int32_t* const lim = sc.lim.data();
-    const uint32_t** const krow = sc.krow.data();
-    const void** const vrow = sc.vrow.data();
+    const lane_attention::Pass<D> pass(sc.lanes, nr, scale);
+    const int64_t ld = pass.ld;
+    uint32_t* const qt = pass.qt;
+    int32_t* const lim = pass.lim;
+    const uint32_t** const krow = pass.krow;
+    const void** const vrow = pass.vrow;
     // qt[dp][row]: the rows' query pairs, 16 rows at a time (each store fills a cache line);
     // lim[row]: the last key index its token sees.
     std::array<const uint32_t*, 16> qsrc{};
@@ -639,97 +467,6 @@ void extend_impl(const Tensor& q, const Tensor& k_buffer, const Tensor& v_buffer
         }
       }
     }
-    const __m512 c_log2 = _mm512_set1_ps(scale * kLog2e);
-    alignas(64) static const uint16_t kInterleave[32] = {
-        0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-        8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-    const __m512i interleave = _mm512_load_si512(kInterleave);
-
-    // Keys j0 .. j0 + nb - 1 (rows in krow / vrow) for rows [r_lo, r_end).
-    auto block = [&](int64_t j0, int64_t nb, int64_t r_lo, int64_t r_end) {
-      const int64_t np = (nb + 1) / 2;
-      for (int64_t i = 0; i < np && !(kSkipPhases & kSkipVPack); ++i) {
-        const auto* va = static_cast<const at::BFloat16*>(vrow[2 * i]);
-        const auto* vbb =
-            2 * i + 1 < nb ? static_cast<const at::BFloat16*>(vrow[2 * i + 1]) : nullptr;
-        Lt::pack_v_pair(va, vbb, vp + i * D);
-      }
-      for (int64_t jj = nb; jj < kKeyBlock; ++jj) krow[jj] = kZeroKeyRow;
-      const int64_t nk = (nb + kTileKeys - 1) / kTileKeys * kTileKeys;
-      const __m512i last_key = _mm512_set1_epi32(static_cast<int32_t>(j0 + nb - 1));
-      for (int64_t r0 = r_lo; r0 < r_end; r0 += kTileRows) {
-        const int nv = static_cast<int>(std::min<int64_t>(kRowVecs, (r_end - r0 + 15) / 16));
-        if (!(kSkipPhases & kSkipScores)) with_vecs(nv, [&](auto vv) {
-          for (int64_t jj = 0; jj < nk; jj += kTileKeys) {
-            Lt::template scores<decltype(vv)::value>(qt + r0, ld, krow + jj,
-                                                     st + jj * kTileRows);
-          }
-        });
-        // Online softmax, 16 rows per vector, over the block's keys.
-        for (int v = 0; v < nv && !(kSkipPhases & kSkipSoftmax); ++v) {
-          const int64_t r = r0 + 16 * v;
-          const __mmask16 valid = r_end - r >= 16 ? __mmask16(0xFFFF)
-                                                  : __mmask16((1u << (r_end - r)) - 1);
-          const __m512i limv = _mm512_loadu_si512(lim + r);
-          // Causal limit inside this block for some valid row?
-          const bool masked = _mm512_mask_cmplt_epi32_mask(valid, limv, last_key) != 0;
-          const float* sv = st + 16 * v;
-          __m512 mx = _mm512_set1_ps(kNegInf);
-          if (!masked) {
-            for (int64_t jj = 0; jj < nb; ++jj) {
-              mx = _mm512_max_ps(mx, _mm512_loadu_ps(sv + jj * kTileRows));
-            }
-          } else {
-            for (int64_t jj = 0; jj < nb; ++jj) {
-              const __mmask16 see = _mm512_cmpge_epi32_mask(
-                  limv, _mm512_set1_epi32(static_cast<int32_t>(j0 + jj)));
-              mx = _mm512_mask_max_ps(mx, see, mx, _mm512_loadu_ps(sv + jj * kTileRows));
-            }
-          }
-          const __m512 m_old = _mm512_loadu_ps(m + r);
-          const __m512 m_new = _mm512_max_ps(m_old, _mm512_mul_ps(mx, c_log2));
-          const __m512 alpha = exp2_neg(_mm512_sub_ps(m_old, m_new));  // ~0 while m was -inf
-          __m512 sum = _mm512_setzero_ps();
-          for (int64_t jp = 0; jp < np; ++jp) {
-            const int64_t j = 2 * jp;
-            __m512 p0 = exp2_finite(_mm512_fmsub_ps(_mm512_loadu_ps(sv + j * kTileRows), c_log2,
-                                                 m_new));
-            __m512 p1 = j + 1 < nb ? exp2_finite(_mm512_fmsub_ps(
-                                         _mm512_loadu_ps(sv + (j + 1) * kTileRows), c_log2, m_new))
-                                   : _mm512_setzero_ps();
-            if (masked) {
-              p0 = _mm512_maskz_mov_ps(
-                  _mm512_cmpge_epi32_mask(limv, _mm512_set1_epi32(static_cast<int32_t>(j0 + j))),
-                  p0);
-              p1 = _mm512_maskz_mov_ps(
-                  _mm512_cmpge_epi32_mask(limv,
-                                          _mm512_set1_epi32(static_cast<int32_t>(j0 + j + 1))),
-                  p1);
-            }
-            sum = _mm512_add_ps(_mm512_add_ps(sum, p0), p1);
-            const __m512i pair = _mm512_permutexvar_epi16(
-                interleave, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
-            _mm512_storeu_si512(pp + jp * kTileRows + 16 * v, pair);
-          }
-          const __m512 l_new = _mm512_fmadd_ps(_mm512_loadu_ps(l + r), alpha, sum);
-          _mm512_mask_storeu_ps(m + r, valid, m_new);
-          _mm512_mask_storeu_ps(l + r, valid, l_new);
-          _mm512_storeu_ps(alpha_t + 16 * v, alpha);
-        }
-        const int64_t r1 = std::min(r_end, r0 + kTileRows);
-        for (int64_t ra = r0; ra < r1 && !(kSkipPhases & kSkipPV); ra += Lt::R_O) {
-          const int64_t rr = ra - r0;
-          const int n = static_cast<int>(std::min<int64_t>(Lt::R_O, r1 - ra));
-          bool rescale = false;
-          for (int i = 0; i < n; ++i) rescale |= alpha_t[rr + i] != 1.f;
-          with_rows<Lt::R_O>(n, [&](auto rows) {
-            Lt::template accumulate<decltype(rows)::value>(
-                pp + rr, vp, np, alpha_t + rr, rescale,
-                o + ra * D);
-          });
-        }
-      }
-    };
     auto set_rows = [&](int64_t jj, int64_t slot) {
       check_slot(slot);
       krow[jj] = reinterpret_cast<const uint32_t*>(kb + slot * slot_stride + h * head_stride);
@@ -749,7 +486,7 @@ void extend_impl(const Tensor& q, const Tensor& k_buffer, const Tensor& v_buffer
       if (RADIXRT_EXT_PREFETCH && j0 + kKeyBlock < it.shared) {
         for (int64_t jj = 0; jj < kKeyBlock; ++jj) prefetch(shared_idx[j0 + kKeyBlock + jj]);
       }
-      block(j0, kKeyBlock, 0, nr);
+      pass.block(j0, kKeyBlock, 0, nr);
     }
     // Each part over its own keys [shared, p_len + t1): the rest of its prefix, then new keys.
     for (int64_t p = 0; p < nparts; ++p) {
@@ -771,10 +508,10 @@ void extend_impl(const Tensor& q, const Tensor& k_buffer, const Tensor& v_buffer
         }
         // Rows whose token sees no key of this block are skipped (a suffix of tokens is active).
         const int64_t r_lo = pt.row0 + std::max<int64_t>(0, j0 - p_len - pt.t0) * G;
-        if (r_lo < row_end) block(j0, nb, r_lo, row_end);
+        if (r_lo < row_end) pass.block(j0, nb, r_lo, row_end);
       }
     }
-    for (int64_t p = 0; p < nparts; ++p) write_out(parts[p], h, o, l);
+    for (int64_t p = 0; p < nparts; ++p) write_out(parts[p], h, pass.o, pass.l);
     }  // T is BFloat16
   };
 #endif

@@ -13,16 +13,16 @@
 // log-sum-exp of the scaled scores (m + log l) in fp32, so callers can merge partial results by
 // log-sum-exp. A row with no key at all gets output 0 and LSE -inf. Every query's arithmetic is
 // the same whatever else is in the batch (batch-invariant, bitwise), given its plan: whether it
-// is in a cascade group, and on pools scanned without a dot-product instruction whether that
-// group has kBlockGroupRows rows or more.
+// is in a cascade group and whether that group has the rows for the block passes below
+// (kBlockGroupRows without a dot-product instruction, kLaneGroupRows with AVX512-BF16).
 //
 // Cascade: a group's shared prefix keys are read once per (group chunk, KV head) for all of the
 // chunk's query rows; each row then continues the same online softmax over its own keys. Large
 // groups on pools without a dot-product instruction pass over the prefix in register-tiled key
 // blocks (fma_attention.h) instead of the scan; on bf16 pools where AMX tiles are usable every
 // group does, on tiles (amx_attention.h: P rounded to bf16, as the vdpbf16ps scan does); on
-// bf16 pools with AVX512-BF16 but no AMX, groups of kDotBlockGroupRows rows or more do, in
-// vector registers over the same packed blocks (dpbf16_attention.h).
+// bf16 pools with AVX512-BF16 but no AMX, groups of kLaneGroupRows rows or more pass with their
+// query rows in vector lanes (lane_attention.h, extend's vdpbf16ps pass).
 // GQA: query head h uses KV head h / (heads / kv_heads); K/V are never expanded.
 //
 // Two scans (KeyScan), chosen by the instruction set this file is compiled for (by the builder,
@@ -43,9 +43,9 @@
 #include <torch_headers.h>  // first: precompiled by the build
 
 #include "amx_attention.h"
-#include "dpbf16_attention.h"
 #include "fma_attention.h"
 #include "kv_pool_layout.h"
+#include "lane_attention.h"
 #include "team.h"
 #include "vec_util.h"
 #include "work_queue.h"
@@ -131,18 +131,20 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Benchmarks and tests switch it.
 std::atomic<bool> g_amx{true};
 // Cascade groups of at least this many rows over a bf16 pool, on CPUs with AVX512-BF16 where
-// AMX tiles are not used, pass over their prefix in register-tiled blocks of 64 keys
-// (dpbf16_attention.h) instead of the scan. A row's bits then depend on whether its group is
-// that large (never on the threads or the chunking). Zen 4, 2 threads, 30 layers from memory,
-// each group's rows with 100-112 keys of their own: 16 rows over a 400-key prefix 1.04-1.06x
-// the scan, 64 rows 1.12-1.13x, 32 rows over 1500 keys 1.21-1.24x; 4 and 8 rows 0.99-1.00x
-// (with the K/V in the caches 1.13-1.28x at 8 rows, 1.42-1.47x at 64: the packing of each
-// block is shared by fewer queries at few rows, and the scan's reads start sooner).
-constexpr int64_t kDotBlockGroupRows = 16;
-#ifdef RADIXRT_DPBF16_ATTENTION
-// kDotBlockGroupRows as set for this process (0: never); benchmarks and tests set it
-// (paged_decode_dot_blocks).
-std::atomic<int64_t> g_dot_block_rows{kDotBlockGroupRows};
+// AMX tiles are not used, pass over their prefix with the chunk's query rows in vector lanes
+// (lane_attention::attend_all: K read in place, a vertical softmax, V packed in key pairs once
+// per 64-key block for all of the chunk's rows) instead of the scan. A row's bits then depend
+// on whether its group is that large (never on the threads or the chunking). Zen 4, 2 threads,
+// the op alone over 30 layers from memory, each row with 100 keys of its own, against the scan
+// below 16 rows and the packed-block pass this replaced (keys in lanes, K transposed per block,
+// a per-row softmax) from 16: 8 rows over a 1024-4096-key prefix 1.04-1.12x, 12 rows
+// 1.01-1.05x, 16 rows 1.06-1.07x, 32 rows 1.17-1.18x, 64 rows 1.15-1.17x; 6 rows 0.89-0.92x
+// (chunks of 3 rows: 9 of a vector's 16 lanes, V packed per 9 queries).
+constexpr int64_t kLaneGroupRows = 8;
+#ifdef RADIXRT_LANE_ATTENTION
+// kLaneGroupRows as set for this process (0: never); benchmarks and tests set it
+// (paged_decode_lane_groups).
+std::atomic<int64_t> g_lane_group_rows{kLaneGroupRows};
 #endif
 
 // Whether this call runs on the calling thread alone: inside another parallel region (a nested
@@ -532,15 +534,14 @@ struct KeyScan : TiledScan<KeyScan<T, D>, typename RowDot<T, D, kBf16Dot<T>>::QT
         }
       }
 #endif
-#ifdef RADIXRT_DPBF16_ATTENTION
-      // In vector registers: each 64-key block packed once for all of the item's queries.
-      if constexpr (dpbf16_attention::supports_head_dim(D)) {
-        const int64_t from = g_dot_block_rows.load(std::memory_order_relaxed);
+#ifdef RADIXRT_LANE_ATTENTION
+      // Query rows in vector lanes: each 64-key block's V packed once for all of them.
+      if constexpr (lane_attention::supports_head_dim(D)) {
+        const int64_t from = g_lane_group_rows.load(std::memory_order_relaxed);
         if (from > 0 && group_rows >= from) {
-          thread_local dpbf16_attention::Scratch sc;
-          dpbf16_attention::attend<D>(
-              q, nq, scale, n, slot_of, no_row_skips, every_key, kbase, vbase, stride, m, l, acc,
-              sc);
+          thread_local lane_attention::Scratch sc;
+          lane_attention::attend_all<D>(q, nq, scale, n, slot_of, kbase, vbase, stride, m, l,
+                                        acc, sc);
           return;
         }
       }
@@ -1495,11 +1496,11 @@ bool paged_decode_amx(bool enable) {
   return g_amx.exchange(enable);
 }
 
-int64_t paged_decode_dot_blocks(int64_t rows) {
-#ifdef RADIXRT_DPBF16_ATTENTION
-  TORCH_CHECK(rows >= -1, "paged_decode_dot_blocks: rows must be >= 0 (or -1 to read), got ",
+int64_t paged_decode_lane_groups(int64_t rows) {
+#ifdef RADIXRT_LANE_ATTENTION
+  TORCH_CHECK(rows >= -1, "paged_decode_lane_groups: rows must be >= 0 (or -1 to read), got ",
               rows);
-  return rows < 0 ? g_dot_block_rows.load() : g_dot_block_rows.exchange(rows);
+  return rows < 0 ? g_lane_group_rows.load() : g_lane_group_rows.exchange(rows);
 #else
   (void)rows;
   return -1;
@@ -1548,9 +1549,9 @@ TORCH_LIBRARY(radixrt, m) {
   // is unusable).
   m.def("paged_decode_amx(bool enable) -> bool", &radixrt_cpu::paged_decode_amx);
   // Benchmarks / tests: from how many rows cascade groups over a bf16 pool pass over their
-  // prefix in vdpbf16ps register tiles where AMX is not used (0: never, -1: only read it);
+  // prefix with query rows in vector lanes where AMX is not used (0: never, -1: only read it);
   // returns the previous setting, or -1 where this build has no such path (no AVX512-BF16).
-  m.def("paged_decode_dot_blocks(int rows) -> int", &radixrt_cpu::paged_decode_dot_blocks);
+  m.def("paged_decode_lane_groups(int rows) -> int", &radixrt_cpu::paged_decode_lane_groups);
   // Benchmarks / tests: how many key blocks ahead the scans prefetch, in a call sharing its
   // items among threads and in one running alone (-1 keeps one); returns the previous pair.
   m.def("paged_decode_prefetch(int blocks=-1, int alone=-1) -> int[]",
