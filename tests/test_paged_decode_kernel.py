@@ -316,14 +316,15 @@ def test_amx_groups_match_reference_and_the_scan(heads: int, kv_heads: int, dim:
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 2, 32), (6, 2, 96),
-                                                        (8, 2, 128), (2, 1, 256)],
+                                                        (8, 2, 128), (2, 1, 256), (4, 1, 16),
+                                                        (6, 3, 80)],
                          ids=lambda v: str(v))
 def test_lane_groups_match_reference_and_the_scan(heads: int, kv_heads: int, dim: int) -> None:
     """bf16 cascade groups with their query rows in vector lanes (lane_attention.h, on
     AVX512-BF16 CPUs where AMX tiles are not used) against the float64 reference and against
     the scan: only P's bf16 rounding, the exp polynomial and the order of the fp32 sums differ,
     so the outputs agree to P's rounding and the LSE closely, and a long group's bits do differ
-    (the lanes ran)."""
+    (the lanes ran). Head dims 16 and 80 leave a half 32-dim chunk in the V pairs."""
     toggle = torch.ops.radixrt.paged_decode_lane_groups
     default = toggle(-1)
     if default < 0:
