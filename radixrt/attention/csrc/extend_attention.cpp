@@ -92,17 +92,10 @@ constexpr int64_t kMinParallelWork = 16384;
 // summed into fp32), twice the multiply-adds per instruction of fp32 FMA. Q and K stay bf16
 // (as in the pool); P is rounded to bf16 for P·V (as torch's bf16 flash attention does).
 //
-// Query rows in vector lanes: a score vector holds one key's scores for 16 query rows, so
-// - K is never converted: S = Q Kᵀ multiplies Qᵀ (packed once per work item: qt [D/2][rows],
-//   bf16 pairs along d) by one key's d-pair broadcast straight from its pool row;
-// - the online softmax is vertical: the block's max, exp and sum run over keys for 16 rows at
-//   once (no per-row horizontal reduction); running max m, sum l and alpha are per lane;
-// - P is stored as bf16 pairs of consecutive keys per row (pp [keys/2][tile rows]) and
-//   P V broadcasts a row's pair against V packed in key pairs (vp [keys/2][D]), one item's rows
-//   x D per register tile as before.
-// Every lane's arithmetic depends only on its own row and keys (key blocks start at multiples
-// of kKeyBlock): outputs do not depend on which rows share a vector, an item or a thread. The
-// tiles and the block pass are lane_attention.h's, shared with paged decode's large groups.
+// Query rows in vector lanes (lane_attention.h, shared with paged decode's large cascade groups):
+// K read in place, one key's pair of dims broadcast against 16 query rows; a vertical online
+// softmax; P V against V packed in pairs of keys. Every lane's arithmetic depends only on its own
+// row and keys: outputs do not depend on which rows share a vector, an item or a thread.
 #ifndef RADIXRT_EXT_PREFETCH
 #define RADIXRT_EXT_PREFETCH 1
 #endif

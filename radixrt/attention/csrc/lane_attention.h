@@ -216,6 +216,7 @@ static_assert(kRowVecs == 3, "with_vecs covers 1..3 vectors");
 alignas(64) inline constexpr uint32_t kZeroKeyRow[128] = {};
 static_assert(sizeof(kZeroKeyRow) >= 256 * 2, "a zero row covers the largest head_dim");
 
+// Pass::block's default hook: nothing.
 struct NoHook {
   void operator()() const {}
 };
