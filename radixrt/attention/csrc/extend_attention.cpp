@@ -55,16 +55,8 @@ namespace radixrt_cpu {
 namespace {
 
 using at::Tensor;
-using fma_attention::kAcc;
 using fma_attention::kKeyBlock;
 using fma_attention::kNegInf;
-using fma_attention::kSkipPhases;
-using fma_attention::kSkipPV;
-using fma_attention::kSkipScores;
-using fma_attention::kSkipSoftmax;
-using fma_attention::kSkipVPack;
-using fma_attention::largest_divisor;
-using fma_attention::with_rows;
 
 // Most query tokens per work item; fewer when that leaves too few items for the threads.
 constexpr int64_t kMaxBlockTokens = 64;
