@@ -594,19 +594,18 @@ struct KeyScan : TiledScan<KeyScan<T, D>, typename RowDot<T, D, kBf16Dot<T>>::QT
       // Padding keys reuse the first row (finite values; their probability is 0).
       for (int jj = nb; jj < kBlock16; ++jj) krow[jj] = krow[0];
       vrow[nb] = vrow[0];
-      // Start fetching the rows `ahead` blocks ahead while this one is computed: the
-      // K rows before the scores, the V rows after them (spread, the prefetches of one block
-      // do not queue up behind each other: 3-5% faster from memory than all at once).
+      // The rows `ahead` blocks ahead are fetched while this one is computed, spread over it:
+      // two K rows with each key pair's scores, two V rows with each key pair's P V. On the AMX
+      // Xeon (stop 66) that read 1.08-1.11x faster than a burst of K rows before the scores and
+      // of V rows after them, from memory and from L3 (bench/results/2026-12-05-s66-spr.md).
       const int64_t pf0 = j0 + ahead * kBlock16;
-      const int64_t pf1 = ahead > 0 && prefetch ? std::min(n, pf0 + kBlock16) : 0;
-      for (int64_t j = pf0; j < pf1; ++j) {
-        prefetch_row(kbase + static_cast<int64_t>(idx[j]) * stride, D * sizeof(T));
-      }
+      const int npf = ahead > 0 && prefetch ? static_cast<int>(std::max<int64_t>(
+                                                  0, std::min(n, pf0 + kBlock16) - pf0))
+                                            : 0;
+      int64_t pfoff[kBlock16];
+      for (int jj = 0; jj < npf; ++jj) pfoff[jj] = static_cast<int64_t>(idx[pf0 + jj]) * stride;
       __m512 s[R];
-      scores<R>(q, krow, s);
-      for (int64_t j = pf0; j < pf1; ++j) {
-        prefetch_row(vbase + static_cast<int64_t>(idx[j]) * stride, D * sizeof(T));
-      }
+      scores<R>(q, krow, s, pfoff, npf);
       const __mmask16 valid = static_cast<__mmask16>((1u << nb) - 1u);
       alignas(64) float p[R][kBlock16];
 #pragma GCC unroll 4
@@ -618,8 +617,9 @@ struct KeyScan : TiledScan<KeyScan<T, D>, typename RowDot<T, D, kBf16Dot<T>>::QT
         lv[t] = _mm512_add_ps(lv[t], pv);
       }
       if constexpr (kPairPV) {
-        accumulate_pairs<R>(p, vrow, nb, a);
+        accumulate_pairs<R>(p, vrow, nb, a, pfoff, npf);
       } else {
+        for (int jj = 0; jj < npf; ++jj) prefetch_row(vbase + pfoff[jj], D * sizeof(T));
         Base::template accumulate_fma<R>(p, vrow, nb, a);
       }
     }
@@ -632,11 +632,15 @@ struct KeyScan : TiledScan<KeyScan<T, D>, typename RowDot<T, D, kBf16Dot<T>>::QT
   }
 
   // s[t] lane j = q[t] · k[j] for the 16 keys (unscaled): per key and query a 16-lane partial
-  // vector, reduced by reduce_block.
+  // vector, reduced by reduce_block. Prefetches the K rows at kbase + pfoff[0 .. npf), two per
+  // key pair.
   template <int R>
-  inline void scores(const QType* q, const T* const* krow, __m512* s) const {
+  inline void scores(const QType* q, const T* const* krow, __m512* s,
+                     const int64_t* pfoff = nullptr, int npf = 0) const {
     reduce_block<R>(
         [&](int j, const auto& emit) {
+          if (j < npf) prefetch_row(kbase + pfoff[j], D * sizeof(T));
+          if (j + 1 < npf) prefetch_row(kbase + pfoff[j + 1], D * sizeof(T));
           Dot ka, kb;
           ka.load(krow[j]);
           kb.load(krow[j + 1]);
@@ -649,16 +653,20 @@ struct KeyScan : TiledScan<KeyScan<T, D>, typename RowDot<T, D, kBf16Dot<T>>::QT
 #if defined(__AVX512BF16__)
   // acc += p @ V with vdpbf16ps over pairs of keys: p rounded to bf16, the V rows of keys j and
   // j + 1 interleaved by unpacklo / unpackhi_epi16 (accumulated in the pair layout).
+  // Prefetches the V rows at vbase + pfoff[0 .. npf), two per key pair.
   template <int R>
   inline void accumulate_pairs(const float (*p)[kBlock16], const T* const* vrow, int nb,
-                               Acc<R>& a) const {
+                               Acc<R>& a, const int64_t* pfoff = nullptr, int npf = 0) const {
     alignas(64) uint32_t pp[R][kBlock16 / 2];  // bf16 pairs (p_j, p_j+1), p_j in the low half
 #pragma GCC unroll 4
     for (int t = 0; t < R; ++t) {
       _mm256_store_si256(reinterpret_cast<__m256i*>(pp[t]),
                          (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(p[t])));
     }
-    for (int jj = 0; jj < nb; jj += 2) {
+    for (int jj = 0; jj < kBlock16; jj += 2) {
+      if (jj < npf) prefetch_row(vbase + pfoff[jj], D * sizeof(T));
+      if (jj + 1 < npf) prefetch_row(vbase + pfoff[jj + 1], D * sizeof(T));
+      if (jj >= nb) continue;
       const T* va = vrow[jj];
       const T* vb = vrow[jj + 1];  // vrow[nb] is a padding row when nb is odd (p = 0)
 #pragma GCC unroll 8
@@ -678,7 +686,8 @@ struct KeyScan : TiledScan<KeyScan<T, D>, typename RowDot<T, D, kBf16Dot<T>>::QT
   }
 #else
   template <int R>
-  inline void accumulate_pairs(const float (*)[kBlock16], const T* const*, int, Acc<R>&) const {}
+  inline void accumulate_pairs(const float (*)[kBlock16], const T* const*, int, Acc<R>&,
+                               const int64_t* = nullptr, int = 0) const {}
 #endif
 };
 
