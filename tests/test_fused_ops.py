@@ -63,7 +63,7 @@ def _rand(g: torch.Generator, *shape: int, dtype: torch.dtype, scale: float = 1.
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows", [1, 7, 300])
-@pytest.mark.parametrize("hidden", [64, 100, 576, 4096])
+@pytest.mark.parametrize("hidden", [64, 72, 100, 576, 4096, 4100])
 def test_norms_match_torch(dtype: torch.dtype, rows: int, hidden: int) -> None:
     g = torch.Generator().manual_seed(rows * 7 + hidden)
     x, r = _rand(g, rows, hidden, dtype=dtype, scale=3.0), _rand(g, rows, hidden, dtype=dtype)
