@@ -77,14 +77,43 @@ inline int64_t ceil_log2(int64_t x) {
 // the DEFAULT build's Vectorized<float> is 32 bytes too.
 constexpr int64_t kSumLanes = 8;
 
+// Eight fp32 lanes of sum_squares_like_aten's accumulators: one AVX register where the build
+// has AVX2 (GCC had left the scalar lane loops as loads and stores of an array: a 512 x 576
+// add_rms_norm_ took 75 us with its rows in the caches, 68 with the register), else an array.
+// Lane by lane the same roundings either way (a product, then a sum).
+#if defined(__AVX2__)
+struct Lanes8 {
+  __m256 v;
+  static Lanes8 zero() { return {_mm256_setzero_ps()}; }
+  static Lanes8 squares(const float* p) {
+    const __m256 x = _mm256_loadu_ps(p);
+    return {_mm256_mul_ps(x, x)};
+  }
+  Lanes8 operator+(const Lanes8& o) const { return {_mm256_add_ps(v, o.v)}; }
+  void store(float* out) const { _mm256_storeu_ps(out, v); }
+};
+#else
+struct Lanes8 {
+  float v[kSumLanes];
+  static Lanes8 zero() { return {}; }
+  static Lanes8 squares(const float* p) {
+    Lanes8 a;
+    for (int64_t l = 0; l < kSumLanes; ++l) a.v[l] = p[l] * p[l];
+    return a;
+  }
+  Lanes8 operator+(const Lanes8& o) const {
+    Lanes8 a;
+    for (int64_t l = 0; l < kSumLanes; ++l) a.v[l] = v[l] + o.v[l];
+    return a;
+  }
+  void store(float* out) const { std::copy_n(v, kSumLanes, out); }
+};
+#endif
+
 // Sum of x[i]^2 (fp32) over a row, in the order of ATen's `vectorized_inner_sum` over the
 // materialised squares (SumKernel.cpp): `row_sum` over whole 8-lane vectors with 4 interleaved
 // accumulators, each a 4-level cascade of 2^level_power steps (`multi_row_sum`); then the
 // scalar remainder into a scalar that starts at 0, then the lanes in order.
-#if defined(__AVX2__)
-// sum_squares_like_aten's accumulators as 8-lane vectors: the same additions in the same order,
-// lane by lane (bitwise the scalar loops, which GCC left as loads and stores of the arrays:
-// a 512 x 576 add_rms_norm_ took 75 us with its rows in the caches).
 inline float sum_squares_like_aten(const float* x, int64_t n) {
   constexpr int64_t L = kSumLanes;
   constexpr int64_t ilp = 4;
@@ -94,98 +123,42 @@ inline float sum_squares_like_aten(const float* x, int64_t n) {
   const int64_t level_power = std::max<int64_t>(4, ceil_log2(size_ilp) / levels);
   const int64_t level_step = int64_t(1) << level_power;
   const int64_t level_mask = level_step - 1;
-  __m256 acc[levels][ilp];
+  Lanes8 acc[levels][ilp];
   for (int64_t j = 0; j < levels; ++j)
-    for (int64_t k = 0; k < ilp; ++k) acc[j][k] = _mm256_setzero_ps();
-  auto sq = [x](int64_t v) {
-    const __m256 p = _mm256_loadu_ps(x + v * L);
-    return _mm256_mul_ps(p, p);
-  };
+    for (int64_t k = 0; k < ilp; ++k) acc[j][k] = Lanes8::zero();
+  auto sq = [x](int64_t v) { return Lanes8::squares(x + v * L); };
   int64_t i = 0;
   for (; i + level_step <= size_ilp;) {
     for (int64_t j = 0; j < level_step; ++j, ++i) {
-      for (int64_t k = 0; k < ilp; ++k) acc[0][k] = _mm256_add_ps(acc[0][k], sq(i * ilp + k));
+      for (int64_t k = 0; k < ilp; ++k) acc[0][k] = acc[0][k] + sq(i * ilp + k);
     }
     for (int64_t j = 1; j < levels; ++j) {
       for (int64_t k = 0; k < ilp; ++k) {
-        acc[j][k] = _mm256_add_ps(acc[j][k], acc[j - 1][k]);
-        acc[j - 1][k] = _mm256_setzero_ps();
+        acc[j][k] = acc[j][k] + acc[j - 1][k];
+        acc[j - 1][k] = Lanes8::zero();
       }
       const int64_t mask = level_mask << (j * level_power);
       if ((i & mask) != 0) break;
     }
   }
   for (; i < size_ilp; ++i) {
-    for (int64_t k = 0; k < ilp; ++k) acc[0][k] = _mm256_add_ps(acc[0][k], sq(i * ilp + k));
+    for (int64_t k = 0; k < ilp; ++k) acc[0][k] = acc[0][k] + sq(i * ilp + k);
   }
   for (int64_t j = 1; j < levels; ++j)
-    for (int64_t k = 0; k < ilp; ++k) acc[0][k] = _mm256_add_ps(acc[0][k], acc[j][k]);
-  __m256 part = acc[0][0];
-  for (int64_t v = size_ilp * ilp; v < vec_size; ++v) part = _mm256_add_ps(part, sq(v));
-  for (int64_t k = 1; k < ilp; ++k) part = _mm256_add_ps(part, acc[0][k]);
+    for (int64_t k = 0; k < ilp; ++k) acc[0][k] = acc[0][k] + acc[j][k];
+  Lanes8 part = acc[0][0];
+  for (int64_t v = size_ilp * ilp; v < vec_size; ++v) part = part + sq(v);
+  for (int64_t k = 1; k < ilp; ++k) part = part + acc[0][k];
   float total = 0.f;
   for (int64_t k = vec_size * L; k < n; ++k) {
     const float sq1 = x[k] * x[k];
     total = total + sq1;
   }
   alignas(32) float lanes[L];
-  _mm256_store_ps(lanes, part);
+  part.store(lanes);
   for (int64_t l = 0; l < L; ++l) total = total + lanes[l];
   return total;
 }
-#else
-inline float sum_squares_like_aten(const float* x, int64_t n) {
-  constexpr int64_t L = kSumLanes;
-  constexpr int64_t ilp = 4;
-  constexpr int64_t levels = 4;
-  const int64_t vec_size = n / L;
-  const int64_t size_ilp = vec_size / ilp;
-  const int64_t level_power = std::max<int64_t>(4, ceil_log2(size_ilp) / levels);
-  const int64_t level_step = int64_t(1) << level_power;
-  const int64_t level_mask = level_step - 1;
-  alignas(64) float acc[levels][ilp][L] = {};
-  auto add_sq = [&](float* dst, int64_t v) {
-    const float* p = x + v * L;
-    for (int64_t l = 0; l < L; ++l) {
-      const float sq = p[l] * p[l];
-      dst[l] = dst[l] + sq;
-    }
-  };
-  auto add_to = [](float* dst, const float* src) {
-    for (int64_t l = 0; l < L; ++l) dst[l] = dst[l] + src[l];
-  };
-  int64_t i = 0;
-  for (; i + level_step <= size_ilp;) {
-    for (int64_t j = 0; j < level_step; ++j, ++i) {
-      for (int64_t k = 0; k < ilp; ++k) add_sq(acc[0][k], i * ilp + k);
-    }
-    for (int64_t j = 1; j < levels; ++j) {
-      for (int64_t k = 0; k < ilp; ++k) {
-        add_to(acc[j][k], acc[j - 1][k]);
-        std::fill_n(acc[j - 1][k], L, 0.f);
-      }
-      const int64_t mask = level_mask << (j * level_power);
-      if ((i & mask) != 0) break;
-    }
-  }
-  for (; i < size_ilp; ++i) {
-    for (int64_t k = 0; k < ilp; ++k) add_sq(acc[0][k], i * ilp + k);
-  }
-  for (int64_t j = 1; j < levels; ++j)
-    for (int64_t k = 0; k < ilp; ++k) add_to(acc[0][k], acc[j][k]);
-  float* part = acc[0][0];
-  for (int64_t v = size_ilp * ilp; v < vec_size; ++v) add_sq(part, v);
-  for (int64_t k = 1; k < ilp; ++k) add_to(part, acc[0][k]);
-  float total = 0.f;
-  for (int64_t k = vec_size * L; k < n; ++k) {
-    const float sq = x[k] * x[k];
-    total = total + sq;
-  }
-  for (int64_t l = 0; l < L; ++l) total = total + part[l];
-  return total;
-}
-
-#endif
 
 template <typename F>
 void for_rows(int64_t rows, int64_t elems_per_row, const F& f) {
