@@ -595,9 +595,12 @@ struct KeyScan : TiledScan<KeyScan<T, D>, typename RowDot<T, D, kBf16Dot<T>>::QT
       for (int jj = nb; jj < kBlock16; ++jj) krow[jj] = krow[0];
       vrow[nb] = vrow[0];
       // The rows `ahead` blocks ahead are fetched while this one is computed, spread over it:
-      // two K rows with each key pair's scores, two V rows with each key pair's P V. On the AMX
-      // Xeon (stop 66) that read 1.08-1.11x faster than a burst of K rows before the scores and
-      // of V rows after them, from memory and from L3 (bench/results/2026-12-05-s66-spr.md).
+      // two K rows with each key pair's scores, two V rows with each key pair's P V in bf16
+      // pairs (the fp32 P V takes its V rows' prefetches in one burst before it). On the AMX
+      // Xeon (stop 66) that read bf16 pools 1.08-1.11x faster than a burst of K rows before the
+      // scores and of V rows after them, from memory and from L3 (fp32 pools 1.01-1.02x;
+      // bench/results/2026-12-05-s66-spr.md). Each block's slots are read twice, here and for
+      // its own rows two blocks later: keeping them measured 1.00-1.03x, not worth a ring.
       const int64_t pf0 = j0 + ahead * kBlock16;
       const int npf = ahead > 0 && prefetch ? static_cast<int>(std::max<int64_t>(
                                                   0, std::min(n, pf0 + kBlock16) - pf0))
