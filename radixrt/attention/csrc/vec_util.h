@@ -170,11 +170,15 @@ inline float hmax(const Vec& v) {
 #endif
 }
 
-// Prefetch `bytes` starting at p into the caches, one line at a time.
+// Prefetch `bytes` starting at p into every cache level (prefetcht0), one line at a time.
+// Until stop 67 into L2 (prefetcht2): on the AMX Xeon T0 read the decode scan's bf16 pools
+// 1.03-1.08x faster (op alone, 30 layers from memory, 8 / 64 rows x 544 / 2048 keys; fp32 pools
+// 1.00-1.02x; T1 as T2, NTA 0.59-0.92x); whole team decode steps 1.03x at 64 rows, 0.99x at 8.
+// Unmeasured on the AMD machines.
 inline void prefetch_row(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t off = 0; off < bytes; off += 64) {
-    __builtin_prefetch(c + off, 0, 1);
+    __builtin_prefetch(c + off, 0, 3);
   }
 }
 
