@@ -4,7 +4,9 @@ AMX-packed one (`radixrt::amx_linear`, where AMX-BF16 is usable) is row-invarian
 plain call at 1-8 rows and as accurate up to AMX_MAX_ROWS; the start-up decision
 and its overrides, the quantization probe timing plain dense weights, and a model whose dense
 weights are packed giving the plain model's logits (bitwise for oneDNN's layout, within the
-ulps for AMX's) with the Python layers and the C++ decode step bitwise alike.
+ulps for AMX's) with the Python layers and the C++ decode step bitwise alike; a decode team
+over AMX-packed dense linears (members splitting their N blocks) bitwise the step without it,
+and none over oneDNN-packed ones.
 """
 
 from __future__ import annotations
@@ -248,13 +250,15 @@ def test_the_quant_probe_times_plain_dense_weights(forced: object) -> None:
     assert all(w.packed is None for w in weights["dense"])
 
 
-def _decode(path: Path, plan: QuantPlan | None, pack: bool, fused: bool) -> torch.Tensor:
+def _decode(path: Path, plan: QuantPlan | None, pack: bool, fused: bool,
+            team: bool = True) -> torch.Tensor:
     model, _ = load_model(path, None, torch.bfloat16, "cpu",
                           model_config=ModelConfig.from_path(path), quant=plan)
     if pack:
         assert pack_dense_weights(model) > 0
     runner = PagedRunner.for_model(model)
     model.fused_decode = fused
+    model.decode_team = team
     g = torch.Generator().manual_seed(5)
     rows = [runner.new_request() for _ in range(5)]
     logits = [runner.extend(rows, [torch.randint(3, 256, (n,), generator=g).tolist()
@@ -323,3 +327,70 @@ def test_the_one_call_step_takes_packed_weights_up_to_the_same_rows() -> None:
     src = (Path(cpu_kernels.__file__).parent / "csrc" / "decode_layers.cpp").read_text()
     assert f"constexpr int64_t kPackedMaxRows = {prepack.PACKED_MAX_ROWS};" in src
     assert f"constexpr int64_t kAmxMaxRows = {prepack.AMX_MAX_ROWS};" in src
+
+
+def _tiny_packed_model(tmp_path: Path, case: str) -> tuple[Path, QuantPlan | None]:
+    hf = make_tiny_checkpoint(tmp_path / "hf", "llama", seed=6, num_hidden_layers=2,
+                              tie_word_embeddings=True)
+    if case == "bf16-dense":
+        return tmp_path / "hf", None
+    if not vnni_kernel_available():
+        pytest.skip("no vnni kernel here")
+    path = write_tiny_gguf(hf, tmp_path / "m.gguf", "llama", "Q4_1", "Q8_0")
+    # 5 decode rows > max_rows 2: every layer matmul takes its dense copy
+    return path, QuantPlan("gguf", max_rows_int4=2, max_rows_int8=2, kernel="vnni")
+
+
+@needs_onednn
+@pytest.mark.parametrize("case", ["bf16-dense", "gguf-vnni-dense-copy"])
+def test_a_decode_team_runs_amx_packed_dense_linears(tmp_path: Path, case: str, forced: object,
+                                                     amx_layout: None) -> None:
+    """AMX-packed dense weights (a bf16 model's, a GGUF model's dense copies above max_rows)
+    let the C++ step run as a team of threads up to AMX_MAX_ROWS rows: each member runs its
+    share of every amx_linear's N blocks (both call it: twice the calls of a step with a
+    parallel region per op), and the logits are bitwise those of the step without the team."""
+    if not cpu_kernels.load_cpu_kernels():
+        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
+    forced("1")  # type: ignore[operator]
+    path, plan = _tiny_packed_model(tmp_path, case)
+    model, _ = load_model(path, None, torch.bfloat16, "cpu",
+                          model_config=ModelConfig.from_path(path), quant=plan)
+    pack_dense_weights(model)
+    stack = model.decode_layers()
+    assert isinstance(stack, DecodeLayers)
+    assert stack.team_rows == prepack.AMX_MAX_ROWS and stack.team_capable
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out, calls = {}, {}
+        for team in (True, False):
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                out[team] = _decode(path, plan, True, True, team=team)
+            counts = {e.key: e.count for e in prof.key_averages()}
+            calls[team] = counts.get("radixrt::amx_linear", 0) + counts.get(
+                "radixrt::amx_linear_silu", 0)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(out[True], out[False])
+    # 3 decode steps x 2 layers x 4 calls (qkv, o, gate_up with its SiLU-mul, down), again on
+    # the second member; the extend step (the Python layers) and the LM head call them alike in
+    # both runs
+    assert calls[True] - calls[False] == 3 * 2 * 4
+
+
+@needs_onednn
+@pytest.mark.parametrize("case", ["bf16-dense", "gguf-vnni-dense-copy"])
+def test_onednn_packed_dense_linears_keep_the_team_to_the_kernel_rows(
+        tmp_path: Path, case: str, forced: object, onednn_layout: None) -> None:
+    """oneDNN-packed dense weights run whole on every member of a team, so none forms over
+    them: no team for a bf16 model, and a GGUF model's team stops at its max_rows."""
+    if not cpu_kernels.load_cpu_kernels():
+        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
+    forced("1")  # type: ignore[operator]
+    path, plan = _tiny_packed_model(tmp_path, case)
+    model, _ = load_model(path, None, torch.bfloat16, "cpu",
+                          model_config=ModelConfig.from_path(path), quant=plan)
+    pack_dense_weights(model)
+    stack = model.decode_layers()
+    assert isinstance(stack, DecodeLayers)
+    assert stack.team_rows == (-1 if plan is None else 2)

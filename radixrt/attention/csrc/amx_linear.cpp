@@ -16,7 +16,7 @@
 //
 // Blocking: 32 rows x 32 outputs per pass (four C tiles; two A tiles of activation rows read in
 // place, two B tiles of weights), all of K. The threads split the N blocks (or, from kSplitRows
-// rows, the rows); a thread takes its blocks in groups of kGroupBytes of weights (kept in L2,
+// rows, the rows; in a decode team, team.h, its members split the N blocks); a thread takes its blocks in groups of kGroupBytes of weights (kept in L2,
 // the next group prefetched meanwhile) and passes every 32-row block of its activations over a
 // group before the next (rows in 256-row chunks with every N block inside was 0.75-0.9x oneDNN
 // for gate_up [3072, 576] at 512-1300 rows: its weights left L2). A pass's epilogue (bias,
@@ -39,6 +39,7 @@
 
 #include "amx_tiles.h"
 #include "silu_mul.h"
+#include "team.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -321,7 +322,8 @@ Tensor linear_impl(const Tensor& x, const Tensor& packed, const std::optional<Te
     bias_f = bias->to(at::kFloat).contiguous();
   }
   const int64_t out_n = silu ? n / 2 : n;
-  Tensor y = at::empty({m, out_n}, x.options());
+  TeamMember* member = team_member();
+  Tensor y = member != nullptr ? team_empty({m, out_n}, x.options()) : at::empty({m, out_n}, x.options());
   if (m == 0) return y;
 #if defined(RADIXRT_AMX_LINEAR)
   const Tensor xc = x.contiguous();
@@ -337,7 +339,21 @@ Tensor linear_impl(const Tensor& x, const Tensor& packed, const std::optional<Te
   }
   const int64_t blocks = silu ? n_blocks / 2 : n_blocks;
   const int64_t vec_end = silu ? silu_mul_vec_end<BF16>(out_n) : 0;
-  if (m >= kSplitRows && at::get_num_threads() > 1) {
+  if (member != nullptr) {
+    // In a decode team (team.h) each member runs its equal share of the N blocks over every
+    // row, into the team's output. x is whole on this member where the layer loop had it
+    // quantized whole (quantize_whole: each member normed every row into its own memory);
+    // else the op before may have ended with each member holding only its rows (rows_stay),
+    // so the team meets first. It meets again after, as the vnni kernel's team path does.
+    if (!member->quantize_whole) member->barrier();
+    member->quantize_whole = false;
+    const auto [b0, b1] = member->rows(blocks);
+    if (b0 < b1) {
+      run_blocks(xa, m, k, tail.data(), w, ksteps, bp, yp, out_n, b0, b1, silu, blocks,
+                 vec_end);
+    }
+    member->barrier();
+  } else if (m >= kSplitRows && at::get_num_threads() > 1) {
     at::parallel_for(0, (m + 31) / 32, 1, [&](int64_t r0, int64_t r1) {
       const int64_t q0 = r0 * 32, q1 = std::min(m, r1 * 32);
       run_blocks(xa + q0 * k, q1 - q0, k, tail.data(), w, ksteps, bp, yp + q0 * out_n, out_n, 0,

@@ -33,7 +33,8 @@
 // DecodeStack, built once, so a step converts only its batch's tensors (the ~800 list entries
 // of the weights and buffers cost ~0.1 ms a step to convert, cold).
 //
-// A team (`team`, one pass, 2+ intra-op threads, every linear on the vnni kernel): every thread
+// A team (`team`, one pass, 2+ intra-op threads, every linear on the vnni kernel or dense on an
+// AMX-packed weight: team_row_limit): every thread
 // runs the whole layer loop inside one parallel region and the ops split their work among the
 // team, meeting at spin barriers (team.h), instead of a parallel region per op with the norms,
 // RoPE and kv_store on one thread. Each op computes each output as it does alone, so the result
@@ -522,18 +523,29 @@ void check_stack(at::TensorList norms, const OptTensors& weights, c10::IntArrayR
               "decode_layers: head counts and head_dim must be positive");
 }
 
-// The most rows a team pass (team.h) may take over these linears: -1 unless every linear is on
-// the vnni kernel without a bias (a dense or qgemv linear would run whole on every member),
-// else the smallest max_rows of those with a dense copy (above it they take the copy). The
-// same for every step of a stack: DecodeStack computes it once.
+// The most rows a team pass (team.h) may take over these linears: -1 unless every linear is
+// without a bias and on the vnni kernel or dense with an AMX-packed weight (radixrt::amx_linear
+// splits its N blocks among the team; a gate_up needs whole [gate | up] block pairs for
+// amx_linear_silu): a qgemv or another dense linear would run whole on every member. The cap
+// is kAmxMaxRows (above it dense calls leave the packed weight), and a vnni linear's dense copy
+// that is not AMX-packed caps it at its max_rows (above it the copy would run whole on every
+// member). The same for every step of a stack: DecodeStack computes it once.
 int64_t team_row_limit(const OptTensors& weights, c10::IntArrayRef meta) {
   int64_t limit = std::numeric_limits<int64_t>::max();
   const int64_t linears = static_cast<int64_t>(meta.size()) / kMetaPerLinear;
   for (int64_t i = 0; i < linears; ++i) {
-    if (meta[i * kMetaPerLinear] != 2) return -1;
+    const int64_t kind = meta[i * kMetaPerLinear];
+    if (kind == 1) return -1;
     if (slot(weights, i * kSlotsPerLinear + 4).has_value()) return -1;  // a bias
-    if (slot(weights, i * kSlotsPerLinear + 3).has_value()) {
-      limit = std::min(limit, meta[i * kMetaPerLinear + 2]);
+    const std::optional<Tensor> packed = slot(weights, i * kSlotsPerLinear + 5);
+    const bool gate_up = i % kLinearsPerLayer == 2;
+    const bool team_dense = packed.has_value() && amx_packed(*packed) &&
+                            (!gate_up || packed->size(0) % 2 == 0);
+    if (kind == 0) {
+      if (!team_dense) return -1;
+      limit = std::min(limit, kAmxMaxRows);
+    } else if (slot(weights, i * kSlotsPerLinear + 3).has_value()) {
+      limit = std::min(limit, team_dense ? kAmxMaxRows : meta[i * kMetaPerLinear + 2]);
     }
   }
   return limit;
