@@ -158,7 +158,7 @@ class ServerArgs:
         False, "run a one-pass one-call decode step with a parallel region per op instead of "
                "as a team of the scheduler's threads in one region (spin barriers between the "
                "ops, the norms / RoPE / kv_store split too; needs every matmul on the vnni "
-               "kernel; bitwise the same result)")
+               "kernel or dense on AMX-packed weights; bitwise the same result)")
     disable_team_steal: bool = _f(
         False, "in a decode team, each thread runs only its own share of every matmul's tiles "
                "and attention's items instead of taking the others' last ones once its share "

@@ -84,8 +84,9 @@ class DecodeLayers:
             meta[3 * i] in (KIND_QGEMV, KIND_VNNI) and weights[SLOTS_PER_LINEAR * i + 3] is None
             for i in range(len(meta) // 3))
         # The most rows one pass may take as a team of threads (decode_layers.cpp, team.h:
-        # every matmul on the vnni kernel without a bias, rows within a dense copy's
-        # max_rows), -1 for none; the op also needs 2+ threads.
+        # every matmul without a bias, on the vnni kernel or dense on an AMX-packed weight,
+        # rows within prepack.AMX_MAX_ROWS and within the max_rows of a dense copy that is not
+        # AMX-packed), -1 for none; the op also needs 2+ threads.
         self.team_rows = int(torch.ops.radixrt.decode_team_rows(weights, meta))
         self.team_capable = self.team_rows >= 1
         # A team's norms and their matmuls' quantization on every row of each member (one
