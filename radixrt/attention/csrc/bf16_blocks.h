@@ -91,24 +91,6 @@ inline __mmask16 first_lanes(int64_t k) {
   return k >= 16 ? 0xFFFF : k <= 0 ? 0 : static_cast<__mmask16>((1u << k) - 1u);
 }
 
-// 2^t per lane for finite t (0 below about -150): t = n + r with n = round(t) and r in
-// [-0.5, 0.5] (exact), a degree-5 polynomial for 2^r (coefficients fitted for relative
-// error; at most 2.4e-7 evaluated in fp32, against exp_u20's 20 ulp), scaled by 2^n with
-// vscalefps. 8 instructions against exp_u20's 19 with its multiply by log2(e), which callers
-// fold into the fused multiply-subtract that forms t.
-inline __m512 exp2_poly5(__m512 t) {
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(0.001327616861090064f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.009675540961325169f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.05550714209675789f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.24022120237350464f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.6931469440460205f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-constexpr float kLog2e = 1.4426950408889634f;
-
 // How far a block's maximum may exceed a row's running max m before m moves to it (natural-log
 // units): below it m stays, p = exp(s scale - m) reaches up to e^8 (fp32 sums and bf16 P hold
 // that at the same relative precision) and the row's O needs no rescaling (alpha = 1). A row's

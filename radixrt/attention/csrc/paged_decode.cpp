@@ -615,8 +615,11 @@ struct KeyScan : TiledScan<KeyScan<T, D>, typename RowDot<T, D, kBf16Dot<T>>::QT
       for (int t = 0; t < R; ++t) {
         const __m512 st = _mm512_mask_mul_ps(neg_inf, valid, s[t], vscale);
         const __m512 mv = online_max<NV>(st, mx[t], lv[t], a.v[t]);
-        const __m512 pv = __m512(Vec(_mm512_sub_ps(st, mv)).exp_u20());
-        _mm512_store_ps(p[t], pv);  // exp(-inf) = 0 for padding
+        // exp as 2^x (vec_util.h exp2_poly5, 8 instructions against exp_u20's 19): on the AMX
+        // Xeon (stop 67) the op alone 1.01-1.03x from memory, 1.02-1.05x from the caches
+        const __m512 pv = _mm512_maskz_mov_ps(  // 0 for padding
+            valid, exp2_poly5(_mm512_mul_ps(_mm512_sub_ps(st, mv), _mm512_set1_ps(kLog2e))));
+        _mm512_store_ps(p[t], pv);
         lv[t] = _mm512_add_ps(lv[t], pv);
       }
       if constexpr (kPairPV) {
@@ -846,7 +849,8 @@ struct KeyScanI8 : TiledScan<KeyScanI8<D>, float, D> {
         const __m512 raw = _mm512_cvtepi32_ps(_mm512_sub_epi32(s[t], _mm512_set1_epi32(qoff[t])));
         const __m512 st = _mm512_mask_mul_ps(neg_inf, valid, raw, _mm512_mul_ps(ks, qscale[t]));
         const __m512 mv = online_max<NV>(st, mx[t], lv[t], a.v[t]);
-        const __m512 pv = __m512(Vec(_mm512_sub_ps(st, mv)).exp_u20());
+        const __m512 pv = _mm512_maskz_mov_ps(  // 0 for padding
+            valid, exp2_poly5(_mm512_mul_ps(_mm512_sub_ps(st, mv), _mm512_set1_ps(kLog2e))));
         lv[t] = _mm512_add_ps(lv[t], pv);
         _mm512_store_ps(p[t], _mm512_mul_ps(pv, pw));  // the value row's scale folded into p
       }
