@@ -28,9 +28,10 @@ compute where K/V fits in the caches).
 
 `prefetch`: the op alone on 30 layers from memory (as `kernel`) at each of `--ahead` prefetch
 distances (key blocks the scans fetch ahead, `torch.ops.radixrt.paged_decode_prefetch`, set for
-calls sharing their items among threads and for calls alone alike), alternating in one process;
-the GB/s of K/V each reads and its speed against the first distance. The defaults were chosen
-this way (csrc/paged_decode.cpp); another CPU may want others.
+calls sharing their items among threads and for calls alone alike; `2/l1`, `2/l2`: 2 blocks
+into L1 or L2, `torch.ops.radixrt.paged_decode_prefetch_l1`), alternating in one process; the
+GB/s of K/V each reads and its speed against the first setting. The defaults were chosen this
+way (csrc/paged_decode.cpp); another CPU may want others (`--ahead 2/l2 2/l1`).
 
 `attention`: the attention backend alone on SmolLM2's shape (9 query heads, 3 KV heads, head dim
 64): one step's plan (`init_forward_metadata`) plus `forward` on every layer of a pool filled with
@@ -562,34 +563,42 @@ def _kernel_case(dname: str, bs: int, ctx: int, prefix: int, reps: int,
 
 
 def _prefetch_case(dname: str, bs: int, ctx: int, prefix: int, reps: int,
-                   ahead: list[int]) -> dict[str, Any]:
-    """The op on 30 layers from memory at each prefetch distance in `ahead`, alternating."""
+                   ahead: list[str]) -> dict[str, Any]:
+    """The op on 30 layers from memory at each prefetch setting in `ahead` (a distance, with
+    `/l1` or `/l2` the level too, else the process's), alternating."""
     per_layer = _kv_bytes_per_layer(dname, bs, ctx, prefix)
     kv, plan, q = _op_case(dname, bs, ctx, prefix, LAYERS)
     setting = torch.ops.radixrt.paged_decode_prefetch
+    level = torch.ops.radixrt.paged_decode_prefetch_l1
+    default_level = level()
 
-    def at(blocks: int) -> Callable[[], None]:
+    def at(spec: str) -> Callable[[], None]:
+        blocks, _, hint = spec.partition("/")
+
         def step() -> None:
-            setting(blocks, blocks)
+            setting(int(blocks), int(blocks))
+            level({"l1": 1, "l2": 0}.get(hint, default_level))
             for layer in range(LAYERS):
                 plan.run(q, kv.k_buffer[layer], kv.v_buffer[layer], HEAD_DIM**-0.5)
         return step
 
     before = setting()
     try:
-        med = interleaved({str(b): at(b) for b in ahead}, reps)
+        med = interleaved({b: at(b) for b in ahead}, reps)
     finally:
         setting(*before)
+        level(default_level)
     row: dict[str, Any] = {"dtype": dname, "batch": bs, "ctx": ctx, "prefix": prefix,
-                           "kv_mb_per_layer": per_layer / 2**20, "default_ahead": list(before)}
+                           "kv_mb_per_layer": per_layer / 2**20, "default_ahead": list(before),
+                           "default_l1": default_level}
     for b in ahead:
-        row[f"ms_{b}"] = med[str(b)] * 1e3
-        row[f"gb_s_{b}"] = per_layer * LAYERS / med[str(b)] / 1e9
-        row[f"speedup_{b}"] = med[str(ahead[0])] / med[str(b)]
+        row[f"ms_{b}"] = med[b] * 1e3
+        row[f"gb_s_{b}"] = per_layer * LAYERS / med[b] / 1e9
+        row[f"speedup_{b}"] = med[ahead[0]] / med[b]
     return row
 
 
-def markdown_prefetch(rows: list[dict[str, Any]], ahead: list[int]) -> str:
+def markdown_prefetch(rows: list[dict[str, Any]], ahead: list[str]) -> str:
     head = ("Op alone, ms per 30-layer decode step from memory, by key blocks prefetched ahead "
             f"(speed against {ahead[0]})\n\n| dtype | batch | ctx | shared prefix | "
             + " | ".join(f"{b} ahead" for b in ahead) + " |\n|---|---|---|---|"
@@ -656,8 +665,9 @@ def main() -> None:
                          "extend_attention.cpp to compare against (default 1e7a68f / HEAD)")
     ap.add_argument("--hot", action="store_true",
                     help="kernel: one layer's K/V attended 30 times (cache-resident where it fits)")
-    ap.add_argument("--ahead", type=int, nargs="+", default=[1, 2, 3],
-                    help="prefetch: key blocks fetched ahead, the first the reference")
+    ap.add_argument("--ahead", nargs="+", default=["1", "2", "3"],
+                    help="prefetch: key blocks fetched ahead (N, or N/l1, N/l2 with the cache "
+                         "level), the first the reference")
     ap.add_argument("--out", default=None, help="write rows + machine info as JSON here")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)

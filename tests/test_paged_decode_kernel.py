@@ -404,6 +404,40 @@ def test_result_does_not_depend_on_the_one_thread_threshold() -> None:
     torch.testing.assert_close(split[1].double(), ref_lse, atol=1e-3, rtol=1e-3)
 
 
+def _cpu_vendor() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("vendor_id"):
+            return line.split(":", 1)[1].strip()
+    return ""
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_prefetch_into_l1_or_l2_changes_no_bit(dtype: torch.dtype) -> None:
+    """Whether the scan prefetches into L1 or L2 (`radixrt::paged_decode_prefetch_l1`) moves
+    only loads: the same bits either way, cascade groups included. The default is L1 on Intel
+    CPUs and L2 elsewhere (RADIXRT_PD_PREFETCH_L1 unset); the setter returns the setting before,
+    keeps it on -1 and refuses anything but -1, 0, 1."""
+    import os
+
+    op = torch.ops.radixrt.paged_decode_prefetch_l1
+    c = _case(17, dtype, 9, 3, 64, [300, 3, 77, 1, 160, 33], [(150, [1, 3, 5]), (40, [0, 4])])
+    before = op()
+    if "RADIXRT_PD_PREFETCH_L1" not in os.environ and Path("/proc/cpuinfo").exists():
+        assert before == (1 if _cpu_vendor() == "GenuineIntel" else 0)
+    try:
+        with pytest.raises(RuntimeError, match="paged_decode_prefetch_l1: must be"):
+            op(2)
+        results = []
+        for l1 in (0, 1):
+            op(l1)
+            assert op() == l1
+            results.append(_run(c, 0.125))
+    finally:
+        op(before)
+    assert op() == before
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_prefetch_distance_changes_no_bit(dtype: torch.dtype) -> None:
     """How many key blocks the scans prefetch ahead (`radixrt::paged_decode_prefetch`: calls

@@ -120,6 +120,10 @@ class ModelRunner:
             quiet()
             _, passes = probe_single_tile_passes(cfg.hidden_size, cfg.intermediate_size)
             logger.info("vnni kernel passes -> %s", passes)
+        if self.device.type == "cpu" and hasattr(torch.ops.radixrt, "paged_decode_prefetch_l1"):
+            # csrc/paged_decode.cpp: by CPU vendor, or RADIXRT_PD_PREFETCH_L1
+            into = "L1" if torch.ops.radixrt.paged_decode_prefetch_l1() else "L2"
+            logger.info("paged decode prefetches K/V rows into %s", into)
         self.sizes = plan_pools(args, cfg, self.dtype, self.device)
         self.req_to_token_pool = ReqToTokenPool(
             self.sizes.max_running_requests, self.sizes.max_context_len, self.device)

@@ -190,16 +190,15 @@ inline __m512 exp2_poly5(__m512 t) {
 constexpr float kLog2e = 1.4426950408889634f;
 #endif
 
-// Prefetch `bytes` starting at p into every cache level (prefetcht0), one line at a time.
-// Until stop 67 into L2 (prefetcht2): on the AMX Xeon T0 read the decode scan's bf16 pools
-// 1.03-1.08x faster (op alone, 30 layers from memory, 8 / 64 rows x 544 / 2048 keys; fp32 pools
-// 1.00-1.02x; T1 as T2, NTA 0.59-0.92x); whole team decode steps 1.03x at 64 rows, 0.99x at 8.
-// Unmeasured on the AMD machines.
-inline void prefetch_row(const void* p, int64_t bytes) {
+// Prefetch `bytes` starting at p, one line at a time: into L2 (prefetcht2) or, with `l1`, into
+// every level (prefetcht0). Which one pays depends on the CPU (paged_decode.cpp, prefetch_l1).
+inline void prefetch_row(const void* p, int64_t bytes, bool l1 = false) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) {
-    __builtin_prefetch(c + off, 0, 3);
+  if (l1) {
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
+    return;
   }
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 1);
 }
 
 }  // namespace radixrt_cpu
