@@ -16,7 +16,8 @@
 //
 // Blocking: 32 rows x 32 outputs per pass (four C tiles; two A tiles of activation rows read in
 // place, two B tiles of weights), all of K. The threads split the N blocks (or, from kSplitRows
-// rows, the rows; in a decode team, team.h, its members split the N blocks); a thread takes its blocks in groups of kGroupBytes of weights (kept in L2,
+// rows, the rows; in a decode team, team.h, its members split the N blocks at any row count);
+// a thread takes its blocks in groups of kGroupBytes of weights (kept in L2,
 // the next group prefetched meanwhile) and passes every 32-row block of its activations over a
 // group before the next (rows in 256-row chunks with every N block inside was 0.75-0.9x oneDNN
 // for gate_up [3072, 576] at 512-1300 rows: its weights left L2). A pass's epilogue (bias,
@@ -323,7 +324,8 @@ Tensor linear_impl(const Tensor& x, const Tensor& packed, const std::optional<Te
   }
   const int64_t out_n = silu ? n / 2 : n;
   TeamMember* member = team_member();
-  Tensor y = member != nullptr ? team_empty({m, out_n}, x.options()) : at::empty({m, out_n}, x.options());
+  Tensor y = member != nullptr ? team_empty({m, out_n}, x.options())
+                               : at::empty({m, out_n}, x.options());
   if (m == 0) return y;
 #if defined(RADIXRT_AMX_LINEAR)
   const Tensor xc = x.contiguous();
