@@ -341,14 +341,10 @@ def _tiny_packed_model(tmp_path: Path, case: str) -> tuple[Path, QuantPlan | Non
     return path, QuantPlan("gguf", max_rows_int4=2, max_rows_int8=2, kernel="vnni")
 
 
-@needs_onednn
-@pytest.mark.parametrize("case", ["bf16-dense", "gguf-vnni-dense-copy"])
-def test_a_decode_team_runs_amx_packed_dense_linears(tmp_path: Path, case: str, forced: object,
-                                                     amx_layout: None) -> None:
-    """AMX-packed dense weights (a bf16 model's, a GGUF model's dense copies above max_rows)
-    let the C++ step run as a team of threads up to AMX_MAX_ROWS rows: each member runs its
-    share of every amx_linear's N blocks (both call it: twice the calls of a step with a
-    parallel region per op), and the logits are bitwise those of the step without the team."""
+def _packed_stack(tmp_path: Path, case: str, forced: object
+                  ) -> tuple[Path, QuantPlan | None, DecodeLayers]:
+    """`_tiny_packed_model`'s path and plan, and the C++ decode stack of that model with every
+    dense weight packed (in the layout the test's fixture chose)."""
     if not cpu_kernels.load_cpu_kernels():
         pytest.skip(f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
     forced("1")  # type: ignore[operator]
@@ -358,6 +354,18 @@ def test_a_decode_team_runs_amx_packed_dense_linears(tmp_path: Path, case: str, 
     pack_dense_weights(model)
     stack = model.decode_layers()
     assert isinstance(stack, DecodeLayers)
+    return path, plan, stack
+
+
+@needs_onednn
+@pytest.mark.parametrize("case", ["bf16-dense", "gguf-vnni-dense-copy"])
+def test_a_decode_team_runs_amx_packed_dense_linears(tmp_path: Path, case: str, forced: object,
+                                                     amx_layout: None) -> None:
+    """AMX-packed dense weights (a bf16 model's, a GGUF model's dense copies above max_rows)
+    let the C++ step run as a team of threads up to AMX_MAX_ROWS rows: each member runs its
+    share of every amx_linear's N blocks (both call it: twice the calls of a step with a
+    parallel region per op), and the logits are bitwise those of the step without the team."""
+    path, plan, stack = _packed_stack(tmp_path, case, forced)
     assert stack.team_rows == prepack.AMX_MAX_ROWS and stack.team_capable
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -384,13 +392,5 @@ def test_onednn_packed_dense_linears_keep_the_team_to_the_kernel_rows(
         tmp_path: Path, case: str, forced: object, onednn_layout: None) -> None:
     """oneDNN-packed dense weights run whole on every member of a team, so none forms over
     them: no team for a bf16 model, and a GGUF model's team stops at its max_rows."""
-    if not cpu_kernels.load_cpu_kernels():
-        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
-    forced("1")  # type: ignore[operator]
-    path, plan = _tiny_packed_model(tmp_path, case)
-    model, _ = load_model(path, None, torch.bfloat16, "cpu",
-                          model_config=ModelConfig.from_path(path), quant=plan)
-    pack_dense_weights(model)
-    stack = model.decode_layers()
-    assert isinstance(stack, DecodeLayers)
+    _, plan, stack = _packed_stack(tmp_path, case, forced)
     assert stack.team_rows == (-1 if plan is None else 2)
