@@ -650,8 +650,7 @@ struct KeyScan : TiledScan<KeyScan<T, D>, typename RowDot<T, D, kBf16Dot<T>>::QT
         const __m512 mv = online_max<NV>(st, mx[t], lv[t], a.v[t]);
         // exp as 2^x (vec_util.h exp2_poly5, 8 instructions against exp_u20's 19): on the AMX
         // Xeon (stop 67) the op alone 1.01-1.03x from memory, 1.02-1.05x from the caches
-        const __m512 pv = _mm512_maskz_mov_ps(  // 0 for padding
-            valid, exp2_poly5(_mm512_mul_ps(_mm512_sub_ps(st, mv), _mm512_set1_ps(kLog2e))));
+        const __m512 pv = exp_masked(valid, _mm512_sub_ps(st, mv));  // 0 for padding
         _mm512_store_ps(p[t], pv);
         lv[t] = _mm512_add_ps(lv[t], pv);
       }
@@ -670,6 +669,12 @@ struct KeyScan : TiledScan<KeyScan<T, D>, typename RowDot<T, D, kBf16Dot<T>>::QT
     Base::template store_acc<R>(a, acc);
   }
 
+  // The rows at base + pfoff[j] and base + pfoff[j + 1], those of the two below npf.
+  inline void prefetch_pair(const T* base, const int64_t* pfoff, int j, int npf) const {
+    if (j < npf) prefetch_row(base + pfoff[j], D * sizeof(T), l1);
+    if (j + 1 < npf) prefetch_row(base + pfoff[j + 1], D * sizeof(T), l1);
+  }
+
   // s[t] lane j = q[t] · k[j] for the 16 keys (unscaled): per key and query a 16-lane partial
   // vector, reduced by reduce_block. Prefetches the K rows at kbase + pfoff[0 .. npf), two per
   // key pair.
@@ -678,8 +683,7 @@ struct KeyScan : TiledScan<KeyScan<T, D>, typename RowDot<T, D, kBf16Dot<T>>::QT
                      const int64_t* pfoff = nullptr, int npf = 0) const {
     reduce_block<R>(
         [&](int j, const auto& emit) {
-          if (j < npf) prefetch_row(kbase + pfoff[j], D * sizeof(T), l1);
-          if (j + 1 < npf) prefetch_row(kbase + pfoff[j + 1], D * sizeof(T), l1);
+          prefetch_pair(kbase, pfoff, j, npf);
           Dot ka, kb;
           ka.load(krow[j]);
           kb.load(krow[j + 1]);
@@ -703,8 +707,7 @@ struct KeyScan : TiledScan<KeyScan<T, D>, typename RowDot<T, D, kBf16Dot<T>>::QT
                          (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(p[t])));
     }
     for (int jj = 0; jj < kBlock16; jj += 2) {
-      if (jj < npf) prefetch_row(vbase + pfoff[jj], D * sizeof(T), l1);
-      if (jj + 1 < npf) prefetch_row(vbase + pfoff[jj + 1], D * sizeof(T), l1);
+      prefetch_pair(vbase, pfoff, jj, npf);
       if (jj >= nb) continue;
       const T* va = vrow[jj];
       const T* vb = vrow[jj + 1];  // vrow[nb] is a padding row when nb is odd (p = 0)
@@ -882,8 +885,7 @@ struct KeyScanI8 : TiledScan<KeyScanI8<D>, float, D> {
         const __m512 raw = _mm512_cvtepi32_ps(_mm512_sub_epi32(s[t], _mm512_set1_epi32(qoff[t])));
         const __m512 st = _mm512_mask_mul_ps(neg_inf, valid, raw, _mm512_mul_ps(ks, qscale[t]));
         const __m512 mv = online_max<NV>(st, mx[t], lv[t], a.v[t]);
-        const __m512 pv = _mm512_maskz_mov_ps(  // 0 for padding
-            valid, exp2_poly5(_mm512_mul_ps(_mm512_sub_ps(st, mv), _mm512_set1_ps(kLog2e))));
+        const __m512 pv = exp_masked(valid, _mm512_sub_ps(st, mv));  // 0 for padding
         lv[t] = _mm512_add_ps(lv[t], pv);
         _mm512_store_ps(p[t], _mm512_mul_ps(pv, pw));  // the value row's scale folded into p
       }

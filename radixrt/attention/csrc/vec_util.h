@@ -188,6 +188,11 @@ inline __m512 exp2_poly5(__m512 t) {
   return _mm512_scalef_ps(p, n);
 }
 constexpr float kLog2e = 1.4426950408889634f;
+
+// exp(x) per lane where `keep` is set, 0 elsewhere (padding lanes, whose x may be -inf).
+inline __m512 exp_masked(__mmask16 keep, __m512 x) {
+  return _mm512_maskz_mov_ps(keep, exp2_poly5(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e))));
+}
 #endif
 
 // Prefetch `bytes` starting at p, one line at a time: into L2 (prefetcht2) or, with `l1`, into
