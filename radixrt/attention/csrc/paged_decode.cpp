@@ -670,7 +670,7 @@ struct KeyScan : TiledScan<KeyScan<T, D>, typename RowDot<T, D, kBf16Dot<T>>::QT
   }
 
   // The rows at base + pfoff[j] and base + pfoff[j + 1], those of the two below npf.
-  inline void prefetch_pair(const T* base, const int64_t* pfoff, int j, int npf) const {
+  RADIXRT_HOT_INLINE void prefetch_pair(const T* base, const int64_t* pfoff, int j, int npf) const {
     if (j < npf) prefetch_row(base + pfoff[j], D * sizeof(T), l1);
     if (j + 1 < npf) prefetch_row(base + pfoff[j + 1], D * sizeof(T), l1);
   }

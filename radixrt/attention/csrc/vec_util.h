@@ -23,6 +23,11 @@ constexpr int64_t kVec = Vec::size();
 #define RADIXRT_STR2(x) #x
 #define RADIXRT_STR(x) RADIXRT_STR2(x)
 
+// For helpers called inside the scans' inner loops. GCC's own choice is not stable: when
+// 29447ab moved two inline expressions of the AVX-512 decode scan into `exp_masked` and
+// `KeyScan::prefetch_pair`, GCC stopped inlining them and the scan ran 0.71-0.73x (stop 68).
+#define RADIXRT_HOT_INLINE __attribute__((always_inline)) inline
+
 // Vec::size() elements of T at p, converted to fp32.
 template <typename T>
 inline Vec load_f32(const T* p) {
@@ -176,7 +181,7 @@ inline float hmax(const Vec& v) {
 // error; at most 2.4e-7 evaluated in fp32, against exp_u20's 20 ulp), scaled by 2^n with
 // vscalefps. 8 instructions against exp_u20's 19 with its multiply by log2(e), which callers
 // fold into the fused multiply-subtract that forms t.
-inline __m512 exp2_poly5(__m512 t) {
+RADIXRT_HOT_INLINE __m512 exp2_poly5(__m512 t) {
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 r = _mm512_sub_ps(t, n);
   __m512 p = _mm512_set1_ps(0.001327616861090064f);
@@ -190,14 +195,14 @@ inline __m512 exp2_poly5(__m512 t) {
 constexpr float kLog2e = 1.4426950408889634f;
 
 // exp(x) per lane where `keep` is set, 0 elsewhere (padding lanes, whose x may be -inf).
-inline __m512 exp_masked(__mmask16 keep, __m512 x) {
+RADIXRT_HOT_INLINE __m512 exp_masked(__mmask16 keep, __m512 x) {
   return _mm512_maskz_mov_ps(keep, exp2_poly5(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e))));
 }
 #endif
 
 // Prefetch `bytes` starting at p, one line at a time: into L2 (prefetcht2) or, with `l1`, into
 // every level (prefetcht0). Which one pays depends on the CPU (paged_decode.cpp, prefetch_l1).
-inline void prefetch_row(const void* p, int64_t bytes, bool l1 = false) {
+RADIXRT_HOT_INLINE void prefetch_row(const void* p, int64_t bytes, bool l1 = false) {
   const char* c = static_cast<const char*>(p);
   if (l1) {
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
