@@ -64,6 +64,8 @@ SHAPES: dict[str, list[tuple[int, int]]] = {
     "mixed20": [(850, 65)] * 20 + [(899, 1)] * 40,
     "mixed64": [(850, 65)] * 64 + [(899, 1)] * 40,
     "fresh1": [(0, 512)],
+    "fresh64t": [(0, 64)],  # a chat turn's new tokens alone
+    "fresh2t": [(0, 2)],
     "fresh4": [(0, 512)] * 4,
     "fresh8": [(0, 512)] * 8,
     # long-context preset: a question over a cached 4096-token document, a chunk deep in one
@@ -87,11 +89,13 @@ _CATEGORIES = {
 }
 
 
-def make_runner(threads: int, tokens: int, bs: int, ctx: int, dtype: str) -> ModelRunner:
+def make_runner(threads: int, tokens: int, bs: int, ctx: int, dtype: str,
+                quant_max_rows: int | None = None) -> ModelRunner:
     torch.set_num_threads(threads)
     return ModelRunner(ServerArgs(
         max_running_requests=bs, max_total_tokens=tokens + 64, max_context_len=ctx + 16,
-        attention_backend="torch", log_level="warning", dtype=dtype, num_threads=threads))
+        attention_backend="torch", log_level="warning", dtype=dtype, num_threads=threads,
+        quant_max_rows=quant_max_rows))
 
 
 class ExtendStep:
@@ -139,7 +143,7 @@ def _runner_for(rows: list[tuple[int, int]], args: argparse.Namespace,
                 shared: int = 0) -> ModelRunner:
     """A runner whose pools hold every (prefix, new) row of the shape."""
     return make_runner(args.threads, shared + sum(p + e - shared for p, e in rows), len(rows),
-                       max(p + e for p, e in rows), args.dtype)
+                       max(p + e for p, e in rows), args.dtype, args.quant_max_rows)
 
 
 def profile(args: argparse.Namespace) -> None:
@@ -225,6 +229,9 @@ def steps(args: argparse.Namespace) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("mode", choices=("profile", "steps"))
+    ap.add_argument("--quant-max-rows", type=int, default=None,
+                    help="ServerArgs.quant_max_rows (a GGUF model's rows up to which matmuls take "
+                         "the quantized kernels)")
     ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="auto")
