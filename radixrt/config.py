@@ -89,6 +89,10 @@ class ServerArgs:
                 "products on AVX512-BF16 CPUs) | vnni (C++ qgemm_vnni, AVX512-VNNI or AVX2 CPUs: "
                 "activations rounded to int8 per group of 32, int8 dot products, every row "
                 "count) | torch (_weight_int4pack_mm_for_cpu)")
+    disable_crossover_tuning: bool = _f(
+        False, "quantized weights with a dense copy: keep the start-up probe's quant_max_rows "
+               "instead of lowering it where the model's own extend steps of 16-64 new tokens "
+               "run faster on the dense copies (timed at start-up)")
     disable_quant_dense_copy: bool = _f(
         False, "quantized weights: no dense copy (dtype) for matmuls above quant_max_rows: "
                "saves its memory (2 bytes/param in bf16) but runs prefill on the slower kernel")

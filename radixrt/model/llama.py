@@ -192,6 +192,11 @@ class LlamaForCausalLM(nn.Module):
             self._decode_layers = DecodeLayers.build(list(self.layers), self.ops)
         return self._decode_layers
 
+    def reset_decode_layers(self) -> None:
+        """Drop the one-call decode stack, to be built again from the weights as they are now
+        (it copies each quantized weight's max_rows when built: crossover_tuning.py)."""
+        self._decode_layers = None
+
     def _microbatches_off(self) -> str | None:
         """Why no one-call decode step runs as micro-batches here, or None: they need
         `decode_microbatch_rows` > 0, exactly 2 torch intra-op threads (one per micro-batch;

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import psutil
@@ -18,6 +18,8 @@ from radixrt.mem.huge_pages import move_to_huge_pages
 from radixrt.mem.memory_pool import ReqToTokenPool, TokenToKVPool, kv_bytes_per_token
 from radixrt.mem.step_heap import retain_step_heap
 from radixrt.model import prepack
+from radixrt.model.crossover_tuning import describe as describe_crossover
+from radixrt.model.crossover_tuning import tune_crossover
 from radixrt.model.decode_layers import DecodeLayers, set_team_steal
 from radixrt.model.decode_path_tuner import DecodePathTuner
 from radixrt.model.dtype_probe import DtypeProbe, probe_cpu_dtype
@@ -173,6 +175,16 @@ class ModelRunner:
             self.cuda_graphs = CudaGraphRunner(
                 self.model, self.attn_backend, max_bs=self.sizes.max_running_requests,
                 max_kv_tokens=self.sizes.max_total_tokens)
+        if (self.device.type == "cpu" and self.quant.quantized and args.quant_max_rows is None
+                and not args.disable_crossover_tuning):
+            quiet()
+            tuned = tune_crossover(self)
+            if tuned is not None:
+                _, new, _ = tuned
+                self.quant = replace(self.quant,
+                                     max_rows_int4=min(self.quant.max_rows_int4, new),
+                                     max_rows_int8=min(self.quant.max_rows_int8, new))
+                logger.info("quantized matmul crossover -> %s", describe_crossover(tuned))
         if self.device.type == "cpu":
             logger.info("decode steps: %s", self.model.decode_path())
         logger.info(

@@ -1,0 +1,127 @@
+"""crossover_tuning: the start-up timing of a quantized model's own extend steps that lowers the
+row count from which its matmuls take their dense copies. The decision rule; a real measurement
+on a tiny GGUF model leaves its weights and pools as it found them; a tuned runner computes what
+a runner given that crossover computes, its C++ decode stack included; and the runner applies it
+only where the crossover was not given."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from model_fixtures import make_tiny_checkpoint, write_tiny_gguf
+
+from radixrt.config import ServerArgs
+from radixrt.core.forward_batch import ForwardBatch, ForwardMode
+from radixrt.model import crossover_tuning as ct
+from radixrt.model import runner as runner_mod
+from radixrt.model.decode_layers import KIND_QGEMV, KIND_VNNI, DecodeLayers
+from radixrt.model.quant import QuantPlan
+from radixrt.model.quant_matmul import resolve_quant_kernel
+
+T = ct.CrossoverTiming
+
+
+@pytest.mark.parametrize(("current", "timings", "want"), [
+    (64, [T(16, 1, 2), T(24, 1, 2), T(32, 1, 2)], 64),  # the kernel wins every count timed
+    (64, [T(16, 1, 2), T(24, 2, 1)], 20),  # midway between the last win and the first loss
+    (64, [T(16, 2, 1)], 15),  # a loss at the first count: just below it
+    (64, [T(16, 1, 2), T(24, 1.04, 1)], 64),  # within the margin: not a loss
+    (20, [T(16, 1, 2), T(24, 2, 1)], 20),  # never above the plan's crossover
+    (16, [T(24, 2, 1)], 16),  # counts above it are not considered
+    (64, [T(32, 2, 1), T(16, 1, 2)], 24),  # order of the timings does not matter
+])
+def test_choose_crossover(current: int, timings: list[ct.CrossoverTiming], want: int) -> None:
+    assert ct.choose_crossover(current, timings) == want
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("tiny_crossover")
+    model = make_tiny_checkpoint(d, "llama", seed=5, tie_word_embeddings=True)
+    return write_tiny_gguf(model, d / "tiny.Q8_0.gguf", "llama", matrix_qtype="Q8_0",
+                           embd_qtype="Q8_0")
+
+
+def _runner(path: Path, max_rows: int | None) -> runner_mod.ModelRunner:
+    return runner_mod.ModelRunner(ServerArgs(
+        model_path=str(path), dtype="bfloat16", quantization="gguf", quant_max_rows=max_rows,
+        quant_kernel=resolve_quant_kernel("auto"), max_total_tokens=512, max_context_len=128,
+        max_running_requests=4, attention_backend="torch"))
+
+
+def _extend_logits(r: runner_mod.ModelRunner, n: int) -> torch.Tensor:
+    rp, kp = r.req_to_token_pool, r.token_to_kv_pool
+    req, slots = rp.alloc(), kp.alloc(n)
+    assert req is not None and slots is not None
+    try:
+        rp.write([req], [0], [n], slots)
+        ids = torch.arange(3, 3 + n) % 50 + 3
+        fb = ForwardBatch.build(ForwardMode.EXTEND, ids, [req], [0], [n], rp.req_to_token,
+                                r.device)
+        return r.forward(fb)
+    finally:
+        kp.free(slots)
+        rp.free(req)
+
+
+def test_measure_leaves_weights_and_pools_as_it_found_them(tiny_gguf: Path) -> None:
+    r = _runner(tiny_gguf, 64)
+    weights = ct.dense_copy_weights(r.model)
+    assert weights and all(w.max_rows == 64 for w in weights)
+    rp, kp = r.req_to_token_pool, r.token_to_kv_pool
+    free = (rp.available_size(), kp.available_size())
+    before = _extend_logits(r, 24)
+    timings = ct.measure(r, weights, (16, 24), reps=1)
+    assert [t.rows for t in timings] in ([16, 24], [16]) and all(
+        t.kernel_ms > 0 and t.dense_ms > 0 for t in timings)
+    if len(timings) == 1:  # stopped at the first loss
+        assert timings[0].dense_wins()
+    assert all(w.max_rows == 64 for w in weights)
+    assert (rp.available_size(), kp.available_size()) == free
+    rp.check_invariants()
+    kp.check_invariants()
+    assert torch.equal(_extend_logits(r, 24), before)
+
+
+def _stack_max_rows(r: runner_mod.ModelRunner) -> set[int]:
+    stack = r.model.decode_layers()
+    assert isinstance(stack, DecodeLayers), stack
+    meta = stack.meta
+    return {meta[3 * i + 2] for i in range(len(meta) // 3) if meta[3 * i] in (KIND_QGEMV, KIND_VNNI)}
+
+
+def test_tuned_runner_computes_what_a_runner_given_that_crossover_does(tiny_gguf: Path) -> None:
+    r, ref = _runner(tiny_gguf, 64), _runner(tiny_gguf, 20)
+    assert _stack_max_rows(r) == {64}  # built before the tuning: must be rebuilt
+    calls: list[list[int]] = []
+
+    def fake(runner: object, weights: object, candidates: list[int]) -> list[ct.CrossoverTiming]:
+        calls.append(list(candidates))
+        return [T(16, 1.0, 2.0), T(24, 2.0, 1.0)]
+
+    assert ct.tune_crossover(r, fake)[:2] == (64, 20)
+    assert calls == [[16, 24, 32, 40, 48, 56, 64]]
+    assert {w.max_rows for w in ct.dense_copy_weights(r.model)} == {20}
+    assert _stack_max_rows(r) == {20}
+    for n in (20, 21):  # the last row count on the kernel, the first on the dense copy
+        assert torch.equal(_extend_logits(r, n), _extend_logits(ref, n)), n
+    assert not torch.equal(_extend_logits(r, 21), _extend_logits(_runner(tiny_gguf, 64), 21))
+
+
+@pytest.mark.parametrize(("max_rows", "disabled", "tuned"), [
+    (None, False, True), (64, False, False), (None, True, False)])
+def test_runner_tunes_only_a_crossover_it_was_not_given(
+        tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch, max_rows: int | None, disabled: bool,
+        tuned: bool) -> None:
+    kernel = resolve_quant_kernel("auto")
+    monkeypatch.setattr(runner_mod, "resolve_quantization",
+                        lambda *a, **k: (QuantPlan("gguf", 64, 64, kernel=kernel), "fixed"))
+    monkeypatch.setattr(runner_mod, "tune_crossover", lambda r: (64, 36, []))
+    r = runner_mod.ModelRunner(ServerArgs(
+        model_path=str(tiny_gguf), dtype="bfloat16", quantization="gguf",
+        quant_max_rows=max_rows, quant_kernel=kernel, max_total_tokens=256,
+        attention_backend="torch", disable_crossover_tuning=disabled))
+    want = 36 if tuned else 64
+    assert (r.quant.max_rows_int4, r.quant.max_rows_int8) == (want, want)
