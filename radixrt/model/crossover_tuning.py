@@ -10,7 +10,7 @@ was 1.2-1.4x faster on the kernel); decode steps agreed (stop 67: 1.04x at 48 ro
 
 `tune_crossover` times extend steps of r new tokens for r in CANDIDATES up to the plan's
 crossover, on one scratch request whose slots it frees again: every dense-copy weight on its
-kernel (max_rows = r), then on its dense copy (max_rows = r - 1), alternated REPS times, the best
+kernel (max_rows = r), then on its dense copy (max_rows = r - 1), alternated REPS times after one warm-up round, the best
 of each kept. Ascending, the first count where the dense copy is MARGIN x faster ends the search
 and the crossover moves to midway between it and the last count the kernel won (just below it
 when that is the first). It only lowers the crossover, never moves calls onto the kernel. The
@@ -37,7 +37,7 @@ from radixrt.model.model_config import ModelConfig
 logger = logging.getLogger(__name__)
 
 CANDIDATES = (16, 24, 32, 40, 48, 56, 64)
-REPS = 3
+REPS = 5
 MARGIN = 1.05
 
 
