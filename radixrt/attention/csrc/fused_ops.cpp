@@ -380,6 +380,25 @@ inline void rope_head(const T* x, const T* c, const T* s, T* o, int64_t d) {
   }
 }
 
+// rope_head for a head whose half is whole vectors, with the row's cos / sin already in fp32
+// (converted once for all its heads) and each x element loaded once: the same arithmetic, element
+// by element (a 512-row prefill's rope_qk on the AMX Xeon, stop 68: see the README).
+template <typename T>
+inline void rope_head_vec(const T* x, const float* c, const float* s, T* o, int64_t d) {
+  const int64_t h = d / 2;
+  for (int64_t i = 0; i < h; i += kVec) {
+    const Vec x0 = load_f32<T>(x + i), x1 = load_f32<T>(x + h + i);
+    const Vec a0 = round_vec<T>(x0 * Vec::loadu(c + i));
+    const Vec b0 = round_vec<T>(x1 * Vec::loadu(s + i));
+    store_f32<T>(o + i, a0 + b0);
+    const Vec a1 = round_vec<T>(x1 * Vec::loadu(c + h + i));
+    const Vec b1 = round_vec<T>(x0 * Vec::loadu(s + h + i));
+    store_f32<T>(o + h + i, a1 + b1);
+  }
+}
+
+constexpr int64_t kRopeVecMaxDim = 256;  // rope_head_vec's widest head (its fp32 cos / sin rows)
+
 template <typename T>
 void rope_qk_impl(const Tensor& qkv, const Tensor& cos, const Tensor& sin, int64_t hq,
                   int64_t hkv, int64_t d, Tensor& q, Tensor& k) {
@@ -390,11 +409,24 @@ void rope_qk_impl(const Tensor& qkv, const Tensor& cos, const Tensor& sin, int64
   T* qp = q.data_ptr<T>();
   T* kp = k.data_ptr<T>();
   const int64_t xs = qkv.stride(0), cs = cos.stride(0), ss = sin.stride(0);
+  const bool vec_heads = (d / 2) % kVec == 0 && d <= kRopeVecMaxDim;
   for_rows(n, (hq + hkv) * d, [&](int64_t r0, int64_t r1) {
+    alignas(64) float cf[kRopeVecMaxDim], sf[kRopeVecMaxDim];
     for (int64_t r = r0; r < r1; ++r) {
       const T* x = xp + r * xs;
       const T* c = cp + r * cs;
       const T* s = sp + r * ss;
+      if (vec_heads) {
+        for (int64_t i = 0; i < d; i += kVec) {
+          load_f32<T>(c + i).store(cf + i);
+          load_f32<T>(s + i).store(sf + i);
+        }
+        for (int64_t hh = 0; hh < hq; ++hh)
+          rope_head_vec<T>(x + hh * d, cf, sf, qp + (r * hq + hh) * d, d);
+        for (int64_t hh = 0; hh < hkv; ++hh)
+          rope_head_vec<T>(x + (hq + hh) * d, cf, sf, kp + (r * hkv + hh) * d, d);
+        continue;
+      }
       for (int64_t hh = 0; hh < hq; ++hh) rope_head<T>(x + hh * d, c, s, qp + (r * hq + hh) * d, d);
       for (int64_t hh = 0; hh < hkv; ++hh)
         rope_head<T>(x + (hq + hh) * d, c, s, kp + (r * hkv + hh) * d, d);
