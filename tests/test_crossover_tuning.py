@@ -44,10 +44,10 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
                            embd_qtype="Q8_0")
 
 
-def _runner(path: Path, max_rows: int | None) -> runner_mod.ModelRunner:
+def _runner(path: Path, max_rows: int | None, ctx: int = 128) -> runner_mod.ModelRunner:
     return runner_mod.ModelRunner(ServerArgs(
         model_path=str(path), dtype="bfloat16", quantization="gguf", quant_max_rows=max_rows,
-        quant_kernel=resolve_quant_kernel("auto"), max_total_tokens=512, max_context_len=128,
+        quant_kernel=resolve_quant_kernel("auto"), max_total_tokens=512, max_context_len=ctx,
         max_running_requests=4, attention_backend="torch"))
 
 
@@ -108,6 +108,17 @@ def test_tuned_runner_computes_what_a_runner_given_that_crossover_does(tiny_gguf
     for n in (20, 21):  # the last row count on the kernel, the first on the dense copy
         assert torch.equal(_extend_logits(r, n), _extend_logits(ref, n)), n
     assert not torch.equal(_extend_logits(r, 21), _extend_logits(_runner(tiny_gguf, 64), 21))
+
+
+def test_only_row_counts_that_fit_a_request_are_timed(tiny_gguf: Path) -> None:
+    calls: list[list[int]] = []
+
+    def fake(runner: object, weights: object, candidates: list[int]) -> list[ct.CrossoverTiming]:
+        calls.append(list(candidates))
+        return []
+
+    assert ct.tune_crossover(_runner(tiny_gguf, 64, ctx=40), fake)[:2] == (64, 64)
+    assert calls == [[16, 24, 32, 40]]  # a request's context holds 40 tokens
 
 
 @pytest.mark.parametrize(("max_rows", "disabled", "tuned"), [

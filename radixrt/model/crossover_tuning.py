@@ -143,7 +143,10 @@ def tune_crossover(runner: ExtendRunner,
     if not weights:
         return None
     current = max(w.max_rows for w in weights)
-    candidates = [r for r in CANDIDATES if r <= current]
+    # one request of r tokens must fit its context and the free KV slots
+    room = min(runner.req_to_token_pool.max_context_len,
+               runner.token_to_kv_pool.available_size())
+    candidates = [r for r in CANDIDATES if r <= min(current, room)]
     timings = measure_fn(runner, weights, candidates) if candidates else []
     new = choose_crossover(current, timings)
     if new < current:
