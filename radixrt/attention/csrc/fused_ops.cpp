@@ -226,19 +226,20 @@ void add_rms_norm_impl(const Tensor& x, const Tensor* residual, const Tensor& we
   const float feps = static_cast<float>(eps);
   const float fd = static_cast<float>(d);
   for_rows(n, d, [&](int64_t r0, int64_t r1) {
-    std::vector<float> buf(d);
+    std::vector<float> buf(2 * d);
     float* f = buf.data();
+    float* wf = f + d;  // the weight in fp32 (exact), converted once for the rows
+    int64_t i = 0;
+    for (; i + kVec <= d; i += kVec) load_f32<T>(wp + i).store(wf + i);
     for (int64_t r = r0; r < r1; ++r) {
       const T* xr = xp + r * xs;
       // residual stream in T, kept in fp32 (exact) for the norm
-      int64_t i = 0;
+      i = 0;
       if (rp) {
         const T* rr = rp + r * rs;
         T* sr = sp + r * d;
         for (; i + kVec <= d; i += kVec) {
-          const Vec s = round_vec<T>(load_f32<T>(xr + i) + load_f32<T>(rr + i));
-          store_f32<T>(sr + i, s);
-          s.store(f + i);
+          store_rounded<T>(sr + i, load_f32<T>(xr + i) + load_f32<T>(rr + i)).store(f + i);
         }
         for (; i < d; ++i) {
           const float s = round_to<T>(static_cast<float>(xr[i]) + static_cast<float>(rr[i]));
@@ -258,7 +259,7 @@ void add_rms_norm_impl(const Tensor& x, const Tensor* residual, const Tensor& we
       for (; i + kVec <= d; i += kVec) {
         // fp32: (r * inv) * w; other dtypes: round(r * inv) to T, then * w rounded to T
         const Vec y = round_vec<T>(Vec::loadu(f + i) * vinv);
-        store_f32<T>(orow + i, y * load_f32<T>(wp + i));
+        store_f32<T>(orow + i, y * Vec::loadu(wf + i));
       }
       for (; i < d; ++i) {
         const float y = round_to<T>(f[i] * inv);

@@ -125,6 +125,29 @@ inline Vec round_vec(const Vec& v) {
   }
 }
 
+// Stores v rounded to T at p and returns the stored values as fp32: store_f32 then round_vec in
+// one conversion (the same bits, denormals and NaNs included).
+template <typename T>
+inline Vec store_rounded(T* p, const Vec& v) {
+  if constexpr (std::is_same_v<T, float>) {
+    v.store(p);
+    return v;
+  } else {
+#if defined(RADIXRT_NATIVE_BF16)
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      if (native_bf16_exact(v)) {
+        const __m256i b = native_bf16(v);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), b);
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+      }
+    }
+#endif
+    const at::vec::Vectorized<T> t = from_f32<T>(v, v);
+    t.store(p, kVec);
+    return low_to_f32<T>(t);
+  }
+}
+
 // Two vectors rounded to T, in one conversion (both halves of a vector of T): the same values
 // as round_vec on each (rounding is per element).
 template <typename T>
