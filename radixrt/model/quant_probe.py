@@ -189,7 +189,9 @@ def _probe_weights(hidden: int, intermediate: int, dense_dtype: torch.dtype,
     each of `kernels`. Values are arbitrary: only timing matters. The dense ones stay plain even
     where the model's are packed (prepack.py): packed, they won at 64 rows here, where in a real
     step, with K/V streaming through the caches, they did not, and the plan moved decode
-    batches of 33-64 rows off the kernel (gsp at 8 concurrent 7-10% slower)."""
+    batches of 33-64 rows off the kernel (gsp at 8 concurrent 7-10% slower). Since stop 68
+    `crossover_tuning` lowers the crossover this probe finds where the model's own extend steps
+    run faster on its (packed) dense copies."""
     shapes = [(2 * intermediate, hidden), (hidden, intermediate)]
     shapes = [(n, k) for n, k in shapes if k % GROUP == 0] or [(1536, 576)]
     out: dict[str, list[LinearWeight]] = {"dense": []}
