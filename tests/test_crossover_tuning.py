@@ -17,7 +17,7 @@ from radixrt.core.forward_batch import ForwardBatch, ForwardMode
 from radixrt.model import crossover_tuning as ct
 from radixrt.model import runner as runner_mod
 from radixrt.model.decode_layers import KIND_QGEMV, KIND_VNNI, DecodeLayers
-from radixrt.model.quant import QuantPlan
+from radixrt.model.quant import EVERY_CALL, QuantPlan
 from radixrt.model.quant_matmul import resolve_quant_kernel
 
 T = ct.CrossoverTiming
@@ -127,12 +127,12 @@ def test_runner_tunes_only_a_crossover_it_was_not_given(
         tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch, max_rows: int | None, disabled: bool,
         tuned: bool) -> None:
     kernel = resolve_quant_kernel("auto")
-    monkeypatch.setattr(runner_mod, "resolve_quantization",
-                        lambda *a, **k: (QuantPlan("gguf", 64, 64, kernel=kernel), "fixed"))
+    # 4-bit weights without dense copies (EVERY_CALL) must stay so; the 8-bit ones keep one
+    monkeypatch.setattr(runner_mod, "resolve_quantization", lambda *a, **k: (
+        QuantPlan("gguf", EVERY_CALL, 64, kernel=kernel), "fixed"))
     monkeypatch.setattr(runner_mod, "tune_crossover", lambda r: (64, 36, []))
     r = runner_mod.ModelRunner(ServerArgs(
         model_path=str(tiny_gguf), dtype="bfloat16", quantization="gguf",
         quant_max_rows=max_rows, quant_kernel=kernel, max_total_tokens=256,
         attention_backend="torch", disable_crossover_tuning=disabled))
-    want = 36 if tuned else 64
-    assert (r.quant.max_rows_int4, r.quant.max_rows_int8) == (want, want)
+    assert (r.quant.max_rows_int4, r.quant.max_rows_int8) == (EVERY_CALL, 36 if tuned else 64)

@@ -10,10 +10,10 @@ was 1.2-1.4x faster on the kernel); decode steps agreed (stop 67: 1.04x at 48 ro
 
 `tune_crossover` times extend steps of r new tokens for r in CANDIDATES up to the plan's
 crossover, on one scratch request whose slots it frees again: every dense-copy weight on its
-kernel (max_rows = r), then on its dense copy (max_rows = r - 1), alternated REPS times after one warm-up round, the best
-of each kept. Ascending, the first count where the dense copy is MARGIN x faster ends the search
-and the crossover moves to midway between it and the last count the kernel won (just below it
-when that is the first). It only lowers the crossover, never moves calls onto the kernel. The
+kernel (max_rows = r), then on its dense copy (max_rows = r - 1), alternated, one warm-up round
+and REPS timed ones, the best of each kept. Ascending, the first count where the dense copy is
+MARGIN x faster ends the search and the crossover moves to midway between it and the last count
+the kernel won (just below it when that is the first). It only lowers the crossover, never moves calls onto the kernel. The
 result holds for the process: the two paths round differently, so a request's output must not
 depend on when it ran. `ServerArgs.quant_max_rows` given, `disable_crossover_tuning`, or a plan
 without dense copies skips it.
@@ -21,7 +21,6 @@ without dense copies skips it.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,8 +32,6 @@ from radixrt.core.forward_batch import ForwardBatch, ForwardMode
 from radixrt.mem.memory_pool import ReqToTokenPool, TokenToKVPool
 from radixrt.model.linear import QuantizedWeight
 from radixrt.model.model_config import ModelConfig
-
-logger = logging.getLogger(__name__)
 
 CANDIDATES = (16, 24, 32, 40, 48, 56, 64)
 REPS = 5

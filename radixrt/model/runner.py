@@ -181,9 +181,13 @@ class ModelRunner:
             tuned = tune_crossover(self)
             if tuned is not None:
                 _, new, _ = tuned
-                self.quant = replace(self.quant,
-                                     max_rows_int4=min(self.quant.max_rows_int4, new),
-                                     max_rows_int8=min(self.quant.max_rows_int8, new))
+
+                def lowered(bits: int) -> int:  # a width without dense copies keeps EVERY_CALL
+                    rows = self.quant.max_rows(bits)
+                    return min(rows, new) if self.quant.keeps_dense(bits) else rows
+
+                self.quant = replace(self.quant, max_rows_int4=lowered(4),
+                                     max_rows_int8=lowered(8))
                 logger.info("quantized matmul crossover -> %s", describe_crossover(tuned))
         if self.device.type == "cpu":
             logger.info("decode steps: %s", self.model.decode_path())

@@ -45,8 +45,8 @@ inline void silu_rounded_pair(Vec& a, Vec& b) {
 // function of those bits alone, so the table is bitwise the arithmetic (tests/
 // test_fused_ops.py compares the two over all 65536 inputs). Built on first use, read-only
 // after; one extra entry because a gather reads 4 bytes. A gather of 16 entries in place of
-// at::vec's exp and a division: 512 x [3072, 576] amx_linear_silu on the AMX Xeon 1022 -> see
-// bench/results (stop 68).
+// at::vec's exp and a division (AMX Xeon, stop 68): silu_mul 512 x 1536 257 -> 116 us,
+// amx_linear_silu 512 x [3072, 576] over 30 weights 1042 -> 897 us a call.
 inline const uint16_t* silu_bf16_table() {
   static const std::vector<uint16_t> table = [] {
     std::vector<uint16_t> t(65536 + 1, 0);
