@@ -25,7 +25,7 @@ radixrt's kernel keeps them exact (`dequantize(scale_dtype=None)`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -241,6 +241,15 @@ class QuantPlan:
     def keeps_dense(self, bits: int) -> bool:
         """Whether a `bits`-bit weight keeps a dense copy (for calls above `max_rows(bits)`)."""
         return self.dense_copy and self.max_rows(bits) < EVERY_CALL
+
+    def capped(self, rows: int) -> QuantPlan:
+        """This plan with each width that keeps a dense copy on its kernel up to at most `rows`
+        rows (crossover_tuning.py); a width without one stays `EVERY_CALL`."""
+        def cap(bits: int) -> int:
+            n = self.max_rows(bits)
+            return min(n, rows) if self.keeps_dense(bits) else n
+
+        return replace(self, max_rows_int4=cap(4), max_rows_int8=cap(8))
 
     def bits_for(self, pieces: Sequence[torch.Tensor | GGUFQuantTensor],
                  lm_head: bool = False) -> int | None:

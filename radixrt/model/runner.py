@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -180,14 +180,7 @@ class ModelRunner:
             quiet()
             tuned = tune_crossover(self)
             if tuned is not None:
-                _, new, _ = tuned
-
-                def lowered(bits: int) -> int:  # a width without dense copies keeps EVERY_CALL
-                    rows = self.quant.max_rows(bits)
-                    return min(rows, new) if self.quant.keeps_dense(bits) else rows
-
-                self.quant = replace(self.quant, max_rows_int4=lowered(4),
-                                     max_rows_int8=lowered(8))
+                self.quant = self.quant.capped(tuned[1])
                 logger.info("quantized matmul crossover -> %s", describe_crossover(tuned))
         if self.device.type == "cpu":
             logger.info("decode steps: %s", self.model.decode_path())
