@@ -3,6 +3,7 @@
     python bench/extend_steps.py profile [--shapes agent20 agent64 mixed20 mixed64 fresh1 fresh4]
     python bench/extend_steps.py steps --rounds 5
     python bench/extend_steps.py steps --baseline bad92c2 --shapes agentshared20 fresh4
+    python bench/extend_steps.py fused --shapes cached1 fresh64t fresh1 mixed20
 
 OpenMP threads wait as the scheduler's do by default (`ServerArgs.thread_wait`).
 
@@ -15,7 +16,9 @@ depend on the values). `profile`: torch.profiler table of one step, grouped into
 attention, K/V store/gather and the rest. `steps`: the extend attention kernel on and off
 (`TorchNativeBackend.extend_kernel`), or with `--baseline REV` the kernel as of REV against this
 one (and with its shared-prefix groups off), interleaved `--rounds` times in one process;
-medians, and each variant's time over the first's.
+medians, and each variant's time over the first's. `fused`: the step's layers in one C++ call
+(`radixrt::extend_step`) against the Python layer loop (`LlamaForCausalLM.fused_extend`),
+interleaved the same way, with whether their logits are bitwise equal.
 Speed is never asserted in tests; this script is where it is measured.
 """
 
@@ -64,6 +67,7 @@ SHAPES: dict[str, list[tuple[int, int]]] = {
     "mixed20": [(850, 65)] * 20 + [(899, 1)] * 40,
     "mixed64": [(850, 65)] * 64 + [(899, 1)] * 40,
     "fresh1": [(0, 512)],
+    "cached1": [(850, 1)],  # a prompt's last token alone, the rest cached
     "fresh64t": [(0, 64)],  # a chat turn's new tokens alone
     "fresh2t": [(0, 2)],
     "fresh4": [(0, 512)] * 4,
@@ -226,9 +230,32 @@ def steps(args: argparse.Namespace) -> None:
         del runner
 
 
+def fused(args: argparse.Namespace) -> None:
+    """The one-call extend step against the Python layer loop (kernel on in both)."""
+    for name in args.shapes:
+        rows, shared = SHAPES[name], SHARED.get(name, 0)
+        runner = _runner_for(rows, args, shared)
+        set_kernel(runner, True)
+        step = ExtendStep(runner, rows, shared)
+        model = runner.model
+        times: dict[bool, list[float]] = {True: [], False: []}
+        logits = {}
+        for _ in range(args.rounds):
+            for on in (False, True):
+                model.fused_extend = on
+                logits[on] = runner.forward(step.fb)  # warm-up of this path
+                times[on].append(step.run())
+        model.fused_extend = True
+        loop, one = statistics.median(times[False]), statistics.median(times[True])
+        same = torch.equal(logits[True], logits[False])
+        print(f"{name:13s} layer loop {loop * 1e3:7.1f} ms  one call {one * 1e3:7.1f} ms "
+              f"({one / loop:.2f})  bitwise {same}", flush=True)
+        del runner
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("mode", choices=("profile", "steps"))
+    ap.add_argument("mode", choices=("profile", "steps", "fused"))
     ap.add_argument("--quant-max-rows", type=int, default=None,
                     help="ServerArgs.quant_max_rows (a GGUF model's rows up to which matmuls take "
                          "the quantized kernels)")
@@ -243,7 +270,7 @@ def main() -> None:
                     help="steps: git revision of extend_attention.cpp to compare the kernel "
                          "against (instead of the torch path)")
     args = ap.parse_args()
-    profile(args) if args.mode == "profile" else steps(args)
+    {"profile": profile, "steps": steps, "fused": fused}[args.mode](args)
 
 
 if __name__ == "__main__":

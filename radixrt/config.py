@@ -158,6 +158,13 @@ class ServerArgs:
                "(`radixrt::decode_layers`: the same ops in the same order, bitwise the same "
                "result, without the per-op Python cost; used when the fused CPU ops and the "
                "paged-decode kernel both run)")
+    disable_fused_extend: bool = _f(
+        False, "run an extend (prefill or mixed) step's layers as a Python loop of ops instead "
+               "of one C++ call (`radixrt::extend_step`: the same ops in the same order, bitwise "
+               "the same result, without the per-op Python cost, ~4 ms a step here; used where "
+               "the one-call decode path runs and the step's attention is the extend op, with "
+               "the paged-decode op for a mixed step's decode rows, on a pool of the model's "
+               "dtype)")
     disable_decode_team: bool = _f(
         False, "run a one-pass one-call decode step with a parallel region per op instead of "
                "as a team of the scheduler's threads in one region (spin barriers between the "

@@ -157,6 +157,7 @@ def test_vnni_down_projection_takes_the_silu_input_bitwise_the_loop(
     for fused in (True, False):
         runner = _runner(path, torch.bfloat16, plan)
         runner.model.decode_team = False  # a team calls every op once per thread
+        runner.model.fused_extend = False  # the extend step in the loop in both runs
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             runs[fused] = _decode_run(runner, fused, monkeypatch)
         ops[fused] = {e.key: e.count for e in prof.key_averages()}

@@ -257,7 +257,7 @@ def _decode(path: Path, plan: QuantPlan | None, pack: bool, fused: bool,
     if pack:
         assert pack_dense_weights(model) > 0
     runner = PagedRunner.for_model(model)
-    model.fused_decode = fused
+    model.fused_decode = model.fused_extend = fused
     model.decode_team = team
     g = torch.Generator().manual_seed(5)
     rows = [runner.new_request() for _ in range(5)]
@@ -307,6 +307,36 @@ def test_a_packed_model_gives_the_plain_models_logits(tmp_path: Path, case: str,
         pack_dense_weights(model)
         dense = [m.dense for m in model.modules() if isinstance(m, QuantizedWeight)]
         assert dense and all(d is not None and d.packed is not None for d in dense)
+
+
+@needs_onednn
+def test_extend_steps_over_the_packed_row_limits_are_bitwise_the_loop(
+        tmp_path: Path, forced: object, layout: str) -> None:
+    """Prefill steps of 250, 300 (above oneDNN's packed rows) and 1110 (above AMX's) tokens
+    with every dense weight packed: the C++ extend step picks the weight the Python loop picks
+    at each row count, so their logits (every position's) are bitwise alike."""
+    if not cpu_kernels.load_cpu_kernels():
+        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
+    forced("1")  # type: ignore[operator]
+    hf = tmp_path / "hf"
+    make_tiny_checkpoint(hf, "llama", seed=9, num_hidden_layers=2, tie_word_embeddings=True)
+    out = {}
+    for fused in (True, False):
+        model, _ = load_model(hf, None, torch.bfloat16, "cpu",
+                              model_config=ModelConfig.from_path(hf))
+        assert pack_dense_weights(model) > 0
+        model.fused_extend = fused
+        runner = PagedRunner.for_model(model, kv_size=2048)
+        g = torch.Generator().manual_seed(2)
+        logits = []
+        for lens in ((250,), (300,), (370, 370, 370)):
+            rows = [runner.new_request() for _ in lens]
+            logits.append(runner.extend(rows, [torch.randint(3, 256, (n,), generator=g).tolist()
+                                               for n in lens], all_positions=True))
+        runner.kv_pool.check_invariants()
+        out[fused] = logits
+    for a, b in zip(out[True], out[False], strict=True):
+        assert torch.equal(a, b), f"{a.shape[0]} rows: max diff {(a - b).abs().max()}"
 
 
 @needs_onednn

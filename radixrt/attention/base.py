@@ -11,6 +11,7 @@ from radixrt.core.forward_batch import ForwardBatch
 from radixrt.mem.memory_pool import TokenToKVPool
 
 if TYPE_CHECKING:
+    from radixrt.attention.extend_attention import ExtendStepPlan
     from radixrt.attention.paged_decode import PagedDecodePlan
 
 # Row count below which CPU fp32 GEMMs (MKL) take other kernels: measured on torch 2.13 / MKL
@@ -54,4 +55,11 @@ class AttentionBackend(ABC):
         """The plan of step `fb` when its attention, in every layer, is exactly: store the new
         K/V with `radixrt::kv_store`, then `radixrt::paged_decode` over this plan on the pool
         buffers (what a caller running the layers in one C++ call needs); None otherwise."""
+        return None
+
+    def extend_step_plan(self, fb: ForwardBatch) -> ExtendStepPlan | None:
+        """The plan of extend step `fb` when its attention, in every layer, is exactly what
+        `ExtendStepPlan` describes (kv_store, then the extend op, and in a mixed step the
+        paged-decode op for its one-token rows) on a pool of the compute dtype; None otherwise
+        (the caller then runs its layer loop)."""
         return None

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from radixrt.attention.paged_decode import PagedDecodePlan
 from radixrt.core.forward_batch import ForwardBatch
 from radixrt.mem.memory_pool import TokenToKVPool
 
@@ -85,3 +86,28 @@ class ExtendAttentionPlan:
             q.to(k_buffer.dtype).contiguous(), k_buffer, v_buffer, self.kv_indices,
             self.kv_indptr, self.loc, self.qo_indptr, float(scale))
         return out.to(q.dtype)
+
+
+@dataclass
+class ExtendStepPlan:
+    """An extend step's attention in every layer, for a caller running all the layers in one
+    C++ call (`radixrt::extend_step`, model/decode_layers.py): store the step's K/V with
+    `radixrt::kv_store`, then the extend op over `extend` on the pool buffers; in a mixed step
+    (`decode` given) the paged-decode op over `decode` for the one-token rows' queries (token
+    rows `dec_tok`) and the extend op for the others' (token rows `ext_tok`; `extend` None when
+    there are none). The plans are the backend's own, built once for the step."""
+
+    extend: ExtendAttentionPlan | None
+    decode: PagedDecodePlan | None = None
+    dec_tok: torch.Tensor | None = None  # int64 [decode rows]
+    ext_tok: torch.Tensor | None = None  # int64 [extend tokens]
+
+    def op_args(self) -> tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor | None,
+                               list[torch.Tensor]]:
+        """`extend_step`'s (ext, dec_tok, ext_tok, dec_plan)."""
+        ext = [] if self.extend is None else [self.extend.kv_indices, self.extend.kv_indptr,
+                                              self.extend.loc, self.extend.qo_indptr]
+        d = self.decode
+        dec = [] if d is None else [d.kv_indices, d.row_start, d.row_len, d.group_start,
+                                    d.group_len, d.group_row_ptr, d.group_rows]
+        return ext, self.dec_tok, self.ext_tok, dec

@@ -43,6 +43,7 @@ from radixrt.attention.cascade import (
 )
 from radixrt.attention.extend_attention import (
     ExtendAttentionPlan,
+    ExtendStepPlan,
     extend_kernel_unavailable_reason,
 )
 from radixrt.attention.paged_decode import PagedDecodePlan, paged_decode_unavailable_reason
@@ -358,6 +359,20 @@ class TorchNativeBackend(AttentionBackend):
                 and (pool.quantized or pool.narrowed or pool.k_buffer[0].dtype == pool.dtype)):
             return self._kernel
         return None
+
+    def extend_step_plan(self, fb: ForwardBatch) -> ExtendStepPlan | None:
+        if fb is not self._planned_for:
+            raise RuntimeError("init_forward_metadata(fb) was not called for this batch")
+        pool = self.kv_pool
+        if (fb.is_decode or not self._kv_store or pool.quantized or pool.narrowed
+                or pool.k_buffer[0].dtype != pool.dtype):
+            return None
+        if self._split is not None:
+            dec_tok, ext_tok = self._split
+            if ext_tok is not None and self._extend is None:  # extend rows off the op
+                return None
+            return ExtendStepPlan(self._extend, self._kernel, dec_tok, ext_tok)
+        return None if self._extend is None else ExtendStepPlan(self._extend)
 
     # -- per layer ---------------------------------------------------------------------------
     def forward(

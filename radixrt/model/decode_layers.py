@@ -33,6 +33,7 @@ from collections.abc import Sequence
 
 import torch
 
+from radixrt.attention.extend_attention import ExtendStepPlan
 from radixrt.attention.paged_decode import PagedDecodePlan
 from radixrt.model.layer_ops import FusedCpuLayerOps, LayerOps
 from radixrt.model.linear import DenseWeight, LinearWeight, QuantizedWeight
@@ -155,6 +156,26 @@ class DecodeLayers:
             stack, ids, positions, loc, plan.kv_indices, plan.row_start, plan.row_len,
             plan.group_start, plan.group_len, plan.group_row_ptr, plan.group_rows, split, team,
             self.team_norms_whole, self.team_far_split if far_split is None else far_split)
+
+    def run_extend(self, ids: torch.Tensor, positions: torch.Tensor, embed: torch.Tensor,
+                   cos_table: torch.Tensor, sin_table: torch.Tensor, final_norm: torch.Tensor,
+                   final_eps: float, loc: torch.Tensor, plan: ExtendStepPlan,
+                   k_buffers: list[torch.Tensor], v_buffers: list[torch.Tensor],
+                   k_scales: list[torch.Tensor] | None = None,
+                   v_scales: list[torch.Tensor] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """An extend step's layers in one call (`radixrt::extend_step`): the embedding rows of
+        `ids`, the RoPE rows of `positions`, every layer with its attention as `plan` says (new
+        K/V stored at `loc`), each op with its own parallel region. Returns the last layer's
+        (MLP output, residual stream) of every token, bitwise the layer loop's; the caller
+        norms the rows it needs. Takes the same arguments as `run_step` (and so the same held
+        stack; `final_norm` is not applied here); the pool must be of the model's dtype (not
+        int8: `k_scales` empty)."""
+        stack = self._stack_for(embed, cos_table, sin_table, final_norm, final_eps, k_buffers,
+                                v_buffers, k_scales, v_scales)
+        ext, dec_tok, ext_tok, dec_plan = plan.op_args()
+        return torch.ops.radixrt.extend_step(stack, ids, positions, loc, ext, dec_tok, ext_tok,
+                                             dec_plan)
 
     def _stack_for(self, *ends: object) -> torch.ScriptObject:
         """The `radixrt.DecodeStack` of these step-invariant arguments (see `run_step`)."""

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixrt.attention.base import AttentionBackend
+from radixrt.attention.extend_attention import ExtendStepPlan
 from radixrt.config import ServerArgs
 from radixrt.core.forward_batch import ForwardBatch
 from radixrt.model.decode_layers import DecodeLayers
@@ -163,6 +164,8 @@ class LlamaForCausalLM(nn.Module):
         # Decode steps run all layers in one C++ call where they can (`model.decode_layers`);
         # False: always the Python layer loop. The call's arguments are built on first use.
         self.fused_decode = True
+        # Extend (prefill and mixed) steps too, where the backend's plan allows (`_extend_plan`).
+        self.fused_extend = True
         # Rows from which a one-call decode step runs as two micro-batches (`decode_split`);
         # 0: never. The runner sets it from its ServerArgs; a model built alone takes the default.
         self.decode_microbatch_rows = ServerArgs.decode_microbatch_rows
@@ -321,11 +324,22 @@ class LlamaForCausalLM(nn.Module):
                                               time.perf_counter() - t0)
             logits, ids = self._head(last, fb, greedy)
             return logits, None, ids
-        h = F.embedding(fb.input_ids, self.embed_tokens)
-        cos, sin = self.rotary.cos_sin(fb.positions)
-        residual: torch.Tensor | None = None
-        for layer in self.layers:
-            h, residual = layer(h, residual, cos, sin, fb, attn)
+        extend = self._extend_plan(fb)
+        if extend is not None:
+            # every layer of the extend step in one C++ call, as the loop below runs them
+            assert isinstance(stack := self.decode_layers(), DecodeLayers)
+            pool = attn.kv_pool
+            h, residual = stack.run_extend(fb.input_ids, fb.positions, self.embed_tokens,
+                                           self.rotary.cos, self.rotary.sin, self.norm,
+                                           self.config.rms_norm_eps, fb.out_cache_loc, extend,
+                                           pool.k_buffer, pool.v_buffer, pool.k_scale,
+                                           pool.v_scale)
+        else:
+            h = F.embedding(fb.input_ids, self.embed_tokens)
+            cos, sin = self.rotary.cos_sin(fb.positions)
+            residual = None
+            for layer in self.layers:
+                h, residual = layer(h, residual, cos, sin, fb, attn)
         assert residual is not None
         idx = fb.logits_indices
         b = int(idx.numel())
@@ -336,6 +350,21 @@ class LlamaForCausalLM(nn.Module):
                                         self.config.rms_norm_eps)
         logits, ids = self._head(last[:b], fb, greedy)
         return logits, (last[b:] if fb.score_rows is not None else None), ids
+
+    def _extend_plan(self, fb: ForwardBatch) -> ExtendStepPlan | None:
+        """The attention plan of extend step `fb` when its layers can run in one C++ call
+        (`fused_extend`, the one-call stack built, the backend's `extend_step_plan`, the pool
+        in the model's dtype), else None (the Python layer loop)."""
+        if fb.is_decode or not self.fused_extend:
+            return None
+        attn = self.attn_backend
+        assert attn is not None
+        if not isinstance(self.decode_layers(), DecodeLayers):
+            return None
+        plan = attn.extend_step_plan(fb)
+        if plan is None or attn.kv_pool.k_buffer[0].dtype != self.embed_tokens.dtype:
+            return None
+        return plan
 
     def linear_weights(self) -> list[LinearWeight]:
         """Every matmul weight of one forward step, in order (each layer's four, the LM head)."""

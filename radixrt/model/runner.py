@@ -156,6 +156,7 @@ class ModelRunner:
                             else "oneDNN")
         # compiled dense parts replace the layers' Python methods, which the C++ loop skips
         self.model.fused_decode = not (args.disable_fused_decode or args.compile_decode)
+        self.model.fused_extend = not args.disable_fused_extend
         self.model.decode_microbatch_rows = args.decode_microbatch_rows
         self.model.decode_team = not args.disable_decode_team
         self.model.decode_path_tuner = (None if args.disable_decode_path_tuning

@@ -106,6 +106,7 @@ struct Ops {
   c10::TypedOperatorHandle<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&,
                                                       const Tensor&, double)>
       add_rms_norm;
+  c10::TypedOperatorHandle<void(Tensor, Tensor, const Tensor&, double)> add_rms_norm_;
   c10::TypedOperatorHandle<Tensor(const Tensor&)> silu_mul;
   c10::TypedOperatorHandle<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&,
                                                       const Tensor&, int64_t, int64_t)>
@@ -130,6 +131,9 @@ struct Ops {
       const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
       double)>
       paged_decode_i8;
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                  const Tensor&, const Tensor&, const Tensor&, double)>
+      extend_attention;
 
   static const Ops& get() {
     static const Ops ops = [] {
@@ -140,6 +144,8 @@ struct Ops {
           d.findSchemaOrThrow("radixrt::add_rms_norm", "")
               .typed<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
                                                 double)>(),
+          d.findSchemaOrThrow("radixrt::add_rms_norm_", "")
+              .typed<void(Tensor, Tensor, const Tensor&, double)>(),
           d.findSchemaOrThrow("radixrt::silu_mul", "").typed<Tensor(const Tensor&)>(),
           d.findSchemaOrThrow("radixrt::rope_qk", "")
               .typed<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
@@ -166,6 +172,9 @@ struct Ops {
                   const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                   const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                   const Tensor&, const Tensor&, double)>(),
+          d.findSchemaOrThrow("radixrt::extend_attention", "")
+              .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                            const Tensor&, const Tensor&, const Tensor&, double)>(),
       };
     }();
     return ops;
@@ -394,11 +403,52 @@ bool attention_keeps_rows(const TeamMember& m, const Plan& plan, int64_t rows, i
   return true;
 }
 
+// The attention of an extend step (extend_step), in place of paged_decode over a Plan: the
+// extend op over its plan (`ext`: kv_indices, kv_indptr, loc, qo_indptr; each token sees its
+// request's prefix slots, then the step's slots up to its own), or, in a mixed step, the
+// paged-decode op over `dec` for the one-token rows' queries (token rows `dec_tok`) and the
+// extend op over the others' sub-batch (token rows `ext_tok`; `ext` empty when there are none).
+// The same calls on the same queries as TorchNativeBackend.forward (radixrt/attention/
+// torch_native.py), so bitwise its output. Only pools of the model's dtype (checked).
+struct ExtendAttention {
+  std::vector<Tensor> ext;  // 4 tensors, or none
+  bool mixed = false;
+  Tensor dec_tok, ext_tok;  // int64 token rows (mixed steps; ext_tok undefined without ext)
+  std::optional<Plan> dec;  // mixed steps
+
+  Tensor extend(const Ops& ops, const Tensor& q, const Tensor& kb, const Tensor& vb,
+                double scale) const {
+    return ops.extend_attention
+        .call(q.to(kb.scalar_type()).contiguous(), kb, vb, ext[0], ext[1], ext[2], ext[3],
+              scale)
+        .to(q.scalar_type());
+  }
+
+  Tensor run(const Ops& ops, const Tensor& q, const Tensor& kb, const Tensor& vb,
+             double scale) const {
+    if (!mixed) return extend(ops, q, kb, vb, scale);
+    Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
+    const Plan& p = *dec;
+    const Tensor o = std::get<0>(ops.paged_decode.call(
+        q.index_select(0, dec_tok).to(kb.scalar_type()).contiguous(), kb, vb, p.kv_indices,
+        p.row_start, p.row_len, p.group_start, p.group_len, p.group_row_ptr, p.group_rows,
+        scale));
+    out.index_copy_(0, dec_tok, o.to(q.scalar_type()));
+    if (!ext.empty()) {
+      out.index_copy_(0, ext_tok, extend(ops, q.index_select(0, ext_tok), kb, vb, scale));
+    }
+    return out;
+  }
+};
+
 // Every layer over rows [r0, r1) of the step (h0, loc, cos / sin rows), reporting each finished
-// attention in `progress` (may be null).
+// attention in `progress` (may be null). `ext`: an extend step's attention instead of `plan`'s
+// paged decode (rows are tokens; no team, rows [0, n)); its norms then run in place
+// (add_rms_norm_, as the Python loop's: the stores land in the lines the loads brought in).
 std::tuple<Tensor, Tensor> run_layers(const Stack& st, const Tensor& h0, const Tensor& loc,
                                       const Plan& plan, int64_t r0, int64_t r1,
-                                      Progress* progress) {
+                                      Progress* progress,
+                                      const ExtendAttention* ext = nullptr) {
   struct Finish {  // kDone on every way out, so a waiting peer never waits on an error
     Progress* p;
     ~Finish() {
@@ -448,6 +498,9 @@ std::tuple<Tensor, Tensor> run_layers(const Stack& st, const Tensor& h0, const T
     if (l == 0) {
       residual = h;
       x = ops.rms_norm.call(h, st.norms[0], eps);
+    } else if (ext != nullptr) {
+      ops.add_rms_norm_.call(h, residual, st.norms[2 * l], eps);
+      x = h;
     } else {
       std::tie(x, residual) = ops.add_rms_norm.call(h, residual, st.norms[2 * l], eps);
     }
@@ -471,7 +524,7 @@ std::tuple<Tensor, Tensor> run_layers(const Stack& st, const Tensor& h0, const T
     else ops.kv_store.call(kb, vb, rloc, k, v);
     if (attn_keeps_rows) member->rows_stay = true;
     RADIXRT_TEAM_PHASE(5);
-    Tensor o = std::get<0>(
+    Tensor o = ext != nullptr ? ext->run(ops, q, kb, vb, st.scale) : std::get<0>(
         int8_pool
             ? ops.paged_decode_i8.call(q.contiguous(), kb, vb, st.k_scales[l], st.v_scales[l],
                                        plan.kv_indices, plan.row_start, plan.row_len,
@@ -487,7 +540,12 @@ std::tuple<Tensor, Tensor> run_layers(const Stack& st, const Tensor& h0, const T
     const Tensor attn_out = run_linear(ops, o, st.weights, st.meta, lin + 1);
     RADIXRT_TEAM_PHASE(7);
     before_norm();
-    std::tie(x, residual) = ops.add_rms_norm.call(attn_out, residual, st.norms[2 * l + 1], eps);
+    if (ext != nullptr) {
+      ops.add_rms_norm_.call(attn_out, residual, st.norms[2 * l + 1], eps);
+      x = attn_out;
+    } else {
+      std::tie(x, residual) = ops.add_rms_norm.call(attn_out, residual, st.norms[2 * l + 1], eps);
+    }
     RADIXRT_TEAM_PHASE(8);
     const auto [act, activated] = run_gate_up(ops, x, st.weights, st.meta, lin + 2);
     RADIXRT_TEAM_PHASE(9);
@@ -816,6 +874,67 @@ Tensor decode_step(const c10::intrusive_ptr<DecodeStack>& s, const Tensor& ids,
   return std::get<0>(Ops::get().add_rms_norm.call(h, residual, s->final_norm, s->final_eps));
 }
 
+// An extend step (a prefill, or a mixed step: extend rows and one-token decode rows) through
+// every layer in one call: the embedding rows of `ids`, the RoPE rows of `positions`, each
+// layer's K/V stored at `loc` (every token's slot) and attended to as ExtendAttention says
+// (`ext`: the extend op's 4 plan tensors, or none in a mixed step without extend rows;
+// `dec_tok` / `ext_tok` / `dec_plan` (paged_decode's 7): a mixed step's split). The ops run
+// one after the other, each with its own parallel region (no team, no micro-batches). Returns
+// the last layer's (MLP output, residual) of every token: the caller norms the rows it needs
+// (the model's Python after its own loop), so the result is bitwise that loop's. A pool of the
+// model's dtype only (an int8 or narrowed pool takes the loop).
+std::tuple<Tensor, Tensor> extend_step(const c10::intrusive_ptr<DecodeStack>& s,
+                                       const Tensor& ids, const Tensor& positions,
+                                       const Tensor& loc, at::TensorList ext,
+                                       const std::optional<Tensor>& dec_tok,
+                                       const std::optional<Tensor>& ext_tok,
+                                       at::TensorList dec_plan) {
+  TORCH_CHECK(ids.dim() == 1 && positions.dim() == 1 && loc.dim() == 1 &&
+                  ids.numel() == positions.numel() && ids.numel() == loc.numel(),
+              "extend_step: ids, positions and loc must be 1-D with one entry per token");
+  TORCH_CHECK(ids.numel() > 0, "extend_step: no tokens");
+  TORCH_CHECK(s->k_scales.empty(), "extend_step: an int8 pool takes the layer loop");
+  TORCH_CHECK(s->k_buffers[0].scalar_type() == s->embed.scalar_type(),
+              "extend_step: the pool's dtype ", s->k_buffers[0].scalar_type(),
+              " is not the model's ", s->embed.scalar_type());
+  TORCH_CHECK(ext.empty() || ext.size() == 4,
+              "extend_step: ext must hold (kv_indices, kv_indptr, loc, qo_indptr) or nothing");
+  const int64_t n = ids.numel();
+  ExtendAttention attn;
+  attn.ext = ext.vec();
+  attn.mixed = dec_tok.has_value();
+  if (attn.mixed) {
+    TORCH_CHECK(dec_plan.size() == 7,
+                "extend_step: a mixed step's dec_plan must hold paged_decode's 7 plan tensors");
+    TORCH_CHECK(ext_tok.has_value() == !ext.empty(),
+                "extend_step: ext_tok must be given exactly when ext is");
+    attn.dec_tok = dec_tok->to(at::kLong);
+    attn.dec = Plan{dec_plan[0], dec_plan[1], dec_plan[2], dec_plan[3],
+                    dec_plan[4], dec_plan[5], dec_plan[6]};
+    TORCH_CHECK(attn.dec_tok.dim() == 1 && attn.dec->row_start.numel() == attn.dec_tok.numel(),
+                "extend_step: dec_plan must have one row per dec_tok entry");
+    int64_t rows = attn.dec_tok.numel();
+    if (ext_tok.has_value()) {
+      attn.ext_tok = ext_tok->to(at::kLong);
+      TORCH_CHECK(attn.ext_tok.dim() == 1, "extend_step: ext_tok must be 1-D");
+      rows += attn.ext_tok.numel();
+    }
+    TORCH_CHECK(rows == n, "extend_step: dec_tok and ext_tok must cover the ", n,
+                " tokens once, got ", rows, " entries");
+  } else {
+    TORCH_CHECK(!ext.empty() && !ext_tok.has_value() && dec_plan.empty(),
+                "extend_step: a step without dec_tok takes ext alone");
+  }
+  const Tensor h0 = at::embedding(s->embed, ids);
+  const Tensor cos = at::index_select(s->cos_table, 0, positions);
+  const Tensor sin = at::index_select(s->sin_table, 0, positions);
+  const Stack st{cos, sin, s->norms, s->weights, s->meta, s->k_buffers, s->v_buffers,
+                 s->k_scales, s->v_scales, s->num_heads, s->num_kv_heads, s->head_dim, s->eps,
+                 s->scale, -1};
+  static const Plan none{};
+  return run_layers(st, h0, loc, none, 0, n, nullptr, &attn);
+}
+
 #if RADIXRT_TEAM_WAITS
 // bench/team_waits.py: [member][phase] barrier wait in ns, then [member][phase] barrier counts,
 // summed since the last reset (see team.h).
@@ -848,6 +967,10 @@ TORCH_LIBRARY_FRAGMENT(radixrt, m) {
       "Tensor group_start, Tensor group_len, Tensor group_row_ptr, Tensor group_rows, "
       "int split=0, bool team=False, int norms_whole=-1, int far_split=-1) -> Tensor");
   m.def(
+      "extend_step(__torch__.torch.classes.radixrt.DecodeStack stack, Tensor ids, "
+      "Tensor positions, Tensor loc, Tensor[] ext, Tensor? dec_tok, Tensor? ext_tok, "
+      "Tensor[] dec_plan) -> (Tensor, Tensor)");
+  m.def(
       "decode_layers(Tensor h, Tensor cos, Tensor sin, Tensor[] norms, Tensor?[] weights, "
       "int[] meta, Tensor(a!)[] k_buffers, Tensor(b!)[] v_buffers, Tensor(c!)[] k_scales, "
       "Tensor(d!)[] v_scales, Tensor loc, Tensor kv_indices, "
@@ -866,6 +989,7 @@ TORCH_LIBRARY_FRAGMENT(radixrt, m) {
 TORCH_LIBRARY_IMPL(radixrt, CPU, m) {
   m.impl("decode_layers", &radixrt_cpu::decode_layers);
   m.impl("decode_step", &radixrt_cpu::decode_step);
+  m.impl("extend_step", &radixrt_cpu::extend_step);
 }
 
 // A weight list holding oneDNN-packed tensors (prepack.py) dispatches decode_layers on their
