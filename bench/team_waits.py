@@ -44,7 +44,7 @@ PHASES = ("outside", "norm", "qkv", "rope", "kv_store", "attention", "o", "norm 
 MEMBERS, PHASE_SLOTS = 4, 16
 # the sources of every op the one-call decode step calls, and the step itself
 SOURCES = ("fused_ops.cpp", "qgemv.cpp", "qgemm_vnni.cpp", "paged_decode.cpp",
-           "amx_linear.cpp", "decode_layers.cpp")
+           "extend_attention.cpp", "amx_linear.cpp", "decode_layers.cpp")
 
 
 def build() -> object:
