@@ -756,3 +756,12 @@ def test_team_and_micro_batches_keep_dependent_rows_apart(
         for key in ((True, 0), (True, 1)):
             a, b = runs[key], runs[False, 0]
             assert torch.equal(a, b), f"{name} {key}: max diff {(a - b).abs().max()}"
+
+
+def test_linear_kinds_are_the_ops() -> None:
+    """The kinds `DecodeLayers` writes into meta are the ones decode_layers.cpp reads."""
+    from radixrt.model.decode_layers import KIND_DENSE, KIND_QGEMV, KIND_VNNI
+
+    src = (Path(cpu_kernels.__file__).parent / "csrc" / "decode_layers.cpp").read_text()
+    assert (f"constexpr int64_t kKindDense = {KIND_DENSE}, kKindQgemv = {KIND_QGEMV}, "
+            f"kKindVnni = {KIND_VNNI};") in src

@@ -96,6 +96,9 @@ constexpr int64_t kSlotsPerLinear = 6;
 constexpr int64_t kPackedMaxRows = 256;
 constexpr int64_t kAmxMaxRows = 1024;
 constexpr int64_t kMetaPerLinear = 3;
+// A linear's kind, meta[3i] (radixrt/model/decode_layers.py KIND_*): dense, radixrt's qgemv
+// kernel, the vnni kernel.
+constexpr int64_t kKindDense = 0, kKindQgemv = 1, kKindVnni = 2;
 constexpr int64_t kLinearsPerLayer = 4;
 // A micro-batch's thread waiting for the other: pause-spins before yielding the core.
 constexpr int64_t kSpinsBeforeYield = 2000;
@@ -220,7 +223,7 @@ Tensor packed_linear(const Tensor& x, const Tensor& packed, const std::optional<
 // above max_rows) rather than its quantized kernel (the rule of radixrt/model/linear.py).
 bool on_dense(const OptTensors& w, c10::IntArrayRef meta, int64_t i, int64_t rows) {
   const int64_t kind = meta[i * kMetaPerLinear], max_rows = meta[i * kMetaPerLinear + 2];
-  return kind == 0 || (slot(w, i * kSlotsPerLinear + 3).has_value() && rows > max_rows);
+  return kind == kKindDense || (slot(w, i * kSlotsPerLinear + 3).has_value() && rows > max_rows);
 }
 
 // Linear `i` of the flattened weights on x (the rules of radixrt/model/linear.py); `silu`: on
@@ -230,37 +233,41 @@ Tensor run_linear(const Ops& ops, const Tensor& x, const OptTensors& w, c10::Int
   const int64_t kind = meta[i * kMetaPerLinear], bits = meta[i * kMetaPerLinear + 1];
   const int64_t base = i * kSlotsPerLinear;
   const std::optional<Tensor> bias = slot(w, base + 4);
-  TORCH_CHECK(kind >= 0 && kind <= 2, "decode_layers: linear ", i, " has unknown kind ", kind);
-  const std::optional<Tensor> dense = kind == 0 ? std::nullopt : slot(w, base + 3);
+  TORCH_CHECK(kind >= kKindDense && kind <= kKindVnni, "decode_layers: linear ", i,
+              " has unknown kind ", kind);
+  const std::optional<Tensor> dense = kind == kKindDense ? std::nullopt : slot(w, base + 3);
   const bool on_kernel = !on_dense(w, meta, i, x.size(0));
-  if (silu && kind == 2 && on_kernel) {
+  if (silu && kind == kKindVnni && on_kernel) {
     const Tensor y = ops.qgemm_vnni_silu.call(x.contiguous(), required(w, base, i, "packed"), bits);
     return bias.has_value() ? y + *bias : y;
   }
   const Tensor a = silu ? ops.silu_mul.call(x) : x;
-  if (kind == 0 || !on_kernel) {
+  if (kind == kKindDense || !on_kernel) {
     const std::optional<Tensor> packed = slot(w, base + 5);
     if (packed.has_value() &&
         a.size(0) <= (amx_packed(*packed) ? kAmxMaxRows : kPackedMaxRows))
       return packed_linear(a, *packed, bias);
-    return at::linear(a, kind == 0 ? required(w, base, i, "weight") : *dense, bias);
+    return at::linear(a, kind == kKindDense ? required(w, base, i, "weight") : *dense, bias);
   }
-  Tensor y = kind == 2 ? ops.qgemm_vnni.call(a.contiguous(), required(w, base, i, "packed"), bits)
-                       : ops.qgemv.call(a.contiguous(), required(w, base, i, "codes"),
-                                        required(w, base + 1, i, "scale"),
-                                        required(w, base + 2, i, "offset"), bits);
+  Tensor y = kind == kKindVnni
+                 ? ops.qgemm_vnni.call(a.contiguous(), required(w, base, i, "packed"), bits)
+                 : ops.qgemv.call(a.contiguous(), required(w, base, i, "codes"),
+                                  required(w, base + 1, i, "scale"),
+                                  required(w, base + 2, i, "offset"), bits);
   return bias.has_value() ? y + *bias : y;
 }
 
 // The MLP's gate_up (linear i) on x: (silu_mul of it, true) where the call takes the dense
-// weight, AMX-packed in whole [gate | up] block pairs, at any row count (radixrt::amx_linear_silu: the SiLU-mul in the
-// linear's epilogue, bitwise silu_mul(amx_linear)), else (gate_up, false), the SiLU-mul left
-// to the down projection (the rules of LinearWeight.silu_mul in radixrt/model/linear.py).
+// weight, AMX-packed in whole [gate | up] block pairs, at any row count
+// (radixrt::amx_linear_silu: the SiLU-mul in the linear's epilogue, bitwise
+// silu_mul(amx_linear)), else (gate_up, false), the SiLU-mul left to the down projection (the
+// rules of LinearWeight.silu_mul in radixrt/model/linear.py).
 std::pair<Tensor, bool> run_gate_up(const Ops& ops, const Tensor& x, const OptTensors& w,
                                     c10::IntArrayRef meta, int64_t i) {
   const int64_t base = i * kSlotsPerLinear;
   const std::optional<Tensor> packed = slot(w, base + 5);
-  if (on_dense(w, meta, i, x.size(0)) && packed.has_value() && amx_packed(*packed) && packed->size(0) % 2 == 0) {
+  if (on_dense(w, meta, i, x.size(0)) && packed.has_value() && amx_packed(*packed) &&
+      packed->size(0) % 2 == 0) {
     static const auto fused =
         c10::Dispatcher::singleton()
             .findSchemaOrThrow("radixrt::amx_linear_silu", "")
@@ -593,13 +600,13 @@ int64_t team_row_limit(const OptTensors& weights, c10::IntArrayRef meta) {
   const int64_t linears = static_cast<int64_t>(meta.size()) / kMetaPerLinear;
   for (int64_t i = 0; i < linears; ++i) {
     const int64_t kind = meta[i * kMetaPerLinear];
-    if (kind == 1) return -1;
+    if (kind == kKindQgemv) return -1;
     if (slot(weights, i * kSlotsPerLinear + 4).has_value()) return -1;  // a bias
     const std::optional<Tensor> packed = slot(weights, i * kSlotsPerLinear + 5);
     const bool gate_up = i % kLinearsPerLayer == 2;
     const bool team_dense = packed.has_value() && amx_packed(*packed) &&
                             (!gate_up || packed->size(0) % 2 == 0);
-    if (kind == 0) {
+    if (kind == kKindDense) {
       if (!team_dense) return -1;
       limit = std::min(limit, kAmxMaxRows);
     } else if (slot(weights, i * kSlotsPerLinear + 3).has_value()) {
