@@ -1,4 +1,4 @@
-"""`DecodeLayers`: every decoder layer of a decode step in one C++ call.
+"""`DecodeLayers`: every decoder layer of a decode (or extend) step in one C++ call.
 
 `torch.ops.radixrt.decode_layers` (radixrt/attention/csrc/decode_layers.cpp) calls the same ops
 as the Python layer loop with `FusedCpuLayerOps` (norms, RoPE, SiLU-mul, the matmuls, `kv_store`,
@@ -19,6 +19,11 @@ A step of many rows on two threads can run as two micro-batches, one per thread 
 so one's paged decode (memory-bound) overlaps the other's matmuls (compute-bound). It is used
 only when every matmul is on radixrt's row-invariant kernels (`row_invariant`): each op then
 computes a row as in the whole batch, and the result is bitwise the unsplit one.
+
+Extend (prefill and mixed) steps run the same C++ layer loop through `radixrt::extend_step`
+(`run_extend`), on the same held stack, with their attention as the backend's `ExtendStepPlan`
+says (the extend op; the paged-decode op for a mixed step's one-token rows) and each op in its
+own parallel region; the caller norms the rows it needs, so the result is bitwise its loop's.
 
 It applies when the whole step is of that shape: a decode batch whose attention is the
 paged-decode op (`AttentionBackend.paged_decode_plan`), fused CPU layer ops, and every matmul

@@ -1,4 +1,5 @@
-// Every decoder layer of one decode step in one call: the same radixrt ops the Python layer loop
+// Every decoder layer of one decode step (and of an extend step: extend_step, at the end) in one
+// call: the same radixrt ops the Python layer loop
 // (radixrt/model/llama.py, LlamaDecoderLayer with FusedCpuLayerOps) calls, in the same order on
 // the same tensors, so the result is bitwise that of the loop. What it removes is the per-op
 // Python cost (module calls, argument parsing: ~100 us per layer, a third of a small batch's
