@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from radixrt.attention.torch_native import TorchNativeBackend
@@ -18,6 +19,7 @@ from radixrt.mem.memory_pool import ReqToTokenPool, TokenToKVPool
 from radixrt.model.llama import LlamaForCausalLM
 from radixrt.model.loader import load_model
 from radixrt.model.model_config import ModelConfig
+from radixrt.model.quant import QuantPlan
 
 TINY_DIMS: dict[str, Any] = {
     "hidden_size": 64,
@@ -133,6 +135,36 @@ def write_tiny_gguf(hf_model: Any, path: Path, arch: str, matrix_qtype: str | No
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+# The one-call steps' parity cases (test_decode_layers, test_extend_step): architecture, dtype
+# and the quantized kernel (None: dense weights; Qwen2 has biases).
+ONE_CALL_CASES: dict[str, tuple[str, torch.dtype, str | None]] = {
+    "qwen2-fp32-dense": ("qwen2", torch.float32, None),
+    "qwen2-bf16-dense": ("qwen2", torch.bfloat16, None),
+    "llama-bf16-gguf": ("llama", torch.bfloat16, "radixrt"),
+    "llama-bf16-gguf-vnni": ("llama", torch.bfloat16, "vnni"),
+}
+
+
+def one_call_case_model(tmp_path: Path, case: str
+                        ) -> tuple[Path, torch.dtype, QuantPlan | None]:
+    """A 3-layer tiny model of ONE_CALL_CASES[case] (tied embeddings, seed 7): (path, dtype,
+    quant plan). GGUF cases: Q4_1 layers and a Q8_0 head on the case's kernel, the dense copy
+    above 2 rows (4-bit) / 8 rows (8-bit); skips where the kernel cannot run here."""
+    from radixrt.model.quant_matmul import resolve_quant_kernel, vnni_kernel_available
+
+    kind, dtype, quant = ONE_CALL_CASES[case]
+    hf = make_tiny_checkpoint(tmp_path / "hf", kind, seed=7, num_hidden_layers=3,
+                              tie_word_embeddings=True)
+    if quant is None:
+        return tmp_path / "hf", dtype, None
+    path = write_tiny_gguf(hf, tmp_path / "m.gguf", kind, "Q4_1", "Q8_0")
+    if resolve_quant_kernel("auto") != "radixrt":
+        pytest.skip("radixrt's qgemv kernel unavailable")
+    if quant == "vnni" and not vnni_kernel_available():
+        pytest.skip("no AVX512-VNNI here")
+    return path, dtype, QuantPlan("gguf", max_rows_int4=2, max_rows_int8=8, kernel=quant)
 
 
 def make_tiny_runner(path: Path, layers: int = 1, **server_args: Any) -> Any:

@@ -13,7 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_fixtures import PagedRunner, make_tiny_checkpoint, make_tiny_runner, write_tiny_gguf
+from model_fixtures import (
+    ONE_CALL_CASES,
+    PagedRunner,
+    make_tiny_checkpoint,
+    make_tiny_runner,
+    one_call_case_model,
+    write_tiny_gguf,
+)
 
 from radixrt.attention import cpu_kernels
 from radixrt.attention.torch_native import TorchNativeBackend
@@ -73,31 +80,13 @@ def _decode_run(runner: PagedRunner, fused: bool, monkeypatch: pytest.MonkeyPatc
     return logits[1:], len(calls)
 
 
-CASES = {
-    "qwen2-fp32-dense": ("qwen2", torch.float32, None),
-    "qwen2-bf16-dense": ("qwen2", torch.bfloat16, None),
-    "llama-bf16-gguf": ("llama", torch.bfloat16, "radixrt"),
-    "llama-bf16-gguf-vnni": ("llama", torch.bfloat16, "vnni"),
-}
-
-
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", list(ONE_CALL_CASES))
 def test_one_call_is_bitwise_the_layer_loop(tmp_path: Path, case: str,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    kind, dtype, quant = CASES[case]
-    hf = make_tiny_checkpoint(tmp_path / "hf", kind, seed=7, num_hidden_layers=3,
-                              tie_word_embeddings=True)
-    path, plan = tmp_path / "hf", None
-    if quant is not None:
-        path = write_tiny_gguf(hf, tmp_path / "m.gguf", kind, "Q4_1", "Q8_0")
-        if resolve_quant_kernel("auto") != "radixrt":
-            pytest.skip("radixrt's qgemv kernel unavailable")
-        if quant == "vnni" and not vnni_kernel_available():
-            pytest.skip("no AVX512-VNNI here")
-        # 4 decode rows > max_rows_int4: the layers' 4-bit matmuls take the dense copy in the
-        # op as in the loop (the kernels alone are covered below); the Q8_0 LM head stays on
-        # the quantized kernel.
-        plan = QuantPlan("gguf", max_rows_int4=2, max_rows_int8=8, kernel=quant)
+    # GGUF: 4 decode rows > max_rows_int4: the layers' 4-bit matmuls take the dense copy in the
+    # op as in the loop (the kernels alone are covered below); the Q8_0 LM head stays on the
+    # quantized kernel.
+    path, dtype, plan = one_call_case_model(tmp_path, case)
     runs = {}
     for fused in (True, False):
         runner = _runner(path, dtype, plan)

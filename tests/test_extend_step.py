@@ -15,7 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_fixtures import PagedRunner, make_tiny_checkpoint, make_tiny_runner, write_tiny_gguf
+from model_fixtures import (
+    ONE_CALL_CASES,
+    PagedRunner,
+    make_tiny_checkpoint,
+    make_tiny_runner,
+    one_call_case_model,
+)
 
 from radixrt.attention import cpu_kernels
 from radixrt.attention.extend_attention import ExtendStepPlan
@@ -26,7 +32,6 @@ from radixrt.model.layer_ops import TorchLayerOps
 from radixrt.model.loader import load_model
 from radixrt.model.model_config import ModelConfig
 from radixrt.model.quant import QuantPlan
-from radixrt.model.quant_matmul import resolve_quant_kernel, vnni_kernel_available
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -85,29 +90,11 @@ def _steps(runner: PagedRunner, fused: bool) -> list[torch.Tensor]:
     return logits
 
 
-CASES = {
-    "qwen2-fp32-dense": ("qwen2", torch.float32, None),
-    "qwen2-bf16-dense": ("qwen2", torch.bfloat16, None),
-    "llama-bf16-gguf": ("llama", torch.bfloat16, "radixrt"),
-    "llama-bf16-gguf-vnni": ("llama", torch.bfloat16, "vnni"),
-}
-
-
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", list(ONE_CALL_CASES))
 def test_one_call_is_bitwise_the_layer_loop(tmp_path: Path, case: str,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    kind, dtype, quant = CASES[case]
-    hf = make_tiny_checkpoint(tmp_path / "hf", kind, seed=7, num_hidden_layers=3,
-                              tie_word_embeddings=True)
-    path, plan = tmp_path / "hf", None
-    if quant is not None:
-        path = write_tiny_gguf(hf, tmp_path / "m.gguf", kind, "Q4_1", "Q8_0")
-        if resolve_quant_kernel("auto") != "radixrt":
-            pytest.skip("radixrt's qgemv kernel unavailable")
-        if quant == "vnni" and not vnni_kernel_available():
-            pytest.skip("no AVX512-VNNI here")
-        # steps of 1-40 rows on both sides of max_rows: the kernels and the dense copies
-        plan = QuantPlan("gguf", max_rows_int4=2, max_rows_int8=8, kernel=quant)
+    # GGUF: steps of 1-40 rows on both sides of max_rows (the kernels and the dense copies)
+    path, dtype, plan = one_call_case_model(tmp_path, case)
     runs, kinds = {}, {}
     for fused in (True, False):
         calls = _Calls(monkeypatch)

@@ -855,6 +855,23 @@ struct DecodeStack : torch::CustomClassHolder {
   }
 };
 
+// A step's first rows from its DecodeStack: the embedding rows of `ids` and the RoPE table rows
+// of `positions` (F.embedding and index_select, as the model's Python has them), and the
+// Stack over them (the DecodeStack was checked when built). Outlives the Stack it makes.
+struct StepRows {
+  Tensor h0, cos, sin;
+
+  StepRows(const DecodeStack& s, const Tensor& ids, const Tensor& positions)
+      : h0(at::embedding(s.embed, ids)),
+        cos(at::index_select(s.cos_table, 0, positions)),
+        sin(at::index_select(s.sin_table, 0, positions)) {}
+
+  Stack stack(const DecodeStack& s, int64_t team_rows) const {
+    return Stack{cos, sin, s.norms, s.weights, s.meta, s.k_buffers, s.v_buffers, s.k_scales,
+                 s.v_scales, s.num_heads, s.num_kv_heads, s.head_dim, s.eps, s.scale, team_rows};
+  }
+};
+
 // The whole decode step up to the LM head: embedding rows of `ids`, RoPE rows of `positions`,
 // decode_layers, the final RMSNorm. The same ops as the model's Python around decode_layers
 // (F.embedding, index_select of the cos / sin tables, add_rms_norm), so bitwise that; what it
@@ -868,15 +885,9 @@ Tensor decode_step(const c10::intrusive_ptr<DecodeStack>& s, const Tensor& ids,
                    int64_t norms_whole, int64_t far_split) {
   TORCH_CHECK(ids.dim() == 1 && positions.dim() == 1 && ids.numel() == positions.numel(),
               "decode_step: ids and positions must be 1-D with one entry per row");
-  const Tensor h0 = at::embedding(s->embed, ids);
-  const Tensor cos = at::index_select(s->cos_table, 0, positions);
-  const Tensor sin = at::index_select(s->sin_table, 0, positions);
-  // the stack was checked when built
-  const Stack st{cos, sin, s->norms, s->weights, s->meta, s->k_buffers, s->v_buffers,
-                 s->k_scales, s->v_scales, s->num_heads, s->num_kv_heads, s->head_dim, s->eps,
-                 s->scale, s->team_rows};
+  const StepRows in(*s, ids, positions);
   const auto [h, residual] = run_stack(
-      st, h0, loc,
+      in.stack(*s, s->team_rows), in.h0, loc,
       {kv_indices, row_start, row_len, group_start, group_len, group_row_ptr, group_rows}, split,
       team, norms_whole, far_split);
   return std::get<0>(Ops::get().add_rms_norm.call(h, residual, s->final_norm, s->final_eps));
@@ -933,14 +944,9 @@ std::tuple<Tensor, Tensor> extend_step(const c10::intrusive_ptr<DecodeStack>& s,
     TORCH_CHECK(!ext.empty() && !ext_tok.has_value() && dec_plan.empty(),
                 "extend_step: a step without dec_tok takes ext alone");
   }
-  const Tensor h0 = at::embedding(s->embed, ids);
-  const Tensor cos = at::index_select(s->cos_table, 0, positions);
-  const Tensor sin = at::index_select(s->sin_table, 0, positions);
-  const Stack st{cos, sin, s->norms, s->weights, s->meta, s->k_buffers, s->v_buffers,
-                 s->k_scales, s->v_scales, s->num_heads, s->num_kv_heads, s->head_dim, s->eps,
-                 s->scale, -1};
+  const StepRows in(*s, ids, positions);
   static const Plan none{};
-  return run_layers(st, h0, loc, none, 0, n, nullptr, &attn);
+  return run_layers(in.stack(*s, -1), in.h0, loc, none, 0, n, nullptr, &attn);
 }
 
 #if RADIXRT_TEAM_WAITS
