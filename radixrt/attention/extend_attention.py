@@ -107,7 +107,5 @@ class ExtendStepPlan:
         """`extend_step`'s (ext, dec_tok, ext_tok, dec_plan)."""
         ext = [] if self.extend is None else [self.extend.kv_indices, self.extend.kv_indptr,
                                               self.extend.loc, self.extend.qo_indptr]
-        d = self.decode
-        dec = [] if d is None else [d.kv_indices, d.row_start, d.row_len, d.group_start,
-                                    d.group_len, d.group_row_ptr, d.group_rows]
+        dec = [] if self.decode is None else list(self.decode.tensors())
         return ext, self.dec_tok, self.ext_tok, dec

@@ -59,6 +59,12 @@ class PagedDecodePlan:
     def num_groups(self) -> int:
         return int(self.group_start.numel())
 
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The plan as the C++ ops take it: (kv_indices, row_start, row_len, group_start,
+        group_len, group_row_ptr, group_rows)."""
+        return (self.kv_indices, self.row_start, self.row_len, self.group_start, self.group_len,
+                self.group_row_ptr, self.group_rows)
+
     @classmethod
     def build(cls, fb: ForwardBatch, groups: Sequence[SharedPrefixGroup] = ()) -> PagedDecodePlan:
         """Decode layout: row b's slots are `fb.kv_indices[kv_indptr[b]:kv_indptr[b+1]]`,
@@ -111,9 +117,7 @@ class PagedDecodePlan:
             return self.run(q, pool.k_buffer[layer_id], pool.v_buffer[layer_id], scale)
         return torch.ops.radixrt.paged_decode_i8(
             q.contiguous(), pool.k_buffer[layer_id], pool.v_buffer[layer_id],
-            pool.k_scale[layer_id], pool.v_scale[layer_id], self.kv_indices, self.row_start,
-            self.row_len, self.group_start, self.group_len, self.group_row_ptr, self.group_rows,
-            float(scale))
+            pool.k_scale[layer_id], pool.v_scale[layer_id], *self.tensors(), float(scale))
 
     def run(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,7 +128,5 @@ class PagedDecodePlan:
         if q.dtype == torch.float32 and pool_dtype == torch.float16:
             pool_dtype = q.dtype
         out, lse = torch.ops.radixrt.paged_decode(
-            q.to(pool_dtype).contiguous(), k_buffer, v_buffer, self.kv_indices, self.row_start,
-            self.row_len, self.group_start, self.group_len, self.group_row_ptr,
-            self.group_rows, float(scale))
+            q.to(pool_dtype).contiguous(), k_buffer, v_buffer, *self.tensors(), float(scale))
         return out.to(q.dtype), lse

@@ -158,9 +158,8 @@ class DecodeLayers:
         stack = self._stack_for(embed, cos_table, sin_table, final_norm, final_eps, k_buffers,
                                 v_buffers, k_scales, v_scales)
         return torch.ops.radixrt.decode_step(
-            stack, ids, positions, loc, plan.kv_indices, plan.row_start, plan.row_len,
-            plan.group_start, plan.group_len, plan.group_row_ptr, plan.group_rows, split, team,
-            self.team_norms_whole, self.team_far_split if far_split is None else far_split)
+            stack, ids, positions, loc, *plan.tensors(), split, team, self.team_norms_whole,
+            self.team_far_split if far_split is None else far_split)
 
     def run_extend(self, ids: torch.Tensor, positions: torch.Tensor, embed: torch.Tensor,
                    cos_table: torch.Tensor, sin_table: torch.Tensor, final_norm: torch.Tensor,

@@ -420,9 +420,8 @@ bool attention_keeps_rows(const TeamMember& m, const Plan& plan, int64_t rows, i
 // torch_native.py), so bitwise its output. Only pools of the model's dtype (checked).
 struct ExtendAttention {
   std::vector<Tensor> ext;  // 4 tensors, or none
-  bool mixed = false;
   Tensor dec_tok, ext_tok;  // int64 token rows (mixed steps; ext_tok undefined without ext)
-  std::optional<Plan> dec;  // mixed steps
+  std::optional<Plan> dec;  // a mixed step's (its presence makes the step mixed)
 
   Tensor extend(const Ops& ops, const Tensor& q, const Tensor& kb, const Tensor& vb,
                 double scale) const {
@@ -434,7 +433,7 @@ struct ExtendAttention {
 
   Tensor run(const Ops& ops, const Tensor& q, const Tensor& kb, const Tensor& vb,
              double scale) const {
-    if (!mixed) return extend(ops, q, kb, vb, scale);
+    if (!dec.has_value()) return extend(ops, q, kb, vb, scale);
     Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
     const Plan& p = *dec;
     const Tensor o = std::get<0>(ops.paged_decode.call(
@@ -921,8 +920,7 @@ std::tuple<Tensor, Tensor> extend_step(const c10::intrusive_ptr<DecodeStack>& s,
   const int64_t n = ids.numel();
   ExtendAttention attn;
   attn.ext = ext.vec();
-  attn.mixed = dec_tok.has_value();
-  if (attn.mixed) {
+  if (dec_tok.has_value()) {
     TORCH_CHECK(dec_plan.size() == 7,
                 "extend_step: a mixed step's dec_plan must hold paged_decode's 7 plan tensors");
     TORCH_CHECK(ext_tok.has_value() == !ext.empty(),
