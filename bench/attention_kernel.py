@@ -87,6 +87,11 @@ from radixrt.core.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from radixrt.mem.memory_pool import ReqToTokenPool, TokenToKVPool  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 9, 3, 64, 30
+# Distinct K/V bytes the "from memory" cases cycle through, at least (up to LAYERS layers): 256
+# MiB until stop 70, when on the AMX Xeon (an LLC reported at 480 MiB) 11 layers of a 64-row
+# batch over 544 keys (280 MB) read at 26 GB/s and all 30 (765 MB, as a real step reads them)
+# at 22.8 GB/s, the rate the op had inside decode steps.
+FROM_MEMORY_BYTES = 1 << 30
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -155,7 +160,7 @@ def _attention_case(dname: str, bs: int, ctx: int, prefix: int, reps: int) -> di
     elem = torch.empty((), dtype=dtype).element_size()
     tokens = prefix + bs * (ctx - prefix)
     per_layer = tokens * KV_HEADS * HEAD_DIM * 2 * elem
-    layers = min(LAYERS, max(2, math.ceil(256 * 2**20 / per_layer)))
+    layers = min(LAYERS, max(2, math.ceil(FROM_MEMORY_BYTES / per_layer)))
     kv = TokenToKVPool(tokens + 8, layers, KV_HEADS, HEAD_DIM, dtype)
     fill_random(kv, tokens + 8)
     fb = decode_batch(ReqToTokenPool(bs, ctx + 1), kv, bs, ctx, prefix)
@@ -533,7 +538,7 @@ def _kernel_case(dname: str, bs: int, ctx: int, prefix: int, reps: int,
                  hot: bool) -> dict[str, Any]:
     """`hot`: one layer's buffers, attended 30 times (K/V from the caches where they fit)."""
     per_layer = _kv_bytes_per_layer(dname, bs, ctx, prefix)
-    layers = 1 if hot else min(LAYERS, max(2, math.ceil(256 * 2**20 / per_layer)))
+    layers = 1 if hot else min(LAYERS, max(2, math.ceil(FROM_MEMORY_BYTES / per_layer)))
     kv, plan, q = _op_case(dname, bs, ctx, prefix, layers)
     args = (plan.kv_indices, plan.row_start, plan.row_len, plan.group_start, plan.group_len,
             plan.group_row_ptr, plan.group_rows)

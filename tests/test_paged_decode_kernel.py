@@ -315,6 +315,76 @@ def test_amx_groups_match_reference_and_the_scan(heads: int, kv_heads: int, dim:
         torch.testing.assert_close(tiles[1], scan[1], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 2, 128), (4, 4, 32),
+                                                        (6, 3, 96), (8, 2, 64), (10, 2, 64),
+                                                        (6, 3, 80)],
+                         ids=lambda v: str(v))
+def test_amx_rows_match_reference_and_the_scan(heads: int, kv_heads: int, dim: int) -> None:
+    """A bf16 row's own keys on AMX tiles (amx_decode.h, the default where usable) against the
+    float64 reference and the vdpbf16ps scan (switched off): the scores' sums run in another
+    order and the softmax steps over 32 keys instead of 16, so outputs agree to P's bf16
+    rounding and the LSE closely. 1-4 query heads per KV head and head dims that are multiples
+    of 32 up to 128 take the tiles (their bits differ from the scan's somewhere); 5 query heads
+    or head dim 80 keep the scan (bitwise). Flat rows and cascade rows (their own keys after
+    the group's prefix), slots scattered, in one run, or in broken runs."""
+    toggle = torch.ops.radixrt.paged_decode_amx_rows
+    previous = toggle(True)
+    if not toggle(previous):
+        pytest.skip("no AMX tiles in this process (CPU, build, hypervisor or kernel)")
+    takes_tiles = heads // kv_heads <= 4 and dim % 32 == 0 and dim <= 128
+    scale = dim**-0.5
+    differed = False
+    for seed, (own, groups) in enumerate([(LENS + [544], []), *CASCADE_CASES[:3]]):
+        c = _case(30 + seed, torch.bfloat16, heads, kv_heads, dim, own, groups)
+        c = dict(c, kb=_head_major(c["kb"]), vb=_head_major(c["vb"]))
+        for name, pos in _positions(c["idx"].numel(), seed).items():
+            moved = _relocated(c, pos, ("kb", "vb"))
+            try:
+                toggle(True)
+                tiles = _run(moved, scale)
+                toggle(False)
+                scan = _run(moved, scale)
+            finally:
+                toggle(previous)
+            ref_out, ref_lse = _reference(moved, scale)
+            torch.testing.assert_close(tiles[0].double(), ref_out, atol=2e-2, rtol=2e-2)
+            torch.testing.assert_close(tiles[1].double(), ref_lse, atol=2e-5, rtol=2e-5)
+            torch.testing.assert_close(tiles[0].float(), scan[0].float(), atol=8e-3, rtol=0)
+            torch.testing.assert_close(tiles[1], scan[1], atol=1e-5, rtol=1e-5)
+            same = torch.equal(tiles[0], scan[0]) and torch.equal(tiles[1], scan[1])
+            assert same or takes_tiles, (name, seed)
+            differed = differed or not same
+    assert differed == takes_tiles
+
+
+def test_amx_rows_keep_each_rows_bits_whatever_the_batch() -> None:
+    """On the tiles too, a row's output and LSE are bitwise the same alone, in a batch of 64
+    and with one or two threads."""
+    toggle = torch.ops.radixrt.paged_decode_amx_rows
+    previous = toggle(True)
+    if not toggle(previous):
+        pytest.skip("no AMX tiles in this process (CPU, build, hypervisor or kernel)")
+    lens = [(7 * i) % 97 + 1 for i in range(64)]
+    c = _case(44, torch.bfloat16, 9, 3, 64, lens, [(50, [3, 8, 20])])
+    threads = torch.get_num_threads()
+    try:
+        toggle(True)
+        out, lse = _run(c, 0.125)
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            again = _run(c, 0.125)
+            assert torch.equal(again[0], out) and torch.equal(again[1], lse), n
+        for b in (0, 5, 63):
+            alone = dict(c, q=c["q"][b: b + 1], row_start=c["row_start"][b: b + 1],
+                         row_len=c["row_len"][b: b + 1], g_start=c["g_start"][:0],
+                         g_len=c["g_len"][:0], g_ptr=c["g_ptr"][:1], g_rows=c["g_rows"][:0])
+            got = _run(alone, 0.125)
+            assert torch.equal(got[0][0], out[b]) and torch.equal(got[1][0], lse[b]), b
+    finally:
+        torch.set_num_threads(threads)
+        toggle(previous)
+
+
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 2, 32), (6, 2, 96),
                                                         (8, 2, 128), (2, 1, 256), (4, 1, 16),
                                                         (6, 3, 80)],

@@ -43,6 +43,7 @@
 #include <torch_headers.h>  // first: precompiled by the build
 
 #include "amx_attention.h"
+#include "amx_decode.h"
 #include "fma_attention.h"
 #include "kv_pool_layout.h"
 #include "lane_attention.h"
@@ -132,6 +133,10 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // 1.39 -> 1.23-1.26 ms, 4 rows 2.46 -> 1.62, 8 rows 3.47 -> 2.19, 16 rows 6.99 -> 3.9-4.1.
 // Benchmarks and tests switch it.
 std::atomic<bool> g_amx{true};
+// Whether a row's own keys (every item outside a cascade group's prefix) pass on AMX tiles
+// where this process may use them (amx_decode.h), instead of the vdpbf16ps scan. Benchmarks and
+// tests switch it (paged_decode_amx_rows).
+std::atomic<bool> g_amx_rows{true};
 // Cascade groups of at least this many rows over a bf16 pool, on CPUs with AVX512-BF16 where
 // AMX tiles are not used, pass over their prefix with the chunk's query rows in vector lanes
 // (lane_attention::attend_all: K read in place, a vertical softmax, V packed in key pairs once
@@ -598,6 +603,34 @@ struct KeyScan : TiledScan<KeyScan<T, D>, typename RowDot<T, D, kBf16Dot<T>>::QT
       fma_attention::attend<T, D>(qs.data(), nq, n, slot_of, no_row_skips, every_key, kbase,
                                   vbase, stride, m, l, acc, sc);
     }
+  }
+
+  // A row's own keys: on AMX tiles where this process uses them for rows (amx_decode.h; every
+  // item of the call alike, so a row's bits never depend on the batch), else the scan.
+  void run(const QType* q, int64_t nq, const int32_t* idx, int64_t n, float* m, float* l,
+           float* acc) const {
+#ifdef RADIXRT_AMX_DECODE
+    if constexpr (kDot && amx_decode::supports(D, 1)) {
+      if (n > 0 && amx_decode::supports(D, nq) && g_amx_rows.load(std::memory_order_relaxed) &&
+          amx_usable()) {
+        alignas(64) float o[amx_decode::kMaxQueries * D];
+        for (int64_t t = 0; t < nq; ++t) {  // natural order -> the pair layout and back
+          __m512 v[NV];
+          load_pair_layout<D>(acc + t * D, v);
+          for (int c = 0; c < NV; ++c) _mm512_store_ps(o + t * D + c * 16, v[c]);
+        }
+        amx_decode::scan<D>(q, static_cast<int>(nq), idx, n, scale, kbase, vbase, stride, m, l,
+                            o, ahead * kBlock16, l1);
+        for (int64_t t = 0; t < nq; ++t) {
+          __m512 v[NV];
+          for (int c = 0; c < NV; ++c) v[c] = _mm512_load_ps(o + t * D + c * 16);
+          store_pair_layout<D>(v, acc + t * D);
+        }
+        return;
+      }
+    }
+#endif
+    Base::run(q, nq, idx, n, m, l, acc);
   }
 
   template <int R>
@@ -1550,6 +1583,16 @@ bool paged_decode_amx(bool enable) {
   return g_amx.exchange(enable);
 }
 
+bool paged_decode_amx_rows(bool enable) {
+#ifdef RADIXRT_AMX_DECODE
+  if (!amx_usable()) return false;
+  return g_amx_rows.exchange(enable);
+#else
+  (void)enable;
+  return false;
+#endif
+}
+
 int64_t paged_decode_lane_groups(int64_t rows) {
 #ifdef RADIXRT_LANE_ATTENTION
   TORCH_CHECK(rows >= -1, "paged_decode_lane_groups: rows must be >= 0 (or -1 to read), got ",
@@ -1611,6 +1654,7 @@ TORCH_LIBRARY(radixrt, m) {
   // this process may use them) or the scan; returns the previous setting (always false where AMX
   // is unusable).
   m.def("paged_decode_amx(bool enable) -> bool", &radixrt_cpu::paged_decode_amx);
+  m.def("paged_decode_amx_rows(bool enable) -> bool", &radixrt_cpu::paged_decode_amx_rows);
   // Benchmarks / tests: from how many rows cascade groups over a bf16 pool pass over their
   // prefix with query rows in vector lanes where AMX is not used (0: never, -1: only read it);
   // returns the previous setting, or -1 where this build has no such path (no AVX512-BF16).
