@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import shlex
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -355,6 +358,23 @@ def test_amx_rows_match_reference_and_the_scan(heads: int, kv_heads: int, dim: i
             assert same or takes_tiles, (name, seed)
             differed = differed or not same
     assert differed == takes_tiles
+
+
+def test_amx_rows_default_follows_the_environment() -> None:
+    """RADIXRT_PD_AMX_ROWS=0 starts a process with rows on the scan (a server A/B); unset, on
+    the tiles where they are usable."""
+    toggle = torch.ops.radixrt.paged_decode_amx_rows
+    previous = toggle(True)
+    if not toggle(previous):
+        pytest.skip("no AMX tiles in this process (CPU, build, hypervisor or kernel)")
+    code = ("import torch; from radixrt.attention import cpu_kernels; "
+            "assert cpu_kernels.load_cpu_kernels(); "
+            "print(torch.ops.radixrt.paged_decode_amx_rows(True))")
+    for env, want in (({"RADIXRT_PD_AMX_ROWS": "0"}, "False"),
+                      ({"RADIXRT_PD_AMX_ROWS": "1"}, "True")):
+        out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env},
+                             capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == want, (env, out.stdout, out.stderr)
 
 
 def test_amx_rows_keep_each_rows_bits_whatever_the_batch() -> None:

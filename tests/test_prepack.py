@@ -197,6 +197,42 @@ def test_amx_fused_silu_mul(inter: int, in_f: int, monkeypatch: pytest.MonkeyPat
         torch.ops.radixrt.amx_linear_silu(x[:4], odd.packed, None)
 
 
+@pytest.mark.parametrize(("out_f", "in_f"), [(96, 64), (1536, 576)])
+@pytest.mark.usefixtures("amx_layout")
+def test_amx_logits_are_the_fp32_sums(out_f: int, in_f: int) -> None:
+    """An AMX-packed weight's `logits` are amx_linear's fp32 sums (`amx_linear_f32`): rounded
+    to bf16 they are bitwise the bf16 call's outputs, and they are within the fp32 sums' error
+    of the exact product (no bf16 rounding), at row counts off the tiles, with a bias, from 512
+    rows (the threads split the rows) and alone against in a batch; invariant calls and calls
+    above AMX_MAX_ROWS round to bf16 first, as before."""
+    g = torch.Generator().manual_seed(out_f)
+    w = DenseWeight((torch.randn(out_f, in_f, generator=g) * 0.05).bfloat16())
+    w.pack()
+    assert w.packed is not None and prepack.is_amx(w.packed)
+    bias = torch.randn(out_f, generator=g).bfloat16()
+    x = torch.randn(prepack.AMX_MAX_ROWS + 1, in_f, generator=g).bfloat16()
+    w64 = w.weight.double()
+    whole = w.logits(x[:300])
+    rounded_once = 0
+    for rows in (1, 7, 16, 17, 33, 64, 300, 517):
+        xs = x[:rows]
+        got = w.logits(xs)
+        assert got.dtype == torch.float32 and got.shape == (rows, out_f)
+        assert torch.equal(got.bfloat16(), w(xs)), rows
+        exact = xs.double() @ w64.t()
+        terms = xs.double().abs() @ w64.abs().t()
+        assert bool(((got.double() - exact).abs() <= in_f * 2.0**-24 * terms).all()), rows
+        rounded_once += int((got != got.bfloat16().float()).sum())
+        assert torch.equal(got[:min(rows, 300)], whole[:min(rows, 300)]), rows
+        with_bias = torch.ops.radixrt.amx_linear_f32(xs, w.packed, bias)
+        assert torch.equal(with_bias.bfloat16(), w(xs, bias)), rows
+    assert rounded_once > 0  # the fp32 sums, not bf16 values widened
+    assert torch.equal(w.logits(x[:5], True), w(x[:5], None, True).float())
+    assert torch.equal(w.logits(x), w(x).float())  # above AMX_MAX_ROWS: the plain weight
+    with pytest.raises(RuntimeError, match="amx_linear_f32: x must be 2-D bfloat16"):
+        torch.ops.radixrt.amx_linear_f32(x[:2].float(), w.packed, None)
+
+
 def test_amx_linear_refuses_bad_input() -> None:
     if not cpu_kernels.load_cpu_kernels() or not torch.ops.radixrt.amx_linear_available():
         pytest.skip("amx_linear cannot run here")

@@ -111,6 +111,12 @@ class DenseWeight(LinearWeight):
             return prepack.packed_linear(x, self.packed, bias)
         return dense_linear(x, self.weight, bias, invariant)
 
+    def logits(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+        if (self.packed is not None and prepack.is_amx(self.packed) and not invariant
+                and x.shape[0] <= prepack.max_rows(self.packed)):
+            return prepack.packed_linear_f32(x, self.packed, None)  # amx_linear's fp32 sums
+        return super().logits(x, invariant)
+
     def silu_mul(self, x: torch.Tensor, bias: torch.Tensor | None, invariant: bool,
                  silu_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         if (self.packed is not None and prepack.is_amx(self.packed) and not invariant

@@ -113,6 +113,14 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor,
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def packed_linear_f32(x: torch.Tensor, packed: torch.Tensor,
+                      bias: torch.Tensor | None) -> torch.Tensor:
+    """`packed_linear`'s fp32 sums before their rounding to bf16 (an LM head's logits), for a
+    weight in amx_linear's layout (`is_amx`)."""
+    y = torch.ops.radixrt.amx_linear_f32(x.reshape(-1, x.shape[-1]), packed, bias)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
 def packed_linear_silu(x: torch.Tensor, packed: torch.Tensor,
                        bias: torch.Tensor | None) -> torch.Tensor:
     """radixrt::silu_mul of `packed_linear(x, packed, bias)` for a `[gate; up]` weight in

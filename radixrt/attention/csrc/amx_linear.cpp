@@ -95,12 +95,14 @@ struct Prefetch {
 // pass's K loop (see Drain). `c`: the pass's four fp32 C tiles (tile t at c + 256 t:
 // rows 16 (t / 2) + 0..15, outputs 16 (t % 2) + 0..15). Kinds:
 // - kStore: row r's 32 outputs + bias, rounded to bf16, at y + r * ldy;
+// - kStoreF32: the same sums + bias as fp32, at y + r * ldy (y then points into an fp32 output,
+//   ldy counted in bf16 elements: twice the fp32 row stride);
 // - kGate: the same values kept in `gate` [32 rows][32] (the gate half of a fused SiLU-mul);
 // - kSilu: silu(gate) * up of the row (up = this pass's rounded outputs), rounded to bf16 at
 //   y + r * ldy, as radixrt::silu_mul rounds it (silu_mul.h; `scalar`: columns past its
 //   vectorised end, which silu_mul runs on the scalar path).
 struct Epilogue {
-  enum Kind { kStore, kGate, kSilu };
+  enum Kind { kStore, kStoreF32, kGate, kSilu };
   const float* c = nullptr;
   const float* bias = nullptr;
   BF16* y = nullptr;
@@ -115,6 +117,12 @@ struct Epilogue {
     if (bias) {
       lo = _mm512_add_ps(lo, _mm512_loadu_ps(bias));
       hi = _mm512_add_ps(hi, _mm512_loadu_ps(bias + 16));
+    }
+    if (kind == kStoreF32) {
+      float* d = reinterpret_cast<float*>(y + r * ldy);
+      _mm512_storeu_ps(d, lo);
+      _mm512_storeu_ps(d + 16, hi);
+      return;
     }
     const __m256i blo = (__m256i)_mm512_cvtneps_pbh(lo), bhi = (__m256i)_mm512_cvtneps_pbh(hi);
     BF16* dst = kind == kGate ? gate + r * 32 : y + r * ldy;
@@ -204,10 +212,11 @@ inline void pass(const BF16* a, int64_t lda, const BF16* w, int64_t ksteps, floa
 // ksteps columns; `tail`: the rows past the last whole 16, padded with zero rows) into y
 // (ldy = its row stride). With `silu`, block j is a gate block whose up block is j + up_offset:
 // each pass over a gate block is followed by one over its up block, and y's block j is their
-// SiLU-mul (the output has up_offset blocks); else y's block j is x W_j^T.
+// SiLU-mul (the output has up_offset blocks); else y's block j is x W_j^T, in fp32 with `f32`
+// (y then points into an fp32 output, ldy in bf16 elements: twice its row stride).
 void run_blocks(const BF16* xa, int64_t m, int64_t k, const BF16* tail, const BF16* w,
                 int64_t ksteps, const float* bias, BF16* y, int64_t ldy, int64_t b0, int64_t b1,
-                bool silu, int64_t up_offset, int64_t vec_end) {
+                bool silu, int64_t up_offset, int64_t vec_end, bool f32) {
   static const TileConfig cfg;
   _tile_loadconfig(&cfg);
   alignas(64) float cbuf[2][4 * 256];
@@ -266,11 +275,12 @@ void run_blocks(const BF16* xa, int64_t m, int64_t k, const BF16* tail, const BF
           while (q < std::min(c1, r + 32)) {
             const int64_t rows = q + 32 <= full ? 32 : (q + 16 <= full ? 16 : m - q);
             const BF16* a = q + 16 <= full ? xa + q * k : tail;
-            BF16* dst = y + q * ldy + nb * kBlock;
+            BF16* dst = y + q * ldy + nb * kBlock * (f32 ? 2 : 1);
             const float* bb = bias ? bias + nb * kBlock : nullptr;
             const BF16* wg = w + nb * ksteps * kBlockElems;
             if (!silu) {
-              one(a, k, rows, wg, Epilogue::kStore, bb, dst, false, pf);
+              one(a, k, rows, wg, f32 ? Epilogue::kStoreF32 : Epilogue::kStore, bb, dst, false,
+                  pf);
             } else {
               const int64_t ub = nb + up_offset;
               one(a, k, rows, wg, Epilogue::kGate, bb, dst, false, pf);
@@ -298,9 +308,10 @@ bool amx_linear_available() {
 }
 
 // Checks and the common call: x [M, K] times packed [N/32, K/32, 2, 16, 32] (+ bias), into y
-// [M, N] or, with `silu`, silu_mul's [M, N/2] of the [gate | up] result.
+// [M, N] (bf16, or with `f32` the fp32 sums unrounded) or, with `silu`, silu_mul's [M, N/2] of
+// the [gate | up] result.
 Tensor linear_impl(const Tensor& x, const Tensor& packed, const std::optional<Tensor>& bias,
-                   bool silu, const char* op) {
+                   bool silu, bool f32, const char* op) {
   TORCH_CHECK(amx_linear_available(), op,
               ": this kernel library or CPU has no usable AMX-BF16 tiles");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, op,
@@ -324,14 +335,17 @@ Tensor linear_impl(const Tensor& x, const Tensor& packed, const std::optional<Te
   }
   const int64_t out_n = silu ? n / 2 : n;
   TeamMember* member = team_member();
-  Tensor y = member != nullptr ? team_empty({m, out_n}, x.options())
-                               : at::empty({m, out_n}, x.options());
+  const auto y_options = f32 ? x.options().dtype(at::kFloat) : x.options();
+  Tensor y = member != nullptr ? team_empty({m, out_n}, y_options)
+                               : at::empty({m, out_n}, y_options);
   if (m == 0) return y;
 #if defined(RADIXRT_AMX_LINEAR)
   const Tensor xc = x.contiguous();
   const auto* xa = xc.data_ptr<BF16>();
   const auto* w = packed.data_ptr<BF16>();
-  auto* yp = y.data_ptr<BF16>();
+  // the output as bf16 elements (an fp32 output's rows are twice as long in them)
+  auto* yp = static_cast<BF16*>(y.data_ptr());
+  const int64_t ldy = f32 ? 2 * out_n : out_n;
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   const int64_t full = m / 16 * 16;
   std::vector<BF16> tail;  // the last rows short of a tile, padded with zero rows
@@ -351,19 +365,20 @@ Tensor linear_impl(const Tensor& x, const Tensor& packed, const std::optional<Te
     member->quantize_whole = false;
     const auto [b0, b1] = member->rows(blocks);
     if (b0 < b1) {
-      run_blocks(xa, m, k, tail.data(), w, ksteps, bp, yp, out_n, b0, b1, silu, blocks,
-                 vec_end);
+      run_blocks(xa, m, k, tail.data(), w, ksteps, bp, yp, ldy, b0, b1, silu, blocks, vec_end,
+                 f32);
     }
     member->barrier();
   } else if (m >= kSplitRows && at::get_num_threads() > 1) {
     at::parallel_for(0, (m + 31) / 32, 1, [&](int64_t r0, int64_t r1) {
       const int64_t q0 = r0 * 32, q1 = std::min(m, r1 * 32);
-      run_blocks(xa + q0 * k, q1 - q0, k, tail.data(), w, ksteps, bp, yp + q0 * out_n, out_n, 0,
-                 blocks, silu, blocks, vec_end);
+      run_blocks(xa + q0 * k, q1 - q0, k, tail.data(), w, ksteps, bp, yp + q0 * ldy, ldy, 0,
+                 blocks, silu, blocks, vec_end, f32);
     });
   } else {
     at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-      run_blocks(xa, m, k, tail.data(), w, ksteps, bp, yp, out_n, b0, b1, silu, blocks, vec_end);
+      run_blocks(xa, m, k, tail.data(), w, ksteps, bp, yp, ldy, b0, b1, silu, blocks, vec_end,
+                 f32);
     });
   }
 #endif
@@ -371,12 +386,18 @@ Tensor linear_impl(const Tensor& x, const Tensor& packed, const std::optional<Te
 }
 
 Tensor amx_linear(const Tensor& x, const Tensor& packed, const std::optional<Tensor>& bias) {
-  return linear_impl(x, packed, bias, false, "amx_linear");
+  return linear_impl(x, packed, bias, false, false, "amx_linear");
+}
+
+// amx_linear's fp32 sums (+ bias) before its rounding to bf16, as an fp32 [M, N] (an LM head's
+// logits: a bf16 logit near 20 is only good to 0.125).
+Tensor amx_linear_f32(const Tensor& x, const Tensor& packed, const std::optional<Tensor>& bias) {
+  return linear_impl(x, packed, bias, false, true, "amx_linear_f32");
 }
 
 // silu_mul(amx_linear(x, packed, bias)) bitwise, without the [M, N] intermediate.
 Tensor amx_linear_silu(const Tensor& x, const Tensor& packed, const std::optional<Tensor>& bias) {
-  return linear_impl(x, packed, bias, true, "amx_linear_silu");
+  return linear_impl(x, packed, bias, true, false, "amx_linear_silu");
 }
 
 }  // namespace
@@ -385,10 +406,12 @@ Tensor amx_linear_silu(const Tensor& x, const Tensor& packed, const std::optiona
 TORCH_LIBRARY_FRAGMENT(radixrt, m) {
   m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
   m.def("amx_linear_silu(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
+  m.def("amx_linear_f32(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
   m.def("amx_linear_available() -> bool", &radixrt_cpu::amx_linear_available);
 }
 
 TORCH_LIBRARY_IMPL(radixrt, CPU, m) {
   m.impl("amx_linear", &radixrt_cpu::amx_linear);
   m.impl("amx_linear_silu", &radixrt_cpu::amx_linear_silu);
+  m.impl("amx_linear_f32", &radixrt_cpu::amx_linear_f32);
 }

@@ -134,9 +134,13 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Benchmarks and tests switch it.
 std::atomic<bool> g_amx{true};
 // Whether a row's own keys (every item outside a cascade group's prefix) pass on AMX tiles
-// where this process may use them (amx_decode.h), instead of the vdpbf16ps scan. Benchmarks and
-// tests switch it (paged_decode_amx_rows).
-std::atomic<bool> g_amx_rows{true};
+// where this process may use them (amx_decode.h), instead of the vdpbf16ps scan: yes unless
+// RADIXRT_PD_AMX_ROWS=0 is in the environment (a server A/B); benchmarks and tests switch it
+// (paged_decode_amx_rows).
+std::atomic<bool> g_amx_rows{[] {
+  const char* env = std::getenv("RADIXRT_PD_AMX_ROWS");
+  return env == nullptr || std::strcmp(env, "0") != 0;
+}()};
 // Cascade groups of at least this many rows over a bf16 pool, on CPUs with AVX512-BF16 where
 // AMX tiles are not used, pass over their prefix with the chunk's query rows in vector lanes
 // (lane_attention::attend_all: K read in place, a vertical softmax, V packed in key pairs once
