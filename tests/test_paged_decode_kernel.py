@@ -327,9 +327,10 @@ def test_amx_rows_match_reference_and_the_scan(heads: int, kv_heads: int, dim: i
     float64 reference and the vdpbf16ps scan (switched off): the scores' sums run in another
     order and the softmax steps over 32 keys instead of 16, so outputs agree to P's bf16
     rounding and the LSE closely. 1-4 query heads per KV head and head dims that are multiples
-    of 32 up to 128 take the tiles (their bits differ from the scan's somewhere); 5 query heads
-    or head dim 80 keep the scan (bitwise). Flat rows and cascade rows (their own keys after
-    the group's prefix), slots scattered, in one run, or in broken runs."""
+    of 32 up to 128 take the tiles from 256 own keys (their bits differ from the scan's
+    somewhere); rows with fewer, 5 query heads and head dim 80 keep the scan (bitwise). Flat
+    rows and cascade rows (their own keys after the group's prefix), slots scattered, in one
+    run, or in broken runs."""
     toggle = torch.ops.radixrt.paged_decode_amx_rows
     previous = toggle(True)
     if not toggle(previous):
@@ -337,7 +338,9 @@ def test_amx_rows_match_reference_and_the_scan(heads: int, kv_heads: int, dim: i
     takes_tiles = heads // kv_heads <= 4 and dim % 32 == 0 and dim <= 128
     scale = dim**-0.5
     differed = False
-    for seed, (own, groups) in enumerate([(LENS + [544], []), *CASCADE_CASES[:3]]):
+    cases = [(LENS + [255, 256, 544], []), ([260, 5, 300, 33], [(40, [0, 1, 2])]),
+             *CASCADE_CASES[:2]]
+    for seed, (own, groups) in enumerate(cases):
         c = _case(30 + seed, torch.bfloat16, heads, kv_heads, dim, own, groups)
         c = dict(c, kb=_head_major(c["kb"]), vb=_head_major(c["vb"]))
         for name, pos in _positions(c["idx"].numel(), seed).items():
@@ -356,6 +359,9 @@ def test_amx_rows_match_reference_and_the_scan(heads: int, kv_heads: int, dim: i
             torch.testing.assert_close(tiles[1], scan[1], atol=1e-5, rtol=1e-5)
             same = torch.equal(tiles[0], scan[0]) and torch.equal(tiles[1], scan[1])
             assert same or takes_tiles, (name, seed)
+            for b, n in enumerate(own):  # short rows keep the scan
+                if n < 256:
+                    assert torch.equal(tiles[0][b], scan[0][b]), (name, seed, b)
             differed = differed or not same
     assert differed == takes_tiles
 
@@ -384,7 +390,7 @@ def test_amx_rows_keep_each_rows_bits_whatever_the_batch() -> None:
     previous = toggle(True)
     if not toggle(previous):
         pytest.skip("no AMX tiles in this process (CPU, build, hypervisor or kernel)")
-    lens = [(7 * i) % 97 + 1 for i in range(64)]
+    lens = [200 + (37 * i) % 200 for i in range(64)]  # around the tiles' 256 keys
     c = _case(44, torch.bfloat16, 9, 3, 64, lens, [(50, [3, 8, 20])])
     threads = torch.get_num_threads()
     try:

@@ -1,6 +1,7 @@
 // One decode row's keys on AMX tiles (TDPBF16PS): the paged-decode scan of a (row, KV head)
 // item of a bf16 pool, its few query heads (the GQA group: 1-4) against the row's own keys,
-// for CPUs with AMX-BF16 (paged_decode.cpp's KeyScan::run takes it where amx_usable()).
+// for CPUs with AMX-BF16 (paged_decode.cpp's KeyScan::run takes it where amx_usable() and the
+// row has kAmxRowsMinKeys own keys or more).
 //
 // The vdpbf16ps scan spends most of its instructions on arithmetic that tiles do in bulk: per
 // key and query two dot products and a share of a 16-way transpose-reduce, and per key pair the

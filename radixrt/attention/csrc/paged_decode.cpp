@@ -137,6 +137,13 @@ std::atomic<bool> g_amx{true};
 // where this process may use them (amx_decode.h), instead of the vdpbf16ps scan: yes unless
 // RADIXRT_PD_AMX_ROWS=0 is in the environment (a server A/B); benchmarks and tests switch it
 // (paged_decode_amx_rows).
+// Own keys from which a row takes the tiles: below, the per-call cost (tile configuration, the
+// queries' Qᵀ, the state's layout) outweighs the arithmetic saved. A row's path then depends on
+// its own key count, never on the batch. The op alone, 64 rows, 30 layers from memory (and one
+// layer 30 times), tiles against the scan: 16 keys 0.68x (0.68x), 32 0.96x (1.07x), 64 1.04x
+// (1.00x), 128 0.98x (1.04x), 256 1.02x (1.07x), 544 1.05-1.07x (1.12x); in the server at 64
+// concurrent with every row on the tiles, gsp (cascade rows, few own keys) read 0.98x.
+constexpr int64_t kAmxRowsMinKeys = 256;
 std::atomic<bool> g_amx_rows{[] {
   const char* env = std::getenv("RADIXRT_PD_AMX_ROWS");
   return env == nullptr || std::strcmp(env, "0") != 0;
@@ -609,13 +616,15 @@ struct KeyScan : TiledScan<KeyScan<T, D>, typename RowDot<T, D, kBf16Dot<T>>::QT
     }
   }
 
-  // A row's own keys: on AMX tiles where this process uses them for rows (amx_decode.h; every
-  // item of the call alike, so a row's bits never depend on the batch), else the scan.
+  // A row's own keys: on AMX tiles where this process uses them for rows and the row has
+  // kAmxRowsMinKeys of them or more (amx_decode.h; a row's bits never depend on the batch),
+  // else the scan.
   void run(const QType* q, int64_t nq, const int32_t* idx, int64_t n, float* m, float* l,
            float* acc) const {
 #ifdef RADIXRT_AMX_DECODE
     if constexpr (kDot && amx_decode::supports(D, 1)) {
-      if (n > 0 && amx_decode::supports(D, nq) && g_amx_rows.load(std::memory_order_relaxed) &&
+      if (n >= kAmxRowsMinKeys && amx_decode::supports(D, nq) &&
+          g_amx_rows.load(std::memory_order_relaxed) &&
           amx_usable()) {
         alignas(64) float o[amx_decode::kMaxQueries * D];
         for (int64_t t = 0; t < nq; ++t) {  // natural order -> the pair layout and back
