@@ -291,6 +291,34 @@ def test_large_group_matches_reference_and_keeps_each_rows_bits(dtype: torch.dty
         torch.set_num_threads(threads)
 
 
+def _amx_switch(toggle: Any) -> bool:
+    """The setting of an AMX on/off op (`paged_decode_amx`, `paged_decode_amx_rows`), or a skip
+    where this process has no AMX tiles."""
+    previous = toggle(True)
+    if not toggle(previous):
+        pytest.skip("no AMX tiles in this process (CPU, build, hypervisor or kernel)")
+    return previous
+
+
+def _tiles_against_scan(c: dict[str, Any], scale: float, toggle: Any,
+                        previous: bool) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+    """`c` run with `toggle` on and off (then back to `previous`): both results, after checking
+    the tiles' against the float64 reference and the scan's (P's bf16 rounding apart)."""
+    try:
+        toggle(True)
+        tiles = _run(c, scale)
+        toggle(False)
+        scan = _run(c, scale)
+    finally:
+        toggle(previous)
+    ref_out, ref_lse = _reference(c, scale)
+    torch.testing.assert_close(tiles[0].double(), ref_out, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(tiles[1].double(), ref_lse, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(tiles[0].float(), scan[0].float(), atol=8e-3, rtol=0)
+    torch.testing.assert_close(tiles[1], scan[1], atol=1e-5, rtol=1e-5)
+    return tiles, scan
+
+
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 2, 32), (6, 2, 96),
                                                         (8, 2, 128)], ids=lambda v: str(v))
 def test_amx_groups_match_reference_and_the_scan(heads: int, kv_heads: int, dim: int) -> None:
@@ -298,24 +326,10 @@ def test_amx_groups_match_reference_and_the_scan(heads: int, kv_heads: int, dim:
     and against the vdpbf16ps / fp32 scan (switched off): only P's bf16 rounding differs. The
     LSE comes from the same fp32 scores and sums, so it agrees closely too."""
     toggle = torch.ops.radixrt.paged_decode_amx
-    previous = toggle(True)
-    if not toggle(previous):
-        pytest.skip("no AMX tiles in this process (CPU, build, hypervisor or kernel)")
-    scale = dim**-0.5
+    previous = _amx_switch(toggle)
     for own, groups in CASCADE_CASES:
         c = _case(21, torch.bfloat16, heads, kv_heads, dim, own, groups)
-        try:
-            toggle(True)
-            tiles = _run(c, scale)
-            toggle(False)
-            scan = _run(c, scale)
-        finally:
-            toggle(previous)
-        ref_out, ref_lse = _reference(c, scale)
-        torch.testing.assert_close(tiles[0].double(), ref_out, atol=2e-2, rtol=2e-2)
-        torch.testing.assert_close(tiles[1].double(), ref_lse, atol=2e-5, rtol=2e-5)
-        torch.testing.assert_close(tiles[0].float(), scan[0].float(), atol=8e-3, rtol=0)
-        torch.testing.assert_close(tiles[1], scan[1], atol=1e-5, rtol=1e-5)
+        _tiles_against_scan(c, dim**-0.5, toggle, previous)
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 2, 128), (4, 4, 32),
@@ -332,9 +346,7 @@ def test_amx_rows_match_reference_and_the_scan(heads: int, kv_heads: int, dim: i
     rows and cascade rows (their own keys after the group's prefix), slots scattered, in one
     run, or in broken runs."""
     toggle = torch.ops.radixrt.paged_decode_amx_rows
-    previous = toggle(True)
-    if not toggle(previous):
-        pytest.skip("no AMX tiles in this process (CPU, build, hypervisor or kernel)")
+    previous = _amx_switch(toggle)
     takes_tiles = heads // kv_heads <= 4 and dim % 32 == 0 and dim <= 128
     scale = dim**-0.5
     differed = False
@@ -345,18 +357,7 @@ def test_amx_rows_match_reference_and_the_scan(heads: int, kv_heads: int, dim: i
         c = dict(c, kb=_head_major(c["kb"]), vb=_head_major(c["vb"]))
         for name, pos in _positions(c["idx"].numel(), seed).items():
             moved = _relocated(c, pos, ("kb", "vb"))
-            try:
-                toggle(True)
-                tiles = _run(moved, scale)
-                toggle(False)
-                scan = _run(moved, scale)
-            finally:
-                toggle(previous)
-            ref_out, ref_lse = _reference(moved, scale)
-            torch.testing.assert_close(tiles[0].double(), ref_out, atol=2e-2, rtol=2e-2)
-            torch.testing.assert_close(tiles[1].double(), ref_lse, atol=2e-5, rtol=2e-5)
-            torch.testing.assert_close(tiles[0].float(), scan[0].float(), atol=8e-3, rtol=0)
-            torch.testing.assert_close(tiles[1], scan[1], atol=1e-5, rtol=1e-5)
+            tiles, scan = _tiles_against_scan(moved, scale, toggle, previous)
             same = torch.equal(tiles[0], scan[0]) and torch.equal(tiles[1], scan[1])
             assert same or takes_tiles, (name, seed)
             for b, n in enumerate(own):  # short rows keep the scan
@@ -367,12 +368,9 @@ def test_amx_rows_match_reference_and_the_scan(heads: int, kv_heads: int, dim: i
 
 
 def test_amx_rows_default_follows_the_environment() -> None:
-    """RADIXRT_PD_AMX_ROWS=0 starts a process with rows on the scan (a server A/B); unset, on
-    the tiles where they are usable."""
-    toggle = torch.ops.radixrt.paged_decode_amx_rows
-    previous = toggle(True)
-    if not toggle(previous):
-        pytest.skip("no AMX tiles in this process (CPU, build, hypervisor or kernel)")
+    """RADIXRT_PD_AMX_ROWS=0 starts a process with rows on the scan (a server A/B); any other
+    value, or none, on the tiles where they are usable."""
+    _amx_switch(torch.ops.radixrt.paged_decode_amx_rows)
     code = ("import torch; from radixrt.attention import cpu_kernels; "
             "assert cpu_kernels.load_cpu_kernels(); "
             "print(torch.ops.radixrt.paged_decode_amx_rows(True))")
@@ -387,9 +385,7 @@ def test_amx_rows_keep_each_rows_bits_whatever_the_batch() -> None:
     """On the tiles too, a row's output and LSE are bitwise the same alone, in a batch of 64
     and with one or two threads."""
     toggle = torch.ops.radixrt.paged_decode_amx_rows
-    previous = toggle(True)
-    if not toggle(previous):
-        pytest.skip("no AMX tiles in this process (CPU, build, hypervisor or kernel)")
+    previous = _amx_switch(toggle)
     lens = [200 + (37 * i) % 200 for i in range(64)]  # around the tiles' 256 keys
     c = _case(44, torch.bfloat16, 9, 3, 64, lens, [(50, [3, 8, 20])])
     threads = torch.get_num_threads()
