@@ -25,9 +25,11 @@
 #include "amx_tiles.h"
 #include "vec_util.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #if defined(RADIXRT_AMX_TILES) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
     defined(CPU_CAPABILITY_AVX512)
