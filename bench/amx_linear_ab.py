@@ -6,8 +6,9 @@ under the op namespace `radixrt_baseline`, same flags), and the fused `amx_linea
     python bench/amx_linear_ab.py --rev HEAD --rows 64 512 1024
 
 Each of SmolLM2's four layer matmuls (qkv [960, 576], o [576, 576], gate_up [3072, 576], down
-[576, 1536]) over 30 random bf16 weights in turn (~212 MB: from memory, as in a prefill), the
-same activations; gate_up also as the MLP's first half (`+silu`): the old build's linear then
+[576, 1536]) over random bf16 weights in turn, the same activations: 30 of them, or as many as
+make 1 GiB (bench/attention_kernel.py FROM_MEMORY_BYTES: 30 of one shape, 20-106 MB, stay in a
+large LLC, as on the AMX Xeon of stop 70), so that they come from memory, as in a step; gate_up also as the MLP's first half (`+silu`): the old build's linear then
 `silu_mul`, and this checkout's fused op. Prints medians per call (µs) and old / new ratios.
 """
 
@@ -55,7 +56,7 @@ def main() -> None:
     args = ap.parse_args()
     if not (cpu_kernels.load_cpu_kernels() and prepack.amx_available()):
         sys.exit("amx_linear_ab: this CPU or build has no usable AMX-BF16 linear")
-    from bench.attention_kernel import interleaved, load_baseline
+    from bench.attention_kernel import FROM_MEMORY_BYTES, interleaved, load_baseline
 
     load_baseline(args.rev, "amx_linear.cpp")
     torch.set_num_threads(args.threads)
@@ -65,8 +66,9 @@ def main() -> None:
     for rows in args.rows:
         line = [f"rows {rows:5d}"]
         for name, (n, k) in SHAPES.items():
+            copies = max(LAYERS, -(-FROM_MEMORY_BYTES // (n * k * 2)))
             weights = [prepack.amx_pack((torch.randn(n, k, generator=g) * 0.05).bfloat16())
-                       for _ in range(LAYERS)]
+                       for _ in range(copies)]
             x = torch.randn(rows, k, generator=g).bfloat16()
             if not torch.equal(new(x, weights[0], None), old(x, weights[0], None)):
                 sys.exit(f"amx_linear_ab: {name} at {rows} rows differs from {args.rev}")
@@ -77,7 +79,7 @@ def main() -> None:
                 fns["fused"] = _loop(lambda a, w: torch.ops.radixrt.amx_linear_silu(a, w, None),
                                      x, weights)
             med = interleaved(fns, args.reps)
-            us = {f: med[f] / LAYERS * 1e6 for f in fns}
+            us = {f: med[f] / copies * 1e6 for f in fns}
             line.append(f"{name} {us['old']:.0f}->{us['new']:.0f} ({us['old'] / us['new']:.2f}x)")
             if name == "gate_up":
                 line.append(f"gate_up+silu {us['old+silu']:.0f}->{us['fused']:.0f} "
