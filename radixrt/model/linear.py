@@ -104,16 +104,18 @@ class DenseWeight(LinearWeight):
         """Keep a packed copy of the weight as it is now (call after its last change)."""
         self.packed = prepack.pack(self.weight)
 
+    def _on_packed(self, rows: int, invariant: bool) -> bool:
+        return (self.packed is not None and not invariant
+                and rows <= prepack.max_rows(self.packed))
+
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None,
                 invariant: bool = False) -> torch.Tensor:
-        if (self.packed is not None and not invariant
-                and x.shape[0] <= prepack.max_rows(self.packed)):
+        if self._on_packed(x.shape[0], invariant):
             return prepack.packed_linear(x, self.packed, bias)
         return dense_linear(x, self.weight, bias, invariant)
 
     def logits(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
-        if (self.packed is not None and prepack.is_amx(self.packed) and not invariant
-                and x.shape[0] <= prepack.max_rows(self.packed)):
+        if self._on_packed(x.shape[0], invariant) and prepack.is_amx(self.packed):
             return prepack.packed_linear_f32(x, self.packed, None)  # amx_linear's fp32 sums
         return super().logits(x, invariant)
 

@@ -63,20 +63,11 @@ struct Scratch {
 
 // The tiles: 0 Sᵀ (16 keys x nq fp32), 1 K (16 keys x 32 dims), 2 Qᵀ (16 dim pairs x nq),
 // 3 P (nq x 32 keys), 4 V pairs (16 key pairs x 16 dims), 5 O (nq x 16 dims).
-struct alignas(64) DecodeTiles {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
+// TileConfig's 16 x 64 bytes, but for Sᵀ and Qᵀ (nq columns) and P and O (nq rows).
+struct DecodeTiles : TileConfig {
   explicit DecodeTiles(int nq) {
-    const uint16_t qcols = static_cast<uint16_t>(4 * nq);
-    const uint8_t qrows = static_cast<uint8_t>(nq);
-    colsb[0] = qcols, rows[0] = 16;
-    colsb[1] = 64, rows[1] = 16;
-    colsb[2] = qcols, rows[2] = 16;
-    colsb[3] = 64, rows[3] = qrows;
-    colsb[4] = 64, rows[4] = 16;
-    colsb[5] = 64, rows[5] = qrows;
+    colsb[0] = colsb[2] = static_cast<uint16_t>(4 * nq);
+    rows[3] = rows[5] = static_cast<uint8_t>(nq);
   }
 };
 

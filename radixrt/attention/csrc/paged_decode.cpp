@@ -133,10 +133,6 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // 1.39 -> 1.23-1.26 ms, 4 rows 2.46 -> 1.62, 8 rows 3.47 -> 2.19, 16 rows 6.99 -> 3.9-4.1.
 // Benchmarks and tests switch it.
 std::atomic<bool> g_amx{true};
-// Whether a row's own keys (every item outside a cascade group's prefix) pass on AMX tiles
-// where this process may use them (amx_decode.h), instead of the vdpbf16ps scan: yes unless
-// RADIXRT_PD_AMX_ROWS=0 is in the environment (a server A/B); benchmarks and tests switch it
-// (paged_decode_amx_rows).
 // Own keys from which a row takes the tiles: below, the per-call cost (tile configuration, the
 // queries' Qᵀ, the state's layout) outweighs the arithmetic saved. A row's path then depends on
 // its own key count, never on the batch. The op alone, 64 rows, 30 layers from memory (and one
@@ -144,6 +140,10 @@ std::atomic<bool> g_amx{true};
 // (1.00x), 128 0.98x (1.04x), 256 1.02x (1.07x), 544 1.05-1.07x (1.12x); in the server at 64
 // concurrent with every row on the tiles, gsp (cascade rows, few own keys) read 0.98x.
 constexpr int64_t kAmxRowsMinKeys = 256;
+// Whether a row's own keys (every item outside a cascade group's prefix) pass on AMX tiles
+// where this process may use them (amx_decode.h), instead of the vdpbf16ps scan: yes unless
+// RADIXRT_PD_AMX_ROWS=0 is in the environment (a server A/B); benchmarks and tests switch it
+// (paged_decode_amx_rows).
 std::atomic<bool> g_amx_rows{[] {
   const char* env = std::getenv("RADIXRT_PD_AMX_ROWS");
   return env == nullptr || std::strcmp(env, "0") != 0;
@@ -320,6 +320,21 @@ inline void store_pair_layout(const __m512* v, float* acc) {
     _mm512_storeu_ps(acc + c * 32, _mm512_permutex2var_ps(v[2 * c], to_n0, v[2 * c + 1]));
     _mm512_storeu_ps(acc + c * 32 + 16, _mm512_permutex2var_ps(v[2 * c], to_n1, v[2 * c + 1]));
   }
+}
+
+// One row of D floats into the pair layout / back to natural order, as stored vectors (src may
+// be dst).
+template <int D>
+inline void to_pair_layout(const float* src, float* dst) {
+  __m512 v[D / 16];
+  load_pair_layout<D>(src, v);
+  for (int c = 0; c < D / 16; ++c) _mm512_storeu_ps(dst + c * 16, v[c]);
+}
+template <int D>
+inline void from_pair_layout(const float* src, float* dst) {
+  __m512 v[D / 16];
+  for (int c = 0; c < D / 16; ++c) v[c] = _mm512_loadu_ps(src + c * 16);
+  store_pair_layout<D>(v, dst);
 }
 
 // How a key row is held for the dot products with the tile's queries.
@@ -550,11 +565,7 @@ struct KeyScan : TiledScan<KeyScan<T, D>, typename RowDot<T, D, kBf16Dot<T>>::QT
   static void load_queries(const S* src, int64_t n, float scale, QType* dst) {
     Base::load_queries(src, n, scale, dst);
     if constexpr (kUnpack) {
-      for (int64_t i = 0; i < n; ++i) {
-        __m512 v[NV];
-        load_pair_layout<D>(dst + i * D, v);
-        for (int c = 0; c < NV; ++c) _mm512_storeu_ps(dst + i * D + c * 16, v[c]);
-      }
+      for (int64_t i = 0; i < n; ++i) to_pair_layout<D>(dst + i * D, dst + i * D);
     }
   }
 
@@ -624,21 +635,12 @@ struct KeyScan : TiledScan<KeyScan<T, D>, typename RowDot<T, D, kBf16Dot<T>>::QT
 #ifdef RADIXRT_AMX_DECODE
     if constexpr (kDot && amx_decode::supports(D, 1)) {
       if (n >= kAmxRowsMinKeys && amx_decode::supports(D, nq) &&
-          g_amx_rows.load(std::memory_order_relaxed) &&
-          amx_usable()) {
-        alignas(64) float o[amx_decode::kMaxQueries * D];
-        for (int64_t t = 0; t < nq; ++t) {  // natural order -> the pair layout and back
-          __m512 v[NV];
-          load_pair_layout<D>(acc + t * D, v);
-          for (int c = 0; c < NV; ++c) _mm512_store_ps(o + t * D + c * 16, v[c]);
-        }
+          g_amx_rows.load(std::memory_order_relaxed) && amx_usable()) {
+        alignas(64) float o[amx_decode::kMaxQueries * D];  // the state in the pair layout
+        for (int64_t t = 0; t < nq; ++t) to_pair_layout<D>(acc + t * D, o + t * D);
         amx_decode::scan<D>(q, static_cast<int>(nq), idx, n, scale, kbase, vbase, stride, m, l,
                             o, ahead * kBlock16, l1);
-        for (int64_t t = 0; t < nq; ++t) {
-          __m512 v[NV];
-          for (int c = 0; c < NV; ++c) v[c] = _mm512_load_ps(o + t * D + c * 16);
-          store_pair_layout<D>(v, acc + t * D);
-        }
+        for (int64_t t = 0; t < nq; ++t) from_pair_layout<D>(o + t * D, acc + t * D);
         return;
       }
     }
