@@ -15,7 +15,10 @@ layout (blocks of 32 outputs x 32 inputs, 2 KiB per K step of a 32-output block)
   spread over the group's K steps; four C tiles (32 rows x 32 outputs) per pass;
 - `amx_linear-nopf`: the same without the software prefetch;
 - `1-block-nopf`: groups of one block (both row blocks over it in turn), no software prefetch;
-- `32-rows` / `32-rows-nopf`: one 32-row block only (half the arithmetic per weight byte).
+- `32-rows` / `32-rows-nopf`: one 32-row block only (half the arithmetic per weight byte);
+- `int8`: `amx_linear`'s passes on int8 codes (TDPBUSD, one scale per output row and per
+  activation row, so the sums run over all of K): twice the weights per byte and per tile op,
+  i.e. what a per-channel int8 (W8A8) copy of the weights would stream at 64 rows.
 From memory the buffer is 1 GiB (more than this VM's LLC holds of it); from L2, 1 MiB cycled,
 so the figure is the structure's arithmetic rate expressed in weight bytes. With the compute
 rate c and the memory rate m, full overlap reads at min(c, m), none at 1 / (1/c + 1/m).
@@ -62,9 +65,10 @@ constexpr int64_t kStep = 2048;  // weight bytes per K step of a 32-output block
 
 bool amx_ready() { return syscall(SYS_arch_prctl, 0x1023, 18) == 0; }
 
-// Weight GB/s of one sweep over `w` (kind 0: tiles only, 1: the linear's passes) with
-// `row_blocks` 32-row blocks of `a` (bf16 [64, K]), groups of `group_bytes`, software prefetch
-// of the next group on or off.
+// Weight GB/s of one sweep over `w` (kind 0: tiles only, 1: the linear's passes in bf16, 2: the
+// same passes on int8 codes, TDPBUSD: 64 inputs per 2 KiB step) with `row_blocks` 32-row blocks
+// of `a` (64 rows of K bf16, or of 2K int8 for kind 2: the same bytes a row), groups of
+// `group_bytes`, software prefetch of the next group on or off.
 double sweep(torch::Tensor w, torch::Tensor a, int64_t k, int64_t kind, int64_t row_blocks,
              int64_t group_bytes, bool prefetch) {
   const char* wb = static_cast<const char*>(w.data_ptr());
@@ -104,12 +108,19 @@ double sweep(torch::Tensor w, torch::Tensor a, int64_t k, int64_t kind, int64_t 
               }
               _tile_loadd(4, x + kb * 64, lda);
               _tile_loadd(6, wn + kb * kStep, 64);
-              _tile_dpbf16ps(0, 4, 6);
               _tile_loadd(7, wn + kb * kStep + kStep / 2, 64);
-              _tile_dpbf16ps(1, 4, 7);
               _tile_loadd(5, x + 16 * lda + kb * 64, lda);
-              _tile_dpbf16ps(2, 5, 6);
-              _tile_dpbf16ps(3, 5, 7);
+              if (kind == 2) {  // int8: 64 inputs a step, int32 sums
+                _tile_dpbusd(0, 4, 6);
+                _tile_dpbusd(1, 4, 7);
+                _tile_dpbusd(2, 5, 6);
+                _tile_dpbusd(3, 5, 7);
+              } else {  // bf16: 32 inputs a step, fp32 sums
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+              }
             }
             _tile_stored(0, c[0], 64); _tile_stored(1, c[1], 64);
             _tile_stored(2, c[2], 64); _tile_stored(3, c[3], 64);
@@ -131,6 +142,7 @@ CASES = {
     "1-block-nopf": (1, 2, 1, False),
     "32-rows": (1, 1, 256 << 10, True),
     "32-rows-nopf": (1, 1, 256 << 10, False),
+    "int8": (2, 2, 256 << 10, True),
 }
 FROM_MEMORY = 1 << 30
 FROM_L2 = 1 << 20
@@ -141,7 +153,7 @@ def _build():  # noqa: ANN202 (a compiled module)
 
     return cpp_extension.load_inline(
         name="radixrt_amx_stream", cpp_sources=[_SOURCE], functions=["amx_ready", "sweep"],
-        extra_cflags=["-O3", "-fopenmp", "-mavx512f", "-mamx-tile", "-mamx-bf16"],
+        extra_cflags=["-O3", "-fopenmp", "-mavx512f", "-mamx-tile", "-mamx-bf16", "-mamx-int8"],
         extra_ldflags=["-fopenmp"])
 
 
@@ -152,8 +164,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="sweeps per case (the best is kept)")
     ap.add_argument("--out", help="write the rows as JSON here")
     args = ap.parse_args()
-    if not {"amx_tile", "amx_bf16"} <= cpu_kernels.cpu_flags():
-        sys.exit("amx_stream: this CPU has no AMX-BF16 tiles")
+    if not {"amx_tile", "amx_bf16", "amx_int8"} <= cpu_kernels.cpu_flags():
+        sys.exit("amx_stream: this CPU has no AMX-BF16 / AMX-INT8 tiles")
     mod = _build()
     if not mod.amx_ready():
         sys.exit("amx_stream: the kernel did not grant this process the AMX tile state")
