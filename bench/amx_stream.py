@@ -41,7 +41,7 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
-from bench.common import cpu_name  # noqa: E402
+from bench.common import cpu_name, markdown_table  # noqa: E402
 from radixrt.attention import cpu_kernels  # noqa: E402
 
 _SOURCE = r"""
@@ -65,17 +65,16 @@ constexpr int64_t kStep = 2048;  // weight bytes per K step of a 32-output block
 
 bool amx_ready() { return syscall(SYS_arch_prctl, 0x1023, 18) == 0; }
 
-// Weight GB/s of one sweep over `w` (kind 0: tiles only, 1: the linear's passes in bf16, 2: the
+// One sweep over `w` (kind 0: tiles only, 1: the linear's passes in bf16, 2: the
 // same passes on int8 codes, TDPBUSD: 64 inputs per 2 KiB step) with `row_blocks` 32-row blocks
 // of `a` (64 rows of K bf16, or of 2K int8 for kind 2: the same bytes a row), groups of
 // `group_bytes`, software prefetch of the next group on or off.
-double sweep(torch::Tensor w, torch::Tensor a, int64_t k, int64_t kind, int64_t row_blocks,
-             int64_t group_bytes, bool prefetch) {
+void sweep(torch::Tensor w, torch::Tensor a, int64_t k, int64_t kind, int64_t row_blocks,
+           int64_t group_bytes, bool prefetch) {
   const char* wb = static_cast<const char*>(w.data_ptr());
   const char* ab = static_cast<const char*>(a.data_ptr());
   const int64_t ksteps = k / 32, block = ksteps * kStep, blocks = w.numel() / block;
   const int64_t lda = k * 2;
-  const double t0 = omp_get_wtime();
 #pragma omp parallel num_threads(2)
   {
     const int id = omp_get_thread_num();
@@ -130,7 +129,6 @@ double sweep(torch::Tensor w, torch::Tensor a, int64_t k, int64_t kind, int64_t 
     }
     _tile_release();
   }
-  return static_cast<double>(w.numel()) / (omp_get_wtime() - t0) / 1e9;
 }
 """
 
@@ -144,8 +142,9 @@ CASES = {
     "32-rows-nopf": (1, 1, 256 << 10, False),
     "int8": (2, 2, 256 << 10, True),
 }
-FROM_MEMORY = 1 << 30
-FROM_L2 = 1 << 20
+# Where the weights come from: (buffer bytes, sweeps timed together): one sweep of 1 GiB, many
+# of a buffer that stays in L2.
+SOURCES = {"memory": (1 << 30, 1), "L2": (1 << 20, 200)}
 
 
 def _build():  # noqa: ANN202 (a compiled module)
@@ -173,31 +172,25 @@ def main() -> None:
     for k in args.k:
         block = k // 32 * 2048
         a = torch.randn(64, k).bfloat16()
-        for where, size in (("memory", FROM_MEMORY), ("L2", FROM_L2)):
+        for where, (size, sweeps) in SOURCES.items():
             w = torch.randint(-2**15, 2**15, (size // block * block // 2,),
                               dtype=torch.int16).view(torch.uint8)
             w = w & 0x3F  # small exponents: finite bf16 values
             row = {"k": k, "from": where}
             for name, (kind, rbs, gbytes, pf) in CASES.items():
                 best = 0.0
-                if where == "memory":
-                    for _ in range(args.reps):
-                        best = max(best, mod.sweep(w, a, k, kind, rbs, gbytes, pf))
-                else:  # many short sweeps of a buffer that stays in L2
-                    for _ in range(args.reps):
-                        n = 200
-                        t = time.perf_counter()
-                        for _ in range(n):
-                            mod.sweep(w, a, k, kind, rbs, gbytes, pf)
-                        best = max(best, n * w.numel() / (time.perf_counter() - t) / 1e9)
+                for _ in range(args.reps):
+                    t = time.perf_counter()
+                    for _ in range(sweeps):
+                        mod.sweep(w, a, k, kind, rbs, gbytes, pf)
+                    gbps = sweeps * w.numel() / (time.perf_counter() - t) / 1e9
+                    best = max(best, gbps)
                 row[name] = round(best, 1)
             rows.append(row)
             print(json.dumps(row), flush=True)
     print("\nWeight GB/s on 2 threads, best of --reps, by loop structure\n")
-    print("| K | from | " + " | ".join(CASES) + " |")
-    print("|---|---|" + "---|" * len(CASES))
-    for r in rows:
-        print(f"| {r['k']} | {r['from']} | " + " | ".join(f"{r[c]}" for c in CASES) + " |")
+    print(markdown_table(["K", "from", *CASES], ([r["k"], r["from"], *(r[c] for c in CASES)]
+                                                  for r in rows)))
     if args.out:
         Path(args.out).write_text(json.dumps({"cpu": cpu_name(), "threads": 2, "rows": rows},
                                              indent=1))
