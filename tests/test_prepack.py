@@ -233,6 +233,115 @@ def test_amx_logits_are_the_fp32_sums(out_f: int, in_f: int) -> None:
         torch.ops.radixrt.amx_linear_f32(x[:2].float(), w.packed, None)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.usefixtures("amx_layout")
+def test_amx_greedy_ids_are_the_argmax_of_the_fp32_logits(threads: int) -> None:
+    """`amx_linear_argmax` (`DenseWeight.greedy_ids` on an AMX-packed weight) is bitwise
+    `row_argmax(amx_linear_f32(x))` without writing the logits: at row counts off the tiles,
+    with a bias, from 512 rows (the threads split the rows), at 1 and 2 threads (each run's
+    picks merged after the call); ties go to the first column whichever run and lane holds
+    each copy, a row holding NaN gives its first NaN although a larger value comes earlier, a
+    row whose outputs are all equal gives 0. Invariant calls and calls above AMX_MAX_ROWS get
+    None (the caller takes the logits)."""
+    from radixrt.sampling.sampler import row_argmax
+
+    torch.set_num_threads(threads)
+    out_f, in_f = 1536, 576  # 48 N blocks: each thread holds half of the columns
+    g = torch.Generator().manual_seed(21)
+    w = (torch.randn(out_f, in_f, generator=g) * 0.05).bfloat16()
+    x = torch.randn(600, in_f, generator=g).bfloat16()
+    # column 900 sums inf * x0 - inf * x1: NaN where x0, x1 share a sign (or one is 0), else
+    # +-inf (the other rows: each of the three at random)
+    w[900, :2] = torch.tensor([float("inf"), float("-inf")])
+    x[0, :2] = torch.tensor([-1.0, 1.0])  # row 0: -inf at 900
+    best = x[0].float().sign().bfloat16() * 2  # row 0's largest output, far above the rest
+    copies = [37, 42, 517, 1100, out_f - 3]  # lanes 5, 10, 5, 12, 13; both threads' columns
+    for c in copies:
+        w[c] = best
+    x[1] = best * 0.25  # row 1: its largest finite output at 37 ...
+    x[1, :2] = 1.0  # ... and a NaN later, at 900
+    x[2] = 0.0  # row 2: every output 0 but a NaN at 900 (0 * inf)
+    dense = DenseWeight(w)
+    dense.pack()
+    assert dense.packed is not None and prepack.is_amx(dense.packed)
+    bias = torch.randn(out_f, generator=g)
+    for rows in (1, 4, 7, 16, 17, 33, 64, 300, 517, 600):
+        xs = x[:rows]
+        for b in (None, bias):
+            logits = torch.ops.radixrt.amx_linear_f32(xs, dense.packed, b)
+            ids = torch.ops.radixrt.amx_linear_argmax(xs, dense.packed, b)
+            assert ids.dtype == torch.int64 and torch.equal(ids, row_argmax(logits)), (rows, b)
+        assert torch.equal(dense.greedy_ids(xs), row_argmax(dense.logits(xs)))
+    ids = dense.greedy_ids(x[:3])
+    assert ids is not None and ids.tolist() == [37, 900, 900]
+    assert dense.greedy_ids(x[:5], invariant=True) is None
+    big = torch.randn(prepack.AMX_MAX_ROWS + 1, in_f, generator=g).bfloat16()
+    assert dense.greedy_ids(big) is None
+    finite = prepack.amx_pack(w[:512])
+    zero = torch.zeros(3, in_f, dtype=torch.bfloat16)
+    assert torch.ops.radixrt.amx_linear_argmax(zero, finite, None).tolist() == [0, 0, 0]
+    assert torch.ops.radixrt.amx_linear_argmax(x[:0], dense.packed, None).shape == (0,)
+    with pytest.raises(RuntimeError, match="amx_linear_argmax: x must be 2-D bfloat16"):
+        torch.ops.radixrt.amx_linear_argmax(x[:2].float(), dense.packed, None)
+    with pytest.raises(RuntimeError, match="amx_linear_argmax: bias must be"):
+        torch.ops.radixrt.amx_linear_argmax(x[:2], dense.packed, bias[:5])
+
+
+@pytest.mark.usefixtures("amx_layout")
+def test_a_greedy_step_over_an_amx_packed_head_skips_the_logits(tmp_path: Path,
+                                                                 forced: object) -> None:
+    """`forward_greedy` on a model whose LM head is AMX-packed (a GGUF model's dense copy above
+    the vnni kernel's rows, and a bf16 model's own weight): no logits, and the ids are
+    `row_argmax` of `forward`'s logits, for an extend batch and decode batches (the C++
+    one-call step); at the kernel's rows the GGUF head still returns logits and ids."""
+    from radixrt.core.forward_batch import ForwardBatch, ForwardMode
+    from radixrt.sampling.sampler import row_argmax
+
+    if not cpu_kernels.load_cpu_kernels():
+        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
+    forced("1")  # type: ignore[operator]
+    hf = make_tiny_checkpoint(tmp_path / "hf", "llama", seed=6, num_hidden_layers=2,
+                              tie_word_embeddings=True)
+    cases: list[tuple[Path, QuantPlan | None]] = [(tmp_path / "hf", None)]
+    if vnni_kernel_available():
+        gguf = write_tiny_gguf(hf, tmp_path / "m.gguf", "llama", "Q4_1", "Q8_0")
+        cases.append((gguf, QuantPlan("gguf", max_rows_int4=2, max_rows_int8=2,
+                                      kernel="vnni")))
+    for path, plan in cases:
+        model, _ = load_model(path, None, torch.bfloat16, "cpu",
+                              model_config=ModelConfig.from_path(path), quant=plan)
+        assert pack_dense_weights(model) > 0
+        r = PagedRunner.for_model(model)
+        rows = [r.new_request() for _ in range(5)]
+        gen = torch.Generator().manual_seed(7)
+        chunks = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (3, 9, 1, 17, 6)]
+        mode = ForwardMode.EXTEND
+        for _ in range(4):
+            ext = [len(c) for c in chunks]
+            prefix = [r.cached[row] for row in rows]
+            r.req_pool.write(rows, prefix, ext, r.kv_pool.alloc(sum(ext)))
+            fb = ForwardBatch.build(mode, [t for c in chunks for t in c], rows, prefix, ext,
+                                    r.req_pool.req_to_token)
+            model.attn_backend.init_forward_metadata(fb)
+            logits = model(fb)  # writes the step's K/V; the greedy pass writes the same again
+            model.attn_backend.init_forward_metadata(fb)
+            lg, ids = model.forward_greedy(fb)
+            assert lg is None and ids is not None, (path.name, mode)
+            assert torch.equal(ids, row_argmax(logits)), (path.name, mode)
+            for row, e in zip(rows, ext, strict=True):
+                r.cached[row] += e
+            chunks, mode = [[t] for t in ids.tolist()], ForwardMode.DECODE
+        r.kv_pool.check_invariants()
+        if plan is not None:  # 2 rows: the vnni kernel writes the logits and picks
+            fb = ForwardBatch.build(ForwardMode.DECODE, [5, 6], rows[:2],
+                                    [r.cached[row] for row in rows[:2]], [1, 1],
+                                    r.req_pool.req_to_token)
+            r.req_pool.write(rows[:2], fb.prefix_lens_cpu, [1, 1], r.kv_pool.alloc(2))
+            model.attn_backend.init_forward_metadata(fb)
+            lg, ids = model.forward_greedy(fb)
+            assert lg is not None and ids is not None and torch.equal(ids, row_argmax(lg))
+
+
 def test_amx_linear_refuses_bad_input() -> None:
     if not cpu_kernels.load_cpu_kernels() or not torch.ops.radixrt.amx_linear_available():
         pytest.skip("amx_linear cannot run here")

@@ -169,6 +169,22 @@ def test_fast_path_takes_the_picked_greedy_ids_and_only_there() -> None:
         assert ids[:3] == logits[:3].argmax(-1).tolist()
 
 
+def test_a_greedy_step_without_logits_takes_the_picked_ids_only_there() -> None:
+    """No logits (an LM head that picked the ids without writing them): an all-greedy step
+    samples the ids; any other step, or no ids, is refused rather than guessed."""
+    picked = torch.tensor([3, 1])
+    info = build([SamplingParams(temperature=0)] * 2, 30)
+    assert Sampler().sample(None, info, picked).next_token_ids == [3, 1]
+    with pytest.raises(ValueError, match="greedy_ids must be"):
+        Sampler().sample(None, info, picked[:1])
+    with pytest.raises(ValueError, match="logits are required"):
+        Sampler().sample(None, info)
+    for other in (SamplingParams(temperature=0, logprobs=True), SamplingParams(temperature=0.7)):
+        info = build([SamplingParams(temperature=0), other], 30)
+        with pytest.raises(ValueError, match="logits are required"):
+            Sampler().sample(None, info, picked)
+
+
 def test_mixed_batch_greedy_rows_are_argmax() -> None:
     torch.manual_seed(1)
     logits = torch.randn(8, 40)

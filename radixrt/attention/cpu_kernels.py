@@ -217,6 +217,10 @@ def _register_fakes() -> None:
         return (x.new_empty(x.shape[0], packed.shape[0] * 16, dtype=torch.float32),
                 x.new_empty(x.shape[0], dtype=torch.int64))
 
+    @torch.library.register_fake("radixrt::amx_linear_argmax")
+    def _(x, packed, bias):
+        return x.new_empty(x.shape[0], dtype=torch.int64)
+
     @torch.library.register_fake("radixrt::rms_norm")
     def _(x, weight, eps):
         return x.new_empty(x.shape)

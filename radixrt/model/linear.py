@@ -70,6 +70,12 @@ class LinearWeight(nn.Module, ABC):
         the logits (bitwise `sampler.row_argmax(logits)`), else None in its place."""
         return self.logits(x, invariant), None
 
+    def greedy_ids(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor | None:
+        """Each row's argmax over `logits(x)` (int64 `[M]`, bitwise `sampler.row_argmax`) where
+        a kernel picks it without writing the logits, else None (the caller takes
+        `logits_argmax`)."""
+        return None
+
     def silu_mul(self, x: torch.Tensor, bias: torch.Tensor | None, invariant: bool,
                  silu_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """`silu_mul(self(x, bias, invariant))` for a `[gate; up]` weight (`silu_mul` bitwise
@@ -118,6 +124,12 @@ class DenseWeight(LinearWeight):
         if self._on_packed(x.shape[0], invariant) and prepack.is_amx(self.packed):
             return prepack.packed_linear_f32(x, self.packed, None)  # amx_linear's fp32 sums
         return super().logits(x, invariant)
+
+    def greedy_ids(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor | None:
+        if (x.dim() == 2 and self._on_packed(x.shape[0], invariant)
+                and prepack.is_amx(self.packed)):
+            return prepack.packed_linear_argmax(x, self.packed, None)  # logits as `logits`
+        return None
 
     def silu_mul(self, x: torch.Tensor, bias: torch.Tensor | None, invariant: bool,
                  silu_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -194,6 +206,11 @@ class QuantizedWeight(LinearWeight):
         if self._on_dense(x.shape[0], invariant):
             return self.dense.logits(x, invariant)
         return self._on_kernel(x, invariant, f32=True)
+
+    def greedy_ids(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor | None:
+        if self._on_dense(x.shape[0], invariant):
+            return self.dense.greedy_ids(x, invariant)
+        return None
 
     def logits_argmax(self, x: torch.Tensor,
                       invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -278,31 +278,39 @@ class LlamaForCausalLM(nn.Module):
         `ModelRunner.forward` does), so it can plan, e.g. for CUDA graphs, outside the model.
         """
         logits, hidden, _ = self._forward(fb, greedy=False)
+        assert logits is not None  # only a greedy head may leave them out
         return logits, hidden
 
     @torch.inference_mode()
-    def forward_greedy(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward_greedy(self, fb: ForwardBatch
+                       ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """`forward`'s logits and each row's argmax over them (int64 `[B]`, bitwise
-        `sampler.row_argmax(logits)`) where the LM head's kernel picks it while writing the
-        logits (`LinearWeight.logits_argmax`), else None in its place. Metadata as in
-        `forward_scored`; `fb` scores no prompt rows."""
+        `sampler.row_argmax(logits)`) where the LM head's kernel picks it, else None in its
+        place. Logits are None where the kernel picks the ids without writing them
+        (`LinearWeight.greedy_ids`; the ids are then set), else what `forward` returns
+        (`LinearWeight.logits_argmax`). Metadata as in `forward_scored`; `fb` scores no prompt
+        rows."""
         if fb.score_rows is not None:
             raise ValueError("forward_greedy: the batch scores prompt rows (use forward_scored)")
         logits, _, ids = self._forward(fb, greedy=True)
         return logits, ids
 
     def _head(self, last: torch.Tensor, fb: ForwardBatch,
-              greedy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+              greedy: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The LM head over the normed `last` rows: logits, and their argmax with `greedy`
-        where the head's kernel picks it."""
+        where the head's kernel picks it (then without the logits, None, where it can)."""
         invariant = invariant_step(self.attn_backend, fb)
         if greedy:
+            ids = self.lm_head.greedy_ids(last, invariant)
+            if ids is not None:
+                return None, ids
             return self.lm_head.logits_argmax(last, invariant)
         return self.lm_head.logits(last, invariant), None
 
     def _forward(self, fb: ForwardBatch, greedy: bool
-                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """(logits, the scored rows' hidden states or None, the logits' argmax or None)."""
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """(logits (None only with `greedy`, see `_head`), the scored rows' hidden states or
+        None, the logits' argmax or None)."""
         attn = self.attn_backend
         if attn is None:
             raise RuntimeError("LlamaForCausalLM.attn_backend is not set")

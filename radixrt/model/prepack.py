@@ -121,6 +121,14 @@ def packed_linear_f32(x: torch.Tensor, packed: torch.Tensor,
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
+def packed_linear_argmax(x: torch.Tensor, packed: torch.Tensor,
+                         bias: torch.Tensor | None) -> torch.Tensor:
+    """Each row's argmax over `packed_linear_f32(x, packed, bias)` (int64 `[M]`, bitwise
+    `sampler.row_argmax` of those logits) without the logits (amx_linear_argmax), for a weight
+    in amx_linear's layout (`is_amx`) and a 2-D x."""
+    return torch.ops.radixrt.amx_linear_argmax(x, packed, bias)
+
+
 def packed_linear_silu(x: torch.Tensor, packed: torch.Tensor,
                        bias: torch.Tensor | None) -> torch.Tensor:
     """radixrt::silu_mul of `packed_linear(x, packed, bias)` for a `[gate; up]` weight in

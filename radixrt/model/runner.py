@@ -217,11 +217,13 @@ class ModelRunner:
         return self.model(fb)
 
     @torch.inference_mode()
-    def forward_greedy(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`forward`'s logits and, where the LM head's kernel picks them as it writes the
-        logits, each row's argmax (bitwise `sampler.row_argmax(logits)`; None elsewhere: CUDA
-        graphs, a compiled step, a dense or torch-kernel head). For steps whose rows are all
-        greedy (`SamplingBatchInfo.is_fast_path`): the argmax is then the sample."""
+    def forward_greedy(self, fb: ForwardBatch
+                       ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """`forward`'s logits and, where the LM head's kernel picks them, each row's argmax
+        (bitwise `sampler.row_argmax(logits)`; None elsewhere: CUDA graphs, a compiled step, a
+        torch-kernel head). The logits are None where the head picked the ids without writing
+        them (`LlamaForCausalLM.forward_greedy`). For steps whose rows are all greedy
+        (`SamplingBatchInfo.is_fast_path`): the argmax is then the sample."""
         if (self.cuda_graphs is not None and self.cuda_graphs.can_run(fb)) or (
                 self.compiled is not None and fb.is_decode):
             return self.forward(fb), None

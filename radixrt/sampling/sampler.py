@@ -262,21 +262,27 @@ class Sampler:
                 u[j] = torch.rand((), dtype=torch.float64, generator=gen)
         return u.to(device)
 
-    def sample(self, logits: Tensor, info: SamplingBatchInfo,
+    def sample(self, logits: Tensor | None, info: SamplingBatchInfo,
                greedy_ids: Tensor | None = None) -> SampleOutput:
         """Pick one token per row of `logits` [B, V] (float32; other dtypes are upcast).
         `greedy_ids`: `row_argmax(logits)` already picked (`ModelRunner.forward_greedy`), the
-        sample when every row is greedy (`info.is_fast_path`); ignored otherwise."""
-        if logits.dim() != 2 or logits.shape != (info.batch_size, info.vocab_size):
-            raise ValueError(
-                f"logits must be [{info.batch_size}, {info.vocab_size}], got {tuple(logits.shape)}"
-            )
+        sample when every row is greedy (`info.is_fast_path`); ignored otherwise. `logits` may
+        be None only with such a step's `greedy_ids` (a head that picked them without writing
+        the logits)."""
         batch = info.batch_size
+        if logits is not None and (logits.dim() != 2
+                                   or logits.shape != (batch, info.vocab_size)):
+            raise ValueError(
+                f"logits must be [{batch}, {info.vocab_size}], got {tuple(logits.shape)}"
+            )
+        if info.is_fast_path and greedy_ids is not None:
+            if greedy_ids.shape != (batch,):
+                raise ValueError(f"greedy_ids must be [{batch}], got {tuple(greedy_ids.shape)}")
+            return SampleOutput(greedy_ids.tolist(), [None] * batch)
+        if logits is None:
+            raise ValueError("logits are required unless every row is greedy and greedy_ids "
+                             "are given")
         if info.is_fast_path:
-            if greedy_ids is not None:
-                if greedy_ids.shape != (batch,):
-                    raise ValueError(f"greedy_ids must be [{batch}], got {tuple(greedy_ids.shape)}")
-                return SampleOutput(greedy_ids.tolist(), [None] * batch)
             return SampleOutput(row_argmax(logits).tolist(), [None] * batch)
         if logits.is_cuda:  # FlashInfer's fused kernels where they cover the rows' settings
             ids = flashinfer_sample(logits, info)

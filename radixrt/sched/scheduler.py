@@ -370,13 +370,15 @@ class Scheduler:
             fb = self.builder.build_decode(reqs)
         t1 = time.perf_counter()
         # The step's sampling settings first: a step whose rows are all greedy takes the argmax
-        # the LM head picks as it writes the logits (ModelRunner.forward_greedy).
+        # the LM head picks as it computes the logits, then perhaps without them
+        # (ModelRunner.forward_greedy).
         vocab_mask = self._grammar_masks(reqs)
         tg = time.perf_counter()
         picks = self._pick_rows(reqs) if mode == "decode" else None
         info = self._sampling_info(reqs, picks, vocab_mask)
         ti = time.perf_counter()
         greedy_ids = None
+        logits: torch.Tensor | None
         if fb.score_rows is not None:
             top_k = max((sc.top_k for sc, _ in self.builder.scored), default=0)
             logits, scores = self.runner.forward_scored(fb, top_k)
@@ -387,8 +389,9 @@ class Scheduler:
             logits = self.runner.forward(fb)
         t2 = time.perf_counter()
         if picks is not None:
-            rows_t = torch.tensor(picks, dtype=torch.int64, device=logits.device)
-            logits = logits.index_select(0, rows_t)
+            rows_t = torch.tensor(picks, dtype=torch.int64)
+            if logits is not None:
+                logits = logits.index_select(0, rows_t.to(logits.device))
             if greedy_ids is not None:
                 greedy_ids = greedy_ids.index_select(0, rows_t.to(greedy_ids.device))
         sample = self.sampler.sample(logits, info, greedy_ids)

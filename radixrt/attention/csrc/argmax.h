@@ -1,6 +1,7 @@
 // Row argmax shared by radixrt's CPU kernels: argmax.cpp (argmax_rows over whole rows) and the
-// matmuls that pick greedy ids while they write logits (qgemm_vnni.cpp, qgemv.cpp: each thread
-// over the columns it computed, the threads' picks merged after the call).
+// matmuls that pick greedy ids while they compute logits (qgemm_vnni.cpp, qgemv.cpp: each
+// thread over the columns it wrote; amx_linear.cpp: over its fp32 sums, never stored; the
+// threads' picks merged after the call).
 //
 // Order (torch.argmax's): the largest value, the lowest index among equals; a row holding a NaN
 // gives its first NaN. It is a total order on (value, index) pairs, so picks over column ranges
@@ -9,13 +10,21 @@
 #pragma once
 
 #include <ATen/cpu/vec/vec.h>
+#include <c10/util/Exception.h>
 
 #include "vec_util.h"
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace radixrt_cpu {
 
@@ -136,5 +145,86 @@ inline RowPick range_pick(const T* x, int64_t c0, int64_t c1) {
   }
   return p;
 }
+
+#if defined(__AVX512F__)
+// One row's 16 lanes over the columns a run has visited, in increasing column order: each lane
+// keeps its largest value and the first column reaching it (only a strictly greater value
+// replaces), and the row its first NaN; `reduce` gives the run's RowPick.
+struct LanePick16 {
+  __m512 vmax;
+  __m512i vidx;
+  int64_t first_nan = -1;
+  bool started = false;
+
+  void visit(const float* y, int32_t column) { visit(_mm512_loadu_ps(y), column); }
+
+  // Columns column .. column + 15 holding v.
+  void visit(__m512 v, int32_t column) {
+    const __m512i idx =
+        _mm512_add_epi32(_mm512_set1_epi32(column),
+                         _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    if (nan != 0 && first_nan < 0) first_nan = column + __builtin_ctz(nan);
+    if (!started) {
+      vmax = v;
+      vidx = idx;
+      started = true;
+      return;
+    }
+    const __mmask16 gt = _mm512_cmp_ps_mask(v, vmax, _CMP_GT_OQ);
+    vmax = _mm512_mask_mov_ps(vmax, gt, v);
+    vidx = _mm512_mask_mov_epi32(vidx, gt, idx);
+  }
+
+  RowPick reduce() const {
+    RowPick p;
+    if (!started) return p;
+    alignas(64) float m[16];
+    alignas(64) int32_t ix[16];
+    _mm512_store_ps(m, vmax);
+    _mm512_store_si512(ix, vidx);
+    p.value = m[0];
+    p.column = ix[0];
+    for (int64_t l = 1; l < 16; ++l) {
+      if (m[l] > p.value || (m[l] == p.value && ix[l] < p.column)) {
+        p.value = m[l];
+        p.column = ix[l];
+      }
+    }
+    p.first_nan = first_nan;
+    return p;
+  }
+};
+#endif  // __AVX512F__
+
+// The picks of one call: each run claims a slot of `runs` (at most `slots` runs) and fills the
+// rows it computed.
+struct Picks {
+  int64_t m = 0, slots = 0;
+  std::vector<RowPick> runs;  // [slots, m]
+  std::atomic<int64_t> claimed{0};
+  const char* op;  // named in errors
+
+  Picks(int64_t rows, int64_t max_runs, const char* op_name)
+      : m(rows), slots(max_runs), runs(static_cast<size_t>(rows * max_runs)), op(op_name) {}
+
+  // A run's slot (raises past `slots`).
+  int64_t claim() {
+    const int64_t slot = claimed.fetch_add(1, std::memory_order_acq_rel);
+    TORCH_CHECK(slot < slots, op, ": more runs than threads");
+    return slot;
+  }
+
+  // Each row's index into `out` (int64 [m]).
+  void finish(int64_t* out) const {
+    const int64_t n = std::min(claimed.load(std::memory_order_acquire), slots);
+    for (int64_t r = 0; r < m; ++r) {
+      RowPick p;
+      for (int64_t s = 0; s < n; ++s) p = merge_picks(p, runs[s * m + r]);
+      TORCH_CHECK(p.column >= 0, op, ": row ", r, " was not computed");
+      out[r] = p.index();
+    }
+  }
+};
 
 }  // namespace radixrt_cpu

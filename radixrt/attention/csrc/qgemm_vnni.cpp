@@ -369,50 +369,8 @@ inline void quantize_group_from(const In* src, int64_t q, int64_t i, int32_t cod
   quantize_group(lo, hi, q, i, code_offset, a);
 }
 
-// One row's lanes over the columns a run has visited.
-struct LanePick {
-  __m512 vmax;
-  __m512i vidx;
-  int64_t first_nan = -1;
-  bool started = false;
-
-  void visit(const float* y, int32_t column) {
-    const __m512 v = _mm512_loadu_ps(y);
-    const __m512i idx =
-        _mm512_add_epi32(_mm512_set1_epi32(column),
-                         _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
-    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    if (nan != 0 && first_nan < 0) first_nan = column + __builtin_ctz(nan);
-    if (!started) {
-      vmax = v;
-      vidx = idx;
-      started = true;
-      return;
-    }
-    const __mmask16 gt = _mm512_cmp_ps_mask(v, vmax, _CMP_GT_OQ);
-    vmax = _mm512_mask_mov_ps(vmax, gt, v);
-    vidx = _mm512_mask_mov_epi32(vidx, gt, idx);
-  }
-
-  RowPick reduce() const {
-    RowPick p;
-    if (!started) return p;
-    alignas(64) float m[kTile];
-    alignas(64) int32_t ix[kTile];
-    _mm512_store_ps(m, vmax);
-    _mm512_store_si512(ix, vidx);
-    p.value = m[0];
-    p.column = ix[0];
-    for (int64_t l = 1; l < kTile; ++l) {
-      if (m[l] > p.value || (m[l] == p.value && ix[l] < p.column)) {
-        p.value = m[l];
-        p.column = ix[l];
-      }
-    }
-    p.first_nan = first_nan;
-    return p;
-  }
-};
+// One row's 16 lanes (argmax.h).
+using LanePick = LanePick16;
 
 #endif  // RADIXRT_QGEMM_VNNI
 
@@ -683,7 +641,7 @@ inline void quantize_group_from(const In* src, int64_t q, int64_t i, int32_t cod
   corr[i] = -code_offset * sum;
 }
 
-// One row's 8 lanes over the columns a run has visited (as the VNNI path's 16-lane LanePick).
+// One row's 8 lanes over the columns a run has visited (as argmax.h's 16-lane LanePick16).
 struct LanePick {
   __m256 vmax;
   __m256i vidx;
@@ -926,28 +884,6 @@ struct alignas(64) ShareCounter {
 // same whatever the runs: torch.argmax's (and radixrt::argmax_rows's) index (`RowPick`,
 // `merge_picks`: argmax.h).
 
-// The picks of one call: each run claims a slot of `runs` (at most `slots` runs) and fills the
-// rows it computed.
-struct Picks {
-  int64_t m = 0, slots = 0;
-  std::vector<RowPick> runs;  // [slots, m]
-  std::atomic<int64_t> claimed{0};
-
-  Picks(int64_t rows, int64_t max_runs)
-      : m(rows), slots(max_runs), runs(static_cast<size_t>(rows * max_runs)) {}
-
-  // Each row's index into `out` (int64 [m]).
-  void finish(int64_t* out) const {
-    const int64_t n = std::min(claimed.load(std::memory_order_acquire), slots);
-    for (int64_t r = 0; r < m; ++r) {
-      RowPick p;
-      for (int64_t s = 0; s < n; ++s) p = merge_picks(p, runs[s * m + r]);
-      TORCH_CHECK(p.column >= 0, "qgemm_vnni_f32_argmax: row ", r, " was not computed");
-      out[r] = p.index();
-    }
-  }
-};
-
 // quantize_then_work on a decode team (team.h): each member quantizes its equal share of the
 // rows (m.rows, the row split of the team's row ops), the team meets, each member runs its
 // equal run of the items, then takes the others' last ones (TeamMember::run_items;
@@ -1103,7 +1039,7 @@ Tensor qgemm_vnni_impl(const Tensor& xc, bool silu, const Tensor& packed, int64_
   const bool serial = items == 1 || threads == 1 || m * n * k < 2 * kMinWeightsPerTask;
   // One run per thread at most (quantize_then_work's slots, or one; never in a team).
   std::optional<Picks> pick_runs;
-  if (picks != nullptr) pick_runs.emplace(m, std::min(threads, items));
+  if (picks != nullptr) pick_runs.emplace(m, std::min(threads, items), "qgemm_vnni_f32_argmax");
   auto run = [&](auto* yp) {
     using Out = std::remove_pointer_t<decltype(yp)>;
     auto work = [&](int64_t i0, int64_t i1) {
@@ -1130,8 +1066,7 @@ Tensor qgemm_vnni_impl(const Tensor& xc, bool silu, const Tensor& packed, int64_
         }
       }
       if (!lanes.empty()) {
-        const int64_t slot = pick_runs->claimed.fetch_add(1, std::memory_order_acq_rel);
-        TORCH_CHECK(slot < pick_runs->slots, "qgemm_vnni_f32_argmax: more runs than threads");
+        const int64_t slot = pick_runs->claim();
         for (int64_t r = 0; r < m; ++r) pick_runs->runs[slot * m + r] = lanes[r].reduce();
       }
     };
