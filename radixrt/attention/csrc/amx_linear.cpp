@@ -330,32 +330,68 @@ bool amx_linear_available() {
 #endif
 }
 
+// A call's checked inputs (named `op` in errors): x [M, K] bfloat16 and packed [N/32, K/32, 2,
+// 16, 32] alike in K, the bias [N] in fp32; `rows()` x contiguous and `tail()` its last rows
+// short of a tile padded with zero rows (both made on first use).
+struct CallInputs {
+  int64_t m = 0, k = 0, blocks = 0, ksteps = 0;
+  Tensor x, bias_f;
+  Tensor xc;
+  std::vector<BF16> padded;
+
+  CallInputs(const Tensor& x_, const Tensor& packed, const std::optional<Tensor>& bias,
+             const char* op)
+      : x(x_) {
+    TORCH_CHECK(amx_linear_available(), op,
+                ": this kernel library or CPU has no usable AMX-BF16 tiles");
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, op,
+                ": x must be 2-D bfloat16 [M, K], got ", x.sizes(), " ", x.scalar_type());
+    TORCH_CHECK(packed.dim() == 5 && packed.scalar_type() == at::kBFloat16 &&
+                    packed.is_contiguous() && packed.size(2) == 2 && packed.size(3) == 16 &&
+                    packed.size(4) == 32,
+                op, ": packed must be contiguous bfloat16 [N/32, K/32, 2, 16, 32], got ",
+                packed.sizes());
+    m = x.size(0);
+    k = x.size(1);
+    blocks = packed.size(0);
+    ksteps = packed.size(1);
+    TORCH_CHECK(k == ksteps * kBlock, op, ": x has ", k, " features, the weight ",
+                ksteps * kBlock);
+    if (bias.has_value()) {
+      TORCH_CHECK(bias->dim() == 1 && bias->size(0) == blocks * kBlock, op, ": bias must be [",
+                  blocks * kBlock, "], got ", bias->sizes());
+      bias_f = bias->to(at::kFloat).contiguous();
+    }
+  }
+
+  const float* bias() const { return bias_f.defined() ? bias_f.data_ptr<float>() : nullptr; }
+
+  const BF16* rows() {
+    if (!xc.defined()) xc = x.contiguous();
+    return xc.data_ptr<BF16>();
+  }
+
+  const BF16* tail() {
+    const int64_t full = m / 16 * 16;
+    if (full < m && padded.empty()) {
+      padded.assign(16 * k, BF16(0.f));
+      std::memcpy(padded.data(), rows() + full * k, (m - full) * k * sizeof(BF16));
+    }
+    return padded.data();
+  }
+};
+
 // Checks and the common call: x [M, K] times packed [N/32, K/32, 2, 16, 32] (+ bias), into y
 // [M, N] (bf16, or with `f32` the fp32 sums unrounded) or, with `silu`, silu_mul's [M, N/2] of
 // the [gate | up] result.
 Tensor linear_impl(const Tensor& x, const Tensor& packed, const std::optional<Tensor>& bias,
                    bool silu, bool f32, const char* op) {
-  TORCH_CHECK(amx_linear_available(), op,
-              ": this kernel library or CPU has no usable AMX-BF16 tiles");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, op,
-              ": x must be 2-D bfloat16 [M, K], got ", x.sizes(), " ", x.scalar_type());
-  TORCH_CHECK(packed.dim() == 5 && packed.scalar_type() == at::kBFloat16 &&
-                  packed.is_contiguous() && packed.size(2) == 2 && packed.size(3) == 16 &&
-                  packed.size(4) == 32,
-              op, ": packed must be contiguous bfloat16 [N/32, K/32, 2, 16, 32], got ",
-              packed.sizes());
-  const int64_t m = x.size(0), k = x.size(1), n_blocks = packed.size(0), ksteps = packed.size(1);
-  TORCH_CHECK(k == ksteps * kBlock, op, ": x has ", k, " features, the weight ", ksteps * kBlock);
+  CallInputs in(x, packed, bias, op);
+  const int64_t m = in.m, k = in.k, n_blocks = in.blocks, ksteps = in.ksteps;
   TORCH_CHECK(!silu || n_blocks % 2 == 0, op,
               ": packed [gate | up] must have an even number of 32-output blocks, got ",
               n_blocks);
   const int64_t n = n_blocks * kBlock;
-  Tensor bias_f;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, op, ": bias must be [", n, "], got ",
-                bias->sizes());
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
   const int64_t out_n = silu ? n / 2 : n;
   TeamMember* member = team_member();
   const auto y_options = f32 ? x.options().dtype(at::kFloat) : x.options();
@@ -363,19 +399,13 @@ Tensor linear_impl(const Tensor& x, const Tensor& packed, const std::optional<Te
                                : at::empty({m, out_n}, y_options);
   if (m == 0) return y;
 #if defined(RADIXRT_AMX_LINEAR)
-  const Tensor xc = x.contiguous();
-  const auto* xa = xc.data_ptr<BF16>();
+  const BF16* xa = in.rows();
+  const BF16* tail = in.tail();
   const auto* w = packed.data_ptr<BF16>();
   // the output as bf16 elements (an fp32 output's rows are twice as long in them)
   auto* yp = static_cast<BF16*>(y.data_ptr());
   const int64_t ldy = f32 ? 2 * out_n : out_n;
-  const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
-  const int64_t full = m / 16 * 16;
-  std::vector<BF16> tail;  // the last rows short of a tile, padded with zero rows
-  if (full < m) {
-    tail.assign(16 * k, BF16(0.f));
-    std::memcpy(tail.data(), xa + full * k, (m - full) * k * sizeof(BF16));
-  }
+  const float* bp = in.bias();
   const int64_t blocks = silu ? n_blocks / 2 : n_blocks;
   const int64_t vec_end = silu ? silu_mul_vec_end<BF16>(out_n) : 0;
   if (member != nullptr) {
@@ -388,19 +418,19 @@ Tensor linear_impl(const Tensor& x, const Tensor& packed, const std::optional<Te
     member->quantize_whole = false;
     const auto [b0, b1] = member->rows(blocks);
     if (b0 < b1) {
-      run_blocks(xa, m, k, tail.data(), w, ksteps, bp, yp, ldy, b0, b1, silu, blocks, vec_end,
+      run_blocks(xa, m, k, tail, w, ksteps, bp, yp, ldy, b0, b1, silu, blocks, vec_end,
                  f32);
     }
     member->barrier();
   } else if (m >= kSplitRows && at::get_num_threads() > 1) {
     at::parallel_for(0, (m + 31) / 32, 1, [&](int64_t r0, int64_t r1) {
       const int64_t q0 = r0 * 32, q1 = std::min(m, r1 * 32);
-      run_blocks(xa + q0 * k, q1 - q0, k, tail.data(), w, ksteps, bp, yp + q0 * ldy, ldy, 0,
+      run_blocks(xa + q0 * k, q1 - q0, k, tail, w, ksteps, bp, yp + q0 * ldy, ldy, 0,
                  blocks, silu, blocks, vec_end, f32);
     });
   } else {
     at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-      run_blocks(xa, m, k, tail.data(), w, ksteps, bp, yp, ldy, b0, b1, silu, blocks, vec_end,
+      run_blocks(xa, m, k, tail, w, ksteps, bp, yp, ldy, b0, b1, silu, blocks, vec_end,
                  f32);
     });
   }
@@ -426,46 +456,25 @@ Tensor amx_linear_argmax(const Tensor& x, const Tensor& packed,
                          const std::optional<Tensor>& bias) {
   const char* op = "amx_linear_argmax";
   TORCH_CHECK(team_member() == nullptr, op, ": not inside a decode team");
-  TORCH_CHECK(amx_linear_available(), op,
-              ": this kernel library or CPU has no usable AMX-BF16 tiles");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, op,
-              ": x must be 2-D bfloat16 [M, K], got ", x.sizes(), " ", x.scalar_type());
-  TORCH_CHECK(packed.dim() == 5 && packed.scalar_type() == at::kBFloat16 &&
-                  packed.is_contiguous() && packed.size(2) == 2 && packed.size(3) == 16 &&
-                  packed.size(4) == 32,
-              op, ": packed must be contiguous bfloat16 [N/32, K/32, 2, 16, 32], got ",
-              packed.sizes());
-  const int64_t m = x.size(0), k = x.size(1), blocks = packed.size(0), ksteps = packed.size(1);
-  TORCH_CHECK(k == ksteps * kBlock, op, ": x has ", k, " features, the weight ", ksteps * kBlock);
+  CallInputs in(x, packed, bias, op);
+  const int64_t m = in.m, k = in.k, blocks = in.blocks, ksteps = in.ksteps;
   TORCH_CHECK(blocks > 0, op, ": the weight has no output features");
   TORCH_CHECK(blocks * kBlock < (int64_t{1} << 31), op, ": at most 2^31 outputs");
   const int64_t n = blocks * kBlock;
-  Tensor bias_f;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, op, ": bias must be [", n, "], got ",
-                bias->sizes());
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
   Tensor ids = at::empty({m}, x.options().dtype(at::kLong));
   if (m == 0) return ids;
 #if defined(RADIXRT_AMX_LINEAR)
-  const Tensor xc = x.contiguous();
-  const auto* xa = xc.data_ptr<BF16>();
+  const BF16* xa = in.rows();
+  const BF16* tail = in.tail();
   const auto* w = packed.data_ptr<BF16>();
-  const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
-  const int64_t full = m / 16 * 16;
-  std::vector<BF16> tail;
-  if (full < m) {
-    tail.assign(16 * k, BF16(0.f));
-    std::memcpy(tail.data(), xa + full * k, (m - full) * k * sizeof(BF16));
-  }
+  const float* bp = in.bias();
   int64_t* out = ids.data_ptr<int64_t>();
   if (m >= kSplitRows && at::get_num_threads() > 1) {
     // rows split: each thread visits every column of its rows
     at::parallel_for(0, (m + 31) / 32, 1, [&](int64_t r0, int64_t r1) {
       const int64_t q0 = r0 * 32, q1 = std::min(m, r1 * 32);
       std::vector<LanePick16> lanes(static_cast<size_t>(q1 - q0));
-      run_blocks(xa + q0 * k, q1 - q0, k, tail.data(), w, ksteps, bp, nullptr, 2 * n, 0, blocks,
+      run_blocks(xa + q0 * k, q1 - q0, k, tail, w, ksteps, bp, nullptr, 2 * n, 0, blocks,
                  false, blocks, 0, true, lanes.data());
       for (int64_t r = q0; r < q1; ++r) out[r] = lanes[r - q0].reduce().index();
     });
@@ -478,7 +487,7 @@ Tensor amx_linear_argmax(const Tensor& x, const Tensor& packed,
     std::vector<LanePick16> lanes(static_cast<size_t>(m));
     for (int64_t t = t0; t < t1; ++t) {
       std::fill(lanes.begin(), lanes.end(), LanePick16{});
-      run_blocks(xa, m, k, tail.data(), w, ksteps, bp, nullptr, 2 * n, t * blocks / runs,
+      run_blocks(xa, m, k, tail, w, ksteps, bp, nullptr, 2 * n, t * blocks / runs,
                  (t + 1) * blocks / runs, false, blocks, 0, true, lanes.data());
       for (int64_t r = 0; r < m; ++r) picks[t * m + r] = lanes[r].reduce();
     }
