@@ -235,7 +235,7 @@ class PagedRunner:
         self.cached[row] = 0
         return row
 
-    def _step(
+    def _run(
         self,
         mode: ForwardMode,
         rows: Sequence[int],
@@ -243,8 +243,9 @@ class PagedRunner:
         all_positions: bool = False,
         row_per_token: bool = False,
         decode_rows_from: int | None = None,
-    ) -> torch.Tensor:
-        """`row_per_token` (decode): each token of a chunk gets a decode row of its own."""
+    ) -> tuple[torch.Tensor, ForwardBatch]:
+        """A step's logits and its batch. `row_per_token` (decode): each token of a chunk gets
+        a decode row of its own."""
         ext = [len(c) for c in chunks]
         loc = self.kv_pool.alloc(sum(ext))
         assert loc is not None
@@ -266,7 +267,19 @@ class PagedRunner:
         logits = self.model(fb)
         for r, e in zip(rows, ext, strict=True):
             self.cached[r] += e
-        return logits
+        return logits, fb
+
+    def greedy_step(self, mode: ForwardMode, rows: Sequence[int],
+                    chunks: Sequence[Sequence[int]]
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """One step of `chunks` through `model(fb)`, then the same batch through
+        `forward_greedy(fb)` (it writes the step's K/V again, the same values): the logits and
+        forward_greedy's (logits, ids)."""
+        logits, fb = self._run(mode, rows, chunks)
+        assert self.model.attn_backend is not None
+        self.model.attn_backend.init_forward_metadata(fb)
+        lg, ids = self.model.forward_greedy(fb)
+        return logits, lg, ids
 
     def extend(
         self, rows: Sequence[int], chunks: Sequence[Sequence[int]], all_positions: bool = False,
@@ -275,8 +288,8 @@ class PagedRunner:
         """Logits `[B, vocab]` (or `[num_tokens, vocab]` with `all_positions`).
         `decode_rows_from`: `ForwardBatch.decode_rows_from` (the scheduler's marking; None
         lets a backend take every 1-token row for a decode row)."""
-        return self._step(ForwardMode.EXTEND, rows, chunks, all_positions,
-                          decode_rows_from=decode_rows_from)
+        return self._run(ForwardMode.EXTEND, rows, chunks, all_positions,
+                         decode_rows_from=decode_rows_from)[0]
 
     def share_prefix(self, src: int, length: int) -> int:
         """A new request whose first `length` tokens are `src`'s cached KV slots (a radix hit)."""
@@ -286,14 +299,14 @@ class PagedRunner:
         return row
 
     def decode(self, rows: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
-        return self._step(ForwardMode.DECODE, rows, [[t] for t in tokens])
+        return self._run(ForwardMode.DECODE, rows, [[t] for t in tokens])[0]
 
     def decode_rows(self, rows: Sequence[int], chunks: Sequence[Sequence[int]]) -> torch.Tensor:
         """A decode step in which request `rows[i]` computes every token of `chunks[i]`: one
         decode row per token, consecutive over the request's table row (as the scheduler's
         `BatchBuilder.build_decode` lays out grammar-forced and draft tokens). Logits
         `[num_tokens, vocab]`, one per token."""
-        return self._step(ForwardMode.DECODE, rows, chunks, row_per_token=True)
+        return self._run(ForwardMode.DECODE, rows, chunks, row_per_token=True)[0]
 
 
 def shared_prefix_greedy(runner: PagedRunner, steps: int = 6,

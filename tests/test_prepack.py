@@ -294,7 +294,7 @@ def test_a_greedy_step_over_an_amx_packed_head_skips_the_logits(tmp_path: Path,
     the vnni kernel's rows, and a bf16 model's own weight): no logits, and the ids are
     `row_argmax` of `forward`'s logits, for an extend batch and decode batches (the C++
     one-call step); at the kernel's rows the GGUF head still returns logits and ids."""
-    from radixrt.core.forward_batch import ForwardBatch, ForwardMode
+    from radixrt.core.forward_batch import ForwardMode
     from radixrt.sampling.sampler import row_argmax
 
     if not cpu_kernels.load_cpu_kernels():
@@ -317,29 +317,15 @@ def test_a_greedy_step_over_an_amx_packed_head_skips_the_logits(tmp_path: Path,
         chunks = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (3, 9, 1, 17, 6)]
         mode = ForwardMode.EXTEND
         for _ in range(4):
-            ext = [len(c) for c in chunks]
-            prefix = [r.cached[row] for row in rows]
-            r.req_pool.write(rows, prefix, ext, r.kv_pool.alloc(sum(ext)))
-            fb = ForwardBatch.build(mode, [t for c in chunks for t in c], rows, prefix, ext,
-                                    r.req_pool.req_to_token)
-            model.attn_backend.init_forward_metadata(fb)
-            logits = model(fb)  # writes the step's K/V; the greedy pass writes the same again
-            model.attn_backend.init_forward_metadata(fb)
-            lg, ids = model.forward_greedy(fb)
+            logits, lg, ids = r.greedy_step(mode, rows, chunks)
             assert lg is None and ids is not None, (path.name, mode)
             assert torch.equal(ids, row_argmax(logits)), (path.name, mode)
-            for row, e in zip(rows, ext, strict=True):
-                r.cached[row] += e
             chunks, mode = [[t] for t in ids.tolist()], ForwardMode.DECODE
         r.kv_pool.check_invariants()
         if plan is not None:  # 2 rows: the vnni kernel writes the logits and picks
-            fb = ForwardBatch.build(ForwardMode.DECODE, [5, 6], rows[:2],
-                                    [r.cached[row] for row in rows[:2]], [1, 1],
-                                    r.req_pool.req_to_token)
-            r.req_pool.write(rows[:2], fb.prefix_lens_cpu, [1, 1], r.kv_pool.alloc(2))
-            model.attn_backend.init_forward_metadata(fb)
-            lg, ids = model.forward_greedy(fb)
-            assert lg is not None and ids is not None and torch.equal(ids, row_argmax(lg))
+            logits, lg, ids = r.greedy_step(ForwardMode.DECODE, rows[:2], [[5], [6]])
+            assert lg is not None and torch.equal(lg, logits)
+            assert ids is not None and torch.equal(ids, row_argmax(lg))
 
 
 def test_amx_linear_refuses_bad_input() -> None:

@@ -682,20 +682,9 @@ def test_gguf_model_greedy_step_picks_the_argmax_of_its_logits(tiny_gguf: Path) 
     prompts = [list(range(3, 12)), list(range(20, 25)), list(range(40, 53))]
 
     def step(mode: ForwardMode, chunks: list[list[int]]) -> torch.Tensor:
-        ext = [len(c) for c in chunks]
-        loc = r.kv_pool.alloc(sum(ext))
-        prefix = [r.cached[row] for row in rows]
-        r.req_pool.write(rows, prefix, ext, loc)
-        fb = ForwardBatch.build(mode, [t for c in chunks for t in c], rows, prefix, ext,
-                                r.req_pool.req_to_token)
-        model.attn_backend.init_forward_metadata(fb)
-        logits = model(fb)  # writes the step's K/V; the greedy pass writes the same again
-        model.attn_backend.init_forward_metadata(fb)
-        lg, ids = model.forward_greedy(fb)
-        assert torch.equal(lg, logits) and ids is not None
+        logits, lg, ids = r.greedy_step(mode, rows, chunks)
+        assert lg is not None and torch.equal(lg, logits) and ids is not None
         assert torch.equal(ids, row_argmax(logits))
-        for row, e in zip(rows, ext, strict=True):
-            r.cached[row] += e
         return ids
 
     ids = step(ForwardMode.EXTEND, prompts)

@@ -146,6 +146,22 @@ inline RowPick range_pick(const T* x, int64_t c0, int64_t c1) {
   return p;
 }
 
+// The RowPick of a run's n lanes (lane l: its largest value m[l], first reaching it at column
+// ix[l]) and the row's first NaN (-1: none): the largest value, the lowest column among equals.
+inline RowPick reduce_lanes(const float* m, const int32_t* ix, int64_t n, int64_t first_nan) {
+  RowPick p;
+  p.value = m[0];
+  p.column = ix[0];
+  for (int64_t l = 1; l < n; ++l) {
+    if (m[l] > p.value || (m[l] == p.value && ix[l] < p.column)) {
+      p.value = m[l];
+      p.column = ix[l];
+    }
+  }
+  p.first_nan = first_nan;
+  return p;
+}
+
 #if defined(__AVX512F__)
 // One row's 16 lanes over the columns a run has visited, in increasing column order: each lane
 // keeps its largest value and the first column reaching it (only a strictly greater value
@@ -177,22 +193,12 @@ struct LanePick16 {
   }
 
   RowPick reduce() const {
-    RowPick p;
-    if (!started) return p;
+    if (!started) return RowPick{};
     alignas(64) float m[16];
     alignas(64) int32_t ix[16];
     _mm512_store_ps(m, vmax);
     _mm512_store_si512(ix, vidx);
-    p.value = m[0];
-    p.column = ix[0];
-    for (int64_t l = 1; l < 16; ++l) {
-      if (m[l] > p.value || (m[l] == p.value && ix[l] < p.column)) {
-        p.value = m[l];
-        p.column = ix[l];
-      }
-    }
-    p.first_nan = first_nan;
-    return p;
+    return reduce_lanes(m, ix, 16, first_nan);
   }
 };
 #endif  // __AVX512F__

@@ -672,22 +672,12 @@ struct LanePick {
   }
 
   RowPick reduce() const {
-    RowPick p;
-    if (!started) return p;
+    if (!started) return RowPick{};
     alignas(32) float m[kHalf];
     alignas(32) int32_t ix[kHalf];
     _mm256_store_ps(m, vmax);
     _mm256_store_si256(reinterpret_cast<__m256i*>(ix), vidx);
-    p.value = m[0];
-    p.column = ix[0];
-    for (int64_t l = 1; l < kHalf; ++l) {
-      if (m[l] > p.value || (m[l] == p.value && ix[l] < p.column)) {
-        p.value = m[l];
-        p.column = ix[l];
-      }
-    }
-    p.first_nan = first_nan;
-    return p;
+    return reduce_lanes(m, ix, kHalf, first_nan);
   }
 };
 #endif  // RADIXRT_QGEMM_AVX2
