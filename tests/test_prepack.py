@@ -328,6 +328,73 @@ def test_a_greedy_step_over_an_amx_packed_head_skips_the_logits(tmp_path: Path,
             assert ids is not None and torch.equal(ids, row_argmax(lg))
 
 
+@pytest.mark.usefixtures("amx_layout")
+@pytest.mark.parametrize("speculative", ["none", "ngram"])
+def test_a_scheduler_over_an_amx_packed_head_serves_greedy_steps_without_logits(
+        tmp_path: Path, forced: object, monkeypatch: pytest.MonkeyPatch,
+        speculative: str) -> None:
+    """A scheduler serving a bf16 model whose LM head is AMX-packed: greedy requests (all-greedy
+    steps get ids and no logits from `forward_greedy`; with n-gram drafts, several rows per
+    request, picked and verified) give the same tokens as when the head writes the logits
+    (`greedy_ids` off); a sampled request alongside (steps not all greedy) is served too.
+    Mixed prefill + decode steps included (staggered arrivals)."""
+    from radixrt.config import ServerArgs
+    from radixrt.core.messages import GenerateReq
+    from radixrt.core.sampling_params import SamplingParams
+    from radixrt.model.runner import ModelRunner
+    from radixrt.sched.scheduler import Scheduler
+
+    if not cpu_kernels.load_cpu_kernels():
+        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
+    forced("1")  # type: ignore[operator]
+    make_tiny_checkpoint(tmp_path / "hf", "llama", seed=8, num_hidden_layers=2,
+                         tie_word_embeddings=True)
+    args = ServerArgs(model_path=str(tmp_path / "hf"), dtype="bfloat16", max_total_tokens=1024,
+                      num_threads=2, speculative_algorithm=speculative)
+    # repeating prompts, so that n-gram lookup drafts
+    prompts = {f"g{i}": [3 + i, 40, 41, 42, 43] * 3 + [7 + i] for i in range(4)}
+
+    def serve(without_logits: bool) -> dict[str, list[int]]:
+        if not without_logits:
+            monkeypatch.setattr(DenseWeight, "greedy_ids", lambda self, x, invariant=False: None)
+        sched = Scheduler(args, ModelRunner(args))
+        head = sched.runner.model.lm_head
+        assert isinstance(head, DenseWeight) and head.packed is not None
+        real, skipped = sched.runner.forward_greedy, [0]
+
+        def greedy(fb: object) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+            logits, ids = real(fb)  # type: ignore[arg-type]
+            skipped[0] += logits is None
+            return logits, ids
+
+        sched.runner.forward_greedy = greedy  # type: ignore[method-assign]
+        out: dict[str, list[int]] = {}
+        for rid, ids in list(prompts.items())[:2]:
+            sched.handle(GenerateReq(rid, ids, SamplingParams(max_new_tokens=12, temperature=0,
+                                                              ignore_eos=True)))
+        steps = 0
+        while sched.has_work or steps < 3:
+            if steps == 3:  # arrive mid-decode: mixed steps
+                for rid, ids in list(prompts.items())[2:]:
+                    sched.handle(GenerateReq(rid, ids, SamplingParams(
+                        max_new_tokens=12, temperature=0, ignore_eos=True)))
+                sched.handle(GenerateReq("s", prompts["g0"], SamplingParams(
+                    max_new_tokens=4, temperature=0.8, seed=5, ignore_eos=True)))
+            res = sched.step()
+            sched.check_invariants()
+            for o in (res.outs if res is not None else []):
+                out.setdefault(o.rid, []).extend(o.new_ids)
+            steps += 1
+        assert (skipped[0] > 0) == without_logits
+        assert all(len(out[r]) == 12 for r in prompts) and len(out["s"]) == 4
+        if speculative == "ngram":  # steps with several rows per request ran
+            assert sched.stats()["spec_verify_steps_total"] > 0
+        return out
+
+    without, written = serve(True), serve(False)
+    assert {r: without[r] for r in prompts} == {r: written[r] for r in prompts}
+
+
 def test_amx_linear_refuses_bad_input() -> None:
     if not cpu_kernels.load_cpu_kernels() or not torch.ops.radixrt.amx_linear_available():
         pytest.skip("amx_linear cannot run here")
