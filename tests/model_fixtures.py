@@ -332,3 +332,32 @@ def shared_prefix_greedy(runner: PagedRunner, steps: int = 6,
         out.append(logits)
     runner.kv_pool.check_invariants()
     return seqs, out
+
+
+def serve_staggered(sched: Any, prompts: dict[str, list[int]], n: int) -> dict[str, list[int]]:
+    """Drives `sched` over greedy requests `prompts` (`n` tokens each): the first two at once,
+    the rest and a sampled request "s" (4 tokens, on the first prompt) after 3 steps, so that
+    mixed prefill + decode steps run; checks the scheduler's invariants after every step and
+    returns each request's tokens."""
+    from radixrt.core.messages import GenerateReq
+    from radixrt.core.sampling_params import SamplingParams
+
+    out: dict[str, list[int]] = {}
+    first = next(iter(prompts))
+    for rid, ids in list(prompts.items())[:2]:
+        sched.handle(GenerateReq(rid, ids, SamplingParams(max_new_tokens=n, temperature=0,
+                                                          ignore_eos=True)))
+    steps = 0
+    while sched.has_work or steps < 3:
+        if steps == 3:  # arrive mid-decode: mixed steps
+            for rid, ids in list(prompts.items())[2:]:
+                sched.handle(GenerateReq(rid, ids, SamplingParams(
+                    max_new_tokens=n, temperature=0, ignore_eos=True)))
+            sched.handle(GenerateReq("s", prompts[first], SamplingParams(
+                max_new_tokens=4, temperature=0.8, seed=5, ignore_eos=True)))
+        res = sched.step()
+        sched.check_invariants()
+        for o in (res.outs if res is not None else []):
+            out.setdefault(o.rid, []).extend(o.new_ids)
+        steps += 1
+    return out

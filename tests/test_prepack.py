@@ -15,7 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_fixtures import PagedRunner, make_tiny_checkpoint, make_tiny_runner, write_tiny_gguf
+from model_fixtures import (
+    PagedRunner,
+    make_tiny_checkpoint,
+    make_tiny_runner,
+    serve_staggered,
+    write_tiny_gguf,
+)
 
 from radixrt.attention import cpu_kernels
 from radixrt.model import prepack
@@ -339,8 +345,6 @@ def test_a_scheduler_over_an_amx_packed_head_serves_greedy_steps_without_logits(
     (`greedy_ids` off); a sampled request alongside (steps not all greedy) is served too.
     Mixed prefill + decode steps included (staggered arrivals)."""
     from radixrt.config import ServerArgs
-    from radixrt.core.messages import GenerateReq
-    from radixrt.core.sampling_params import SamplingParams
     from radixrt.model.runner import ModelRunner
     from radixrt.sched.scheduler import Scheduler
 
@@ -368,23 +372,7 @@ def test_a_scheduler_over_an_amx_packed_head_serves_greedy_steps_without_logits(
             return logits, ids
 
         sched.runner.forward_greedy = greedy  # type: ignore[method-assign]
-        out: dict[str, list[int]] = {}
-        for rid, ids in list(prompts.items())[:2]:
-            sched.handle(GenerateReq(rid, ids, SamplingParams(max_new_tokens=12, temperature=0,
-                                                              ignore_eos=True)))
-        steps = 0
-        while sched.has_work or steps < 3:
-            if steps == 3:  # arrive mid-decode: mixed steps
-                for rid, ids in list(prompts.items())[2:]:
-                    sched.handle(GenerateReq(rid, ids, SamplingParams(
-                        max_new_tokens=12, temperature=0, ignore_eos=True)))
-                sched.handle(GenerateReq("s", prompts["g0"], SamplingParams(
-                    max_new_tokens=4, temperature=0.8, seed=5, ignore_eos=True)))
-            res = sched.step()
-            sched.check_invariants()
-            for o in (res.outs if res is not None else []):
-                out.setdefault(o.rid, []).extend(o.new_ids)
-            steps += 1
+        out = serve_staggered(sched, prompts, 12)
         assert (skipped[0] > 0) == without_logits
         assert all(len(out[r]) == 12 for r in prompts) and len(out["s"]) == 4
         if speculative == "ngram":  # steps with several rows per request ran

@@ -35,7 +35,7 @@ from kernel_isa import (
     run_isa_check,
     with_threads,
 )
-from model_fixtures import PagedRunner, make_tiny_checkpoint, write_tiny_gguf
+from model_fixtures import PagedRunner, make_tiny_checkpoint, serve_staggered, write_tiny_gguf
 
 from radixrt.attention import cpu_kernels
 from radixrt.model.linear import DenseWeight, QuantizedWeight
@@ -707,8 +707,6 @@ def test_scheduler_greedy_tokens_are_the_same_with_and_without_the_picked_ids(
     takes the logits and `row_argmax`; a sampled request alongside (steps not all greedy) is
     served too. Mixed prefill + decode steps included (staggered arrivals)."""
     from radixrt.config import ServerArgs
-    from radixrt.core.messages import GenerateReq
-    from radixrt.core.sampling_params import SamplingParams
     from radixrt.model.runner import ModelRunner
     from radixrt.sched.scheduler import Scheduler
 
@@ -729,24 +727,8 @@ def test_scheduler_greedy_tokens_are_the_same_with_and_without_the_picked_ids(
             return (logits, ids) if picked else (logits, None)
 
         sched.runner.forward_greedy = greedy  # type: ignore[method-assign]
-        out: dict[str, list[int]] = {}
         prompts = {f"g{i}": list(range(3 + 7 * i, 15 + 9 * i)) for i in range(4)}
-        for rid, ids in list(prompts.items())[:2]:
-            sched.handle(GenerateReq(rid, ids, SamplingParams(max_new_tokens=10, temperature=0,
-                                                              ignore_eos=True)))
-        steps = 0
-        while sched.has_work or steps < 3:
-            if steps == 3:  # arrive mid-decode: mixed steps
-                for rid, ids in list(prompts.items())[2:]:
-                    sched.handle(GenerateReq(rid, ids, SamplingParams(
-                        max_new_tokens=10, temperature=0, ignore_eos=True)))
-                sched.handle(GenerateReq("s", prompts["g0"], SamplingParams(
-                    max_new_tokens=4, temperature=0.8, seed=5, ignore_eos=True)))
-            res = sched.step()
-            sched.check_invariants()
-            for o in (res.outs if res is not None else []):
-                out.setdefault(o.rid, []).extend(o.new_ids)
-            steps += 1
+        out = serve_staggered(sched, prompts, 10)
         assert used[0] > 0
         assert all(len(out[r]) == 10 for r in prompts) and len(out["s"]) == 4
         return out
