@@ -47,11 +47,11 @@ MODES: tuple[tuple[str, str, str, str, str], ...] = (
     ("gguf (Q4_1 4-bit + Q8_0 head 8-bit), bf16 act", "bfloat16", "gguf", "auto", "auto"),
     ("int8 (8-bit groups), bf16 act", "bfloat16", "int8", "auto", "auto"),
     ("int4 (4-bit groups, 8-bit head), bf16 act", "bfloat16", "int4", "auto", "auto"),
-    ("gguf, fp32 act", "float32", "gguf", "auto", "auto"),
+    ("gguf, fp32 act", "float32", "gguf", "auto", "float32"),
     ("gguf, vnni kernel (int8 act per group of 32)", "bfloat16", "gguf", "vnni", "auto"),
     ("gguf, vnni kernel, int8 KV cache", "bfloat16", "gguf", "vnni", "int8"),
     ("bf16, int8 KV cache", "bfloat16", "none", "auto", "int8"),
-    ("gguf, vnni kernel, fp32 act", "float32", "gguf", "vnni", "auto"),
+    ("gguf, vnni kernel, fp32 act", "float32", "gguf", "vnni", "float32"),
     ("fp32, float16 KV cache", "float32", "none", "auto", "float16"),
     ("gguf, vnni kernel, fp32 act, float16 KV cache", "float32", "gguf", "vnni", "float16"),
 )

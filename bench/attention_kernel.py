@@ -93,6 +93,9 @@ HEADS, KV_HEADS, HEAD_DIM, LAYERS = 9, 3, 64, 30
 # at 22.8 GB/s, the rate the op had inside decode steps.
 FROM_MEMORY_BYTES = 1 << 30
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# kernel / prefetch also take "float16": a half pool under fp32 queries (a float32 model's
+# `kv_cache_dtype` float16, the default with quantized weights).
+POOL_DTYPES = {**DTYPES, "float16": torch.float16}
 
 
 def machine() -> dict[str, Any]:
@@ -516,7 +519,7 @@ def load_baseline(rev: str, source: str = "paged_decode.cpp") -> None:
 
 def _kv_bytes_per_layer(dname: str, bs: int, ctx: int, prefix: int) -> int:
     """K+V bytes one layer's attention reads (a shared prefix once)."""
-    elem = torch.empty((), dtype=DTYPES[dname]).element_size()
+    elem = torch.empty((), dtype=POOL_DTYPES[dname]).element_size()
     return (prefix + bs * (ctx - prefix)) * KV_HEADS * HEAD_DIM * 2 * elem
 
 
@@ -524,9 +527,10 @@ def _op_case(dname: str, bs: int, ctx: int, prefix: int, layers: int
              ) -> tuple[TokenToKVPool, PagedDecodePlan, torch.Tensor]:
     """A pool of `layers` layers of random K/V, the batch's plan (one cascade group over the
     first `prefix` slots when > 0) and its queries, for the op alone."""
-    dtype = DTYPES[dname]
+    dtype = DTYPES.get(dname, torch.float32)  # the queries' (and the model's) dtype
     tokens = prefix + bs * (ctx - prefix)
-    kv = TokenToKVPool(tokens + 8, layers, KV_HEADS, HEAD_DIM, dtype)
+    kv = TokenToKVPool(tokens + 8, layers, KV_HEADS, HEAD_DIM, dtype,
+                       kv_dtype=POOL_DTYPES[dname])
     fill_random(kv, tokens + 8)
     fb = decode_batch(ReqToTokenPool(bs, ctx + 1), kv, bs, ctx, prefix)
     groups = [SharedPrefixGroup(list(range(bs)), prefix)] if prefix else []
@@ -658,7 +662,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--ctx", type=int, nargs="+", default=[512, 2048])
     ap.add_argument("--prefix", type=int, nargs="+", default=[0, 400])
-    ap.add_argument("--dtype", nargs="+", choices=tuple(DTYPES), default=list(DTYPES))
+    ap.add_argument("--dtype", nargs="+", choices=tuple(POOL_DTYPES), default=list(DTYPES),
+                    help="float16: a half pool under fp32 queries (kernel / prefetch only)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--shape", nargs="+", default=None,
                     help="extend-phases / extend-kernel: only the shapes whose names contain one "

@@ -330,7 +330,7 @@ def resolved_config(server_info: dict[str, Any]) -> dict[str, Any]:
     dtype = str(eng["dtype"]).removeprefix("torch.")
     kv = given["kv_cache_dtype"]
     return {"dtype": dtype, "dtype_note": probe.get("note"), "quantization": eng["quantization"],
-            "kv_cache_dtype": dtype if kv == "auto" else kv}
+            "kv_cache_dtype": eng.get("kv_cache_dtype") or (dtype if kv == "auto" else kv)}
 
 
 def _sampling_words(sampling: object) -> str:

@@ -13,7 +13,7 @@ DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 # The names of radixrt.server.tool_parsers.TOOL_PARSERS, plus "auto" (a test keeps them equal).
 TOOL_CALL_PARSERS: tuple[str, ...] = ("auto", "hermes", "llama3_json", "mistral")
 ROUTING_POLICIES: tuple[str, ...] = ("cache_aware", "round_robin", "least_load")
-KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "int8", "float16")
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "int8", "float16", "float32")
 QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "gguf", "int8", "int4")
 QUANT_KERNELS: tuple[str, ...] = ("auto", "radixrt", "vnni", "torch")
 SPECULATIVE_ALGORITHMS: tuple[str, ...] = ("none", "ngram")
@@ -66,12 +66,14 @@ class ServerArgs:
                             "bfloat16 | float16")
     device: str = _f("auto", "auto | cpu | cuda")
     kv_cache_dtype: str = _f(
-        "auto", "KV cache storage: auto (the compute dtype) | int8 (CPU only: int8 codes plus "
+        "auto", "KV cache storage: auto (the compute dtype, except float16 under a float32 "
+                "model on CPU with quantized weights and the C++ decode kernel) | int8 (CPU "
+                "only: int8 codes plus "
                 "one fp32 scale per token and KV head, half the bytes of bf16; decode reads "
                 "them with int8 dot products, AVX512-VNNI CPUs; accuracy in the README) | "
                 "float16 (with a float32 model on CPU: K/V rounded to IEEE half, half the "
                 "bytes, attention in fp32 on rows converted as read; with a float16 model the "
-                "same as auto)")
+                "same as auto) | float32 (fp32 K/V; needs a float32 model)")
     quantization: str = _f(
         "auto", "matmul weights: auto (CPU: quantized when a start-up probe, in the model "
                 "dtype, finds the quantized kernel >= 1.2x faster than dense at one "

@@ -551,6 +551,9 @@ def test_report_states_what_radixrt_resolved(tmp_path):
     info["server_args"]["kv_cache_dtype"] = "int8"
     info["engine"]["dtype_probe"] = None
     assert compare.resolved_config(info)["kv_cache_dtype"] == "int8"
+    info["server_args"]["kv_cache_dtype"] = "auto"
+    info["engine"]["kv_cache_dtype"] = "float16"  # what `auto` resolved to, as the engine says
+    assert compare.resolved_config(info)["kv_cache_dtype"] == "float16"
     meta = {"date": "d", "host": "h", "preset": "tiny", "seed": 0, "threads": 2, "cpu": "c",
             "cores": 2, "torch": "t", "radixrt_mode": "server", "radixrt_resolved": {"radixrt": c}}
     compare.write_markdown(tmp_path / "r.md", [], meta, [], [])

@@ -58,6 +58,32 @@ def test_refusals_name_the_field() -> None:
     assert kv_storage_dtype(ServerArgs(), torch.float32) == torch.float32
     with pytest.raises(ValueError, match="ServerArgs.kv_cache_dtype"):
         ServerArgs(kv_cache_dtype="float8")
+    assert kv_storage_dtype(ServerArgs(kv_cache_dtype="float32"), torch.float32) == torch.float32
+    with pytest.raises(ValueError, match="kv_cache_dtype=float32"):
+        kv_storage_dtype(ServerArgs(kv_cache_dtype="float32"), torch.bfloat16)
+
+
+@pytest.mark.parametrize("have_kernel", [True, False])
+def test_auto_narrows_only_a_quantized_float32_model_on_cpu(monkeypatch: pytest.MonkeyPatch,
+                                                            have_kernel: bool) -> None:
+    """`auto` stores half K/V under fp32 with quantized weights on CPU where the C++ decode
+    reads a half pool; the dense fp32 reference, other dtypes, CUDA, an explicit `float32`, a
+    disabled decode kernel and a missing one keep the compute dtype."""
+    import radixrt.model.runner as runner_mod
+
+    monkeypatch.setattr(runner_mod, "half_pool_decode_available", lambda: have_kernel)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    auto = ServerArgs()
+    narrowed = torch.float16 if have_kernel else torch.float32
+    assert kv_storage_dtype(auto, torch.float32, cpu, quantized=True) == narrowed
+    assert kv_storage_dtype(auto, torch.float32, cpu, quantized=False) == torch.float32
+    assert kv_storage_dtype(auto, torch.float32, cuda, quantized=True) == torch.float32
+    for dtype in (torch.bfloat16, torch.float16):
+        assert kv_storage_dtype(auto, dtype, cpu, quantized=True) == dtype
+    assert kv_storage_dtype(ServerArgs(kv_cache_dtype="float32"), torch.float32, cpu,
+                            quantized=True) == torch.float32
+    assert kv_storage_dtype(ServerArgs(disable_cpu_decode_kernel=True), torch.float32, cpu,
+                            quantized=True) == torch.float32
 
 
 # -- the C++ ops ---------------------------------------------------------------------------------
@@ -113,12 +139,43 @@ def test_paged_decode_fp32_queries_over_a_half_pool(heads: int, kv_heads: int, d
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-6)
+    spec = cpu_kernels.loaded_spec()
+    if spec is not None and spec.isa == "avx2":  # one intrinsic scan for both pools: exact
+        assert torch.equal(out, want) and torch.equal(lse, want_lse)
     ref, _ = _reference(dict(c, kb=c["kb"].half().float(), vb=c["vb"].half().float()), 0.125)
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
     with pytest.raises(RuntimeError, match="one dtype"):
         torch.ops.radixrt.paged_decode(c["q"].bfloat16(), half["kb"], half["vb"], c["idx"],
                                        c["row_start"], c["row_len"], c["g_start"], c["g_len"],
                                        c["g_ptr"], c["g_rows"], 0.125)
+
+
+def test_prefetch_and_threads_change_no_bit_over_a_half_pool() -> None:
+    """The scans' prefetches over a float16 pool (none to several blocks ahead, into L1 or L2)
+    and the thread count move only loads: the same bits, cascade groups (of more query rows
+    than one register tile holds) included."""
+    _need_kernels()
+    own, groups = CASES[2]
+    c = _case(99, torch.float32, 9, 3, 64, own, groups)
+    kb, vb = _head_major(c["kb"].half()), _head_major(c["vb"].half())
+    plan = PagedDecodePlan(c["idx"], c["row_start"], c["row_len"], c["g_start"], c["g_len"],
+                           c["g_ptr"], c["g_rows"])
+    ahead, l1 = torch.ops.radixrt.paged_decode_prefetch, torch.ops.radixrt.paged_decode_prefetch_l1
+    before, before_l1, threads = ahead(), l1(), torch.get_num_threads()
+    results = []
+    try:
+        for n, blocks, into_l1 in ((1, 0, 0), (1, 2, 1), (2, 0, 0), (2, 1, 0), (2, 2, 1),
+                                   (2, 6, 0)):
+            torch.set_num_threads(n)
+            ahead(blocks, blocks)
+            l1(into_l1)
+            results.append(plan.run(c["q"], kb, vb, 0.125))
+    finally:
+        ahead(*before)
+        l1(before_l1)
+        torch.set_num_threads(threads)
+    for out, lse in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
 
 
 # -- a tiny model ----------------------------------------------------------------------------------
@@ -157,3 +214,37 @@ def test_server_args_float16_builds_a_narrowed_pool(tmp_path: Path) -> None:
     pool = r.token_to_kv_pool
     assert pool.narrowed and pool.dtype == torch.float32
     assert all(b.dtype == torch.float16 for b in pool.k_buffer)
+
+
+def test_a_quantized_float32_server_defaults_to_the_half_pool(tmp_path: Path) -> None:
+    """GGUF weights (Q4_1 layers, Q8_0 head) under fp32: `auto` builds the float16 pool and
+    serves greedy and sampled requests (mixed prefill + decode steps) with the same tokens as
+    an explicit `float16`; `float32` keeps fp32 K/V, and so does the dense fp32 reference."""
+    _need_kernels()
+    from model_fixtures import serve_staggered, write_tiny_gguf
+
+    from radixrt.model.quant_matmul import resolve_quant_kernel
+    from radixrt.model.runner import ModelRunner
+    from radixrt.sched.scheduler import Scheduler
+
+    hf = make_tiny_checkpoint(tmp_path / "hf", "llama", seed=6, num_hidden_layers=2,
+                              tie_word_embeddings=True)
+    gguf = write_tiny_gguf(hf, tmp_path / "m.gguf", "llama", "Q4_1", "Q8_0")
+    prompts = {f"g{i}": [3 + i, 40, 41, 42, 43, 44, 45, 46] * 2 + [7 + i] for i in range(4)}
+
+    def serve(kv: str, quantization: str = "gguf") -> tuple[torch.dtype, dict[str, list[int]]]:
+        args = ServerArgs(model_path=str(gguf), dtype="float32", quantization=quantization,
+                          quant_kernel=resolve_quant_kernel("auto"), kv_cache_dtype=kv,
+                          max_total_tokens=1024, max_running_requests=8)
+        sched = Scheduler(args, ModelRunner(args))
+        pool = sched.runner.token_to_kv_pool
+        assert pool.dtype == torch.float32 and sched.runner.kv_dtype == pool.kv_dtype
+        return pool.kv_dtype, serve_staggered(sched, prompts, 10)
+
+    kv_auto, auto = serve("auto")
+    kv_half, half = serve("float16")
+    kv_full, full = serve("float32")
+    assert (kv_auto, kv_half, kv_full) == (torch.float16, torch.float16, torch.float32)
+    assert auto == half and all(len(auto[r]) == 10 for r in prompts) and len(auto["s"]) == 4
+    assert set(full) == set(auto)
+    assert serve("auto", quantization="none")[0] == torch.float32

@@ -279,9 +279,12 @@ def test_server_args_int8_builds_an_int8_pool_sized_by_its_bytes(
     cfg = ModelConfig.from_path(tmp_path)
     monkeypatch.setattr(runner_mod.psutil, "virtual_memory",
                         lambda: SimpleNamespace(available=1 << 32))
-    sizes = {kv: runner_mod.plan_pools(ServerArgs(model_path=str(tmp_path), kv_cache_dtype=kv),
-                                       cfg, torch.bfloat16, torch.device("cpu"))
-             for kv in ("auto", "int8")}
+    def plan(kv: str) -> runner_mod.PoolSizes:
+        args = ServerArgs(model_path=str(tmp_path), kv_cache_dtype=kv)
+        return runner_mod.plan_pools(args, cfg, runner_mod.kv_storage_dtype(args, torch.bfloat16),
+                                     torch.device("cpu"))
+
+    sizes = {kv: plan(kv) for kv in ("auto", "int8")}
     per = {kv: kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, d)
            for kv, d in (("auto", torch.bfloat16), ("int8", torch.int8))}
     for kv in sizes:

@@ -404,6 +404,7 @@ def test_server_info_reports_what_start_up_resolved(server, tiny_llama_dir):
     assert eng["dtype"] == "torch.float32" and eng["quantization"] == "none"  # conftest: none
     assert eng["max_total_tokens"] == 8192 and eng["num_threads"] == 1
     assert eng["dtype_probe"] is None  # an explicit dtype is not probed
+    assert eng["kv_cache_dtype"] == "float32"  # the dense fp32 reference keeps fp32 K/V
 
 
 def test_tokenizer_endpoints_live(server, tiny_llama_dir):

@@ -9,7 +9,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from radixrt.attention import create_attention_backend
+from radixrt.attention import cpu_kernels, create_attention_backend
 from radixrt.attention.flashinfer import FlashInferBackend
 from radixrt.config import ServerArgs
 from radixrt.core.cpu_policy import QuietBeforeTiming
@@ -51,10 +51,14 @@ class PoolSizes:
     max_context_len: int
 
 
-def kv_storage_dtype(args: ServerArgs, dtype: torch.dtype) -> torch.dtype:
-    """What the KV pool stores: `dtype`, int8 for `kv_cache_dtype=int8`, float16 for
-    `kv_cache_dtype=float16` (a float32 or float16 model; a bfloat16 one is refused, naming the
-    field)."""
+def kv_storage_dtype(args: ServerArgs, dtype: torch.dtype, device: torch.device | None = None,
+                     quantized: bool = False) -> torch.dtype:
+    """What the KV pool stores: int8 for `kv_cache_dtype=int8`; float16 for `float16` (a float32
+    or float16 model; a bfloat16 one is refused, naming the field); float32 for `float32` (a
+    float32 model only). `auto` is the compute dtype, except on CPU under a float32 model whose
+    weights are `quantized` and whose decode reads a half pool in C++: there float16, because
+    the rounding is noise next to the weights' (README, Float16 KV cache) and every decode step
+    then streams half the K/V bytes. The fp32 dense reference keeps fp32 K/V."""
     if args.kv_cache_dtype == "int8":
         return torch.int8
     if args.kv_cache_dtype == "float16":
@@ -63,13 +67,26 @@ def kv_storage_dtype(args: ServerArgs, dtype: torch.dtype) -> torch.dtype:
                              f"one runs in {dtype} (use kv_cache_dtype auto or int8, or dtype "
                              f"float32)")
         return torch.float16
+    if args.kv_cache_dtype == "float32":
+        if dtype != torch.float32:
+            raise ValueError(f"kv_cache_dtype=float32 needs a float32 model; this one runs in "
+                             f"{dtype} (use kv_cache_dtype auto, or dtype float32)")
+        return torch.float32
+    if (dtype == torch.float32 and quantized and device is not None and device.type == "cpu"
+            and not args.disable_cpu_decode_kernel and half_pool_decode_available()):
+        return torch.float16
     return dtype
 
 
-def plan_pools(args: ServerArgs, cfg: ModelConfig, dtype: torch.dtype,
+def half_pool_decode_available() -> bool:
+    """Whether the loaded CPU kernels decode fp32 queries over a float16 pool."""
+    return cpu_kernels.load_cpu_kernels() and hasattr(torch.ops.radixrt, "paged_decode")
+
+
+def plan_pools(args: ServerArgs, cfg: ModelConfig, kv_dtype: torch.dtype,
                device: torch.device) -> PoolSizes:
-    per_token = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                                   kv_storage_dtype(args, dtype))
+    """Pool sizes for K/V stored as `kv_dtype` (`kv_storage_dtype`)."""
+    per_token = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
     total = args.max_total_tokens
     if total is None:
         if device.type == "cuda":
@@ -126,13 +143,17 @@ class ModelRunner:
             # csrc/paged_decode.cpp: by CPU vendor, or RADIXRT_PD_PREFETCH_L1
             into = "L1" if torch.ops.radixrt.paged_decode_prefetch_l1() else "L2"
             logger.info("paged decode prefetches K/V rows into %s", into)
-        self.sizes = plan_pools(args, cfg, self.dtype, self.device)
+        self.kv_dtype = kv_storage_dtype(args, self.dtype, self.device, self.quant.quantized)
+        if args.kv_cache_dtype == "auto" and self.kv_dtype != self.dtype:
+            logger.info("kv_cache_dtype auto -> %s (a %s model with quantized weights)",
+                        self.kv_dtype, self.dtype)
+        self.sizes = plan_pools(args, cfg, self.kv_dtype, self.device)
         self.req_to_token_pool = ReqToTokenPool(
             self.sizes.max_running_requests, self.sizes.max_context_len, self.device)
         self.token_to_kv_pool = TokenToKVPool(
             self.sizes.max_total_tokens, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
             self.dtype, self.device, huge_pages=not args.disable_huge_pages,
-            kv_dtype=kv_storage_dtype(args, self.dtype))
+            kv_dtype=self.kv_dtype)
         self.attn_backend = create_attention_backend(
             args.attention_backend, self.token_to_kv_pool, self.device,
             num_q_heads=cfg.num_heads,

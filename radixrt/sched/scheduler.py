@@ -715,6 +715,8 @@ def run_scheduler(args: ServerArgs, paths: ipc.IpcPaths, parent_pid: int,
         # The resolved `quantization` mode and the kernel timings behind it (None untimed).
         "quantization": runner.quant.describe(),
         "quant_probe": runner.quant_probe.as_info() if runner.quant_probe else None,
+        # What `kv_cache_dtype` resolved to: the pool's storage dtype ("int8": codes + scales).
+        "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch."),
         "num_threads": torch.get_num_threads(),
         "thread_wait": args.thread_wait,
         # How much of the model and pools sits on transparent huge pages (ServerArgs.

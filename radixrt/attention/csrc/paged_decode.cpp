@@ -36,9 +36,19 @@
 //   over pairs of keys, p rounded to bf16 (as GPU flash attention does: outputs differ from
 //   fp32 P V by about 2^-9 relative). Other pools: fp32 FMA on rows converted to fp32 once per
 //   query tile, q scaled after the dot product.
-// - AVX2 / generic (at::vec::Vectorized<float>): q scaled to fp32, per-key dot products (on
-//   AVX2 four keys' partial vectors reduced together by horizontal adds, else a horizontal sum
-//   per key), fp32 P V.
+// - AVX2: q scaled to fp32; tiles of up to three queries (a KV head's query heads under GQA)
+//   hold their partial score vectors and their outputs in the 16 ymm registers, so every K/V
+//   row is loaded, and a 16-bit pool's converted, once per tile in registers (no fp32 copy of
+//   the block); four keys' partial vectors per query reduced together by horizontal adds; fp32
+//   P V; the rows of the block `ahead` blocks on prefetched a few per group of four keys.
+//   Zen 3 (stop 73), the op alone over 30 layers from memory, 64 / 8 rows x 544 keys: float16
+//   pool 58.3 / 7.7 -> 45-46 / 6.7-7.2 ms against the scan it replaced (one query per tile over
+//   a block converted to fp32 in memory, the next block prefetched in one burst), hot 1.32x /
+//   1.47x; fp32 pools within 5%. The burst prefetch was slower than none there (1.04-1.18x),
+//   prefetches spread over the block 1.17-1.19x faster than none at 64 rows (1.02x at 8), with
+//   0-4 blocks ahead within 3% of each other.
+// - generic (at::vec::Vectorized<float>): q scaled to fp32, one horizontal sum per key and
+//   query, fp32 P V.
 
 #include <torch_headers.h>  // first: precompiled by the build
 
@@ -94,14 +104,6 @@ constexpr int64_t kBlock16 = 16;
 #endif
 #ifndef RADIXRT_PD_PREFETCH_BLOCKS_ALONE
 #define RADIXRT_PD_PREFETCH_BLOCKS_ALONE 2
-#endif
-// AVX2 scan: scores of four keys per query reduced together (1) or one horizontal sum per key
-// (0, before stop 45). Zen 1, fp32 pools, the op alone on 30 layers from memory: 1.10-1.13x at
-// batch 1-64 x 512-2048 keys, 1.36x with a 700-key shared prefix over 16 rows; fma_attention's
-// blocks for every item instead: 0.78x (1.14x with the prefix). Prefetching the next block's
-// rows (kept), none or two blocks ahead measured within 5% of each other there.
-#ifndef RADIXRT_PD_AVX2_SCAN
-#define RADIXRT_PD_AVX2_SCAN 1
 #endif
 #ifndef RADIXRT_PD_PV_BF16
 #define RADIXRT_PD_PV_BF16 1
@@ -214,7 +216,7 @@ inline bool prefetch_l1() {
   return v == 1;
 }
 
-// Blocks ahead the AVX-512 scans prefetch in this call.
+// Blocks ahead the AVX-512 and AVX2 scans prefetch in this call.
 inline int64_t prefetch_blocks() {
   return (runs_alone() ? g_prefetch_blocks_alone : g_prefetch_blocks)
       .load(std::memory_order_relaxed);
@@ -1041,8 +1043,8 @@ struct KeyScan {
   const T* vbase;  // v_buffer + kv_head * D
   int64_t stride;  // elements between consecutive slots
   float scale;
-  int64_t ahead;  // unused: this scan prefetches the next block
-  bool l1;  // unused: into L2
+  int64_t ahead;  // AVX2: blocks whose rows are prefetched ahead (prefetch_blocks())
+  bool l1;  // AVX2: whether they go into L1 (prefetch_l1())
 
   // Queries scaled and converted to fp32.
   template <typename S>
@@ -1056,6 +1058,216 @@ struct KeyScan {
     run(q, nq, idx, n, m, l, acc);
   }
 
+#if defined(CPU_CAPABILITY_AVX2)
+  // AVX2: tiles of up to kTileQueries queries whose scores and outputs stay in registers, every
+  // K/V row read (and, from a 16-bit pool, converted) in registers once per tile.
+  static constexpr int kTileQueries = 3;
+  // Head-dim vectors per P V pass: kTileQueries x kPass accumulators, kTileQueries
+  // probabilities and one V vector fill the 16 ymm registers.
+  static constexpr int kPass = fma_attention::largest_divisor(NV, 4);
+
+  // The rows of the keys `ahead` blocks on, fetched a few per score group of the block.
+  struct Prefetch {
+    const T* const* k = nullptr;
+    const T* const* v = nullptr;
+    int64_t n = 0;
+    bool l1 = false;
+    RADIXRT_HOT_INLINE void rows(int64_t from, int64_t to) const {
+      for (int64_t j = from; j < std::min(to, n); ++j) {
+        prefetch_row(k[j], D * sizeof(T), l1);
+        prefetch_row(v[j], D * sizeof(T), l1);
+      }
+    }
+    static const Prefetch& none() {
+      static const Prefetch p;
+      return p;
+    }
+  };
+
+  // Eight values of a pool row (or of a converted fp32 row) as fp32.
+  template <typename E>
+  static RADIXRT_HOT_INLINE __m256 row8(const E* p) {
+    if constexpr (std::is_same_v<E, float>) {
+      return _mm256_loadu_ps(p);
+    } else if constexpr (std::is_same_v<E, at::Half>) {
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    } else {
+      static_assert(std::is_same_v<E, at::BFloat16>, "float, Half or BFloat16 rows");
+      return _mm256_castsi256_ps(_mm256_slli_epi32(
+          _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+    }
+  }
+
+  // s[t][j .. j + 4) = q_t · k_u for the TQ queries q (stride D) and the four key rows kr: per
+  // (query, key) a product vector accumulated over the head dim (q_t c * k_u c, in order of c),
+  // then four keys reduced together by horizontal adds. A query's bits never depend on TQ.
+  template <int TQ, typename E>
+  static RADIXRT_HOT_INLINE void scores4(const float* q, const E* const* kr,
+                                         float (*s)[kBlock], int64_t j) {
+    __m256 a[TQ][4];
+    __m256 qv[TQ];
+#pragma GCC unroll 4
+    for (int t = 0; t < TQ; ++t) qv[t] = _mm256_loadu_ps(q + t * D);
+#pragma GCC unroll 4
+    for (int u = 0; u < 4; ++u) {
+      const __m256 kv = row8<E>(kr[u]);
+#pragma GCC unroll 4
+      for (int t = 0; t < TQ; ++t) a[t][u] = _mm256_mul_ps(qv[t], kv);
+    }
+#pragma GCC unroll 16
+    for (int c = 1; c < NV; ++c) {
+#pragma GCC unroll 4
+      for (int t = 0; t < TQ; ++t) qv[t] = _mm256_loadu_ps(q + t * D + c * kVec);
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) {
+        const __m256 kv = row8<E>(kr[u] + c * kVec);
+#pragma GCC unroll 4
+        for (int t = 0; t < TQ; ++t) a[t][u] = _mm256_fmadd_ps(qv[t], kv, a[t][u]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < TQ; ++t) {
+      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[t][0], a[t][1]),
+                                      _mm256_hadd_ps(a[t][2], a[t][3]));
+      _mm_storeu_ps(&s[t][j], _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+    }
+  }
+
+  // o_t = o_t * alpha_t + sum over j < nb of p[t][j] * v_j for the TQ outputs o (stride D),
+  // kPass vectors of the head dim at a time, keys in order.
+  template <int TQ, typename E>
+  static RADIXRT_HOT_INLINE void accumulate(const float (*p)[kBlock], const E* const* vr,
+                                            int64_t nb, const float* alpha, float* o) {
+#pragma GCC unroll 1
+    for (int c0 = 0; c0 < NV; c0 += kPass) {
+      __m256 av[TQ][kPass];
+#pragma GCC unroll 4
+      for (int t = 0; t < TQ; ++t) {
+        const __m256 va = _mm256_set1_ps(alpha[t]);
+#pragma GCC unroll 4
+        for (int c = 0; c < kPass; ++c) {
+          av[t][c] = _mm256_mul_ps(_mm256_loadu_ps(o + t * D + (c0 + c) * kVec), va);
+        }
+      }
+      for (int64_t j = 0; j < nb; ++j) {
+        __m256 pb[TQ];
+#pragma GCC unroll 4
+        for (int t = 0; t < TQ; ++t) pb[t] = _mm256_broadcast_ss(&p[t][j]);
+#pragma GCC unroll 4
+        for (int c = 0; c < kPass; ++c) {
+          const __m256 vv = row8<E>(vr[j] + (c0 + c) * kVec);
+#pragma GCC unroll 4
+          for (int t = 0; t < TQ; ++t) av[t][c] = _mm256_fmadd_ps(pb[t], vv, av[t][c]);
+        }
+      }
+#pragma GCC unroll 4
+      for (int t = 0; t < TQ; ++t) {
+#pragma GCC unroll 4
+        for (int c = 0; c < kPass; ++c) _mm256_storeu_ps(o + t * D + (c0 + c) * kVec, av[t][c]);
+      }
+    }
+  }
+
+  // One block of nb keys (rows kr / vr) through the state of TQ queries.
+  template <int TQ, typename E>
+  static void block(const float* q, const E* const* kr, const E* const* vr, int64_t nb,
+                    float* m, float* l, float* acc, const Prefetch& pf) {
+    alignas(64) float scores[TQ][kBlock];
+    for (int64_t j = 0; j < nb; j += 4) {
+      // a partial group repeats the block's last key; its extra scores are masked below
+      const E* k4[4];
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) k4[u] = kr[std::min<int64_t>(j + u, nb - 1)];
+      pf.rows(j, j + 4);
+      scores4<TQ, E>(q, k4, scores, j);
+    }
+    pf.rows(nb, kBlock);
+    float alpha[TQ];
+    for (int t = 0; t < TQ; ++t) {
+      float* s = scores[t];
+      for (int64_t jj = nb; jj < kBlock; ++jj) s[jj] = kNegInf;
+      Vec mx = Vec::loadu(s);
+      for (int64_t c = kVec; c < kBlock; c += kVec) mx = at::vec::maximum(mx, Vec::loadu(s + c));
+      const float m_new = std::max(m[t], hmax(mx));
+      alpha[t] = std::exp(m[t] - m_new);  // 0 while m[t] is -inf
+      const Vec vm(m_new);
+      Vec sum(0.f);
+      for (int64_t c = 0; c < kBlock; c += kVec) {
+        Vec pv = (Vec::loadu(s + c) - vm).exp_u20();  // exp(-inf) = 0 for padding
+        pv.store(s + c);
+        sum = sum + pv;
+      }
+      l[t] = l[t] * alpha[t] + hsum(sum);
+      m[t] = m_new;
+    }
+    accumulate<TQ, E>(scores, vr, nb, alpha, acc);
+  }
+
+  // Queries in tiles of at most kTileQueries over one block's rows.
+  template <typename E>
+  static void tiles(const float* q, int64_t nq, const E* const* kr, const E* const* vr,
+                    int64_t nb, float* m, float* l, float* acc, const Prefetch& pf) {
+    for (int64_t t0 = 0; t0 < nq; t0 += kTileQueries) {
+      const float* qt = q + t0 * D;
+      const Prefetch& p = t0 == 0 ? pf : Prefetch::none();  // the first tile fetches ahead
+      switch (std::min<int64_t>(kTileQueries, nq - t0)) {
+        case 1: block<1, E>(qt, kr, vr, nb, m + t0, l + t0, acc + t0 * D, p); break;
+        case 2: block<2, E>(qt, kr, vr, nb, m + t0, l + t0, acc + t0 * D, p); break;
+        default: block<3, E>(qt, kr, vr, nb, m + t0, l + t0, acc + t0 * D, p); break;
+      }
+    }
+  }
+
+  // Runs keys idx[0..n) through the state (m[i], l[i], acc[i, :]) of each query q[i, :]. A
+  // 16-bit pool's rows are converted in registers by each tile; with more queries than one
+  // tile, once per block into fp32 rows that every tile reads.
+  void run(const float* q, int64_t nq, const int32_t* idx, int64_t n, float* m, float* l,
+           float* acc) const {
+    const T* krow[kBlock];
+    const T* vrow[kBlock];
+    constexpr bool kWide = std::is_same_v<T, float>;
+    constexpr int64_t kConv = kWide ? 1 : kBlock * D;
+    alignas(64) float kconv[kConv];
+    alignas(64) float vconv[kConv];
+    for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
+      const int64_t nb = std::min(kBlock, n - j0);
+      for (int64_t jj = 0; jj < nb; ++jj) {
+        const int64_t slot = idx[j0 + jj];
+        krow[jj] = kbase + slot * stride;
+        vrow[jj] = vbase + slot * stride;
+      }
+      // The rows `ahead` blocks on, fetched while this block is computed.
+      Prefetch pf;
+      const T* pk[kBlock];
+      const T* pv[kBlock];
+      if (ahead > 0) {
+        const int64_t p0 = j0 + ahead * kBlock;
+        pf = Prefetch{pk, pv, std::clamp<int64_t>(n - p0, 0, kBlock), l1};
+        for (int64_t jj = 0; jj < pf.n; ++jj) {
+          const int64_t slot = idx[p0 + jj];
+          pk[jj] = kbase + slot * stride;
+          pv[jj] = vbase + slot * stride;
+        }
+      }
+      if (kWide || nq <= kTileQueries) {
+        tiles<T>(q, nq, krow, vrow, nb, m, l, acc, pf);
+        continue;
+      }
+      const float* kf[kBlock];
+      const float* vf[kBlock];
+      for (int64_t jj = 0; jj < nb; ++jj) {
+#pragma GCC unroll 16
+        for (int c = 0; c < NV; ++c) {
+          _mm256_storeu_ps(kconv + jj * D + c * kVec, row8<T>(krow[jj] + c * kVec));
+          _mm256_storeu_ps(vconv + jj * D + c * kVec, row8<T>(vrow[jj] + c * kVec));
+        }
+        kf[jj] = kconv + jj * D;
+        vf[jj] = vconv + jj * D;
+      }
+      tiles<float>(q, nq, kf, vf, nb, m, l, acc, pf);
+    }
+  }
+#else
   // Runs keys idx[0..n) through the state (m[i], l[i], acc[i, :]) of each query q[i, :].
   void run(const float* q, int64_t nq, const int32_t* idx, int64_t n, float* m, float* l,
            float* acc) const {
@@ -1107,29 +1319,6 @@ struct KeyScan {
         const float* qt = q + t0 * D;
         // Scores of the tile's queries against the block's keys.
         int64_t jj = 0;
-#if defined(CPU_CAPABILITY_AVX2) && RADIXRT_PD_AVX2_SCAN == 1
-        // Four keys at a time per query: four partial vectors reduced together by horizontal
-        // adds (5 instructions for 4 scores instead of one horizontal sum per key).
-        for (; jj + 4 <= nb; jj += 4) {
-          for (int t = 0; t < tq; ++t) {
-            const float* qq = qt + t * D;
-            __m256 a[4];
-            const __m256 q0 = _mm256_loadu_ps(qq);
-#pragma GCC unroll 4
-            for (int u = 0; u < 4; ++u) a[u] = _mm256_mul_ps(q0, _mm256_loadu_ps(kf[jj + u]));
-#pragma GCC unroll 16
-            for (int c = 1; c < NV; ++c) {
-              const __m256 qc = _mm256_loadu_ps(qq + c * kVec);
-#pragma GCC unroll 4
-              for (int u = 0; u < 4; ++u)
-                a[u] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kf[jj + u] + c * kVec), a[u]);
-            }
-            const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-            _mm_storeu_ps(&scores[t][jj],
-                          _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-          }
-        }
-#endif
         for (; jj < nb; ++jj) {
           Vec kv[NV];
 #pragma GCC unroll 16
@@ -1199,6 +1388,7 @@ struct KeyScan {
       }
     }
   }
+#endif  // CPU_CAPABILITY_AVX2
 };
 
 #endif  // CPU_CAPABILITY_AVX512
