@@ -1054,7 +1054,20 @@ struct KeyScan {
 
   // `run` for a cascade group's rows over their shared prefix.
   void run_group(const float* q, int64_t nq, const int32_t* idx, int64_t n, float* m, float* l,
-                 float* acc, int64_t /*group_rows*/) const {
+                 float* acc, int64_t group_rows) const {
+#if defined(CPU_CAPABILITY_AVX2)
+    if (group_rows >= kBlockGroupRows) {
+      const auto slot_of = [idx](int64_t j) { return static_cast<int64_t>(idx[j]); };
+      const auto no_row_skips = [](int64_t) { return int64_t{0}; };
+      const auto every_key = [](int64_t, int64_t, int64_t nb) { return nb; };
+      thread_local fma_attention::Scratch sc;
+      fma_attention::attend<T, D>(q, nq, n, slot_of, no_row_skips, every_key, kbase, vbase,
+                                  stride, m, l, acc, sc);
+      return;
+    }
+#else
+    (void)group_rows;
+#endif
     run(q, nq, idx, n, m, l, acc);
   }
 
