@@ -33,6 +33,7 @@ from radixrt.model.model_config import ModelConfig
 from radixrt.model.quant import QuantPlan
 from radixrt.model.quant_matmul import vnni_kernel_available
 
+
 def _onednn_packs_bf16() -> bool:
     """Whether oneDNN packs bf16 weights on this CPU (torch 2.13 refuses where the CPU has
     neither AVX-NE-CONVERT nor AVX512-BW/VL/DQ, e.g. AVX2-only Zen 3; the runtime then keeps
