@@ -1027,6 +1027,27 @@ constexpr bool kHaveInt8Scan = false;
 
 #else  // not AVX-512
 
+// One online-softmax step over a block's scores s[0..kBlock) (the first nb real, the rest set to
+// -inf here): new running max m, s becomes the probabilities exp(s - m), l = l * alpha + their
+// sum; returns alpha = exp(m_old - m) (0 while m_old is -inf).
+inline float softmax_block(float* s, int64_t nb, float& m, float& l) {
+  for (int64_t jj = nb; jj < kBlock; ++jj) s[jj] = kNegInf;
+  Vec mx = Vec::loadu(s);
+  for (int64_t c = kVec; c < kBlock; c += kVec) mx = at::vec::maximum(mx, Vec::loadu(s + c));
+  const float m_new = std::max(m, hmax(mx));
+  const float alpha = std::exp(m - m_new);
+  const Vec vm(m_new);
+  Vec sum(0.f);
+  for (int64_t c = 0; c < kBlock; c += kVec) {
+    const Vec p = (Vec::loadu(s + c) - vm).exp_u20();  // exp(-inf) = 0 for padding
+    p.store(s + c);
+    sum = sum + p;
+  }
+  l = l * alpha + hsum(sum);
+  m = m_new;
+  return alpha;
+}
+
 // Online softmax of `nq` fp32 queries (already scaled) over a list of pool slots of one KV head.
 // Keys go in blocks of kBlock; within a block, queries go in tiles of TQ whose accumulators stay
 // in vector registers while each key row is loaded (and converted to fp32) once per tile.
@@ -1050,6 +1071,14 @@ struct KeyScan {
   template <typename S>
   static void load_queries(const S* src, int64_t n, float scale, QType* dst) {
     for (int64_t e = 0; e < n * D; ++e) dst[e] = static_cast<float>(src[e]) * scale;
+  }
+
+  // The K and V rows of the nb keys at slots idx[0..nb).
+  void block_rows(const int32_t* idx, int64_t nb, const T** kr, const T** vr) const {
+    for (int64_t jj = 0; jj < nb; ++jj) {
+      kr[jj] = kbase + idx[jj] * stride;
+      vr[jj] = vbase + idx[jj] * stride;
+    }
   }
 
   // `run` for a cascade group's rows over their shared prefix.
@@ -1196,23 +1225,7 @@ struct KeyScan {
     }
     pf.rows(nb, kBlock);
     float alpha[TQ];
-    for (int t = 0; t < TQ; ++t) {
-      float* s = scores[t];
-      for (int64_t jj = nb; jj < kBlock; ++jj) s[jj] = kNegInf;
-      Vec mx = Vec::loadu(s);
-      for (int64_t c = kVec; c < kBlock; c += kVec) mx = at::vec::maximum(mx, Vec::loadu(s + c));
-      const float m_new = std::max(m[t], hmax(mx));
-      alpha[t] = std::exp(m[t] - m_new);  // 0 while m[t] is -inf
-      const Vec vm(m_new);
-      Vec sum(0.f);
-      for (int64_t c = 0; c < kBlock; c += kVec) {
-        Vec pv = (Vec::loadu(s + c) - vm).exp_u20();  // exp(-inf) = 0 for padding
-        pv.store(s + c);
-        sum = sum + pv;
-      }
-      l[t] = l[t] * alpha[t] + hsum(sum);
-      m[t] = m_new;
-    }
+    for (int t = 0; t < TQ; ++t) alpha[t] = softmax_block(scores[t], nb, m[t], l[t]);
     accumulate<TQ, E>(scores, vr, nb, alpha, acc);
   }
 
@@ -1244,11 +1257,7 @@ struct KeyScan {
     alignas(64) float vconv[kConv];
     for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
       const int64_t nb = std::min(kBlock, n - j0);
-      for (int64_t jj = 0; jj < nb; ++jj) {
-        const int64_t slot = idx[j0 + jj];
-        krow[jj] = kbase + slot * stride;
-        vrow[jj] = vbase + slot * stride;
-      }
+      block_rows(idx + j0, nb, krow, vrow);
       // The rows `ahead` blocks on, fetched while this block is computed.
       Prefetch pf;
       const T* pk[kBlock];
@@ -1293,11 +1302,7 @@ struct KeyScan {
     alignas(64) float vconv[kConv];
     for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
       const int64_t nb = std::min(kBlock, n - j0);
-      for (int64_t jj = 0; jj < nb; ++jj) {
-        const int64_t slot = idx[j0 + jj];
-        krow[jj] = kbase + slot * stride;
-        vrow[jj] = vbase + slot * stride;
-      }
+      block_rows(idx + j0, nb, krow, vrow);
       // Start fetching the next block's rows while this one is computed.
       const int64_t next_end = std::min(n, j0 + 2 * kBlock);
       for (int64_t j = j0 + nb; j < next_end; ++j) {
@@ -1350,24 +1355,7 @@ struct KeyScan {
         }
         // Online softmax: new running max, rescale factor, probabilities in place.
         float alpha[TQ];
-        for (int t = 0; t < tq; ++t) {
-          float* s = scores[t];
-          for (int64_t jj = nb; jj < kBlock; ++jj) s[jj] = kNegInf;
-          Vec mx = Vec::loadu(s);
-          for (int64_t c = kVec; c < kBlock; c += kVec) mx = at::vec::maximum(mx, Vec::loadu(s + c));
-          const int64_t i = t0 + t;
-          const float m_new = std::max(m[i], hmax(mx));
-          alpha[t] = std::exp(m[i] - m_new);  // 0 while m[i] is -inf
-          const Vec vm(m_new);
-          Vec sum(0.f);
-          for (int64_t c = 0; c < kBlock; c += kVec) {
-            Vec p = (Vec::loadu(s + c) - vm).exp_u20();  // exp(-inf) = 0 for padding
-            p.store(s + c);
-            sum = sum + p;
-          }
-          l[i] = l[i] * alpha[t] + hsum(sum);
-          m[i] = m_new;
-        }
+        for (int t = 0; t < tq; ++t) alpha[t] = softmax_block(scores[t], nb, m[t0 + t], l[t0 + t]);
         // acc = acc * alpha + p @ V, accumulators in registers.
         Vec av[TQ][NV];
 #pragma GCC unroll 4
