@@ -71,7 +71,7 @@ def test_auto_narrows_only_a_quantized_float32_model_on_cpu(monkeypatch: pytest.
     disabled decode kernel and a missing one keep the compute dtype."""
     import radixrt.model.runner as runner_mod
 
-    monkeypatch.setattr(runner_mod, "half_pool_decode_available", lambda: have_kernel)
+    monkeypatch.setattr(runner_mod, "half_pool_decode_available", lambda head_dim: have_kernel)
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     auto = ServerArgs()
     narrowed = torch.float16 if have_kernel else torch.float32

@@ -9,8 +9,9 @@ from pathlib import Path
 import psutil
 import torch
 
-from radixrt.attention import cpu_kernels, create_attention_backend
+from radixrt.attention import create_attention_backend
 from radixrt.attention.flashinfer import FlashInferBackend
+from radixrt.attention.paged_decode import paged_decode_unavailable_reason
 from radixrt.config import ServerArgs
 from radixrt.core.cpu_policy import QuietBeforeTiming
 from radixrt.core.forward_batch import ForwardBatch
@@ -52,7 +53,7 @@ class PoolSizes:
 
 
 def kv_storage_dtype(args: ServerArgs, dtype: torch.dtype, device: torch.device | None = None,
-                     quantized: bool = False) -> torch.dtype:
+                     quantized: bool = False, head_dim: int = 64) -> torch.dtype:
     """What the KV pool stores: int8 for `kv_cache_dtype=int8`; float16 for `float16` (a float32
     or float16 model; a bfloat16 one is refused, naming the field); float32 for `float32` (a
     float32 model only). `auto` is the compute dtype, except on CPU under a float32 model whose
@@ -73,14 +74,14 @@ def kv_storage_dtype(args: ServerArgs, dtype: torch.dtype, device: torch.device 
                              f"{dtype} (use kv_cache_dtype auto, or dtype float32)")
         return torch.float32
     if (dtype == torch.float32 and quantized and device is not None and device.type == "cpu"
-            and not args.disable_cpu_decode_kernel and half_pool_decode_available()):
+            and not args.disable_cpu_decode_kernel and half_pool_decode_available(head_dim)):
         return torch.float16
     return dtype
 
 
-def half_pool_decode_available() -> bool:
-    """Whether the loaded CPU kernels decode fp32 queries over a float16 pool."""
-    return cpu_kernels.load_cpu_kernels() and hasattr(torch.ops.radixrt, "paged_decode")
+def half_pool_decode_available(head_dim: int) -> bool:
+    """Whether the C++ decode kernel runs on a float16 pool of this head dim here."""
+    return paged_decode_unavailable_reason(torch.float16, head_dim) is None
 
 
 def plan_pools(args: ServerArgs, cfg: ModelConfig, kv_dtype: torch.dtype,
@@ -143,17 +144,18 @@ class ModelRunner:
             # csrc/paged_decode.cpp: by CPU vendor, or RADIXRT_PD_PREFETCH_L1
             into = "L1" if torch.ops.radixrt.paged_decode_prefetch_l1() else "L2"
             logger.info("paged decode prefetches K/V rows into %s", into)
-        self.kv_dtype = kv_storage_dtype(args, self.dtype, self.device, self.quant.quantized)
-        if args.kv_cache_dtype == "auto" and self.kv_dtype != self.dtype:
+        kv_dtype = kv_storage_dtype(args, self.dtype, self.device, self.quant.quantized,
+                                    cfg.head_dim)
+        if args.kv_cache_dtype == "auto" and kv_dtype != self.dtype:
             logger.info("kv_cache_dtype auto -> %s (a %s model with quantized weights)",
-                        self.kv_dtype, self.dtype)
-        self.sizes = plan_pools(args, cfg, self.kv_dtype, self.device)
+                        kv_dtype, self.dtype)
+        self.sizes = plan_pools(args, cfg, kv_dtype, self.device)
         self.req_to_token_pool = ReqToTokenPool(
             self.sizes.max_running_requests, self.sizes.max_context_len, self.device)
         self.token_to_kv_pool = TokenToKVPool(
             self.sizes.max_total_tokens, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
             self.dtype, self.device, huge_pages=not args.disable_huge_pages,
-            kv_dtype=self.kv_dtype)
+            kv_dtype=kv_dtype)
         self.attn_backend = create_attention_backend(
             args.attention_backend, self.token_to_kv_pool, self.device,
             num_q_heads=cfg.num_heads,
@@ -213,6 +215,11 @@ class ModelRunner:
             ("int8 codes + fp32 scales" if self.token_to_kv_pool.quantized
              else self.token_to_kv_pool.kv_dtype),
             self.sizes.max_running_requests, self.sizes.max_context_len, self.device)
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """What the KV pool stores (`kv_storage_dtype`; int8 for codes + scales)."""
+        return self.token_to_kv_pool.kv_dtype
 
     @torch.inference_mode()
     def forward_scored(self, fb: ForwardBatch, top_k: int) -> tuple[torch.Tensor, RowScores | None]:
