@@ -117,6 +117,12 @@ class ServerArgs:
                                           "this (at least 128 tokens' worth, at most "
                                           "chunked_prefill_size tokens), so a request arriving "
                                           "during a step waits less for the next; 0: no cap")
+    decode_stall_max_ms: int = _f(1000, "while a backlog of prompts waits, steps prefill "
+                                        "alone and the decoding requests wait up to this long "
+                                        "for their next token (a backlog: the waiting prompts "
+                                        "times the decode rows' time, and the mean waiting "
+                                        "prompt's prefill, both above a step's prefill); at "
+                                        "most prefill_step_target_ms: never")
     disable_mixed_chunk: bool = _f(False, "run prefill steps alone: by default a step that "
                                           "prefills also advances every decoding request by "
                                           "one token (mixed extend + decode batch)")
@@ -310,6 +316,8 @@ class ServerArgs:
             bad("attention_backend", f"must be auto|torch|flashinfer, got {self.attention_backend!r}")
         if self.prefill_step_target_ms < 0:
             bad("prefill_step_target_ms", f"must be >= 0, got {self.prefill_step_target_ms}")
+        if self.decode_stall_max_ms < 0:
+            bad("decode_stall_max_ms", f"must be >= 0, got {self.decode_stall_max_ms}")
         if self.speculative_algorithm not in SPECULATIVE_ALGORITHMS:
             bad("speculative_algorithm", f"must be one of {SPECULATIVE_ALGORITHMS}, got "
                                          f"{self.speculative_algorithm!r}")

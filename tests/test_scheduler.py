@@ -13,6 +13,7 @@ import argparse
 import json
 import math
 import random
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -470,6 +471,96 @@ def test_prefill_pacer_gives_costly_decode_rows_a_larger_prefill() -> None:
     assert small.token_cap(64) == 256
 
 
+
+def _measured_pacer(b: float, c: float, target_s: float = 0.25, **kw: float) -> PrefillPacer:
+    """A pacer whose fit holds b seconds per prefill token and c per decode row."""
+    pacer = PrefillPacer(target_s, ceiling=4096, floor=16, **kw)
+    pacer.observe([(1024, 0)], 1024 * b)  # a prefill step alone
+    for rows in (8, 24, 64):
+        pacer.observe([], rows * c, rows)  # plain decode steps
+    for rows, tokens in ((8, 90), (40, 300)):  # mixed steps tell the rows' time apart
+        pacer.observe([(tokens, 0)], tokens * b + rows * c, rows)
+    assert pacer.step_cost() == pytest.approx((b, c), rel=1e-6)
+    return pacer
+
+
+def test_prefill_pacer_calls_a_backlog_from_the_queue_and_the_rows() -> None:
+    """W prompts of Q seconds' prefill in all are a backlog worth holding D seconds of decode
+    rows back for when both W x D and Q / W exceed the mixed step's prefill P: not a few
+    prompts, not cheap ones (follow-up turns over a cached conversation), not without decode
+    rows or before their cost is measured, and never with max_stall at most the target."""
+    b, c = 1 / 400, 0.005  # 400 prefill tok/s; 5 ms per decode row
+    pacer = _measured_pacer(b, c, max_stall_s=1.0)
+    assert pacer.prefill_seconds(16) == pytest.approx(0.24)  # D = 80 ms: max(170, 3 x 80) ms
+    assert not pacer.backlogged(16, 3, 3 * 300.0)  # 3 D = 240 ms: not more than P
+    assert pacer.backlogged(16, 4, 4 * 300.0)  # 4 D = 320 ms, 0.75 s a prompt
+    assert not pacer.backlogged(16, 40, 40 * 80.0)  # 0.2 s a prompt: cheap
+    assert pacer.backlogged(16, 40, 40 * 120.0)  # 0.3 s a prompt
+    assert not pacer.backlogged(0, 40, 40 * 300.0)  # nothing decoding
+    assert not pacer.backlogged(2, 7, 7 * 300.0)  # 7 x 10 ms < target - D
+    assert pacer.backlogged(2, 30, 30 * 300.0)  # 300 ms > 240 ms
+    assert not pacer.backlogged(16, 0, 0.0)
+    for max_stall in (0.0, 0.25):
+        assert not _measured_pacer(b, c, max_stall_s=max_stall).backlogged(16, 40, 12000.0)
+    assert not PrefillPacer(0.25, ceiling=512, max_stall_s=1.0).backlogged(16, 40, 12000.0)
+
+
+def test_a_backlog_holds_the_decode_rows_back_within_the_stall_bound(
+        make_sched: Callable[..., Scheduler]) -> None:
+    """Behind four decoding requests, twelve queued prompts are a backlog: steps prefill alone
+    (what a mixed step would prefill, without the rows' time), a decoding step comes whenever
+    the next would end past `decode_stall_max_ms` after the last one, the queue is admitted
+    sooner than with mixed steps alone (`decode_stall_max_ms` at the target), and the greedy
+    tokens are unchanged. Time is simulated: each step takes its prefill tokens x b, plus
+    rows x c when it decodes."""
+    b, c = 1 / 200, 0.01  # 200 prefill tok/s, 10 ms per decode row
+    rng = random.Random(9)
+    first = {f"d{i}": (prompt(rng, 6), 60) for i in range(4)}
+    queued = {f"q{i}": (prompt(rng, 40), 4) for i in range(12)}
+    ref = reference(make_sched, {**first, **queued})
+
+    def admitted_after(stall_ms: int) -> tuple[float, int]:
+        """Simulated seconds until the queue is admitted, and the steps that prefilled alone."""
+        sched = make_sched(prefill_step_target_ms=100, decode_stall_max_ms=stall_ms)
+        pacer = PrefillPacer(0.1, sched.args.chunked_prefill_size, floor=4,
+                             max_stall_s=stall_ms / 1000)
+        pacer.cost = _measured_pacer(b, c).cost
+        pacer.observe = lambda *args: None  # type: ignore[method-assign]
+        sched.pacer = pacer
+        submit(sched, first)
+        run = Run()
+        while len(sched.running) < len(first):
+            run.record(sched)
+        submit(sched, queued)
+        seconds = stalled = 0.0  # stalled: since the last step that decoded
+        alone = 0
+        while sched.waiting or sched.chunked_req is not None:
+            before = {r.rid: len(r.output_ids) for r in sched.running}
+            todo = [*sched.waiting, *([sched.chunked_req] if sched.chunked_req else [])]
+            kv = {id(r): r.kv_len for r in todo}
+            expected = pacer.prefill_seconds(len(before))
+            sched._decode_t = time.perf_counter() - stalled  # the simulated stall
+            run.record(sched)
+            prefill = sum(r.extend_len for r in todo if r.kv_len != kv[id(r)]) * b
+            assert prefill <= expected + b
+            if any(len(r.output_ids) > before[r.rid] for r in sched.running if r.rid in before):
+                seconds += prefill + len(before) * c
+                stalled = 0.0
+            else:
+                alone += 1
+                seconds += prefill
+                stalled += expected
+                assert stalled <= stall_ms / 1000 + 1e-9
+        run.drive(sched)
+        for rid in {**first, **queued}:
+            assert run.tokens[rid] == ref[rid], rid
+        assert_clean(sched)
+        return seconds, alone
+
+    (held, alone), (mixed, never) = admitted_after(600), admitted_after(100)
+    assert alone > 0 and never == 0 and held < mixed
+
+
 def test_prefill_work_counts_attention_pairs_and_tokens_within_inverts_it() -> None:
     """A chunk's work is its tokens plus pair_weight per causal (query, key) pair;
     `tokens_within` gives the most tokens whose work fits, for any prefix and weight."""
@@ -592,8 +683,12 @@ def test_prefill_step_target_is_validated_and_on_the_cli() -> None:
         ServerArgs(prefill_step_target_ms=-1)
     ap = argparse.ArgumentParser()
     add_server_args(ap)
-    args = args_from_namespace(ap.parse_args(["--prefill-step-target-ms", "0"]))
+    args = args_from_namespace(ap.parse_args(["--prefill-step-target-ms", "0",
+                                              "--decode-stall-max-ms", "600"]))
     assert args.prefill_step_target_ms == 0 and ServerArgs().prefill_step_target_ms == 250
+    assert args.decode_stall_max_ms == 600 and ServerArgs().decode_stall_max_ms == 1000
+    with pytest.raises(ValueError, match="ServerArgs.decode_stall_max_ms"):
+        ServerArgs(decode_stall_max_ms=-1)
 
 
 def test_adder_alone_ignores_its_own_decode_reserve() -> None:

@@ -134,8 +134,13 @@ class Scheduler:
         self.chunked_req: Req | None = None
         self.new_token_ratio = args.init_new_token_ratio
         self.pacer = PrefillPacer(args.prefill_step_target_ms / 1000, args.chunked_prefill_size,
-                                  prior_weight=ATTENTION_PAIR_COST * attention_pair_weight(cfg))
+                                  prior_weight=ATTENTION_PAIR_COST * attention_pair_weight(cfg),
+                                  max_stall_s=args.decode_stall_max_ms / 1000)
         self.finished_this_step: list[Req] = []
+        # When a step last carried decode rows (perf_counter), and whether this step holds them
+        # back for a backlog (`PrefillPacer.backlogged`): set by `_schedule_extend`.
+        self._decode_t = 0.0
+        self._hold_decode = False
         self.step_times = {"schedule": 0.0, "build": 0.0, "forward": 0.0, "grammar": 0.0,
                            "sample": 0.0, "process": 0.0}
         # Decode steps alone (build to processed results): their count, rows and time, so a
@@ -242,9 +247,10 @@ class Scheduler:
         """Run one prefill or decode batch if there is work; returns what to send downstream."""
         t0 = time.perf_counter()
         self._admit_grammars()
+        self._hold_decode = False
         batch = self._schedule_extend()
         mode = "extend"
-        if batch is not None and self._can_mix(batch):
+        if batch is not None and not self._hold_decode and self._can_mix(batch):
             mode = "mixed"
         elif batch is None and self.running:
             batch = self._schedule_decode()
@@ -258,6 +264,8 @@ class Scheduler:
             except Exception as e:  # keep serving: fail this batch's requests, free their KV
                 logger.error("batch failed: %s\n%s", e, traceback.format_exc())
                 self._fail_batch(batch, f"internal error: {e}")
+            if mode != "extend":
+                self._decode_t = time.perf_counter()
         done = self.finished_this_step
         self.finished_this_step = []
         touched = batch or []
@@ -268,20 +276,23 @@ class Scheduler:
         if not self.waiting and self.chunked_req is None:
             return None
         rows = self._mixed_rows()
+        # a chunked request's prompt is cached only after this step
+        in_flight: tuple[Req, ...] = () if self.chunked_req is None else (self.chunked_req,)
+        ordered, deferred = self.policy.order(self.waiting, in_flight)
+        # a step holding the rows back prefills what a mixed one would, without their time
+        self._hold_decode = rows > 0 and self._holds_decode(rows)
         cap, step_cost = self.pacer.budget(rows)
         adder = PrefillAdder(
             self.kv, self.req_pool.available_size(), self.running,
             self.args.max_running_requests, self.args.max_prefill_tokens,
             self.args.chunked_prefill_size, self.new_token_ratio,
-            self.args.clip_max_new_tokens_estimation, step_cost, rows, work_budget=cap,
+            self.args.clip_max_new_tokens_estimation, step_cost,
+            0 if self._hold_decode else rows, work_budget=cap,
             pair_weight=self.pacer.pair_weight)
-        in_flight: tuple[Req, ...] = ()
         if self.chunked_req is not None:
             if not adder.add_chunked(self.chunked_req):
                 return None
-            in_flight = (self.chunked_req,)  # its prompt is cached only after this step
             self.chunked_req = None
-        ordered, deferred = self.policy.order(self.waiting, in_flight)
         for i, req in enumerate(ordered):
             if req.rid in deferred:
                 continue
@@ -297,6 +308,23 @@ class Scheduler:
                 self.counters.prompt_tokens += len(req.origin_input_ids)
                 self.counters.cached_tokens += req.cached_tokens or 0
         return adder.admitted
+
+    def _holds_decode(self, rows: int) -> bool:
+        """Whether this step prefills alone, holding the `rows` running requests back: the
+        queue is a backlog (`PrefillPacer.backlogged`) and the step's prefill still ends within
+        `decode_stall_max_ms` of the last step that decoded."""
+        stalled = time.perf_counter() - self._decode_t + self.pacer.prefill_seconds(rows)
+        return stalled <= self.pacer.max_stall_s and self.pacer.backlogged(rows, *self._backlog())
+
+    def _backlog(self) -> tuple[int, float]:
+        """(prompts, work) waiting for prefill, the one mid-chunk included: each prompt's tokens
+        past the cached prefix the policy last matched (the whole prompt where the policy
+        matches nothing: fcfs, no cache), for the pacer's budget."""
+        rows = [(len(r.all_ids()) - r.match_len, r.match_len) for r in self.waiting]
+        if self.chunked_req is not None:
+            rows.append((self.chunked_req.seq_len() - self.chunked_req.kv_len,
+                         self.chunked_req.kv_len))
+        return len(rows), self.pacer.work(rows)
 
     def _mixed_rows(self) -> int:
         """Decode rows a prefill step would carry (for the pacer's budget): the running
