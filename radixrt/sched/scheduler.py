@@ -137,10 +137,9 @@ class Scheduler:
                                   prior_weight=ATTENTION_PAIR_COST * attention_pair_weight(cfg),
                                   max_stall_s=args.decode_stall_max_ms / 1000)
         self.finished_this_step: list[Req] = []
-        # When a step last carried decode rows (perf_counter), and whether this step holds them
-        # back for a backlog (`PrefillPacer.backlogged`): set by `_schedule_extend`.
+        # When a step last carried decode rows (perf_counter): a backlog holds them back for at
+        # most `decode_stall_max_ms` after it (`_holds_decode`).
         self._decode_t = 0.0
-        self._hold_decode = False
         self.step_times = {"schedule": 0.0, "build": 0.0, "forward": 0.0, "grammar": 0.0,
                            "sample": 0.0, "process": 0.0}
         # Decode steps alone (build to processed results): their count, rows and time, so a
@@ -247,10 +246,9 @@ class Scheduler:
         """Run one prefill or decode batch if there is work; returns what to send downstream."""
         t0 = time.perf_counter()
         self._admit_grammars()
-        self._hold_decode = False
-        batch = self._schedule_extend()
+        batch, hold = self._schedule_extend()
         mode = "extend"
-        if batch is not None and not self._hold_decode and self._can_mix(batch):
+        if batch is not None and not hold and self._can_mix(batch):
             mode = "mixed"
         elif batch is None and self.running:
             batch = self._schedule_decode()
@@ -272,26 +270,28 @@ class Scheduler:
         out = self.outputs.collect(list({id(r): r for r in [*touched, *done]}.values()))
         return out if out.outs else None
 
-    def _schedule_extend(self) -> list[Req] | None:
+    def _schedule_extend(self) -> tuple[list[Req] | None, bool]:
+        """The requests this step prefills (None: none), and whether it holds the running
+        requests' decode back for a backlog (`_holds_decode`)."""
         if not self.waiting and self.chunked_req is None:
-            return None
+            return None, False
         rows = self._mixed_rows()
         # a chunked request's prompt is cached only after this step
         in_flight: tuple[Req, ...] = () if self.chunked_req is None else (self.chunked_req,)
         ordered, deferred = self.policy.order(self.waiting, in_flight)
         # a step holding the rows back prefills what a mixed one would, without their time
-        self._hold_decode = rows > 0 and self._holds_decode(rows)
+        hold = rows > 0 and self._holds_decode(rows)
         cap, step_cost = self.pacer.budget(rows)
         adder = PrefillAdder(
             self.kv, self.req_pool.available_size(), self.running,
             self.args.max_running_requests, self.args.max_prefill_tokens,
             self.args.chunked_prefill_size, self.new_token_ratio,
             self.args.clip_max_new_tokens_estimation, step_cost,
-            0 if self._hold_decode else rows, work_budget=cap,
+            0 if hold else rows, work_budget=cap,
             pair_weight=self.pacer.pair_weight)
         if self.chunked_req is not None:
             if not adder.add_chunked(self.chunked_req):
-                return None
+                return None, False
             self.chunked_req = None
         for i, req in enumerate(ordered):
             if req.rid in deferred:
@@ -299,7 +299,7 @@ class Scheduler:
             if not adder.add(req, behind=len(ordered) - i - 1):
                 break
         if not adder.admitted:
-            return None
+            return None, False
         admitted = {id(r) for r in adder.admitted}
         self.waiting = [r for r in self.waiting if id(r) not in admitted]
         for req in adder.admitted:
@@ -307,7 +307,7 @@ class Scheduler:
                 req.counted = True
                 self.counters.prompt_tokens += len(req.origin_input_ids)
                 self.counters.cached_tokens += req.cached_tokens or 0
-        return adder.admitted
+        return adder.admitted, hold
 
     def _holds_decode(self, rows: int) -> bool:
         """Whether this step prefills alone, holding the `rows` running requests back: the
@@ -319,12 +319,12 @@ class Scheduler:
     def _backlog(self) -> tuple[int, float]:
         """(prompts, work) waiting for prefill, the one mid-chunk included: each prompt's tokens
         past the cached prefix the policy last matched (the whole prompt where the policy
-        matches nothing: fcfs, no cache), for the pacer's budget."""
-        rows = [(len(r.all_ids()) - r.match_len, r.match_len) for r in self.waiting]
+        matches nothing: fcfs, no cache), for `PrefillPacer.backlogged`."""
+        todo = [(len(r.all_ids()) - r.match_len, r.match_len) for r in self.waiting]
         if self.chunked_req is not None:
-            rows.append((self.chunked_req.seq_len() - self.chunked_req.kv_len,
+            todo.append((self.chunked_req.seq_len() - self.chunked_req.kv_len,
                          self.chunked_req.kv_len))
-        return len(rows), self.pacer.work(rows)
+        return len(todo), self.pacer.work(todo)
 
     def _mixed_rows(self) -> int:
         """Decode rows a prefill step would carry (for the pacer's budget): the running
