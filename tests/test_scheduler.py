@@ -551,6 +551,8 @@ def test_a_backlog_holds_the_decode_rows_back_within_the_stall_bound(
                 seconds += prefill
                 stalled += expected
                 assert stalled <= stall_ms / 1000 + 1e-9
+        held = sched.stats()["held_totals"]
+        assert held["steps"] == alone and held["decode_rows"] >= 4 * alone  # type: ignore[index]
         run.drive(sched)
         for rid in {**first, **queued}:
             assert run.tokens[rid] == ref[rid], rid

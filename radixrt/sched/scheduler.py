@@ -147,6 +147,8 @@ class Scheduler:
         self.decode_totals = {"steps": 0, "rows": 0, "time_s": 0.0}
         # Extend steps that also carried the running requests' decode tokens (`_can_mix`).
         self.mixed_totals = {"steps": 0, "decode_rows": 0}
+        # Prefill steps that held the running requests back for a backlog, and the rows held.
+        self.held_totals = {"steps": 0, "decode_rows": 0}
         # Prefixes evicted since the last `take_evicted` (for the router's view of this cache).
         self.evicted_prefixes: list[list[int]] = []
         if isinstance(self.cache, RadixCache):
@@ -250,6 +252,9 @@ class Scheduler:
         mode = "extend"
         if batch is not None and not hold and self._can_mix(batch):
             mode = "mixed"
+        elif batch is not None and hold:
+            self.held_totals["steps"] += 1
+            self.held_totals["decode_rows"] += len(self.running)
         elif batch is None and self.running:
             batch = self._schedule_decode()
             mode = "decode"
@@ -655,6 +660,7 @@ class Scheduler:
             "step_time_s": dict(self.step_times),
             "decode_totals": dict(self.decode_totals),
             "mixed_totals": dict(self.mixed_totals),
+            "held_totals": dict(self.held_totals),
             # Per range of decode rows, the path the decode-path tuner took and why (empty
             # when it is off: `DecodePathTuner.describe`).
             "decode_paths": tuner.describe() if tuner is not None else {},
