@@ -250,11 +250,12 @@ class Scheduler:
         self._admit_grammars()
         batch, hold = self._schedule_extend()
         mode = "extend"
-        if batch is not None and not hold and self._can_mix(batch):
-            mode = "mixed"
-        elif batch is not None and hold:
-            self.held_totals["steps"] += 1
-            self.held_totals["decode_rows"] += len(self.running)
+        if batch is not None and self._can_mix(batch):
+            if hold:  # the rows could ride along but wait for the backlog
+                self.held_totals["steps"] += 1
+                self.held_totals["decode_rows"] += len(self.running)
+            else:
+                mode = "mixed"
         elif batch is None and self.running:
             batch = self._schedule_decode()
             mode = "decode"
