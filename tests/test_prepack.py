@@ -33,21 +33,7 @@ from radixrt.model.model_config import ModelConfig
 from radixrt.model.quant import QuantPlan
 from radixrt.model.quant_matmul import vnni_kernel_available
 
-
-def _onednn_packs_bf16() -> bool:
-    """Whether oneDNN packs bf16 weights on this CPU (torch 2.13 refuses where the CPU has
-    neither AVX-NE-CONVERT nor AVX512-BW/VL/DQ, e.g. AVX2-only Zen 3; the runtime then keeps
-    plain weights, `prepack.prepack_pays`)."""
-    if not prepack.available():
-        return False
-    try:
-        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(32, 32, dtype=torch.bfloat16), 8)
-    except RuntimeError:
-        return False
-    return True
-
-
-needs_onednn = pytest.mark.skipif(not _onednn_packs_bf16(),
+needs_onednn = pytest.mark.skipif(not prepack.available(),
                                   reason="oneDNN does not pack bf16 weights here")
 
 

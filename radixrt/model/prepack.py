@@ -52,10 +52,19 @@ _PROBE_SHAPE = (3072, 576)  # SmolLM2's gate_up: [out, in]
 _PROBE_ROWS = 64
 
 
+@functools.cache
 def available() -> bool:
-    """Whether this torch build can pack weights for oneDNN at all."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
-                                                            "_reorder_linear_weight")
+    """Whether oneDNN packs bf16 weights here: the torch build has the op, and this CPU's oneDNN
+    takes bf16 (torch 2.13's refuses where the CPU has neither AVX-NE-CONVERT nor
+    AVX512-BW/VL/DQ, e.g. AVX2-only Zen 3)."""
+    if not (torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(32, 32, dtype=torch.bfloat16), 8)
+    except RuntimeError:
+        return False
+    return True
 
 
 @functools.cache

@@ -326,7 +326,7 @@ class Scheduler:
         """(prompts, work) waiting for prefill, the one mid-chunk included: each prompt's tokens
         past the cached prefix the policy last matched (the whole prompt where the policy
         matches nothing: fcfs, no cache), for `PrefillPacer.backlogged`."""
-        todo = [(len(r.all_ids()) - r.match_len, r.match_len) for r in self.waiting]
+        todo = [(r.seq_len() - r.match_len, r.match_len) for r in self.waiting]
         if self.chunked_req is not None:
             todo.append((self.chunked_req.seq_len() - self.chunked_req.kv_len,
                          self.chunked_req.kv_len))
