@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -44,6 +45,7 @@ from radixrt.mem.memory_pool import ReqToTokenPool, TokenToKVPool
 from radixrt.mem.radix_cache import RadixCache
 from radixrt.model.runner import ModelRunner
 from radixrt.sched import schedule_policy
+from radixrt.sched import scheduler as scheduler_mod
 from radixrt.sched.kv_owner import KVOwner
 from radixrt.sched.req import Req
 from radixrt.sched.schedule_policy import (
@@ -163,6 +165,33 @@ def test_fcfs_keeps_arrival_order_and_defers_nothing() -> None:
     ordered, deferred = policy("fcfs", p.cache).order(shuffled)
     assert rids(ordered) == rids(reqs)
     assert deferred == set()
+    p.check()
+
+
+def test_fcfs_matches_each_prompt_once_for_the_backlog() -> None:
+    """Under fcfs (asked for, or lpm's fallback on a long queue) the order ignores the cache,
+    but the pacer's backlog counts each waiting prompt past its cached prefix: each prompt is
+    matched once when it enters the queue, and again after a retraction (`matched` reset)."""
+    p = make_pools()
+    cached = seq(3, 20)
+    p.insert(cached)
+    a, b = make_req("a", [*cached, 7, 8]), make_req("b", seq(200, 6))
+    pol = policy("fcfs", p.cache)
+    pol.order([a, b])
+    assert (a.match_len, b.match_len) == (20, 0) and a.matched and b.matched
+    p.insert([*cached, 7])  # the cache grows; a matched prompt is not matched again
+    pol.order([a, b])
+    assert a.match_len == 20
+    a.matched = False  # as a retraction leaves it
+    pol.order([a, b])
+    assert a.match_len == 21
+    for name, fallback in (("lpm", 1), ("fcfs", 128)):  # lpm's fcfs fallback does the same
+        c = make_req("c", [*cached, 9])
+        policy(name, p.cache, fallback=fallback).order([c, make_req("d", seq(300, 4))])
+        assert c.match_len == 20
+    fresh = make_req("e", [*cached, 9])
+    policy("fcfs", p.cache, enabled=False).order([fresh])  # no cache: nothing matched
+    assert fresh.match_len == 0 and not fresh.matched
     p.check()
 
 
@@ -900,20 +929,33 @@ def test_outputs_identical_under_retraction(make_sched: Callable[..., Scheduler]
 
 
 # -- (e) retracted requests hit the cache on re-admission ---------------------------------------
-def test_retracted_requests_readmitted_with_cache_hit(make_sched: Callable[..., Scheduler]) -> None:
+@pytest.mark.parametrize("name", ["lpm", "fcfs"])
+def test_retracted_requests_readmitted_with_cache_hit(make_sched: Callable[..., Scheduler],
+                                                      name: str) -> None:
+    """... and the policy's `match_len` (the backlog's count) is matched again after a
+    retraction (`matched` reset, set again by the policy before re-admission), under fcfs too."""
     jobs = pressure_jobs(seed=1)
     ref = reference(make_sched, jobs)
-    sched = make_sched(**TINY_POOL)
+    sched = make_sched(schedule_policy=name, **TINY_POOL)
     readmits: list[tuple[str, int, int, int]] = []  # rid, prefix, computed (first chunk), seq_len
     orig = sched.builder.build_extend
+    orig_retract = sched._retract
 
     def spy(reqs: list[Req]) -> ForwardBatch:
         for r in reqs:
             if r.req_pool_idx is None and r.num_retractions > 0:
                 readmits.append((r.rid, r.kv_len, r.extend_len, r.seq_len()))
+                assert r.matched, r.rid
         return orig(reqs)
 
+    def retract_spy(need: int) -> None:
+        before = {r.rid: r.num_retractions for r in sched.live_reqs()}
+        orig_retract(need)
+        moved = [r for r in sched.waiting if r.num_retractions > before.get(r.rid, 0)]
+        assert moved and not any(r.matched for r in moved)
+
     sched.builder.build_extend = spy  # type: ignore[method-assign]
+    sched._retract = retract_spy  # type: ignore[method-assign]
     submit(sched, jobs)
     run = Run().drive(sched)
     assert sched.stats()["retractions_total"] > 0
@@ -1078,7 +1120,7 @@ def test_paced_prefill_steps_keep_outputs(make_sched: Callable[..., Scheduler]) 
 def test_warm_up_measures_the_prefill_rate_and_gives_everything_back(
         make_sched: Callable[..., Scheduler]) -> None:
     """A fresh scheduler has no prefill rate: its first step may take a whole
-    `chunked_prefill_size` chunk. `warm_up` times dummy prefills (the pacer observes the last),
+    `chunked_prefill_size` chunk. `warm_up` times dummy prefills (the pacer observes a median),
     leaving the pools as they were, nothing cached or counted, and requests then run as before."""
     sched = make_sched(prefill_step_target_ms=50, chunked_prefill_size=512)
     assert sched.pacer.rate is None
@@ -1098,6 +1140,17 @@ def test_warm_up_measures_the_prefill_rate_and_gives_everything_back(
         assert run.tokens[rid] == ref[rid], rid
     assert_clean(sched)
     assert make_sched(prefill_step_target_ms=0).warm_up() is None  # pacing off: nothing runs
+
+
+def test_warm_up_observes_the_median_past_the_first_run(
+        make_sched: Callable[..., Scheduler], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first run pays one-time costs and one slow reading on a shared host must not set
+    the first steps' cap: runs of 5.0, 0.2, 0.9 and 0.3 s are observed as 0.3 s."""
+    sched = make_sched(prefill_step_target_ms=50, chunked_prefill_size=512)
+    clock = iter([0.0, 5.0, 10.0, 10.2, 20.0, 20.9, 30.0, 30.3])
+    monkeypatch.setattr(scheduler_mod, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    assert sched.warm_up(tokens=200, runs=4) == pytest.approx(0.3)
+    assert sched.pacer.rate == pytest.approx(sched.pacer.work([(200, 0)]) / 0.3)
 
 
 # -- (c) in-batch prefix sharing ------------------------------------------------------------------

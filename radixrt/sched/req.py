@@ -49,6 +49,7 @@ class Req:
         self.exact_len = 0  # leading KV tokens computed batch-invariantly (`TokenScores.exact`)
         # Scheduling state
         self.match_len = 0  # cached prefix length as last seen by the policy
+        self.matched = False  # match_len was set since the request (re)entered the queue
         self.cached_tokens: int | None = None  # prompt tokens served by the cache (first admission)
         self.extend_len = 0  # tokens this step computes (set by the prefill adder)
         self.num_retractions = 0

@@ -33,6 +33,11 @@ class SchedulePolicy:
     Requests waiting longer than `starvation_timeout_s` go first, in arrival order, whatever the
     policy. With the radix cache, `order` also returns the requests to hold back one step
     because an earlier request in the queue will cache their shared, uncached prefix.
+
+    `Req.match_len` (the pacer's backlog counts each waiting prompt past it) is fresh every
+    step under `lpm` and `dfs-weight`; under `fcfs` with the cache on, each prompt is matched
+    once when it (re)enters the queue, so a long queue costs one match per request, not one
+    per request per step.
     """
 
     def __init__(self, policy: str, cache: BasePrefixCache, enabled_cache: bool,
@@ -62,12 +67,12 @@ class SchedulePolicy:
             policy = "fcfs"
         starved.sort(key=lambda r: r.arrival_time)
         if policy == "fcfs":
+            if self.enabled_cache:
+                for r in waiting:
+                    if not r.matched:
+                        self._match(r)
             return starved + sorted(rest, key=lambda r: r.arrival_time), set()
-        last_nodes = {}
-        for r in waiting:
-            m = self.cache.match_prefix(r.all_ids()[:-1])
-            r.match_len = int(m.indices.numel())
-            last_nodes[id(r)] = m.last_node
+        last_nodes = {id(r): self._match(r) for r in waiting}
         if policy == "lpm":
             ordered = sorted(rest, key=lambda r: (-r.match_len, r.arrival_time))
         else:
@@ -75,6 +80,12 @@ class SchedulePolicy:
         # Starved requests go first but still share: the first of a group computes the prefix.
         final = starved + ordered
         return final, self._in_batch_deferrals(final, in_flight)
+
+    def _match(self, r: Req) -> object:
+        """Set `r.match_len` to its prompt's cached prefix now; returns the match's last node."""
+        m = self.cache.match_prefix(r.all_ids()[:-1])
+        r.match_len, r.matched = int(m.indices.numel()), True
+        return m.last_node
 
     def _dfs_weight(self, reqs: list[Req], last_nodes: dict[int, object]) -> list[Req]:
         by_node: dict[object, list[Req]] = defaultdict(list)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import statistics
 import time
 import traceback
 from collections.abc import Callable
@@ -382,6 +383,7 @@ class Scheduler:
             self.kv.release(req)
             req.draft_ids = []
             req.num_retractions += 1
+            req.matched = False
             self.counters.retractions += 1
             self.waiting.insert(0, req)
         clip = self.args.clip_max_new_tokens_estimation
@@ -582,13 +584,16 @@ class Scheduler:
             reqs.append(self.chunked_req)
         return reqs
 
-    def warm_up(self, tokens: int = WARMUP_PREFILL_TOKENS, runs: int = 2) -> float | None:
+    def warm_up(self, tokens: int = WARMUP_PREFILL_TOKENS, runs: int = 4) -> float | None:
         """Time `runs` fresh prefills of `tokens` dummy tokens before the first request and let
-        the pacer observe the last one, so a fresh server paces its first prompts: unmeasured,
-        its first step took up to `chunked_prefill_size` tokens (a 2048-token prompt: one
-        1.37 s step on 2 Zen 4 cores, every request arriving meanwhile waiting for it). The
-        row and slots are taken from the free lists and given back; nothing is cached or
-        counted. Returns the observed seconds, None when nothing ran (pacing off, no room)."""
+        the pacer observe the median of all but the first (which pays one-time costs), so a
+        fresh server paces its first prompts: unmeasured, its first step took up to
+        `chunked_prefill_size` tokens (a 2048-token prompt: one 1.37 s step on 2 Zen 4 cores,
+        every request arriving meanwhile waiting for it). The median, because one reading on a
+        shared host can run 1.5x slow (stop 74: one start capped its steps at 148 tokens, the
+        next at 234, and a 3 s few-shot run followed). The row and slots are taken from the
+        free lists and given back; nothing is cached or counted. Returns the observed seconds,
+        None when nothing ran (pacing off, no room)."""
         n = min(tokens, self.max_context_len - 1, self.kv_pool.available_size())
         if self.pacer.target_s <= 0 or 2 * n < self.pacer.floor:
             return None
@@ -599,19 +604,20 @@ class Scheduler:
         if slots is None:
             self.req_pool.free(row)
             return None
-        seconds = 0.0
+        times: list[float] = []
         try:
             self.req_pool.write([row], [0], [n], slots)
             ids = [(7919 * i + 13) % self.vocab_size for i in range(n)]
-            for _ in range(runs):
+            for _ in range(max(1, runs)):
                 t0 = time.perf_counter()
                 fb = ForwardBatch.build(ForwardMode.EXTEND, ids, [row], [0], [n],
                                         self.req_pool.req_to_token, self.runner.device)
                 self.runner.forward_greedy(fb)
-                seconds = time.perf_counter() - t0
+                times.append(time.perf_counter() - t0)
         finally:
             self.kv_pool.free(slots)
             self.req_pool.free(row)
+        seconds = statistics.median(times[1:] or times)
         self.pacer.observe([(n, 0)], seconds)
         return seconds
 
