@@ -75,6 +75,10 @@ SHAPES: dict[str, list[tuple[int, int]]] = {
     # long-context preset: a question over a cached 4096-token document, a chunk deep in one
     "doc1": [(4096, 45)],
     "docchunk": [(3584, 256)],
+    # long-context random (stop 75): a paced chunk of a 2048-token prompt, early and late
+    "chunk100": [(0, 100)],
+    "chunk100at1k": [(1000, 100)],
+    "chunk400at1k": [(1000, 400)],
 }
 
 # Shapes whose requests' prefixes start with the same cached slots (the radix cache's hit on the
