@@ -256,6 +256,9 @@ EXTEND_KERNEL_SHAPES: dict[str, tuple[list[tuple[int, int]], int]] = {
     "fresh 4x512": ([(0, 512)] * 4, 0),
     "fresh 8x512": ([(0, 512)] * 8, 0),
     "fresh 1x2048": ([(0, 2048)], 0),
+    # a paced chunk deep in a long-context prompt (long-context random, stop 75)
+    "chunk 1x(1000+100)": ([(1000, 100)], 0),
+    "chunk 1x(3584+256)": ([(3584, 256)], 0),
 }
 
 

@@ -4,6 +4,7 @@
     python bench/extend_steps.py steps --rounds 5
     python bench/extend_steps.py steps --baseline bad92c2 --shapes agentshared20 fresh4
     python bench/extend_steps.py fused --shapes cached1 fresh64t fresh1 mixed20
+    python bench/extend_steps.py chunks --sizes 64 128 256 512 --contexts 0 1000 --rounds 5
 
 OpenMP threads wait as the scheduler's do by default (`ServerArgs.thread_wait`).
 
@@ -257,9 +258,35 @@ def fused(args: argparse.Namespace) -> None:
         del runner
 
 
+def chunks(args: argparse.Namespace) -> None:
+    """A prompt's chunk of n new tokens after p cached ones, for each n of `--sizes` and p of
+    `--contexts`: seconds per new token, the sizes interleaved in rounds in one process (this
+    host's speed drifts by tens of percent over minutes), medians. Says whether a paced step's
+    chunk size costs throughput: the pacer cuts long prompts into ~250 ms chunks."""
+    sizes, contexts = args.sizes, args.contexts
+    runner = make_runner(args.threads, max(contexts) + max(sizes), 1,
+                         max(contexts) + max(sizes), args.dtype, args.quant_max_rows)
+    set_kernel(runner, True)
+    times: dict[tuple[int, int], list[float]] = {(p, n): [] for p in contexts for n in sizes}
+    for _ in range(args.rounds):
+        for key in times:
+            step = ExtendStep(runner, [key])
+            step.run()
+            times[key].append(min(step.run() for _ in range(2)) / key[1])
+    for p in contexts:
+        base = statistics.median(times[(p, sizes[-1])])
+        parts = [f"{n}: {statistics.median(times[(p, n)]) * 1e3:6.2f} ms/tok "
+                 f"({statistics.median(times[(p, n)]) / base:.2f})" for n in sizes]
+        print(f"after {p:5d} cached  " + "  ".join(parts), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("mode", choices=("profile", "steps", "fused"))
+    ap.add_argument("mode", choices=("profile", "steps", "fused", "chunks"))
+    ap.add_argument("--sizes", nargs="+", type=int, default=[64, 128, 256, 512],
+                    help="chunks: new tokens per step (the last is the reference)")
+    ap.add_argument("--contexts", nargs="+", type=int, default=[0, 1000],
+                    help="chunks: cached tokens before the chunk")
     ap.add_argument("--quant-max-rows", type=int, default=None,
                     help="ServerArgs.quant_max_rows (a GGUF model's rows up to which matmuls take "
                          "the quantized kernels)")
@@ -274,7 +301,7 @@ def main() -> None:
                     help="steps: git revision of extend_attention.cpp to compare the kernel "
                          "against (instead of the torch path)")
     args = ap.parse_args()
-    {"profile": profile, "steps": steps, "fused": fused}[args.mode](args)
+    {"profile": profile, "steps": steps, "fused": fused, "chunks": chunks}[args.mode](args)
 
 
 if __name__ == "__main__":
