@@ -325,8 +325,9 @@ class Scheduler:
 
     def _backlog(self) -> tuple[int, float]:
         """(prompts, work) waiting for prefill, the one mid-chunk included: each prompt's tokens
-        past the cached prefix the policy last matched (the whole prompt where the policy
-        matches nothing: fcfs, no cache), for `PrefillPacer.backlogged`."""
+        past the cached prefix the policy last matched (every step under lpm and dfs-weight,
+        once per queue entry under fcfs; the whole prompt without a cache), for
+        `PrefillPacer.backlogged`."""
         todo = [(r.seq_len() - r.match_len, r.match_len) for r in self.waiting]
         if self.chunked_req is not None:
             todo.append((self.chunked_req.seq_len() - self.chunked_req.kv_len,
