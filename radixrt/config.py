@@ -94,7 +94,8 @@ class ServerArgs:
     disable_crossover_tuning: bool = _f(
         False, "quantized weights with a dense copy: keep the start-up probe's quant_max_rows "
                "instead of lowering it where the model's own extend steps of 16-64 new tokens "
-               "run faster on the dense copies (timed at start-up)")
+               "run faster on the dense copies, and instead of timing the quantized LM head's "
+               "own calls for its crossover (both timed at start-up)")
     disable_quant_dense_copy: bool = _f(
         False, "quantized weights: no dense copy (dtype) for matmuls above quant_max_rows: "
                "saves its memory (2 bytes/param in bf16) but runs prefill on the slower kernel")

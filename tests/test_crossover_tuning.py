@@ -2,7 +2,9 @@
 row count from which its matmuls take their dense copies. The decision rule; a real measurement
 on a tiny GGUF model leaves its weights and pools as it found them; a tuned runner computes what
 a runner given that crossover computes, its C++ decode stack included; and the runner applies it
-only where the crossover was not given."""
+only where the crossover was not given. The LM head's own crossover, timed on its own calls:
+its rule (every call where the kernel wins throughout), that the extend-step tuning leaves the
+head alone, that a measurement restores it, and that the head computes on the path it chose."""
 
 from __future__ import annotations
 
@@ -121,6 +123,70 @@ def test_only_row_counts_that_fit_a_request_are_timed(tiny_gguf: Path) -> None:
     assert calls == [[16, 24, 32, 40]]  # a request's context holds 40 tokens
 
 
+@pytest.mark.parametrize(("timings", "want"), [
+    ([T(8, 1, 2), T(16, 1, 2), T(512, 1, 2)], EVERY_CALL),  # won throughout, the last by 2x
+    ([T(8, 1, 2), T(512, 1, 1.1)], 512),  # the last won within EVERY_CALL_MARGIN
+    ([T(8, 1, 2), T(16, 1, 2), T(32, 2, 1)], 24),  # midway to the first loss
+    ([T(8, 2, 1)], 7),  # a loss at the first count
+    ([T(8, 1, 2), T(16, 1.04, 1)], 16),  # within MARGIN: not a loss, but not every call
+    ([], 0),
+])
+def test_head_crossover(timings: list[ct.CrossoverTiming], want: int) -> None:
+    assert ct.head_crossover(timings) == want
+
+
+def test_extend_tuning_leaves_the_lm_head_to_its_own(tiny_gguf: Path) -> None:
+    r = _runner(tiny_gguf, 64)
+    head = ct.lm_head_weight(r.model)
+    assert head is r.model.lm_head and head.dense is not None  # tied Q8_0: kept with its table
+    weights = ct.dense_copy_weights(r.model)
+    assert weights and head not in weights  # extend steps call it on one row per request
+    assert ct.tune_crossover(r, lambda *a: [T(16, 2.0, 1.0)])[:2] == (64, 15)
+    assert {w.max_rows for w in weights} == {15} and head.max_rows == 64
+
+
+def test_measure_head_restores_the_head_and_stops_at_the_first_loss(tiny_gguf: Path) -> None:
+    r = _runner(tiny_gguf, 64)
+    head = ct.lm_head_weight(r.model)
+    assert head is not None
+    timings = ct.measure_head(head, (2, 4, 8), torch.bfloat16, reps=1)
+    rows = [t.rows for t in timings]
+    assert rows == [2, 4, 8][: len(rows)] and all(t.kernel_ms > 0 and t.dense_ms > 0
+                                                 for t in timings)
+    assert all(not t.dense_wins() for t in timings[:-1])
+    assert len(rows) == 3 or timings[-1].dense_wins()
+    assert head.max_rows == 64
+    # no count is started once the budget is spent (the first always is)
+    assert [t.rows for t in ct.measure_head(head, (2, 4, 8), torch.bfloat16, reps=1,
+                                            budget_s=0.0)] == [2]
+
+
+@pytest.mark.parametrize(("timings", "path"), [
+    ([T(8, 1.0, 2.0), T(16, 1.0, 2.0)], "kernel"),  # every call: 40 rows stay on the kernel
+    ([T(8, 1.0, 2.0), T(16, 2.0, 1.0)], "dense"),  # crossover 12: 40 rows on the dense copy
+])
+def test_tuned_head_computes_on_the_path_it_chose(tiny_gguf: Path, timings: list[T],
+                                                  path: str) -> None:
+    r = _runner(tiny_gguf, 64)
+    head = ct.lm_head_weight(r.model)
+    assert head is not None and head.dense is not None
+    x = torch.randn(40, head.in_features, generator=torch.Generator().manual_seed(1)).to(
+        torch.bfloat16)
+    kernel, dense = head.kernel.forward_f32(x), head.dense.logits(x)
+    assert not torch.equal(kernel, dense)  # the two paths round differently
+    seen: list[tuple[int, ...]] = []
+
+    def fake(h: object, candidates: tuple[int, ...], dtype: torch.dtype) -> list[T]:
+        assert h is head and dtype == torch.bfloat16
+        seen.append(tuple(candidates))
+        return timings
+
+    old, new, _ = ct.tune_head_crossover(r.model, torch.bfloat16, fake)
+    assert seen == [ct.HEAD_CANDIDATES] and old == 64
+    assert head.max_rows == new == (EVERY_CALL if path == "kernel" else 12)
+    assert torch.equal(head.logits(x), kernel if path == "kernel" else dense)
+
+
 @pytest.mark.parametrize(("max_rows", "disabled", "tuned"), [
     (None, False, True), (64, False, False), (None, True, False)])
 def test_runner_tunes_only_a_crossover_it_was_not_given(
@@ -131,8 +197,11 @@ def test_runner_tunes_only_a_crossover_it_was_not_given(
     monkeypatch.setattr(runner_mod, "resolve_quantization", lambda *a, **k: (
         QuantPlan("gguf", EVERY_CALL, 64, kernel=kernel), "fixed"))
     monkeypatch.setattr(runner_mod, "tune_crossover", lambda r: (64, 36, []))
+    monkeypatch.setattr(runner_mod, "tune_head_crossover", lambda m, d: (64, 300, []))
     r = runner_mod.ModelRunner(ServerArgs(
         model_path=str(tiny_gguf), dtype="bfloat16", quantization="gguf",
         quant_max_rows=max_rows, quant_kernel=kernel, max_total_tokens=256,
         attention_backend="torch", disable_crossover_tuning=disabled))
     assert (r.quant.max_rows_int4, r.quant.max_rows_int8) == (EVERY_CALL, 36 if tuned else 64)
+    assert r.quant.max_rows_head == (300 if tuned else None)
+    assert ("LM head up to 300 rows" in r.quant.describe()) == tuned

@@ -17,6 +17,21 @@ the kernel won (just below it when that is the first). It only lowers the crosso
 result holds for the process: the two paths round differently, so a request's output must not
 depend on when it ran. `ServerArgs.quant_max_rows` given, `disable_crossover_tuning`, or a plan
 without dense copies skips it.
+
+The LM head is not among the weights timed that way: an extend step calls it on one row per
+request, so its path never changes there, and with SmolLM2's GGUF (4-bit layers on the kernel
+for every call, the tied Q8_0 head the only weight with a dense copy) the tuning compared two
+identical steps and moved the head's crossover on noise (15, 28 and 128 rows in three starts
+on Zen 3, stops 75-76). Its calls have one row per decode request (or per scored prompt token),
+and its shape is unlike the layers' the probe times: on Zen 3 (fp32, AVX2) a dense GEMM of
+64 x 576 by 576 x 49152 ran at 72-95 GFLOP/s against 172 on 2048^3, and the vnni kernel was
+faster at every count from 1 to 1024 rows (17.8 against 36.6 ms at 64, 147 against 191 at
+512). `tune_head_crossover` times the head's own call (as a greedy decode step runs it: logits
+and their argmax) on random rows, kernel against dense copy, for r in HEAD_CANDIDATES
+ascending, and sets its crossover from those alone, above the probe's as well as below: the
+first count where the dense copy wins by MARGIN ends it as above; a kernel that wins at every
+count, the last by EVERY_CALL_MARGIN, runs every call (its time per row is flat from 64 rows,
+a dense GEMM's stops improving by ~512).
 """
 
 from __future__ import annotations
@@ -32,10 +47,15 @@ from radixrt.core.forward_batch import ForwardBatch, ForwardMode
 from radixrt.mem.memory_pool import ReqToTokenPool, TokenToKVPool
 from radixrt.model.linear import QuantizedWeight
 from radixrt.model.model_config import ModelConfig
+from radixrt.model.quant import EVERY_CALL
 
 CANDIDATES = (16, 24, 32, 40, 48, 56, 64)
 REPS = 5
 MARGIN = 1.05
+HEAD_CANDIDATES = (8, 16, 32, 64, 128, 256, 512)
+HEAD_REPS = 2
+HEAD_BUDGET_S = 4.0  # no further head row count is started after this long
+EVERY_CALL_MARGIN = 1.15
 
 
 class ExtendRunner(Protocol):
@@ -77,8 +97,17 @@ def choose_crossover(current: int, timings: Sequence[CrossoverTiming],
 
 
 def dense_copy_weights(model: torch.nn.Module) -> list[QuantizedWeight]:
-    """The model's quantized weights that keep a dense copy (their max_rows is the crossover)."""
-    return [m for m in model.modules() if isinstance(m, QuantizedWeight) and m.dense is not None]
+    """The model's quantized weights that keep a dense copy (their max_rows is the crossover),
+    the LM head aside (`lm_head_weight`: extend steps do not exercise its crossover)."""
+    head = lm_head_weight(model)
+    return [m for m in model.modules()
+            if isinstance(m, QuantizedWeight) and m.dense is not None and m is not head]
+
+
+def lm_head_weight(model: torch.nn.Module) -> QuantizedWeight | None:
+    """The model's LM head where it is quantized and keeps a dense copy, else None."""
+    head = getattr(model, "lm_head", None)
+    return head if isinstance(head, QuantizedWeight) and head.dense is not None else None
 
 
 def set_max_rows(model: torch.nn.Module, weights: Sequence[QuantizedWeight],
@@ -151,7 +180,84 @@ def tune_crossover(runner: ExtendRunner,
     return current, new, timings
 
 
-def describe(result: tuple[int, int, list[CrossoverTiming]]) -> str:
+def _greedy_head(head: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax over the head's logits, as a greedy decode step computes it
+    (`LlamaForCausalLM._head`, then the sampler's argmax where the kernel picked none)."""
+    ids = head.greedy_ids(x)
+    if ids is not None:
+        return ids
+    logits, ids = head.logits_argmax(x)
+    return logits.argmax(-1) if ids is None else ids
+
+
+def measure_head(head: QuantizedWeight, candidates: Sequence[int], dtype: torch.dtype,
+                 reps: int = HEAD_REPS, budget_s: float = HEAD_BUDGET_S
+                 ) -> list[CrossoverTiming]:
+    """Best times of the head's greedy call on r random rows (`dtype`) at each of `candidates`,
+    on its kernel (max_rows = r) against its dense copy (r - 1), alternated, after one untimed
+    call of each; ascending, stopping after the first count where the dense copy wins and
+    starting none after `budget_s`. Restores the head's max_rows."""
+    saved = head.max_rows
+    out: list[CrossoverTiming] = []
+    g = torch.Generator().manual_seed(0)
+    start = time.perf_counter()
+    try:
+        for i, r in enumerate(sorted(candidates)):
+            if out and time.perf_counter() - start > budget_s:
+                break
+            x = torch.randn(r, head.in_features, generator=g).to(dtype)
+            best = {True: float("inf"), False: float("inf")}
+            for rep in range(reps + (1 if i == 0 else 0)):
+                for on_kernel in (True, False):
+                    head.max_rows = r if on_kernel else r - 1
+                    t0 = time.perf_counter()
+                    _greedy_head(head, x)
+                    if rep or i:
+                        best[on_kernel] = min(best[on_kernel], time.perf_counter() - t0)
+            out.append(CrossoverTiming(r, best[True] * 1e3, best[False] * 1e3))
+            if out[-1].dense_wins():
+                break
+    finally:
+        head.max_rows = saved
+    return out
+
+
+def head_crossover(timings: Sequence[CrossoverTiming], margin: float = MARGIN,
+                   every_call_margin: float = EVERY_CALL_MARGIN) -> int:
+    """The LM head's crossover after `timings` (module docstring): `choose_crossover` without
+    a ceiling, and EVERY_CALL where the kernel won every count and the last by
+    `every_call_margin` (else the last count won); 0 with no timing."""
+    if not timings:
+        return 0
+    ordered = sorted(timings, key=lambda t: t.rows)
+    last = ordered[-1]
+    new = choose_crossover(last.rows, ordered, margin)
+    if new == last.rows and last.dense_ms >= every_call_margin * last.kernel_ms:
+        return EVERY_CALL
+    return new
+
+
+def tune_head_crossover(model: torch.nn.Module, dtype: torch.dtype,
+                        measure_fn: Callable[..., list[CrossoverTiming]] = measure_head
+                        ) -> tuple[int, int, list[CrossoverTiming]] | None:
+    """Measure and apply the LM head's crossover (module docstring): (old, new, timings), or
+    None where the head keeps no dense copy or nothing was timed."""
+    head = lm_head_weight(model)
+    if head is None:
+        return None
+    timings = measure_fn(head, HEAD_CANDIDATES, dtype)
+    if not timings:
+        return None
+    old = head.max_rows
+    head.max_rows = head_crossover(timings)
+    return old, head.max_rows, timings
+
+
+def describe(result: tuple[int, int, list[CrossoverTiming]], timed: str = "extend steps") -> str:
     old, new, timings = result
+
+    def n(rows: int) -> str:
+        return "every call" if rows >= EVERY_CALL else str(rows)
+
     rows = ", ".join(f"{t.rows} rows {t.kernel_ms:.1f} / {t.dense_ms:.1f} ms" for t in timings)
-    return f"max_rows {old} -> {new} (extend steps, kernel / dense copy: {rows or 'none timed'})"
+    return f"max_rows {n(old)} -> {n(new)} ({timed}, kernel / dense copy: {rows or 'none timed'})"

@@ -218,14 +218,18 @@ class QuantPlan:
     `int4` keeps the LM head at 8 bits: a 4-bit head alone raised SmolLM2's mean KL to the fp32
     logits from 0.003 to 0.08, see bench/accuracy.py).
     `max_rows_int4` / `max_rows_int8`: the largest call (rows) run on the quantized kernel when
-    `dense_copy` keeps a dense copy for larger ones; `EVERY_CALL` keeps none for that width. `kernel`: "auto" | "radixrt" | "vnni" |
-    "torch", the quantized matmul kernel (see `quant_matmul.resolve_quant_kernel`)."""
+    `dense_copy` keeps a dense copy for larger ones; `EVERY_CALL` keeps none for that width.
+    `kernel`: "auto" | "radixrt" | "vnni" | "torch", the quantized matmul kernel (see
+    `quant_matmul.resolve_quant_kernel`). `max_rows_head`: the quantized LM head's own crossover
+    where it was measured on the loaded head (`crossover_tuning.tune_head_crossover`; it keeps
+    its dense copy either way), None where the head follows its width's."""
 
     mode: str = "none"
     max_rows_int4: int = 0
     max_rows_int8: int = 0
     dense_copy: bool = True
     kernel: str = "auto"
+    max_rows_head: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in QUANTIZATION_MODES:
@@ -283,11 +287,12 @@ class QuantPlan:
         if not (self.keeps_dense(4) or self.keeps_dense(8)):
             return "kernels for every call"
 
-        def width(bits: int) -> str:
-            n = self.max_rows(bits)
-            return f"every call ({bits}-bit)" if n >= EVERY_CALL else f"up to {n} rows ({bits}-bit)"
+        def rows(n: int) -> str:
+            return "every call" if n >= EVERY_CALL else f"up to {n} rows"
 
-        return f"kernels {width(4)} / {width(8)}, dense copy above"
+        head = "" if self.max_rows_head is None else f", LM head {rows(self.max_rows_head)}"
+        return (f"kernels {rows(self.max_rows(4))} (4-bit) / {rows(self.max_rows(8))} (8-bit)"
+                f"{head}, dense copy above")
 
 
 def to_groups(piece: torch.Tensor | GGUFQuantTensor, bits: int) -> Int4Groups:

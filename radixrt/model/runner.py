@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import psutil
@@ -20,7 +20,7 @@ from radixrt.mem.memory_pool import ReqToTokenPool, TokenToKVPool, kv_bytes_per_
 from radixrt.mem.step_heap import retain_step_heap
 from radixrt.model import prepack
 from radixrt.model.crossover_tuning import describe as describe_crossover
-from radixrt.model.crossover_tuning import tune_crossover
+from radixrt.model.crossover_tuning import tune_crossover, tune_head_crossover
 from radixrt.model.decode_layers import DecodeLayers, set_team_steal
 from radixrt.model.decode_path_tuner import DecodePathTuner
 from radixrt.model.dtype_probe import DtypeProbe, probe_cpu_dtype
@@ -206,6 +206,11 @@ class ModelRunner:
             if tuned is not None:
                 self.quant = self.quant.capped(tuned[1])
                 logger.info("quantized matmul crossover -> %s", describe_crossover(tuned))
+            head = tune_head_crossover(self.model, self.dtype)
+            if head is not None:
+                self.quant = replace(self.quant, max_rows_head=head[1])
+                logger.info("quantized LM head crossover -> %s",
+                            describe_crossover(head, "the head's own calls"))
         if self.device.type == "cpu":
             logger.info("decode steps: %s", self.model.decode_path())
         logger.info(
