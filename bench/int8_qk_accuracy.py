@@ -40,9 +40,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def int8_round(x: torch.Tensor) -> torch.Tensor:
-    """x rounded to int8 codes with one symmetric scale per vector (last dim), dequantized."""
-    scale = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 127.0
-    return torch.round(x / scale).clamp(-127, 127) * scale
+    """x rounded to int8 codes with one symmetric scale per vector (last dim), dequantized: the
+    int8 KV cache's format (`radixrt.mem.kv_quant`)."""
+    from radixrt.mem.kv_quant import dequantize_rows, quantize_rows
+
+    return dequantize_rows(*quantize_rows(x), x.dtype)
 
 
 @contextmanager
@@ -90,10 +92,12 @@ def next_token_logits(runner: Any, ids: list[int]) -> torch.Tensor:
 
 
 def compare(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
-    """KL(a || b) of the two next-token distributions, max |Δ logit|, same argmax."""
-    la, lb = F.log_softmax(a, -1), F.log_softmax(b, -1)
-    return {"kl": float((la.exp() * (la - lb)).sum()), "max_abs": float((a - b).abs().max()),
-            "same_top1": bool(a.argmax() == b.argmax())}
+    """KL(a || b) of the two next-token distributions, max |Δ logit|, same argmax
+    (`bench.accuracy.compare_logits` on one position)."""
+    from bench.accuracy import compare_logits
+
+    c = compare_logits(a[None], b[None])
+    return {"kl": c["kl_sum"], "max_abs": c["max_abs"], "same_top1": bool(c["top1_same"])}
 
 
 def main() -> None:

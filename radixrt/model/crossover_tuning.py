@@ -47,6 +47,7 @@ from radixrt.core.forward_batch import ForwardBatch, ForwardMode
 from radixrt.mem.memory_pool import ReqToTokenPool, TokenToKVPool
 from radixrt.model.linear import QuantizedWeight
 from radixrt.model.model_config import ModelConfig
+from radixrt.model.probe_timing import interleaved_best
 from radixrt.model.quant import EVERY_CALL
 
 CANDIDATES = (16, 24, 32, 40, 48, 56, 64)
@@ -194,8 +195,8 @@ def measure_head(head: QuantizedWeight, candidates: Sequence[int], dtype: torch.
                  reps: int = HEAD_REPS, budget_s: float = HEAD_BUDGET_S
                  ) -> list[CrossoverTiming]:
     """Best times of the head's greedy call on r random rows (`dtype`) at each of `candidates`,
-    on its kernel (max_rows = r) against its dense copy (r - 1), alternated, after one untimed
-    call of each; ascending, stopping after the first count where the dense copy wins and
+    on its kernel (max_rows = r) against its dense copy (r - 1), alternated
+    (`probe_timing.interleaved_best`), after one untimed call of each; ascending, stopping after the first count where the dense copy wins and
     starting none after `budget_s`. Restores the head's max_rows."""
     saved = head.max_rows
     out: list[CrossoverTiming] = []
@@ -206,14 +207,13 @@ def measure_head(head: QuantizedWeight, candidates: Sequence[int], dtype: torch.
             if out and time.perf_counter() - start > budget_s:
                 break
             x = torch.randn(r, head.in_features, generator=g).to(dtype)
-            best = {True: float("inf"), False: float("inf")}
-            for rep in range(reps + (1 if i == 0 else 0)):
-                for on_kernel in (True, False):
-                    head.max_rows = r if on_kernel else r - 1
-                    t0 = time.perf_counter()
-                    _greedy_head(head, x)
-                    if rep or i:
-                        best[on_kernel] = min(best[on_kernel], time.perf_counter() - t0)
+
+            def call(max_rows: int, x: torch.Tensor = x) -> None:
+                head.max_rows = max_rows
+                _greedy_head(head, x)
+
+            best = interleaved_best({True: lambda r=r: call(r), False: lambda r=r: call(r - 1)},
+                                    min_reps=reps, max_reps=reps, warmup=1 if i == 0 else 0)
             out.append(CrossoverTiming(r, best[True] * 1e3, best[False] * 1e3))
             if out[-1].dense_wins():
                 break
