@@ -36,14 +36,15 @@ from unittest import mock  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from bench.accuracy import compare_logits  # noqa: E402
+from radixrt.mem.kv_quant import dequantize_rows, quantize_rows  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def int8_round(x: torch.Tensor) -> torch.Tensor:
     """x rounded to int8 codes with one symmetric scale per vector (last dim), dequantized: the
     int8 KV cache's format (`radixrt.mem.kv_quant`)."""
-    from radixrt.mem.kv_quant import dequantize_rows, quantize_rows
-
     return dequantize_rows(*quantize_rows(x), x.dtype)
 
 
@@ -94,8 +95,6 @@ def next_token_logits(runner: Any, ids: list[int]) -> torch.Tensor:
 def compare(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
     """KL(a || b) of the two next-token distributions, max |Δ logit|, same argmax
     (`bench.accuracy.compare_logits` on one position)."""
-    from bench.accuracy import compare_logits
-
     c = compare_logits(a[None], b[None])
     return {"kl": c["kl_sum"], "max_abs": c["max_abs"], "same_top1": bool(c["top1_same"])}
 

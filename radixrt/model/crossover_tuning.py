@@ -13,10 +13,10 @@ crossover, on one scratch request whose slots it frees again: every dense-copy w
 kernel (max_rows = r), then on its dense copy (max_rows = r - 1), alternated, one warm-up round
 and REPS timed ones, the best of each kept. Ascending, the first count where the dense copy is
 MARGIN x faster ends the search and the crossover moves to midway between it and the last count
-the kernel won (just below it when that is the first). It only lowers the crossover, never moves calls onto the kernel. The
-result holds for the process: the two paths round differently, so a request's output must not
-depend on when it ran. `ServerArgs.quant_max_rows` given, `disable_crossover_tuning`, or a plan
-without dense copies skips it.
+the kernel won (just below it when that is the first). It only lowers the crossover, never moves
+calls onto the kernel. The result holds for the process: the two paths round differently, so a
+request's output must not depend on when it ran. `ServerArgs.quant_max_rows` given,
+`disable_crossover_tuning`, or a plan without dense copies skips it.
 
 The LM head is not among the weights timed that way: an extend step calls it on one row per
 request, so its path never changes there, and with SmolLM2's GGUF (4-bit layers on the kernel
@@ -39,6 +39,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 import torch
@@ -191,13 +192,20 @@ def _greedy_head(head: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
     return logits.argmax(-1) if ids is None else ids
 
 
+def _head_call(head: QuantizedWeight, x: torch.Tensor, max_rows: int) -> None:
+    """`_greedy_head` on x with the head's crossover at `max_rows`."""
+    head.max_rows = max_rows
+    _greedy_head(head, x)
+
+
 def measure_head(head: QuantizedWeight, candidates: Sequence[int], dtype: torch.dtype,
                  reps: int = HEAD_REPS, budget_s: float = HEAD_BUDGET_S
                  ) -> list[CrossoverTiming]:
     """Best times of the head's greedy call on r random rows (`dtype`) at each of `candidates`,
     on its kernel (max_rows = r) against its dense copy (r - 1), alternated
-    (`probe_timing.interleaved_best`), after one untimed call of each; ascending, stopping after the first count where the dense copy wins and
-    starting none after `budget_s`. Restores the head's max_rows."""
+    (`probe_timing.interleaved_best`, one untimed call of each before the first count);
+    ascending, stopping after the first count where the dense copy wins and starting none after
+    `budget_s`. Restores the head's max_rows."""
     saved = head.max_rows
     out: list[CrossoverTiming] = []
     g = torch.Generator().manual_seed(0)
@@ -207,12 +215,8 @@ def measure_head(head: QuantizedWeight, candidates: Sequence[int], dtype: torch.
             if out and time.perf_counter() - start > budget_s:
                 break
             x = torch.randn(r, head.in_features, generator=g).to(dtype)
-
-            def call(max_rows: int, x: torch.Tensor = x) -> None:
-                head.max_rows = max_rows
-                _greedy_head(head, x)
-
-            best = interleaved_best({True: lambda r=r: call(r), False: lambda r=r: call(r - 1)},
+            best = interleaved_best({True: partial(_head_call, head, x, r),
+                                     False: partial(_head_call, head, x, r - 1)},
                                     min_reps=reps, max_reps=reps, warmup=1 if i == 0 else 0)
             out.append(CrossoverTiming(r, best[True] * 1e3, best[False] * 1e3))
             if out[-1].dense_wins():

@@ -398,9 +398,9 @@ constexpr int64_t kHalf = 8;
 // every vpmaddubsw product of the group, were all computed first and spilled to the stack: ~190
 // stack accesses per pass, a store per product. Through this empty asm the product is added as
 // it is made (same results, bitwise: integer sums are exact). Zen 3, 2 threads, each shape hot,
-// interleaved against the old build (bench/vnni_ab.py --mode shapes): the 4-bit shapes 1.21-1.52x
-// at 8, 64 and 512 rows (gate_up 156 / 174 / 206 -> 207 / 251 / 295 GFLOP/s), the 8-bit LM head
-// unchanged; SmolLM2's prefill of 8 x 512 tokens 741-921 -> 1079-1166 tok/s.
+// interleaved against the old build (bench/vnni_ab.py --mode shapes, two runs): the 4-bit shapes
+// 1.19-1.61x at 8, 64 and 512 rows, the 8-bit LM head unchanged; SmolLM2's prefill of 8 x 512
+// tokens 741-921 -> 854-1166 tok/s.
 #define RADIXRT_KEEP_ORDER(v) __asm__("" : "+x"(v))
 
 inline __m256 load_scale8(const uint8_t* p, bool half) {
