@@ -3,7 +3,9 @@
 The op against a float64 reference (softmax over each request's prefix + new keys, query i of
 a request with prefix P seeing keys 0..P+i) over random pools: prefixes 0 / 1 / many, one new
 token, lengths off the 64-key and query blocks, many requests, GQA 1 and 3, head_dim 16 / 32 / 64 / 96 / 128,
-fp32 / bf16 / fp16 pools, slots scattered and shared between requests; shared-prefix groups (the
+fp32 / bf16 / fp16 pools, fp32 queries over an fp16 pool (a float32 model's float16 KV cache, read
+in place: bitwise the fp32 pool of the widened values), slots scattered and shared between
+requests; shared-prefix groups (the
 bf16 vdpbf16ps path attends a prefix several requests share once per group): groups of several
 sizes, of one, two groups, shared lengths on and off the key block, bitwise the same as each
 request alone and as with groups off; the AMX tile path (where usable) against the reference and
@@ -400,6 +402,23 @@ def test_lanes_path_results_do_not_depend_on_threads() -> None:
     torch.testing.assert_close(outs[0].double(), _reference(case, 0.125), atol=2e-2, rtol=0)
 
 
+@pytest.mark.parametrize("shape", ["ragged", "agent-like", "many", "one-token-on-prefix"])
+def test_fp32_queries_over_a_half_pool(shape: str) -> None:
+    """A float16 pool under fp32 queries (narrowed) is read in place: bitwise the output over
+    an fp32 pool holding the same values widened, in either layout, fp32 out; near the float64
+    reference of those values."""
+    q, kb, vb, *rest = _case(9, torch.float32, 9, 3, 64, SHAPES[shape], shared=40)
+    hkb, hvb = kb.half(), vb.half()
+    got = torch.ops.radixrt.extend_attention(q, hkb, hvb, *rest, 0.125)
+    assert got.dtype == torch.float32
+    want = torch.ops.radixrt.extend_attention(q, hkb.float(), hvb.float(), *rest, 0.125)
+    assert torch.equal(got, want)
+    head_major = [t.transpose(0, 1).contiguous().transpose(0, 1) for t in (hkb, hvb)]
+    assert torch.equal(torch.ops.radixrt.extend_attention(q, *head_major, *rest, 0.125), want)
+    widened = (q, hkb.float(), hvb.float(), *rest)
+    torch.testing.assert_close(got.double(), _reference(widened, 0.125), atol=2e-5, rtol=0)  # type: ignore[arg-type]
+
+
 def test_bad_input_names_the_problem() -> None:
     q, kb, vb, kvi, kptr, loc, qptr = _case(5, torch.float32, 9, 3, 64, [(10, 5)])
     op = torch.ops.radixrt.extend_attention
@@ -411,6 +430,10 @@ def test_bad_input_names_the_problem() -> None:
         op(q, kb, vb, bad, kptr, loc, qptr, 0.125)
     with pytest.raises(RuntimeError, match="one dtype"):
         op(q.bfloat16(), kb, vb, kvi, kptr, loc, qptr, 0.125)
+    with pytest.raises(RuntimeError, match="one dtype"):  # only fp32 queries over a half pool
+        op(q.bfloat16(), kb.half(), vb.half(), kvi, kptr, loc, qptr, 0.125)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        op(q, kb.half(), vb, kvi, kptr, loc, qptr, 0.125)
     with pytest.raises(RuntimeError, match="multiple of kv_heads"):
         op(q[:, :8].contiguous(), kb, vb, kvi, kptr, loc, qptr, 0.125)
     with pytest.raises(RuntimeError, match="indptrs"):

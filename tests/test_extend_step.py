@@ -5,8 +5,8 @@ logit must be bitwise the loop's: fresh prefills (every position's logits), exte
 cached shared prefix, mixed steps (one-token rows on the paged-decode op beside extend rows on
 the extend op, and a mixed step with no extend rows at all), extends after decode steps,
 prompt scoring's hidden rows; dense fp32 / bf16 with biases (Qwen2) and GGUF weights on the
-qgemv and vnni kernels with dense copies above `max_rows`. Then the steps that must take the
-loop, the switch, and bad arguments to the op.
+qgemv and vnni kernels with dense copies above `max_rows`; a float16 KV cache under a float32
+model. Then the steps that must take the loop, the switch, and bad arguments to the op.
 """
 
 from __future__ import annotations
@@ -90,15 +90,15 @@ def _steps(runner: PagedRunner, fused: bool) -> list[torch.Tensor]:
     return logits
 
 
-@pytest.mark.parametrize("case", list(ONE_CALL_CASES))
-def test_one_call_is_bitwise_the_layer_loop(tmp_path: Path, case: str,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    # GGUF: steps of 1-40 rows on both sides of max_rows (the kernels and the dense copies)
-    path, dtype, plan = one_call_case_model(tmp_path, case)
+def _one_call_against_loop(path: Path, dtype: torch.dtype, plan: QuantPlan | None,
+                           monkeypatch: pytest.MonkeyPatch,
+                           kv_dtype: torch.dtype | None = None) -> None:
     runs, kinds = {}, {}
     for fused in (True, False):
         calls = _Calls(monkeypatch)
-        runs[fused] = _steps(_runner(path, dtype, plan), fused)
+        runner = _runner(path, dtype, plan, kv_dtype)
+        assert runner.kv_pool.narrowed == (kv_dtype == torch.float16)
+        runs[fused] = _steps(runner, fused)
         kinds[fused] = calls.kinds
         monkeypatch.undo()
     # the five extend steps: fresh, mixed, mixed without extend rows, extend, extend
@@ -107,6 +107,23 @@ def test_one_call_is_bitwise_the_layer_loop(tmp_path: Path, case: str,
     assert kinds[False] == []
     for step, (a, b) in enumerate(zip(runs[True], runs[False], strict=True)):
         assert torch.equal(a, b), f"step {step}: max diff {(a - b).abs().max()}"
+
+
+@pytest.mark.parametrize("case", list(ONE_CALL_CASES))
+def test_one_call_is_bitwise_the_layer_loop(tmp_path: Path, case: str,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # GGUF: steps of 1-40 rows on both sides of max_rows (the kernels and the dense copies)
+    path, dtype, plan = one_call_case_model(tmp_path, case)
+    _one_call_against_loop(path, dtype, plan, monkeypatch)
+
+
+@pytest.mark.parametrize("case", ["qwen2-fp32-dense", "llama-bf16-gguf-vnni"])
+def test_float16_pool_under_fp32_one_call_is_bitwise_the_layer_loop(
+        tmp_path: Path, case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A float32 model over a float16 KV cache (narrowed, the default with GGUF weights on
+    CPUs without bf16): the one call reads the pool in place as the loop does."""
+    path, _, plan = one_call_case_model(tmp_path, case)
+    _one_call_against_loop(path, torch.float32, plan, monkeypatch, kv_dtype=torch.float16)
 
 
 def _scored_step(runner: PagedRunner, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,10 +188,6 @@ def test_steps_the_op_cannot_run_take_the_loop(tmp_path: Path,
     runner = _runner(tmp_path, torch.float32)
     runner.model.set_layer_ops(TorchLayerOps())  # no C++ stack for torch's layer ops
     _loop_only(runner, monkeypatch)
-    # and a float16 pool under a float32 model (narrowed)
-    config = ModelConfig.from_path(tmp_path)
-    model, _ = load_model(tmp_path, None, torch.float32, "cpu", model_config=config)
-    _loop_only(PagedRunner.for_model(model, kv_dtype=torch.float16), monkeypatch)
 
 
 @pytest.mark.parametrize("disable", [False, True])

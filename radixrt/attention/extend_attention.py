@@ -38,8 +38,7 @@ class ExtendAttentionPlan:
     kv_indptr: torch.Tensor  # int64 [B + 1]
     loc: torch.Tensor  # int32 [num_tokens]: this step's slots (K/V already stored)
     qo_indptr: torch.Tensor  # int64 [B + 1]
-    # int8 and narrowed pools: (the slots read, this plan renumbered over them), built on
-    # first use
+    # int8 pools: (the slots read, this plan renumbered over them), built on first use
     _compact: tuple[torch.Tensor, ExtendAttentionPlan] | None = field(default=None, repr=False)
 
     @classmethod
@@ -58,9 +57,10 @@ class ExtendAttentionPlan:
                  scale: float) -> torch.Tensor:
         """`run` over layer `layer_id` of `pool`. An int8 pool: the rows this step reads
         (prefixes, then the new tokens) are dequantized (`radixrt::kv_read_i8`, one pass) into a
-        compact copy, and the op runs on it with the indices renumbered; a narrowed (float16
-        under float32) pool likewise, its rows widened by `read_kv`."""
-        if not (pool.quantized or pool.narrowed):
+        compact copy, and the op runs on it with the indices renumbered. A narrowed (float16
+        under float32) pool is read in place like any other: the op's fp32 path widens each key
+        block as it converts it."""
+        if not pool.quantized:
             return self.run(q, pool.k_buffer[layer_id], pool.v_buffer[layer_id], scale)
         if self._compact is None:
             slots = torch.cat([self.kv_indices, self.loc]).to(torch.int64)
@@ -70,9 +70,6 @@ class ExtendAttentionPlan:
                 torch.arange(n_pre, n_pre + n_new, dtype=torch.int32), self.qo_indptr)
             self._compact = (slots, renumbered)
         slots, renumbered = self._compact
-        if pool.narrowed:
-            k, v = pool.read_kv(layer_id, slots)
-            return renumbered.run(q, k, v, scale)
         k, v = torch.ops.radixrt.kv_read_i8(pool.k_buffer[layer_id], pool.v_buffer[layer_id],
                                             pool.k_scale[layer_id], pool.v_scale[layer_id],
                                             slots, pool.dtype)
@@ -81,9 +78,13 @@ class ExtendAttentionPlan:
     def run(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
             scale: float) -> torch.Tensor:
         """`[num_tokens, H, D]` attention output in q's dtype of the queries `q`
-        `[num_tokens, H, D]` over the pool buffers `[slots, kv_heads, D]`."""
+        `[num_tokens, H, D]` over the pool buffers `[slots, kv_heads, D]` (fp32 queries over a
+        float16 pool as they are, else in the pool's dtype)."""
+        pool_dtype = k_buffer.dtype
+        if q.dtype == torch.float32 and pool_dtype == torch.float16:
+            pool_dtype = q.dtype
         out = torch.ops.radixrt.extend_attention(
-            q.to(k_buffer.dtype).contiguous(), k_buffer, v_buffer, self.kv_indices,
+            q.to(pool_dtype).contiguous(), k_buffer, v_buffer, self.kv_indices,
             self.kv_indptr, self.loc, self.qo_indptr, float(scale))
         return out.to(q.dtype)
 

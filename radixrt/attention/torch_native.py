@@ -364,8 +364,8 @@ class TorchNativeBackend(AttentionBackend):
         if fb is not self._planned_for:
             raise RuntimeError("init_forward_metadata(fb) was not called for this batch")
         pool = self.kv_pool
-        if (fb.is_decode or not self._kv_store or pool.quantized or pool.narrowed
-                or pool.k_buffer[0].dtype != pool.dtype):
+        if (fb.is_decode or not self._kv_store or pool.quantized
+                or not (pool.narrowed or pool.k_buffer[0].dtype == pool.dtype)):
             return None
         if self._split is not None:
             dec_tok, ext_tok = self._split

@@ -362,7 +362,7 @@ class LlamaForCausalLM(nn.Module):
     def _extend_plan(self, fb: ForwardBatch) -> ExtendStepPlan | None:
         """The attention plan of extend step `fb` when its layers can run in one C++ call
         (`fused_extend`, the one-call stack built, the backend's `extend_step_plan`, the pool
-        in the model's dtype), else None (the Python layer loop)."""
+        in the model's dtype or float16 under float32), else None (the Python layer loop)."""
         if fb.is_decode or not self.fused_extend:
             return None
         attn = self.attn_backend
@@ -370,7 +370,8 @@ class LlamaForCausalLM(nn.Module):
         if not isinstance(self.decode_layers(), DecodeLayers):
             return None
         plan = attn.extend_step_plan(fb)
-        if plan is None or attn.kv_pool.k_buffer[0].dtype != self.embed_tokens.dtype:
+        pool = attn.kv_pool
+        if plan is None or not (pool.narrowed or pool.dtype == self.embed_tokens.dtype):
             return None
         return plan
 

@@ -417,17 +417,23 @@ bool attention_keeps_rows(const TeamMember& m, const Plan& plan, int64_t rows, i
 // paged-decode op over `dec` for the one-token rows' queries (token rows `dec_tok`) and the
 // extend op over the others' sub-batch (token rows `ext_tok`; `ext` empty when there are none).
 // The same calls on the same queries as TorchNativeBackend.forward (radixrt/attention/
-// torch_native.py), so bitwise its output. Only pools of the model's dtype (checked).
+// torch_native.py), so bitwise its output. Only pools of the model's dtype, or float16 under a
+// float32 model (narrowed: both ops take fp32 queries over it as they are) (checked).
 struct ExtendAttention {
   std::vector<Tensor> ext;  // 4 tensors, or none
   Tensor dec_tok, ext_tok;  // int64 token rows (mixed steps; ext_tok undefined without ext)
   std::optional<Plan> dec;  // a mixed step's (its presence makes the step mixed)
 
+  // q as the ops take it over the pool kb: as is on a narrowed pool, else in kb's dtype.
+  static Tensor for_pool(const Tensor& q, const Tensor& kb) {
+    const bool narrowed = q.scalar_type() == at::kFloat && kb.scalar_type() == at::kHalf;
+    return narrowed ? q : q.to(kb.scalar_type());
+  }
+
   Tensor extend(const Ops& ops, const Tensor& q, const Tensor& kb, const Tensor& vb,
                 double scale) const {
     return ops.extend_attention
-        .call(q.to(kb.scalar_type()).contiguous(), kb, vb, ext[0], ext[1], ext[2], ext[3],
-              scale)
+        .call(for_pool(q, kb).contiguous(), kb, vb, ext[0], ext[1], ext[2], ext[3], scale)
         .to(q.scalar_type());
   }
 
@@ -437,7 +443,7 @@ struct ExtendAttention {
     Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
     const Plan& p = *dec;
     const Tensor o = std::get<0>(ops.paged_decode.call(
-        q.index_select(0, dec_tok).to(kb.scalar_type()).contiguous(), kb, vb, p.kv_indices,
+        for_pool(q.index_select(0, dec_tok), kb).contiguous(), kb, vb, p.kv_indices,
         p.row_start, p.row_len, p.group_start, p.group_len, p.group_row_ptr, p.group_rows,
         scale));
     out.index_copy_(0, dec_tok, o.to(q.scalar_type()));
@@ -900,7 +906,7 @@ Tensor decode_step(const c10::intrusive_ptr<DecodeStack>& s, const Tensor& ids,
 // one after the other, each with its own parallel region (no team, no micro-batches). Returns
 // the last layer's (MLP output, residual) of every token: the caller norms the rows it needs
 // (the model's Python after its own loop), so the result is bitwise that loop's. A pool of the
-// model's dtype only (an int8 or narrowed pool takes the loop).
+// model's dtype, or float16 under a float32 model (an int8 pool takes the loop).
 std::tuple<Tensor, Tensor> extend_step(const c10::intrusive_ptr<DecodeStack>& s,
                                        const Tensor& ids, const Tensor& positions,
                                        const Tensor& loc, at::TensorList ext,
@@ -912,9 +918,11 @@ std::tuple<Tensor, Tensor> extend_step(const c10::intrusive_ptr<DecodeStack>& s,
               "extend_step: ids, positions and loc must be 1-D with one entry per token");
   TORCH_CHECK(ids.numel() > 0, "extend_step: no tokens");
   TORCH_CHECK(s->k_scales.empty(), "extend_step: an int8 pool takes the layer loop");
-  TORCH_CHECK(s->k_buffers[0].scalar_type() == s->embed.scalar_type(),
-              "extend_step: the pool's dtype ", s->k_buffers[0].scalar_type(),
-              " is not the model's ", s->embed.scalar_type());
+  const at::ScalarType pool_type = s->k_buffers[0].scalar_type();
+  TORCH_CHECK(pool_type == s->embed.scalar_type() ||
+                  (pool_type == at::kHalf && s->embed.scalar_type() == at::kFloat),
+              "extend_step: the pool's dtype ", pool_type, " is neither the model's ",
+              s->embed.scalar_type(), " nor float16 under float32");
   TORCH_CHECK(ext.empty() || ext.size() == 4,
               "extend_step: ext must hold (kv_indices, kv_indptr, loc, qo_indptr) or nothing");
   const int64_t n = ids.numel();

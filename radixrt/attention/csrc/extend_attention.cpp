@@ -21,7 +21,8 @@
 // - every other pool / CPU: a work item is (request, KV head, block of query tokens), its rows
 //   the block's tokens x the G query heads of the KV head (GQA folded); a key block is converted
 //   to fp32 once per item (K transposed, V row-major) and register-tiled fp32 FMA micro-kernels
-//   compute S and O += P V, a row at a time softmax in between.
+//   compute S and O += P V, a row at a time softmax in between. A float16 pool under fp32
+//   queries (a float32 model's float16 KV cache) is read in place the same way.
 // Items are run largest first over the intra-op threads, so both one long request (many query
 // blocks) and many short ones keep every thread busy.
 
@@ -355,7 +356,9 @@ struct Scratch : fma_attention::Scratch {
   lane_attention::Scratch lanes;
 };
 
-template <typename T, int D>
+// T: q's and out's dtype; KV: the pool's (float16 under float32 queries: a narrowed pool, read in
+// place on the fp32 FMA path like any pool whose keys it converts per block), else T.
+template <typename T, int D, typename KV = T>
 void extend_impl(const Tensor& q, const Tensor& k_buffer, const Tensor& v_buffer,
                  const Tensor& kv_indices, const Tensor& kv_indptr, const Tensor& loc,
                  const Tensor& qo_indptr, float scale, Tensor& out) {
@@ -365,8 +368,8 @@ void extend_impl(const Tensor& q, const Tensor& k_buffer, const Tensor& v_buffer
   const int64_t slot_stride = k_buffer.stride(0), head_stride = k_buffer.stride(1);
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  const T* kb = k_buffer.data_ptr<T>();
-  const T* vb = v_buffer.data_ptr<T>();
+  const KV* kb = k_buffer.data_ptr<KV>();
+  const KV* vb = v_buffer.data_ptr<KV>();
   const int32_t* pre_idx = kv_indices.data_ptr<int32_t>();
   const int32_t* new_idx = loc.data_ptr<int32_t>();
   const int64_t* kptr = kv_indptr.data_ptr<int64_t>();
@@ -374,6 +377,8 @@ void extend_impl(const Tensor& q, const Tensor& k_buffer, const Tensor& v_buffer
 
   // AMX tiles for bf16 pools where usable (one part per item, as the fp32 path), else the
   // rows-in-lanes vdpbf16ps path where compiled in, else fp32 FMA.
+  static_assert(std::is_same_v<KV, T> || !std::is_same_v<T, at::BFloat16>,
+                "bf16 queries attend a bf16 pool (the AMX and lanes paths read it as T)");
   const bool amx = std::is_same_v<T, at::BFloat16> && amx_attention::supports_head_dim(D) &&
                    g_amx.load(std::memory_order_relaxed) && amx_attention::amx_usable();
   (void)amx;  // read only where the AMX path is compiled in
@@ -615,7 +620,7 @@ void extend_impl(const Tensor& q, const Tensor& k_buffer, const Tensor& v_buffer
       const Vec vs(scale);
       for (int64_t e = 0; e < G * D; e += kVec) (load_f32<T>(src + e) * vs).store(dst + e);
     }
-    fma_attention::attend<T, D>(sc.q.data(), nq, key_end, slot_of, row_lo, visible,
+    fma_attention::attend<KV, D>(sc.q.data(), nq, key_end, slot_of, row_lo, visible,
                                 kb + h * head_stride, vb + h * head_stride, slot_stride,
                                 sc.m.data(), sc.l.data(), sc.o.data(), sc);
     write_out(Part{pt.req, pt.t0, pt.t1, 0}, h, sc.o.data(), sc.l.data());
@@ -631,21 +636,21 @@ void extend_impl(const Tensor& q, const Tensor& k_buffer, const Tensor& v_buffer
   });
 }
 
-template <typename T>
+template <typename T, typename KV = T>
 void dispatch_head_dim(int64_t D, const Tensor& q, const Tensor& k, const Tensor& v,
                        const Tensor& idx, const Tensor& kptr, const Tensor& loc,
                        const Tensor& qptr, float scale, Tensor& out) {
   switch (D) {
     case 16:
-      return extend_impl<T, 16>(q, k, v, idx, kptr, loc, qptr, scale, out);
+      return extend_impl<T, 16, KV>(q, k, v, idx, kptr, loc, qptr, scale, out);
     case 32:
-      return extend_impl<T, 32>(q, k, v, idx, kptr, loc, qptr, scale, out);
+      return extend_impl<T, 32, KV>(q, k, v, idx, kptr, loc, qptr, scale, out);
     case 64:
-      return extend_impl<T, 64>(q, k, v, idx, kptr, loc, qptr, scale, out);
+      return extend_impl<T, 64, KV>(q, k, v, idx, kptr, loc, qptr, scale, out);
     case 96:
-      return extend_impl<T, 96>(q, k, v, idx, kptr, loc, qptr, scale, out);
+      return extend_impl<T, 96, KV>(q, k, v, idx, kptr, loc, qptr, scale, out);
     case 128:
-      return extend_impl<T, 128>(q, k, v, idx, kptr, loc, qptr, scale, out);
+      return extend_impl<T, 128, KV>(q, k, v, idx, kptr, loc, qptr, scale, out);
     default:
       TORCH_CHECK(false, "extend_attention: unsupported head_dim ", D);
   }
@@ -661,9 +666,11 @@ Tensor extend_attention(const Tensor& q, const Tensor& k_buffer, const Tensor& v
                         const Tensor& qo_indptr, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "extend_attention: q must be contiguous [N, H, D]");
   check_kv_buffers(k_buffer, v_buffer, "extend_attention");
-  TORCH_CHECK(q.scalar_type() == k_buffer.scalar_type() &&
-                  q.scalar_type() == v_buffer.scalar_type(),
-              "extend_attention: q, k_buffer and v_buffer must have one dtype");
+  const bool narrowed = q.scalar_type() == at::kFloat && k_buffer.scalar_type() == at::kHalf;
+  TORCH_CHECK(k_buffer.scalar_type() == v_buffer.scalar_type() &&
+                  (q.scalar_type() == k_buffer.scalar_type() || narrowed),
+              "extend_attention: q, k_buffer and v_buffer must have one dtype (or q float32 "
+              "over a float16 pool)");
   TORCH_CHECK(q.device().is_cpu() && k_buffer.device().is_cpu() && v_buffer.device().is_cpu(),
               "extend_attention: CPU tensors only");
   const int64_t N = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_buffer.size(1);
@@ -690,6 +697,11 @@ Tensor extend_attention(const Tensor& q, const Tensor& k_buffer, const Tensor& v
   Tensor out = at::empty_like(q);
   if (N == 0) return out;
   const float s = static_cast<float>(scale);
+  if (narrowed) {
+    dispatch_head_dim<float, at::Half>(D, q, k_buffer, v_buffer, kv_indices, kv_indptr, loc,
+                                       qo_indptr, s, out);
+    return out;
+  }
   switch (q.scalar_type()) {
     case at::kFloat:
       dispatch_head_dim<float>(D, q, k_buffer, v_buffer, kv_indices, kv_indptr, loc, qo_indptr,
