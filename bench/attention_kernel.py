@@ -8,10 +8,11 @@
     python bench/attention_kernel.py extend-kernel --baseline bad92c2 --dtype bfloat16 --reps 7
     python bench/attention_kernel.py extend-phases --threads 1 --reps 9
 
-`extend-kernel`: the extend op alone (`torch.ops.radixrt.extend_attention` on 4 layers, reported per
-layer) against the same op compiled from `extend_attention.cpp` at `--baseline` (default HEAD), and
-with its shared-prefix groups off, on `EXTEND_KERNEL_SHAPES` (agent waves with own or 700-token
-shared prefixes, a mixed batch, fresh prefills).
+`extend-kernel`: the extend op alone (`torch.ops.radixrt.extend_attention` on `--layers` layers,
+default 4, reported per layer) against the same op compiled from `extend_attention.cpp` at
+`--baseline` (default HEAD), and with its shared-prefix groups off, on `EXTEND_KERNEL_SHAPES`
+(agent waves with own or 700-token shared prefixes, a mixed batch, fresh prefills, chunks deep
+in a long context); `--dtype float16` runs fp32 queries over a half pool.
 
 `extend-phases`: where the bf16 extend kernel's time goes on those shapes, on the path this CPU
 takes (vdpbf16ps with AVX512-BF16, else fp32 FMA): the current `extend_attention.cpp` built whole
@@ -259,15 +260,20 @@ EXTEND_KERNEL_SHAPES: dict[str, tuple[list[tuple[int, int]], int]] = {
     # a paced chunk deep in a long-context prompt (long-context random, stop 75)
     "chunk 1x(1000+100)": ([(1000, 100)], 0),
     "chunk 1x(3584+256)": ([(3584, 256)], 0),
+    # the pacer's chunk of an agent's follow-up call at 3k context (long-context agent, stop 78)
+    "chunk 1x(3300+64)": ([(3300, 64)], 0),
 }
 
 
 def _extend_op_args(dtype: torch.dtype, rows: list[tuple[int, int]], shared: int,
-                    layers: int) -> tuple[TokenToKVPool, list[torch.Tensor], int]:
-    """Pool (random K/V, `layers` layers), the op's index tensors and the query count: each
-    row's prefix starts with the same `shared` slots, then its own run of slots."""
+                    layers: int, kv_dtype: torch.dtype | None = None
+                    ) -> tuple[TokenToKVPool, list[torch.Tensor], int]:
+    """Pool (random K/V, `layers` layers; `kv_dtype` float16 under a float32 `dtype`: a
+    narrowed pool), the op's index tensors and the query count: each row's prefix starts with
+    the same `shared` slots, then its own run of slots."""
     own = [p + e - shared for p, e in rows]
-    kv = TokenToKVPool(shared + sum(own) + 8, layers, KV_HEADS, HEAD_DIM, dtype)
+    kv = TokenToKVPool(shared + sum(own) + 8, layers, KV_HEADS, HEAD_DIM, dtype,
+                       kv_dtype=kv_dtype)
     fill_random(kv, shared + sum(own) + 8)
     common = kv.alloc(shared) if shared else torch.zeros(0, dtype=torch.int64)
     parts = kv.alloc(sum(own)).split(own)
@@ -282,10 +288,13 @@ def _extend_op_args(dtype: torch.dtype, rows: list[tuple[int, int]], shared: int
 
 def _extend_kernel_case(dname: str, shape: str, reps: int, layers: int = 4) -> dict[str, Any]:
     """The op alone on `layers` layers (K/V of each layer read in turn): `--baseline` build vs
-    this one, and this one with shared-prefix groups off."""
-    dtype = DTYPES[dname]
+    this one, and this one with shared-prefix groups off. `float16`: fp32 queries over a half
+    pool (a float32 model's float16 K/V cache)."""
+    narrowed = dname == "float16"
+    dtype = torch.float32 if narrowed else DTYPES[dname]
     rows, shared = EXTEND_KERNEL_SHAPES[shape]
-    kv, (kvi, kptr, loc, qptr), n = _extend_op_args(dtype, rows, shared, layers)
+    kv, (kvi, kptr, loc, qptr), n = _extend_op_args(
+        dtype, rows, shared, layers, torch.float16 if narrowed else None)
     q = torch.randn(n, HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(1)).to(dtype)
     scale = HEAD_DIM**-0.5
 
@@ -666,8 +675,11 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, nargs="+", default=[512, 2048])
     ap.add_argument("--prefix", type=int, nargs="+", default=[0, 400])
     ap.add_argument("--dtype", nargs="+", choices=tuple(POOL_DTYPES), default=list(DTYPES),
-                    help="float16: a half pool under fp32 queries (kernel / prefetch only)")
+                    help="float16: a half pool under fp32 queries (kernel / prefetch / "
+                         "extend-kernel only)")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--layers", type=int, default=4,
+                    help="extend-kernel: layers whose K/V the op reads in turn (more: colder)")
     ap.add_argument("--shape", nargs="+", default=None,
                     help="extend-phases / extend-kernel: only the shapes whose names contain one "
                          "of these")
@@ -707,7 +719,7 @@ def main() -> None:
                 for shape in EXTEND_KERNEL_SHAPES:
                     if a.shape and not any(f in shape for f in a.shape):
                         continue
-                    rows.append(_extend_kernel_case(dname, shape, a.reps))
+                    rows.append(_extend_kernel_case(dname, shape, a.reps, a.layers))
                     print(json.dumps(rows[-1]), flush=True)
         print(markdown_extend_kernel(rows, baseline))
         if a.out:
