@@ -173,8 +173,8 @@ class DecodeLayers:
         K/V stored at `loc`), each op with its own parallel region. Returns the last layer's
         (MLP output, residual stream) of every token, bitwise the layer loop's; the caller
         norms the rows it needs. Takes the same arguments as `run_step` (and so the same held
-        stack; `final_norm` is not applied here); the pool must be of the model's dtype (not
-        int8: `k_scales` empty)."""
+        stack; `final_norm` is not applied here); the pool must be of the model's dtype or
+        float16 under a float32 model (not int8: `k_scales` empty)."""
         stack = self._stack_for(embed, cos_table, sin_table, final_norm, final_eps, k_buffers,
                                 v_buffers, k_scales, v_scales)
         ext, dec_tok, ext_tok, dec_plan = plan.op_args()

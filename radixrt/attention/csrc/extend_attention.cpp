@@ -621,8 +621,8 @@ void extend_impl(const Tensor& q, const Tensor& k_buffer, const Tensor& v_buffer
       for (int64_t e = 0; e < G * D; e += kVec) (load_f32<T>(src + e) * vs).store(dst + e);
     }
     fma_attention::attend<KV, D>(sc.q.data(), nq, key_end, slot_of, row_lo, visible,
-                                kb + h * head_stride, vb + h * head_stride, slot_stride,
-                                sc.m.data(), sc.l.data(), sc.o.data(), sc);
+                                 kb + h * head_stride, vb + h * head_stride, slot_stride,
+                                 sc.m.data(), sc.l.data(), sc.o.data(), sc);
     write_out(Part{pt.req, pt.t0, pt.t1, 0}, h, sc.o.data(), sc.l.data());
   };
 
