@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from radixrt.attention.paged_decode import PagedDecodePlan
+from radixrt.attention.paged_decode import PagedDecodePlan, queries_for_pool
 from radixrt.core.forward_batch import ForwardBatch
 from radixrt.mem.memory_pool import TokenToKVPool
 
@@ -80,11 +80,8 @@ class ExtendAttentionPlan:
         """`[num_tokens, H, D]` attention output in q's dtype of the queries `q`
         `[num_tokens, H, D]` over the pool buffers `[slots, kv_heads, D]` (fp32 queries over a
         float16 pool as they are, else in the pool's dtype)."""
-        pool_dtype = k_buffer.dtype
-        if q.dtype == torch.float32 and pool_dtype == torch.float16:
-            pool_dtype = q.dtype
         out = torch.ops.radixrt.extend_attention(
-            q.to(pool_dtype).contiguous(), k_buffer, v_buffer, self.kv_indices,
+            queries_for_pool(q, k_buffer), k_buffer, v_buffer, self.kv_indices,
             self.kv_indptr, self.loc, self.qo_indptr, float(scale))
         return out.to(q.dtype)
 

@@ -22,6 +22,13 @@ from radixrt.mem.memory_pool import TokenToKVPool
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def queries_for_pool(q: torch.Tensor, k_buffer: torch.Tensor) -> torch.Tensor:
+    """q as the C++ attention ops take it over a pool of `k_buffer`'s dtype, contiguous: fp32
+    queries over a float16 pool (a narrowed pool) as they are, else in the pool's dtype."""
+    narrowed = q.dtype == torch.float32 and k_buffer.dtype == torch.float16
+    return (q if narrowed else q.to(k_buffer.dtype)).contiguous()
+
+
 def paged_decode_unavailable_reason(dtype: torch.dtype, head_dim: int, build: bool = True,
                                     int8_pool: bool = False) -> str | None:
     """None when the op can run on a CPU pool of this dtype and head_dim (building it if needed
@@ -124,9 +131,6 @@ class PagedDecodePlan:
         """(`[B, H, D]` attention output in q's dtype, `[B, H]` natural-log LSE in fp32) of the
         queries `q` `[B, H, D]` over the pool buffers `[slots, kv_heads, D]` (fp32 queries over
         a float16 pool as they are, else in the pool's dtype)."""
-        pool_dtype = k_buffer.dtype
-        if q.dtype == torch.float32 and pool_dtype == torch.float16:
-            pool_dtype = q.dtype
         out, lse = torch.ops.radixrt.paged_decode(
-            q.to(pool_dtype).contiguous(), k_buffer, v_buffer, *self.tensors(), float(scale))
+            queries_for_pool(q, k_buffer), k_buffer, v_buffer, *self.tensors(), float(scale))
         return out.to(q.dtype), lse

@@ -411,6 +411,13 @@ bool attention_keeps_rows(const TeamMember& m, const Plan& plan, int64_t rows, i
   return true;
 }
 
+// q as paged_decode and extend_attention take it over the pool kb: as is on a float16 pool
+// under fp32 queries (narrowed), else in kb's dtype (paged_decode.queries_for_pool in Python).
+Tensor for_pool(const Tensor& q, const Tensor& kb) {
+  const bool narrowed = q.scalar_type() == at::kFloat && kb.scalar_type() == at::kHalf;
+  return narrowed ? q : q.to(kb.scalar_type());
+}
+
 // The attention of an extend step (extend_step), in place of paged_decode over a Plan: the
 // extend op over its plan (`ext`: kv_indices, kv_indptr, loc, qo_indptr; each token sees its
 // request's prefix slots, then the step's slots up to its own), or, in a mixed step, the
@@ -423,12 +430,6 @@ struct ExtendAttention {
   std::vector<Tensor> ext;  // 4 tensors, or none
   Tensor dec_tok, ext_tok;  // int64 token rows (mixed steps; ext_tok undefined without ext)
   std::optional<Plan> dec;  // a mixed step's (its presence makes the step mixed)
-
-  // q as the ops take it over the pool kb: as is on a narrowed pool, else in kb's dtype.
-  static Tensor for_pool(const Tensor& q, const Tensor& kb) {
-    const bool narrowed = q.scalar_type() == at::kFloat && kb.scalar_type() == at::kHalf;
-    return narrowed ? q : q.to(kb.scalar_type());
-  }
 
   Tensor extend(const Ops& ops, const Tensor& q, const Tensor& kb, const Tensor& vb,
                 double scale) const {
@@ -543,7 +544,7 @@ std::tuple<Tensor, Tensor> run_layers(const Stack& st, const Tensor& h0, const T
                                        plan.kv_indices, plan.row_start, plan.row_len,
                                        plan.group_start, plan.group_len, plan.group_row_ptr,
                                        plan.group_rows, st.scale)
-            : ops.paged_decode.call((q_as_is ? q : q.to(kb.scalar_type())).contiguous(), kb, vb,
+            : ops.paged_decode.call(for_pool(q, kb).contiguous(), kb, vb,
                                     plan.kv_indices, plan.row_start, plan.row_len,
                                     plan.group_start, plan.group_len, plan.group_row_ptr,
                                     plan.group_rows, st.scale));
