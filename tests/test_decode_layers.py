@@ -595,6 +595,52 @@ def test_members_taking_items_is_bitwise_a_region_per_op(
             assert torch.equal(a, b), f"{key}: max diff {(a - b).abs().max()}"
 
 
+@pytest.mark.parametrize("case", ["wide", "wide-own"])
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8], ids=["bf16-kv", "int8-kv"])
+def test_team_row_parts_are_bitwise_a_region_per_op(
+        tmp_path: Path, kv_dtype: torch.dtype | None, case: str, two_threads: object,
+        team_steal: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With every row's own keys in 32-key parts or more (`paged_decode_row_parts`, forced: built
+    in only a batch with fewer than two (row, KV head) items per thread splits), the team's
+    steps give the logits of a parallel region per op, bitwise: at "wide" (a cascade group,
+    each grouped row's first part continuing from the prefix) the team meets after the parts
+    and merges its share of the rows; at "wide-own" each member merges its own rows' parts
+    without meeting (attention_keeps_rows counts the parts as paged_decode makes them), also
+    when the first member takes some of the second's parts (`slow_us`)."""
+    from radixrt.attention.paged_decode import paged_decode_i8_unavailable_reason
+
+    dims, prefix_len, lone_len, own_len = _TEAM_CASES[case]
+    if kv_dtype is torch.int8 and paged_decode_i8_unavailable_reason():
+        pytest.skip(str(paged_decode_i8_unavailable_reason()))
+    path, plan = _tiny_vnni_gguf(tmp_path, 13, "Q4_0", **dims)
+    parts_before = torch.ops.radixrt.paged_decode_row_parts(32, 8, 1 << 20)
+    runs, taken = {}, {}
+    try:
+        for team, slow_us in ((False, 0), (True, 0), (True, 300)):
+            config = ModelConfig.from_path(path)
+            model, _ = load_model(path, None, torch.bfloat16, "cpu", model_config=config,
+                                  quant=plan)
+            runner = PagedRunner.for_model(model, kv_size=12288, max_context=8192,
+                                           kv_dtype=kv_dtype)
+            runner.model.decode_team = team
+            runner.model.decode_microbatch_rows = 1 << 30  # one pass
+            stack = runner.model.decode_layers()
+            assert isinstance(stack, DecodeLayers) and stack.team_capable
+            stack.team_far_split = 0
+            before = torch.ops.radixrt.decode_team_steal(1, slow_us)[2]
+            runs[team, slow_us] = _decode_run(runner, True, monkeypatch, prefix_len, lone_len,
+                                              own_len)
+            taken[team, slow_us] = torch.ops.radixrt.decode_team_steal()[2] - before
+    finally:
+        torch.ops.radixrt.paged_decode_row_parts(*parts_before)
+    assert taken[True, 300] > 0
+    region = runs[False, 0]
+    for key in ((True, 0), (True, 300)):
+        assert runs[key][1] == region[1] == 4
+        for a, b in zip(runs[key][0], region[0], strict=True):
+            assert torch.equal(a, b), f"{key}: max diff {(a - b).abs().max()}"
+
+
 def test_team_steal_settings_are_checked(team_steal: object) -> None:
     """decode_team_steal refuses a mode or delay out of range, naming it, and leaves the
     settings as they were."""

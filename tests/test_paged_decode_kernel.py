@@ -1,8 +1,8 @@
 """The C++ paged-decode op (`torch.ops.radixrt.paged_decode`) and its builder.
 
 The op against a float64 reference over random pools (scattered and repeated slots, shared
-prefixes, lengths around the 16-key block, rows long enough to be split into key-range parts),
-LSE included; cascade equal to non-cascade; thread count invariance; the same bits wherever the
+prefixes, lengths around the 16-key block, rows long enough to be split into key-range parts,
+built in and forced), LSE included; cascade equal to non-cascade; thread count invariance; the same bits wherever the
 keys lie in the pool (scattered, one run, runs broken anywhere); bad input; the builder's ISA choice, cache key and failure fallback; other
 instruction sets built in a subprocess; a tiny model decoding through it vs the torch path and HF.
 """
@@ -172,19 +172,38 @@ def test_cascade_matches_reference_and_flat(case: tuple[list[int], list[tuple[in
     torch.testing.assert_close(lse, flat_lse, atol=1e-5, rtol=1e-5)
 
 
-# Rows long enough to be split into key-range parts (>= 2 x 256 keys while the batch has few
-# rows), next to rows of 0 and 1 key and lengths that are not a multiple of the key block.
+# Rows long enough to be split into key-range parts (>= 2 x 256 keys while the batch has fewer
+# than two (row, KV head) items per thread: built in, only the batch of one on 3 KV heads; every
+# such row with the parts forced), next to rows of 0 and 1 key and lengths that are not a
+# multiple of the key block.
 SPLIT_CASES = [
     ([0, 1, 17, 513, 1100, 2049], []),
     ([515], []),  # batch of one: parts only
     ([600, 3, 0, 1031], [(45, [0, 1, 2])]),  # split rows inside a cascade group
 ]
+# paged_decode_row_parts settings that split every row of 64+ keys into 32-key parts or more,
+# whatever the batch and the threads.
+FORCED_PARTS = (32, 8, 1 << 20)
 
 
+@pytest.fixture
+def row_parts() -> object:
+    """Restores the op's row-part settings (`radixrt::paged_decode_row_parts`) after the test."""
+    before = torch.ops.radixrt.paged_decode_row_parts()
+    yield
+    torch.ops.radixrt.paged_decode_row_parts(*before)
+
+
+@pytest.mark.parametrize("forced", [False, True], ids=["built-in", "forced"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: f"b{len(c[0])}g{len(c[1])}")
 def test_split_rows_merge_to_the_reference(case: tuple[list[int], list[tuple[int, list[int]]]],
-                                           dtype: torch.dtype) -> None:
+                                           dtype: torch.dtype, forced: bool,
+                                           row_parts: object) -> None:
+    """Rows whose own keys go in parts (each part's state merged by log-sum-exp, the first
+    continuing from the cascade prefix's state) give the float64 reference's output and LSE."""
+    if forced:
+        torch.ops.radixrt.paged_decode_row_parts(*FORCED_PARTS)
     own, groups = case
     c = _case(len(own) + 100, dtype, 9, 3, 64, own, groups)
     out, lse = _run(c, 0.125)
@@ -196,12 +215,72 @@ def test_split_rows_merge_to_the_reference(case: tuple[list[int], list[tuple[int
         assert (lse[own.index(0)] == -math.inf).all() and (out[own.index(0)] == 0).all()
 
 
+def test_a_lone_long_row_splits_only_when_the_threads_would_idle(row_parts: object) -> None:
+    """Built in, a batch of one long row on 3 KV heads (3 items for 2 threads) goes in parts:
+    near the unsplit result and the reference, not bitwise the unsplit one; a batch of two such
+    rows (6 items) stays whole, bitwise as with parts off; one thread never splits."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        for own in ([2049], [2049, 1500]):
+            c = _case(7, torch.float32, 9, 3, 64, own, [])
+            parts = _run(c, 0.125)
+            torch.ops.radixrt.paged_decode_row_parts(-1, 1)
+            whole = _run(c, 0.125)
+            torch.ops.radixrt.paged_decode_row_parts(-1, 8)
+            ref_out, ref_lse = _reference(c, 0.125)
+            for out, lse in (parts, whole):
+                torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=2e-5)
+                torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=2e-5)
+            same = torch.equal(parts[0], whole[0]) and torch.equal(parts[1], whole[1])
+            assert same == (len(own) == 2), own
+        torch.set_num_threads(1)
+        c = _case(7, torch.float32, 9, 3, 64, [2049], [])
+        one = _run(c, 0.125)
+        torch.ops.radixrt.paged_decode_row_parts(-1, 1)
+        assert all(torch.equal(a, b) for a, b in zip(one, _run(c, 0.125), strict=True))
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_forced_parts_do_not_depend_on_thread_count(row_parts: object) -> None:
+    """With every long row in parts whatever the batch, the parts and their merge order are
+    the same on 1 and 2 threads: bitwise the same outputs, cascade groups included."""
+    torch.ops.radixrt.paged_decode_row_parts(*FORCED_PARTS)
+    cases = [_case(10, torch.float32, 9, 3, 64, [700, 1300, 5, 2000], [(300, [1, 2])]),
+             _case(13, torch.float16, 8, 1, 64, [515, 64, 63], [])]
+    before = torch.get_num_threads()
+    for c in cases:
+        try:
+            torch.set_num_threads(1)
+            one = _run(c, 0.125)
+            torch.set_num_threads(max(2, before))
+            many = _run(c, 0.125)
+        finally:
+            torch.set_num_threads(before)
+        assert torch.equal(one[0], many[0]) and torch.equal(one[1], many[1])
+
+
+def test_row_parts_settings_are_checked(row_parts: object) -> None:
+    """paged_decode_row_parts refuses values out of range, naming its arguments, and keeps
+    the settings; -1 keeps a setting, and the call returns the previous three."""
+    before = torch.ops.radixrt.paged_decode_row_parts()
+    assert len(before) == 3
+    for bad in ((-2, -1, -1), (-1, 65, -1), (-1, -1, -5)):
+        with pytest.raises(RuntimeError, match="min_keys and items_per_thread"):
+            torch.ops.radixrt.paged_decode_row_parts(*bad)
+    assert torch.ops.radixrt.paged_decode_row_parts() == before
+    assert torch.ops.radixrt.paged_decode_row_parts(100, -1, -1) == before
+    assert torch.ops.radixrt.paged_decode_row_parts() == [100, *before[1:]]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 2), (8, 1)])
 def test_row_result_does_not_depend_on_the_batch(dtype: torch.dtype, heads: int,
                                                  kv_heads: int) -> None:
     """A row's output and LSE are bitwise the same alone and inside a batch, in or out of a
-    cascade group of any size (query tiles then mix heads of several rows)."""
+    cascade group of any size (query tiles then mix heads of several rows). (Its rows are too
+    short to go in parts, which a lone long row does: see the test above.)"""
     own = [1, 7, 16, 40, 3, 129, 2]
     big = _case(77, dtype, heads, kv_heads, 64, own, [(45, [0, 2, 3, 5, 6])])
     out, lse = _run(big, 0.125)
@@ -243,10 +322,11 @@ def test_row_without_keys_gives_zero_and_minus_inf() -> None:
 
 def test_result_does_not_depend_on_thread_count() -> None:
     """Each (row or group chunk, KV head) is computed by one thread in key order: bitwise the
-    same output whatever the number of threads."""
+    same output whatever the number of threads, where every batch has two (row, KV head) items
+    per thread (no row goes in parts; forced parts: the test above)."""
     cases = [_case(9, torch.bfloat16, 9, 3, 64, [1 + (7 * i) % 90 for i in range(24)],
                    [(50, [0, 3, 5, 7, 9, 11, 13])]),
-             # few long rows: split into key-range parts, merged by LSE
+             # few long rows
              _case(10, torch.float32, 9, 3, 64, [700, 1300, 5, 2000], [(300, [1, 2])]),
              # a 4-row group: one chunk on 1 thread, two 2-row chunks on 2 (3 KV heads)
              _case(11, torch.bfloat16, 9, 3, 64, [3, 40, 7, 1, 90, 2, 11], [(700, [1, 2, 4, 6])]),

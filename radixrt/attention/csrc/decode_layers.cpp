@@ -389,8 +389,8 @@ struct alignas(64) Progress {
 // so that kv_store before it and the attention itself end without the team meeting: no
 // shared-prefix groups (a group's items read every member's queries), the queries already in
 // the pool's dtype (`q_as_pool`: else each member converts all of them first), and the work
-// queue's cost split (work_queue.h, items row-major with cost keys x queries) falling on the row
-// split. The same on every member (the same plan).
+// queue's cost split (work_queue.h, items row by row, KV head, then part (row_split), with cost
+// keys x queries) falling on the row split. The same on every member (the same plan).
 bool attention_keeps_rows(const TeamMember& m, const Plan& plan, int64_t rows, int64_t kv_heads,
                           int64_t group_size, bool q_as_pool) {
   if (m.size < 2 || !q_as_pool || plan.group_start.numel() > 0) return false;
@@ -402,10 +402,13 @@ bool attention_keeps_rows(const TeamMember& m, const Plan& plan, int64_t rows, i
   int64_t before = 0;
   for (int64_t b = 0, id = 0; b < rows; ++b) {
     while (team_rows(id, rows, m.size).second <= b) ++id;  // the member whose rows hold b
+    const RowSplit sp = row_split(len[b], rows, kv_heads, m.size);
     for (int64_t h = 0; h < kv_heads; ++h) {
-      const int64_t cost = len[b] * group_size;
-      if (team_share_owner(before, cost, total, m.size) != id) return false;
-      before += cost;
+      for (int64_t p = 0; p < sp.parts; ++p) {
+        const int64_t cost = sp.keys_of(p, len[b]) * group_size;
+        if (team_share_owner(before, cost, total, m.size) != id) return false;
+        before += cost;
+      }
     }
   }
   return true;
@@ -653,6 +656,20 @@ int64_t team_layer_bytes(const Stack& st, int64_t rows, int64_t hidden, int64_t 
   return outputs + attention + acts + 64 * 64;
 }
 
+// Bytes of paged_decode's row-part states (row_split, work_queue.h) over `plan`'s rows in a
+// team of `threads`, 0 where no row splits: an upper bound for a smaller team, which splits no
+// more. A layer's attention takes them with team_empty, beside team_layer_bytes.
+int64_t row_parts_bytes(const Stack& st, const Plan& plan, int64_t rows, int64_t threads) {
+  const Tensor rl = plan.row_len.contiguous();
+  const int64_t* len = rl.data_ptr<int64_t>();
+  int64_t parts = 0;
+  for (int64_t b = 0; b < std::min(rows, rl.numel()); ++b) {
+    const RowSplit sp = row_split(len[b], rows, st.num_kv_heads, threads);
+    if (sp.parts > 1) parts += sp.parts;
+  }
+  return parts == 0 ? 0 : parts * st.num_heads * (st.head_dim + 2) * 4 + 64;
+}
+
 // Team steps run as two micro-batches because the team's threads were far apart (team_splits),
 // since the process started (radixrt::decode_team_microbatch_steps; monotonic).
 std::atomic<int64_t>& team_microbatch_steps() {
@@ -730,7 +747,8 @@ std::tuple<Tensor, Tensor> run_team(const Stack& st, const Tensor& h0, const Ten
                                     const Plan& plan, int64_t norms_whole, int64_t far_split,
                                     int64_t micro_split) {
   const int64_t n = h0.size(0), threads = at::get_num_threads();
-  const int64_t bytes = team_layer_bytes(st, n, h0.size(1), h0.element_size());
+  const int64_t bytes = team_layer_bytes(st, n, h0.size(1), h0.element_size()) +
+                        row_parts_bytes(st, plan, n, threads);
   const int64_t half = (bytes + 63) & ~int64_t{63};
   Team team(threads, half, team_arena(Team::arena_size(threads, half)));
   std::tuple<Tensor, Tensor> out;

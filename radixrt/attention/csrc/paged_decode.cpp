@@ -1523,24 +1523,67 @@ void paged_decode_run(const Tensor& q, int64_t Hkv, int64_t slots, const Tensor&
     });
   }
 
-  // Phase 2: every row's own keys, continuing from its prefix state; then normalize.
+  // Phase 2: every row's own keys, continuing from its prefix state; then normalize. A long
+  // row's keys go in parts (row_split, work_queue.h): each part's item leaves its state in
+  // `parts_state`, the first continuing from the prefix, and the row is merged after every
+  // item ran. Items run row by row, then KV head, then part (attention_keeps_rows counts them
+  // in that order).
+  const int64_t threads = call_threads();
+  std::vector<RowSplit> splits(B);
+  std::vector<int64_t> part_base(B, -1);  // row b's first part state (per KV head), or -1
+  int64_t num_parts = 0;
   std::vector<Item> items;
   items.reserve(B * Hkv);
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(rs[b] >= 0 && rl[b] >= 0 && rs[b] + rl[b] <= kv_indices.size(0),
                 "paged_decode: row ", b, " keys out of kv_indices");
+    splits[b] = row_split(rl[b], B, Hkv, threads);
+    if (splits[b].parts > 1) {
+      part_base[b] = num_parts;
+      num_parts += splits[b].parts;
+    }
     for (int64_t h = 0; h < Hkv; ++h) {
-      items.push_back({rl[b] * G, -1, static_cast<int32_t>(b), 0, static_cast<int32_t>(h)});
+      for (int64_t p = 0; p < splits[b].parts; ++p) {
+        items.push_back({splits[b].keys_of(p, rl[b]) * G, -1, static_cast<int32_t>(b),
+                         static_cast<int32_t>(p), static_cast<int32_t>(h)});
+      }
     }
   }
+  // (m, l, acc) of G queries per (part, KV head): [num_parts][Hkv][G * (D + 2)].
+  const int64_t state_size = G * (D + 2);
+  Tensor parts_state;
+  float* ps = nullptr;
+  if (num_parts > 0) {
+    parts_state = team_empty({num_parts * Hkv * state_size}, at::TensorOptions().dtype(at::kFloat));
+    ps = parts_state.data_ptr<float>();
+  }
+  // Output and LSE of (row b, KV head h) from its state.
+  auto write_row = [&](int64_t b, int64_t h, const float* m, const float* l, const float* acc) {
+    const int64_t base = b * H + h * G;
+    for (int64_t i = 0; i < G; ++i) {
+      QT* o = op + (base + i) * D;
+      const float li = l[i];
+      if (li > 0.f) {
+        const float inv = 1.f / li;
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<QT>(acc[i * D + d] * inv);
+        lp[base + i] = m[i] + std::log(li);
+      } else {
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<QT>(0.f);
+        lp[base + i] = kNegInf;
+      }
+    }
+  };
+  TeamMember* member = team_member();
+  const bool stay = member != nullptr && member->rows_stay;  // run_largest_first clears it
   run_largest_first(items, min_parallel_attention_work(), [&](const Item& it) {
     thread_local std::vector<QType> qbuf;
     thread_local std::vector<float> mbuf, lbuf, abuf;
-    const int64_t b = it.first, h = it.kv_head;
+    const int64_t b = it.first, h = it.kv_head, p = it.last;
+    const RowSplit& sp = splits[b];
     qbuf.resize(G * D);
     load_queries(b, h, qbuf.data());
     const int64_t base = b * H + h * G;
-    if (grouped[b]) {
+    if (grouped[b] && p == 0) {
       mbuf.assign(pre_m + base, pre_m + base + G);
       lbuf.assign(pre_l + base, pre_l + base + G);
       abuf.assign(pre_acc + base * D, pre_acc + (base + G) * D);
@@ -1549,21 +1592,65 @@ void paged_decode_run(const Tensor& q, int64_t Hkv, int64_t slots, const Tensor&
       lbuf.assign(G, 0.f);
       abuf.assign(G * D, 0.f);
     }
-    scan_for(h).run(qbuf.data(), G, idx + rs[b], rl[b], mbuf.data(), lbuf.data(),
-                             abuf.data());
-    for (int64_t i = 0; i < G; ++i) {
-      QT* o = op + (base + i) * D;
-      const float li = lbuf[i];
-      if (li > 0.f) {
-        const float inv = 1.f / li;
-        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<QT>(abuf[i * D + d] * inv);
-        lp[base + i] = mbuf[i] + std::log(li);
-      } else {
-        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<QT>(0.f);
-        lp[base + i] = kNegInf;
-      }
-    }
+    scan_for(h).run(qbuf.data(), G, idx + rs[b] + p * sp.len, sp.keys_of(p, rl[b]), mbuf.data(),
+                    lbuf.data(), abuf.data());
+    if (sp.parts == 1) return write_row(b, h, mbuf.data(), lbuf.data(), abuf.data());
+    float* st = ps + ((part_base[b] + p) * Hkv + h) * state_size;
+    std::copy_n(mbuf.data(), G, st);
+    std::copy_n(lbuf.data(), G, st + G);
+    std::copy_n(abuf.data(), G * D, st + 2 * G);
   });
+  if (num_parts == 0) return;
+  // Merge each split (row, KV head)'s parts in key order: the same bits whoever merges.
+  auto merge = [&](int64_t b, int64_t h) {
+    thread_local std::vector<float> mbuf, lbuf, abuf;
+    mbuf.assign(G, kNegInf);
+    lbuf.assign(G, 0.f);
+    abuf.assign(G * D, 0.f);
+    const int64_t np = splits[b].parts;
+    for (int64_t i = 0; i < G; ++i) {
+      float mx = kNegInf;
+      for (int64_t p = 0; p < np; ++p) {
+        mx = std::max(mx, ps[((part_base[b] + p) * Hkv + h) * state_size + i]);
+      }
+      if (mx == kNegInf) continue;  // no part saw a key (l stays 0)
+      float* a = abuf.data() + i * D;
+      for (int64_t p = 0; p < np; ++p) {
+        const float* st = ps + ((part_base[b] + p) * Hkv + h) * state_size;
+        if (st[G + i] == 0.f) continue;
+        const float w = std::exp(st[i] - mx);
+        lbuf[i] += st[G + i] * w;
+        const float* src = st + 2 * G + i * D;
+        for (int64_t d = 0; d < D; ++d) a[d] += src[d] * w;
+      }
+      mbuf[i] = mx;
+    }
+    write_row(b, h, mbuf.data(), lbuf.data(), abuf.data());
+  };
+  std::vector<std::pair<int32_t, int32_t>> merges;  // (row, KV head), row-major
+  for (int64_t b = 0; b < B; ++b) {
+    if (splits[b].parts == 1) continue;
+    for (int64_t h = 0; h < Hkv; ++h) merges.push_back({static_cast<int32_t>(b), static_cast<int32_t>(h)});
+  }
+  const int64_t nm = static_cast<int64_t>(merges.size());
+  if (member == nullptr) {
+    at::parallel_for(0, nm, 16, [&](int64_t m0, int64_t m1) {
+      for (int64_t i = m0; i < m1; ++i) merge(merges[i].first, merges[i].second);
+    });
+    return;
+  }
+  if (stay) {  // this member's items were its own rows' (attention_keeps_rows): it merges them
+    const auto [r0, r1] = member->rows(B);
+    for (const auto& [b, h] : merges) {
+      if (b >= r0 && b < r1) merge(b, h);
+    }
+    return;
+  }
+  // The team met at the end of the items; each merges its share, and it meets again before the
+  // op after reads every row.
+  const auto [m0, m1] = team_rows(member->id, nm, member->size);
+  for (int64_t i = m0; i < m1; ++i) merge(merges[i].first, merges[i].second);
+  member->barrier();
 }
 
 // A float / bfloat16 / half pool read as stored; q and the output have the pool's dtype QT, or
@@ -1833,6 +1920,21 @@ std::vector<int64_t> paged_decode_head_dims() { return {16, 32, 64, 80, 96, 128,
 
 std::string paged_decode_isa() { return RADIXRT_STR(CPU_CAPABILITY); }
 
+std::vector<int64_t> paged_decode_row_parts(int64_t min_keys, int64_t max_parts,
+                                           int64_t items_per_thread) {
+  TORCH_CHECK(min_keys >= -1 && max_parts >= -1 && max_parts <= 64 && items_per_thread >= -1,
+              "paged_decode_row_parts: min_keys and items_per_thread must be >= 0 and max_parts "
+              "in [0, 64] (or -1 to keep), got ", min_keys, ", ", max_parts, ", ",
+              items_per_thread);
+  RowPartSettings& s = row_part_settings();
+  std::vector<int64_t> previous{s.min_keys.load(), s.max_parts.load(),
+                                s.items_per_thread.load()};
+  if (min_keys >= 0) s.min_keys.store(min_keys);
+  if (max_parts >= 0) s.max_parts.store(max_parts);
+  if (items_per_thread >= 0) s.items_per_thread.store(items_per_thread);
+  return previous;
+}
+
 std::vector<int64_t> set_attention_parallel_work(int64_t team, int64_t regions) {
   AttentionParallelWork& w = attention_parallel_work();
   std::vector<int64_t> previous{w.team.load(), w.regions.load()};
@@ -1871,6 +1973,13 @@ TORCH_LIBRARY(radixrt, m) {
         &radixrt_cpu::paged_decode_prefetch);
   // Benchmarks / tests: whether the scan prefetches into L1 (1) or L2 (0); -1 keeps it.
   m.def("paged_decode_prefetch_l1(int l1=-1) -> int", &radixrt_cpu::paged_decode_prefetch_l1);
+  // Benchmarks / tests: how rows' own keys split into parts (work_queue.h, row_split): the
+  // fewest keys of a part, the most parts of a row (1 or 0: never split) and the items per
+  // thread below which rows split; -1 keeps one. Returns the previous [min_keys, max_parts,
+  // items_per_thread]. Not while a decode step runs.
+  m.def("paged_decode_row_parts(int min_keys=-1, int max_parts=-1, int items_per_thread=-1) "
+        "-> int[]",
+        &radixrt_cpu::paged_decode_row_parts);
   // Benchmarks / tests: the (query, key) pairs of an attention phase below which it runs on one
   // thread, in a decode team and with a parallel region per op (work_queue.h); a negative value
   // leaves that one as it is. Returns the previous [team, regions]. Not while a decode step

@@ -43,6 +43,64 @@ inline AttentionParallelWork& attention_parallel_work() {
   return w;
 }
 
+// Paged decode splits a row's own keys into parts (consecutive key runs, each a work item per
+// KV head, merged by log-sum-exp in key order) when the batch has too few (row, KV head) items
+// to keep every thread busy: one row on 3 KV heads made 3 items for 2 threads, one of which
+// ran two. Only then: a part's first blocks start without the scan's prefetch and each split
+// row is merged after its parts, 1.04-1.16x the CPU time of whole rows (Zen 3, fp16 pool,
+// 512-4096 keys, 2-64 rows). So a split row's bits depend on the batch's size (as a cascade
+// group's rows do on their group), never on the threads' timing. `min_keys`: the fewest keys
+// of a part (shorter rows stay whole); `max_parts`: the most parts of a row (1: never split);
+// `items_per_thread`: the items per thread below which rows split (tests raise it to split
+// every long row). Benchmarks and tests change them between calls only
+// (radixrt::paged_decode_row_parts): a team's members each read them and must agree
+// (decode_layers' attention_keeps_rows computes the same items).
+#ifndef RADIXRT_PD_PART_KEYS
+#define RADIXRT_PD_PART_KEYS 256
+#endif
+#ifndef RADIXRT_PD_MAX_PARTS
+#define RADIXRT_PD_MAX_PARTS 8
+#endif
+struct RowPartSettings {
+  std::atomic<int64_t> min_keys{RADIXRT_PD_PART_KEYS};
+  std::atomic<int64_t> max_parts{RADIXRT_PD_MAX_PARTS};
+  std::atomic<int64_t> items_per_thread{2};
+};
+
+inline RowPartSettings& row_part_settings() {
+  static RowPartSettings s;
+  return s;
+}
+
+// Part boundaries fall on multiples of this many keys (the AVX2 scan's key block; two of the
+// AVX-512 scan's), so only a row's last part has a partial block.
+constexpr int64_t kRowPartAlign = 32;
+
+// A row of `keys` own keys in `parts` parts of `len` keys (the last one shorter or equal).
+struct RowSplit {
+  int64_t parts, len;
+  // Keys of part p.
+  int64_t keys_of(int64_t p, int64_t keys) const { return std::min(len, keys - p * len); }
+};
+
+// How a row of `keys` own keys splits in a batch of `rows` rows on `kv_heads` KV heads shared
+// by `threads` threads: into enough parts for items_per_thread items per thread, each of at
+// least min_keys keys, at most max_parts; whole where the batch already has that many items.
+inline RowSplit row_split(int64_t keys, int64_t rows, int64_t kv_heads, int64_t threads) {
+  const RowPartSettings& s = row_part_settings();
+  const int64_t min_keys = s.min_keys.load(std::memory_order_relaxed);
+  const int64_t max_parts = s.max_parts.load(std::memory_order_relaxed);
+  const int64_t items = rows * kv_heads;
+  const int64_t want_items = s.items_per_thread.load(std::memory_order_relaxed) * threads;
+  if (min_keys <= 0 || max_parts <= 1 || items >= want_items || keys < 2 * min_keys) {
+    return {1, keys};
+  }
+  const int64_t want = std::min({max_parts, keys / min_keys, (want_items + items - 1) / items});
+  const int64_t len = ((keys + want - 1) / want + kRowPartAlign - 1) / kRowPartAlign *
+                      kRowPartAlign;
+  return {(keys + len - 1) / len, len};
+}
+
 // The threshold for a phase run by the calling thread: its team's, else the regions'.
 inline int64_t min_parallel_attention_work() {
   const AttentionParallelWork& w = attention_parallel_work();
