@@ -1554,7 +1554,8 @@ void paged_decode_run(const Tensor& q, int64_t Hkv, int64_t slots, const Tensor&
   Tensor parts_state;
   float* ps = nullptr;
   if (num_parts > 0) {
-    parts_state = team_empty({num_parts * Hkv * state_size}, at::TensorOptions().dtype(at::kFloat));
+    parts_state = team_empty({num_parts * Hkv * state_size},
+                             at::TensorOptions().dtype(at::kFloat));
     ps = parts_state.data_ptr<float>();
   }
   // Output and LSE of (row b, KV head h) from its state.
@@ -1592,8 +1593,8 @@ void paged_decode_run(const Tensor& q, int64_t Hkv, int64_t slots, const Tensor&
       lbuf.assign(G, 0.f);
       abuf.assign(G * D, 0.f);
     }
-    scan_for(h).run(qbuf.data(), G, idx + rs[b] + p * sp.len, sp.keys_of(p, rl[b]), mbuf.data(),
-                    lbuf.data(), abuf.data());
+    scan_for(h).run(qbuf.data(), G, idx + rs[b] + p * sp.len, sp.keys_of(p, rl[b]),
+                    mbuf.data(), lbuf.data(), abuf.data());
     if (sp.parts == 1) return write_row(b, h, mbuf.data(), lbuf.data(), abuf.data());
     float* st = ps + ((part_base[b] + p) * Hkv + h) * state_size;
     std::copy_n(mbuf.data(), G, st);
@@ -1630,7 +1631,9 @@ void paged_decode_run(const Tensor& q, int64_t Hkv, int64_t slots, const Tensor&
   std::vector<std::pair<int32_t, int32_t>> merges;  // (row, KV head), row-major
   for (int64_t b = 0; b < B; ++b) {
     if (splits[b].parts == 1) continue;
-    for (int64_t h = 0; h < Hkv; ++h) merges.push_back({static_cast<int32_t>(b), static_cast<int32_t>(h)});
+    for (int64_t h = 0; h < Hkv; ++h) {
+      merges.push_back({static_cast<int32_t>(b), static_cast<int32_t>(h)});
+    }
   }
   const int64_t nm = static_cast<int64_t>(merges.size());
   if (member == nullptr) {
