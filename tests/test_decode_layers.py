@@ -595,6 +595,22 @@ def test_members_taking_items_is_bitwise_a_region_per_op(
             assert torch.equal(a, b), f"{key}: max diff {(a - b).abs().max()}"
 
 
+def _one_pass_runner(path: Path, plan: QuantPlan, kv_dtype: torch.dtype | None, team: bool,
+                     kv_size: int, max_context: int, far_split: int = 0) -> PagedRunner:
+    """A bf16 runner of the GGUF at `path` whose decode steps run as one pass (micro-batches
+    off), as a team or with a parallel region per op, its team's `far_split` set."""
+    config = ModelConfig.from_path(path)
+    model, _ = load_model(path, None, torch.bfloat16, "cpu", model_config=config, quant=plan)
+    runner = PagedRunner.for_model(model, kv_size=kv_size, max_context=max_context,
+                                   kv_dtype=kv_dtype)
+    runner.model.decode_team = team
+    runner.model.decode_microbatch_rows = 1 << 30  # one pass
+    stack = runner.model.decode_layers()
+    assert isinstance(stack, DecodeLayers) and stack.team_capable
+    stack.team_far_split = far_split
+    return runner
+
+
 @pytest.mark.parametrize("case", ["wide", "wide-own"])
 @pytest.mark.parametrize("kv_dtype", [None, torch.int8], ids=["bf16-kv", "int8-kv"])
 def test_team_row_parts_are_bitwise_a_region_per_op(
@@ -617,16 +633,7 @@ def test_team_row_parts_are_bitwise_a_region_per_op(
     runs, taken = {}, {}
     try:
         for team, slow_us in ((False, 0), (True, 0), (True, 300)):
-            config = ModelConfig.from_path(path)
-            model, _ = load_model(path, None, torch.bfloat16, "cpu", model_config=config,
-                                  quant=plan)
-            runner = PagedRunner.for_model(model, kv_size=12288, max_context=8192,
-                                           kv_dtype=kv_dtype)
-            runner.model.decode_team = team
-            runner.model.decode_microbatch_rows = 1 << 30  # one pass
-            stack = runner.model.decode_layers()
-            assert isinstance(stack, DecodeLayers) and stack.team_capable
-            stack.team_far_split = 0
+            runner = _one_pass_runner(path, plan, kv_dtype, team, 12288, 8192)
             before = torch.ops.radixrt.decode_team_steal(1, slow_us)[2]
             runs[team, slow_us] = _decode_run(runner, True, monkeypatch, prefix_len, lone_len,
                                               own_len)
@@ -772,16 +779,7 @@ def test_team_and_micro_batches_keep_dependent_rows_apart(
     for name, (chunks, reqs) in layouts.items():
         runs, splits = {}, {}
         for team, far in ((False, 0), (True, 0), (True, 1)):
-            config = ModelConfig.from_path(path)
-            model, _ = load_model(path, None, torch.bfloat16, "cpu", model_config=config,
-                                  quant=plan)
-            runner = PagedRunner.for_model(model, kv_size=4096, max_context=512,
-                                           kv_dtype=kv_dtype)
-            runner.model.decode_team = team
-            runner.model.decode_microbatch_rows = 1 << 30
-            stack = runner.model.decode_layers()
-            assert isinstance(stack, DecodeLayers) and stack.team_capable
-            stack.team_far_split = far
+            runner = _one_pass_runner(path, plan, kv_dtype, team, 4096, 512, far)
             before = torch.ops.radixrt.decode_team_microbatch_steps()
             runs[team, far] = _multi_token_run(runner, chunks, reqs)
             splits[team, far] = torch.ops.radixrt.decode_team_microbatch_steps() - before

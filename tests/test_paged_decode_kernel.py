@@ -243,12 +243,8 @@ def test_a_lone_long_row_splits_only_when_the_threads_would_idle(row_parts: obje
         torch.set_num_threads(before)
 
 
-def test_forced_parts_do_not_depend_on_thread_count(row_parts: object) -> None:
-    """With every long row in parts whatever the batch, the parts and their merge order are
-    the same on 1 and 2 threads: bitwise the same outputs, cascade groups included."""
-    torch.ops.radixrt.paged_decode_row_parts(*FORCED_PARTS)
-    cases = [_case(10, torch.float32, 9, 3, 64, [700, 1300, 5, 2000], [(300, [1, 2])]),
-             _case(13, torch.float16, 8, 1, 64, [515, 64, 63], [])]
+def _assert_same_on_one_and_two_threads(cases: list[dict[str, Any]]) -> None:
+    """Each case's output and LSE are bitwise the same on 1 thread and on 2 (or more)."""
     before = torch.get_num_threads()
     for c in cases:
         try:
@@ -259,6 +255,15 @@ def test_forced_parts_do_not_depend_on_thread_count(row_parts: object) -> None:
         finally:
             torch.set_num_threads(before)
         assert torch.equal(one[0], many[0]) and torch.equal(one[1], many[1])
+
+
+def test_forced_parts_do_not_depend_on_thread_count(row_parts: object) -> None:
+    """With every long row in parts whatever the batch, the parts and their merge order are
+    the same on 1 and 2 threads: bitwise the same outputs, cascade groups included."""
+    torch.ops.radixrt.paged_decode_row_parts(*FORCED_PARTS)
+    cases = [_case(10, torch.float32, 9, 3, 64, [700, 1300, 5, 2000], [(300, [1, 2])]),
+             _case(13, torch.float16, 8, 1, 64, [515, 64, 63], [])]
+    _assert_same_on_one_and_two_threads(cases)
 
 
 def test_row_parts_settings_are_checked(row_parts: object) -> None:
@@ -334,16 +339,7 @@ def test_result_does_not_depend_on_thread_count() -> None:
              # head on 1 thread, two of 12 on 2
              _case(12, torch.bfloat16, 9, 3, 64, [5 + 13 * i for i in range(10)],
                    [(900, [0, 1, 2, 3, 5, 6, 8, 9])])]
-    before = torch.get_num_threads()
-    for c in cases:
-        try:
-            torch.set_num_threads(1)
-            one = _run(c, 0.125)
-            torch.set_num_threads(max(2, before))
-            many = _run(c, 0.125)
-        finally:
-            torch.set_num_threads(before)
-        assert torch.equal(one[0], many[0]) and torch.equal(one[1], many[1])
+    _assert_same_on_one_and_two_threads(cases)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
