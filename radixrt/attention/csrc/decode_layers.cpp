@@ -389,7 +389,7 @@ struct alignas(64) Progress {
 // so that kv_store before it and the attention itself end without the team meeting: no
 // shared-prefix groups (a group's items read every member's queries), the queries already in
 // the pool's dtype (`q_as_pool`: else each member converts all of them first), and the work
-// queue's cost split (work_queue.h, items row by row, KV head, then part (row_split), with cost
+// queue's cost split (work_queue.h, for_each_row_item: row by row, KV head, then part, with cost
 // keys x queries) falling on the row split. The same on every member (the same plan).
 bool attention_keeps_rows(const TeamMember& m, const Plan& plan, int64_t rows, int64_t kv_heads,
                           int64_t group_size, bool q_as_pool) {
@@ -399,19 +399,16 @@ bool attention_keeps_rows(const TeamMember& m, const Plan& plan, int64_t rows, i
   int64_t total = 0;
   for (int64_t b = 0; b < rows; ++b) total += len[b] * group_size * kv_heads;
   if (total < min_parallel_attention_work()) return false;  // then the first member runs all
-  int64_t before = 0;
-  for (int64_t b = 0, id = 0; b < rows; ++b) {
+  int64_t before = 0, id = 0;
+  bool keeps = true;
+  for_each_row_item(len, rows, kv_heads, m.size,
+                    [&](int64_t b, int64_t, int64_t, int64_t keys, const RowSplit&) {
     while (team_rows(id, rows, m.size).second <= b) ++id;  // the member whose rows hold b
-    const RowSplit sp = row_split(len[b], rows, kv_heads, m.size);
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      for (int64_t p = 0; p < sp.parts; ++p) {
-        const int64_t cost = sp.keys_of(p, len[b]) * group_size;
-        if (team_share_owner(before, cost, total, m.size) != id) return false;
-        before += cost;
-      }
-    }
-  }
-  return true;
+    const int64_t cost = keys * group_size;
+    keeps = keeps && team_share_owner(before, cost, total, m.size) == id;
+    before += cost;
+  });
+  return keeps;
 }
 
 // q as paged_decode and extend_attention take it over the pool kb: as is on a float16 pool

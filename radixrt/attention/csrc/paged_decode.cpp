@@ -1526,8 +1526,7 @@ void paged_decode_run(const Tensor& q, int64_t Hkv, int64_t slots, const Tensor&
   // Phase 2: every row's own keys, continuing from its prefix state; then normalize. A long
   // row's keys go in parts (row_split, work_queue.h): each part's item leaves its state in
   // `parts_state`, the first continuing from the prefix, and the row is merged after every
-  // item ran. Items run row by row, then KV head, then part (attention_keeps_rows counts them
-  // in that order).
+  // item ran. Items come in for_each_row_item's order, which attention_keeps_rows counts too.
   const int64_t threads = call_threads();
   std::vector<RowSplit> splits(B);
   std::vector<int64_t> part_base(B, -1);  // row b's first part state (per KV head), or -1
@@ -1537,18 +1536,19 @@ void paged_decode_run(const Tensor& q, int64_t Hkv, int64_t slots, const Tensor&
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(rs[b] >= 0 && rl[b] >= 0 && rs[b] + rl[b] <= kv_indices.size(0),
                 "paged_decode: row ", b, " keys out of kv_indices");
-    splits[b] = row_split(rl[b], B, Hkv, threads);
-    if (splits[b].parts > 1) {
-      part_base[b] = num_parts;
-      num_parts += splits[b].parts;
-    }
-    for (int64_t h = 0; h < Hkv; ++h) {
-      for (int64_t p = 0; p < splits[b].parts; ++p) {
-        items.push_back({splits[b].keys_of(p, rl[b]) * G, -1, static_cast<int32_t>(b),
-                         static_cast<int32_t>(p), static_cast<int32_t>(h)});
+  }
+  for_each_row_item(rl, B, Hkv, threads,
+                    [&](int64_t b, int64_t h, int64_t p, int64_t keys, const RowSplit& sp) {
+    if (h == 0 && p == 0) {
+      splits[b] = sp;
+      if (sp.parts > 1) {
+        part_base[b] = num_parts;
+        num_parts += sp.parts;
       }
     }
-  }
+    items.push_back({keys * G, -1, static_cast<int32_t>(b), static_cast<int32_t>(p),
+                     static_cast<int32_t>(h)});
+  });
   // (m, l, acc) of G queries per (part, KV head): [num_parts][Hkv][G * (D + 2)].
   const int64_t state_size = G * (D + 2);
   Tensor parts_state;

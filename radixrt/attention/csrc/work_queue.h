@@ -101,6 +101,20 @@ inline RowSplit row_split(int64_t keys, int64_t rows, int64_t kv_heads, int64_t 
   return {(keys + len - 1) / len, len};
 }
 
+// Paged decode's items over the rows' own keys, in the order the op makes them (row by row,
+// then KV head, then part: attention_keeps_rows relies on it): emit(b, h, p, keys of the part,
+// the row's split) for `rows` rows of len[b] own keys.
+template <typename F>
+void for_each_row_item(const int64_t* len, int64_t rows, int64_t kv_heads, int64_t threads,
+                       const F& emit) {
+  for (int64_t b = 0; b < rows; ++b) {
+    const RowSplit sp = row_split(len[b], rows, kv_heads, threads);
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      for (int64_t p = 0; p < sp.parts; ++p) emit(b, h, p, sp.keys_of(p, len[b]), sp);
+    }
+  }
+}
+
 // The threshold for a phase run by the calling thread: its team's, else the regions'.
 inline int64_t min_parallel_attention_work() {
   const AttentionParallelWork& w = attention_parallel_work();
