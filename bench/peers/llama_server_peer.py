@@ -39,13 +39,18 @@ import argparse  # noqa: E402
 import os  # noqa: E402
 import shlex  # noqa: E402
 import shutil  # noqa: E402
-import socket  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
 from typing import Any  # noqa: E402
 
-from bench.common import Workload, iter_workloads, warmup_prompt  # noqa: E402
+from bench.common import Workload, iter_workloads  # noqa: E402
+from bench.peers.server_peer import (  # noqa: E402
+    free_port,
+    peer_arg_parser,
+    warm_up,
+    workload_concurrency,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_BINARY = ROOT / "bench" / ".bin" / "llama-server"
@@ -76,12 +81,6 @@ def unavailable_note(explicit: str | None = None) -> str:
     return f"not installed: {where} missing (run `make bench-llama-server`)"
 
 
-def workload_concurrency(w: Workload, max_concurrency: int | None = None) -> int:
-    """Requests in flight at most: one per session (a chain sends one turn at a time), capped."""
-    n = max(1, len(w.sessions))
-    return min(n, max_concurrency) if max_concurrency else n
-
-
 def slot_context(w: Workload) -> int:
     """Tokens one slot must hold: the longest prompt + output of any turn, with slack, rounded
     up to a multiple of 256."""
@@ -107,12 +106,6 @@ def server_command(binary: str | os.PathLike[str], model: str, parallel: int, th
             "--host", host, "--port", str(port), *extra]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def version(binary: str | os.PathLike[str]) -> str:
     try:
         r = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=30)
@@ -135,32 +128,11 @@ def launch(cmd: list[str], base_url: str, log: Any) -> subprocess.Popen:
     return proc
 
 
-def warm_up(base_url: str) -> None:
-    import httpx
-
-    r = httpx.post(base_url + "/v1/completions", timeout=120,
-                   json={"prompt": warmup_prompt(), "max_tokens": 4, "temperature": 0,
-                         "ignore_eos": True, "cache_prompt": False})
-    r.raise_for_status()
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from bench.serving import add_sampling_args
-
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workload-file", required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--model", required=True, help="GGUF file")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--max-concurrency", type=int, default=None,
-                    help="requests in flight at most (= -np); default: every session at once")
+    ap = peer_arg_parser(__doc__.split("\n\n")[0], "GGUF file",
+                         "requests in flight at most (= -np); default: every session at once",
+                         "extra llama-server flags, one shell-quoted string (e.g. '-fa on')")
     ap.add_argument("--binary", default=None, help="default: bench/.bin/llama-server")
-    ap.add_argument("--port", type=int, default=0, help="0: a free one")
-    ap.add_argument("--log", default=None, help="the server's output (default: discarded)")
-    ap.add_argument("--progress", action="store_true")
-    ap.add_argument("--server-args", default="",
-                    help="extra llama-server flags, one shell-quoted string (e.g. '-fa on')")
-    add_sampling_args(ap)
     return ap.parse_args(argv)
 
 
@@ -194,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
             proc = launch(cmd, base_url, log)
             try:
                 load_s = time.perf_counter() - t
-                warm_up(base_url)
+                warm_up(base_url, 120, cache_prompt=False)
                 client = Client(base_url, "default", "completions", "ids", tokenizer=tok,
                                 sampling=sampling_fields(a))
                 run(client, [w], SYSTEM, a.out, parallel, a.progress, threads=a.threads,

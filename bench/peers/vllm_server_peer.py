@@ -46,7 +46,13 @@ import time  # noqa: E402
 from collections.abc import Mapping, Sequence  # noqa: E402
 from typing import Any  # noqa: E402
 
-from bench.common import iter_workloads, warmup_prompt  # noqa: E402
+from bench.common import iter_workloads  # noqa: E402
+from bench.peers.server_peer import (  # noqa: E402
+    free_port,
+    peer_arg_parser,
+    warm_up,
+    workload_concurrency,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_VENV = ROOT / ".venv-vllm"
@@ -155,34 +161,13 @@ def reset_prefix_cache(base_url: str) -> None:
     r.raise_for_status()
 
 
-def warm_up(base_url: str) -> None:
-    import httpx
-
-    r = httpx.post(base_url + "/v1/completions", timeout=300,
-                   json={"model": "default", "prompt": warmup_prompt(), "max_tokens": 4,
-                         "temperature": 0, "ignore_eos": True})
-    r.raise_for_status()
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from bench.serving import add_sampling_args
-
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workload-file", required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--model", required=True, help="GGUF file (exported to HF) or HF directory")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--max-concurrency", type=int, default=None,
-                    help="requests in flight at most; default: every session at once")
+    ap = peer_arg_parser(__doc__.split("\n\n")[0], "GGUF file (exported to HF) or HF directory",
+                         "requests in flight at most; default: every session at once",
+                         "extra vLLM server flags, one shell-quoted string")
     ap.add_argument("--venv", default=None, help="default: $VLLM_VENV or .venv-vllm")
     ap.add_argument("--dtype", default=None,
                     help="default: bfloat16 where the CPU lists native bf16, else float32")
-    ap.add_argument("--port", type=int, default=0, help="0: a free one")
-    ap.add_argument("--log", default=None, help="the server's output (default: discarded)")
-    ap.add_argument("--progress", action="store_true")
-    ap.add_argument("--server-args", default="",
-                    help="extra vLLM server flags, one shell-quoted string")
-    add_sampling_args(ap)
     return ap.parse_args(argv)
 
 
@@ -194,7 +179,6 @@ def main(argv: list[str] | None = None) -> None:
     if note:
         raise SystemExit(note)
     from bench.datasets import default_tokenizer
-    from bench.peers.llama_server_peer import free_port, workload_concurrency
     from bench.serving import Client, run, stop_server, wait_healthy
     from radixrt.attention.cpu_kernels import cpu_flags
 
@@ -217,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         wait_healthy(base_url, timeout_s=START_TIMEOUT_S, proc=proc)
         load_s = time.perf_counter() - t
-        warm_up(base_url)
+        warm_up(base_url, 300, model="default")
         for w in iter_workloads(a.workload_file):
             reset_prefix_cache(base_url)
             client = Client(base_url, "default", "completions", "ids", tokenizer=tok,
