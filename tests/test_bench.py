@@ -1185,3 +1185,21 @@ def test_random_kv_decoder_rows_share_a_cached_prefix(tiny_llama_dir: Path) -> N
     for bad in (40, -1):
         with pytest.raises(ValueError, match="prefix"):
             RandomKVDecoder(runner, 3, 40, prefix=bad)
+
+
+def test_server_peers_stop_their_server_on_sigterm():
+    """compare.py stops a peer by signalling its process group; the server sits in a session
+    of its own, so the peer turns SIGTERM into SystemExit and its `finally` stops the server."""
+    import signal
+
+    from bench.peers import server_peer
+
+    old = signal.getsignal(signal.SIGTERM)
+    try:
+        server_peer.exit_on_sigterm()
+        with pytest.raises(SystemExit) as e:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler runs at the next bytecode; this is never reached
+        assert e.value.code == 128 + signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, old)

@@ -46,6 +46,7 @@ from typing import Any  # noqa: E402
 
 from bench.common import Workload, iter_workloads  # noqa: E402
 from bench.peers.server_peer import (  # noqa: E402
+    exit_on_sigterm,
     free_port,
     peer_arg_parser,
     warm_up,
@@ -140,6 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     from bench.serving import sampling_fields
 
     a = parse_args(argv)
+    exit_on_sigterm()
     binary = find_binary(a.binary)
     if binary is None:
         raise SystemExit(unavailable_note(a.binary))

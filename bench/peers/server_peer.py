@@ -6,6 +6,7 @@ serve`."""
 from __future__ import annotations
 
 import argparse
+import signal
 import socket
 from typing import Any
 
@@ -42,6 +43,16 @@ def peer_arg_parser(description: str, model_help: str, concurrency_help: str,
     ap.add_argument("--server-args", default="", help=server_args_help)
     add_sampling_args(ap)
     return ap
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM raises SystemExit, so the peer's `finally` stops its server: the server runs in
+    a session of its own, which compare.py's stop of the peer's process group (a timeout,
+    Ctrl-C) does not reach."""
+    def handler(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
 
 
 def warm_up(base_url: str, timeout_s: float, **fields: Any) -> None:

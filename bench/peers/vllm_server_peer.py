@@ -48,6 +48,7 @@ from typing import Any  # noqa: E402
 
 from bench.common import iter_workloads  # noqa: E402
 from bench.peers.server_peer import (  # noqa: E402
+    exit_on_sigterm,
     free_port,
     peer_arg_parser,
     warm_up,
@@ -175,6 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     from bench.serving import sampling_fields
 
     a = parse_args(argv)
+    exit_on_sigterm()
     note = unavailable_note(a.venv)
     if note:
         raise SystemExit(note)
