@@ -47,13 +47,7 @@ from collections.abc import Mapping, Sequence  # noqa: E402
 from typing import Any  # noqa: E402
 
 from bench.common import iter_workloads  # noqa: E402
-from bench.peers.server_peer import (  # noqa: E402
-    exit_on_sigterm,
-    free_port,
-    peer_arg_parser,
-    warm_up,
-    workload_concurrency,
-)
+from bench.peers import server_peer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_VENV = ROOT / ".venv-vllm"
@@ -163,9 +157,10 @@ def reset_prefix_cache(base_url: str) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = peer_arg_parser(__doc__.split("\n\n")[0], "GGUF file (exported to HF) or HF directory",
-                         "requests in flight at most; default: every session at once",
-                         "extra vLLM server flags, one shell-quoted string")
+    ap = server_peer.peer_arg_parser(
+        __doc__.split("\n\n")[0], "GGUF file (exported to HF) or HF directory",
+        "requests in flight at most; default: every session at once",
+        "extra vLLM server flags, one shell-quoted string")
     ap.add_argument("--venv", default=None, help="default: $VLLM_VENV or .venv-vllm")
     ap.add_argument("--dtype", default=None,
                     help="default: bfloat16 where the CPU lists native bf16, else float32")
@@ -176,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     from bench.serving import sampling_fields
 
     a = parse_args(argv)
-    exit_on_sigterm()
+    server_peer.exit_on_sigterm()
     note = unavailable_note(a.venv)
     if note:
         raise SystemExit(note)
@@ -189,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     hf_dir = ensure_hf_dir(a.model)
     dtype = a.dtype or default_dtype(cpu_flags())
     ver = version(python)
-    port = a.port or free_port()
+    port = a.port or server_peer.free_port()
     base_url = f"http://127.0.0.1:{port}"
     cmd = server_command(python, hf_dir, dtype, port, extra=shlex.split(a.server_args))
     print(f"{ver}, dtype {dtype}\n$ " + " ".join(cmd), flush=True)
@@ -203,12 +198,12 @@ def main(argv: list[str] | None = None) -> None:
     try:
         wait_healthy(base_url, timeout_s=START_TIMEOUT_S, proc=proc)
         load_s = time.perf_counter() - t
-        warm_up(base_url, 300, model="default")
+        server_peer.warm_up(base_url, 300, model="default")
         for w in iter_workloads(a.workload_file):
             reset_prefix_cache(base_url)
             client = Client(base_url, "default", "completions", "ids", tokenizer=tok,
                             sampling=sampling_fields(a))
-            mc = workload_concurrency(w, a.max_concurrency)
+            mc = server_peer.workload_concurrency(w, a.max_concurrency)
             run(client, [w], SYSTEM, a.out, mc, a.progress, threads=a.threads, load_s=load_s,
                 vllm=ver, vllm_dtype=dtype, parallel=mc, server_cmd=cmd[1:])
     finally:
