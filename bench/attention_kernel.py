@@ -7,6 +7,7 @@
     python bench/attention_kernel.py prefetch --ahead 1 2 3 --batch 8 64 --ctx 512 --prefix 0 400
     python bench/attention_kernel.py extend-kernel --baseline bad92c2 --dtype bfloat16 --reps 7
     python bench/attention_kernel.py extend-phases --threads 1 --reps 9
+    python bench/attention_kernel.py group-pass --batch 4 8 16 64 --ctx 600 --prefix 570 --dtype float16
 
 `extend-kernel`: the extend op alone (`torch.ops.radixrt.extend_attention` on `--layers` layers,
 default 4, reported per layer) against the same op compiled from `extend_attention.cpp` at
@@ -26,6 +27,13 @@ the same flags, registered as `torch.ops.radixrt_baseline`), with the K+V bytes 
 read (each shared prefix once) and the bandwidth that makes. Enough layers are allocated that K/V
 comes from memory, as in a real step; `--hot` attends one layer 30 times instead (the kernel's
 compute where K/V fits in the caches).
+
+`group-pass`: how a cascade group's rows pass over their shared prefix where the scan has no
+dot-product instruction: this checkout's `paged_decode.cpp` built twice, every group on the
+register-tiled key blocks (`RADIXRT_PD_BLOCK_GROUP_ROWS=2`) and none (the scan), the op alone on
+30 layers from memory with one group of `--batch` rows over the first `--prefix` of `--ctx`
+keys, alternating; the blocks' speed over the scan's. The threshold between them
+(`kBlockGroupRows`, csrc/paged_decode.cpp) was chosen this way.
 
 `prefetch`: the op alone on 30 layers from memory (as `kernel`) at each of `--ahead` prefetch
 distances (key blocks the scans fetch ahead, `torch.ops.radixrt.paged_decode_prefetch`, set for
@@ -583,6 +591,56 @@ def _kernel_case(dname: str, bs: int, ctx: int, prefix: int, reps: int,
             "max_abs_diff": max_diff}
 
 
+GROUP_PASSES = {"blocks": 2, "scan": 1 << 30}  # RADIXRT_PD_BLOCK_GROUP_ROWS per variant
+
+
+def load_group_passes() -> dict[str, Any]:
+    """This checkout's paged_decode op built once per GROUP_PASSES variant (namespace
+    `radixrt_pass_<name>`), by name."""
+    csrc = Path(__file__).resolve().parents[1] / "radixrt/attention/csrc"
+    src = (csrc / "paged_decode.cpp").read_text()
+    headers = {h.name: h.read_text() for h in sorted(csrc.glob("*.h"))}
+    ops = {}
+    for name, rows in GROUP_PASSES.items():
+        build_op_library(src, "paged_decode.cpp", f"radixrt_pass_{name}", headers,
+                         (f"RADIXRT_PD_BLOCK_GROUP_ROWS={rows}",))
+        ops[name] = getattr(torch.ops, f"radixrt_pass_{name}").paged_decode
+    return ops
+
+
+def _group_pass_case(ops: dict[str, Any], dname: str, bs: int, ctx: int, prefix: int,
+                     reps: int) -> dict[str, Any]:
+    """One group of `bs` rows over a `prefix`-key shared prefix, 30 layers from memory: each
+    variant's median ms per step, and the blocks' speed over the scan's."""
+    per_layer = _kv_bytes_per_layer(dname, bs, ctx, prefix)
+    layers = min(LAYERS, max(2, math.ceil(FROM_MEMORY_BYTES / per_layer)))
+    kv, plan, q = _op_case(dname, bs, ctx, prefix, layers)
+    args, scale = plan.tensors(), HEAD_DIM**-0.5
+
+    def step(op: Any) -> Callable[[], None]:
+        def run() -> None:
+            for i in range(LAYERS):
+                op(q, kv.k_buffer[i % layers], kv.v_buffer[i % layers], *args, scale)
+        return run
+
+    outs = [op(q, kv.k_buffer[0], kv.v_buffer[0], *args, scale)[0].float() for op in ops.values()]
+    med = interleaved({name: step(op) for name, op in ops.items()}, reps)
+    return {"dtype": dname, "batch": bs, "ctx": ctx, "prefix": prefix,
+            "blocks_ms": med["blocks"] * 1e3, "scan_ms": med["scan"] * 1e3,
+            "blocks_speedup": med["scan"] / med["blocks"],
+            "max_abs_diff": float((outs[0] - outs[1]).abs().max())}
+
+
+def markdown_group_pass(rows: list[dict[str, Any]]) -> str:
+    return ("Op alone, ms per 30-layer decode step from memory, one cascade group over its "
+            "shared prefix\n\n" + markdown_table(
+                ["dtype", "group rows", "ctx", "shared prefix", "blocks ms", "scan ms",
+                 "blocks speedup", "max abs diff"],
+                ([r["dtype"], r["batch"], r["ctx"], r["prefix"], f"{r['blocks_ms']:.2f}",
+                  f"{r['scan_ms']:.2f}", f"{r['blocks_speedup']:.2f}x",
+                  f"{r['max_abs_diff']:.1e}"] for r in rows)))
+
+
 def _prefetch_case(dname: str, bs: int, ctx: int, prefix: int, reps: int,
                    ahead: list[str]) -> dict[str, Any]:
     """The op on 30 layers from memory at each prefetch setting in `ahead` (a distance, with
@@ -670,7 +728,7 @@ def markdown(rows: list[dict[str, Any]], what: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("what", choices=("attention", "step", "kernel", "prefetch", "extend",
-                                     "extend-kernel", "extend-phases"))
+                                     "extend-kernel", "extend-phases", "group-pass"))
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--ctx", type=int, nargs="+", default=[512, 2048])
     ap.add_argument("--prefix", type=int, nargs="+", default=[0, 400])
@@ -731,6 +789,19 @@ def main() -> None:
         with torch.inference_mode():
             rows = bench_kernel(a.batch, a.ctx, a.prefix, a.dtype, a.reps, a.hot)
         print(markdown_kernel(rows, a.baseline))
+        if a.out:
+            Path(a.out).write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
+        return
+    if a.what == "group-pass":
+        ops = load_group_passes()
+        rows = []
+        with torch.inference_mode():
+            for dname in a.dtype:
+                for bs, ctx, prefix in _cases(a.batch, a.ctx, a.prefix):
+                    if prefix:
+                        rows.append(_group_pass_case(ops, dname, bs, ctx, prefix, a.reps))
+                        print(json.dumps(rows[-1]), flush=True)
+        print(markdown_group_pass(rows))
         if a.out:
             Path(a.out).write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
         return
