@@ -118,7 +118,7 @@ constexpr bool kPvBf16 = RADIXRT_PD_PV_BF16;
 // rows 0.78x: the block conversion is amortized over the chunk's queries), and a 16-row group's
 // chunks on two threads hold 8 rows each (Xeon without AVX512-BF16, bench/results/
 // 2026-12-01-s38-*). Zen 3 (stop 81, fp32 queries over a float16 pool, one group over a 570 / 1024
-// key prefix, `bench/attention_kernel.py group-pass`): the scan 1.04-1.30x faster at 4-12 rows,
+// key prefix, `bench/attention_kernel.py group-pass`): the scan 1.04-1.29x faster at 4-12 rows,
 // the blocks 1.05-1.19x faster at 16-64. RADIXRT_PD_BLOCK_GROUP_ROWS sets it (such A/Bs).
 #ifndef RADIXRT_PD_BLOCK_GROUP_ROWS
 #define RADIXRT_PD_BLOCK_GROUP_ROWS 16
