@@ -530,6 +530,13 @@ def revision_sources(rev: str, names: tuple[str, ...]) -> tuple[dict[str, str], 
     return {n: show(f"radixrt/attention/csrc/{n}") for n in names}, headers
 
 
+def checkout_sources(names: tuple[str, ...]) -> tuple[dict[str, str], dict[str, str]]:
+    """`revision_sources` for this checkout's working tree."""
+    csrc = Path(__file__).resolve().parents[1] / "radixrt/attention/csrc"
+    headers = {h.name: h.read_text() for h in sorted(csrc.glob("*.h"))}
+    return {n: (csrc / n).read_text() for n in names}, headers
+
+
 def load_baseline(rev: str, source: str = "paged_decode.cpp") -> None:
     """Builds `radixrt/attention/csrc/<source>` as of git `rev` under the op namespace
     `radixrt_baseline` and loads it."""
@@ -597,9 +604,8 @@ GROUP_PASSES = {"blocks": 2, "scan": 1 << 30}  # RADIXRT_PD_BLOCK_GROUP_ROWS per
 def load_group_passes() -> dict[str, Any]:
     """This checkout's paged_decode op built once per GROUP_PASSES variant (namespace
     `radixrt_pass_<name>`), by name."""
-    csrc = Path(__file__).resolve().parents[1] / "radixrt/attention/csrc"
-    src = (csrc / "paged_decode.cpp").read_text()
-    headers = {h.name: h.read_text() for h in sorted(csrc.glob("*.h"))}
+    sources, headers = checkout_sources(("paged_decode.cpp",))
+    src = sources["paged_decode.cpp"]
     ops = {}
     for name, rows in GROUP_PASSES.items():
         build_op_library(src, "paged_decode.cpp", f"radixrt_pass_{name}", headers,

@@ -90,12 +90,11 @@ def timed_source(src: str) -> str:
 def build() -> object:
     """The timed op library, loaded; returns its op namespace (every csrc header is copied
     beside it: decode_layers.cpp includes the team's)."""
-    from bench.attention_kernel import build_op_sources
+    from bench.attention_kernel import build_op_sources, checkout_sources
 
-    csrc = Path(__file__).resolve().parents[1] / "radixrt/attention/csrc"
-    src = (csrc / "decode_layers.cpp").read_text()
-    headers = {h.name: h.read_text() for h in sorted(csrc.glob("*.h"))}
-    build_op_sources({"decode_layers.cpp": timed_source(src)}, NAMESPACE, headers)
+    sources, headers = checkout_sources(("decode_layers.cpp",))
+    build_op_sources({"decode_layers.cpp": timed_source(sources["decode_layers.cpp"])},
+                     NAMESPACE, headers)
     return getattr(torch.ops, NAMESPACE)
 
 

@@ -50,12 +50,10 @@ SOURCES = ("fused_ops.cpp", "qgemv.cpp", "qgemm_vnni.cpp", "paged_decode.cpp",
 def build() -> object:
     """The timed library, loaded; returns its op namespace. The step's op lookups
     (`"radixrt::..."` schemas) are renamed too, so it calls this library's ops."""
-    from bench.attention_kernel import build_op_sources
+    from bench.attention_kernel import build_op_sources, checkout_sources
 
-    csrc = Path(__file__).resolve().parents[1] / "radixrt/attention/csrc"
-    sources = {s: (csrc / s).read_text().replace('"radixrt::', f'"{NAMESPACE}::')
-               for s in SOURCES}
-    headers = {h.name: h.read_text() for h in sorted(csrc.glob("*.h"))}
+    texts, headers = checkout_sources(tuple(SOURCES))
+    sources = {s: t.replace('"radixrt::', f'"{NAMESPACE}::') for s, t in texts.items()}
     build_op_sources(sources, NAMESPACE, headers, ("RADIXRT_TEAM_WAITS=1",))
     return getattr(torch.ops, NAMESPACE)
 
