@@ -185,6 +185,10 @@ def test_tuned_head_computes_on_the_path_it_chose(tiny_gguf: Path, timings: list
     assert seen == [ct.HEAD_CANDIDATES] and old == 64
     assert head.max_rows == new == (EVERY_CALL if path == "kernel" else 12)
     assert torch.equal(head.logits(x), kernel if path == "kernel" else dense)
+    # batch-invariant calls (prompt scoring) took the dense copy whenever there was one: a head
+    # on the kernel for every call keeps none, so they compute as a start that never had one
+    assert (head.dense is None) == (path == "kernel")
+    assert torch.equal(head.logits(x, invariant=True), kernel if path == "kernel" else dense)
 
 
 @pytest.mark.parametrize(("max_rows", "disabled", "tuned"), [

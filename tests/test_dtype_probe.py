@@ -89,17 +89,22 @@ def test_a_reading_near_the_threshold_is_measured_again() -> None:
     assert near.choice == torch.float32 and len(calls) == 1 + dtype_probe.RETRIES
 
 
-def test_without_dense_matmuls_takes_bf16_unless_forced(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_dense_matmuls_takes_bf16_where_it_halves_kv_unless_forced(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     slow_bf16 = probe_cpu_dtype(measure=lambda: (1e-3, 30e-3))
     assert slow_bf16.choice == torch.float32 and slow_bf16.note is None
-    p = slow_bf16.without_dense_matmuls()
+    p = slow_bf16.without_dense_matmuls(halves_kv=True)
     assert p.choice == torch.bfloat16 and p.fp32_ms == slow_bf16.fp32_ms
     assert p.note and p.note in p.describe() and p.as_info()["note"] == p.note
+    kept = slow_bf16.without_dense_matmuls(halves_kv=False)  # float16 / int8 K/V under fp32
+    assert kept.choice == torch.float32 and kept.note and "fp32 stays" in kept.describe()
     fast_bf16 = probe_cpu_dtype(measure=lambda: (2e-3, 1e-3))
-    assert fast_bf16.without_dense_matmuls() is fast_bf16
+    for halves in (True, False):
+        assert fast_bf16.without_dense_matmuls(halves) is fast_bf16
     monkeypatch.setenv(ENV_FORCE, "float32")
     forced = probe_cpu_dtype()
-    assert forced.without_dense_matmuls() is forced  # a forced outcome is kept
+    for halves in (True, False):
+        assert forced.without_dense_matmuls(halves) is forced  # a forced outcome is kept
 
 
 @pytest.mark.parametrize("forced", ["float32", "bfloat16"])

@@ -326,13 +326,19 @@ def test_runner_wires_quantization_from_server_args(tiny_gguf: Path,
 
 
 @pytest.mark.usefixtures("unforced")
-@pytest.mark.parametrize("always_wins", [True, False])
+@pytest.mark.parametrize(("always_wins", "half_pool", "kv_cache_dtype"), [
+    (True, False, "auto"), (True, True, "auto"), (True, False, "int8"), (True, False, "float32"),
+    (False, False, "auto")])
 def test_auto_dtype_takes_bf16_once_no_matmul_runs_in_it(
-        tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch, always_wins: bool) -> None:
+        tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch, always_wins: bool, half_pool: bool,
+        kv_cache_dtype: str) -> None:
     """A CPU whose bf16 matmul is slow (the dtype probe says fp32) but where the vnni kernel
     beats dense fp32 at every row count: every matmul runs on it with no dense copy, so `auto`
-    stores activations and K/V in bf16. Where the kernel loses above 64 rows (a dense fp32 copy
-    for prefill), fp32 stays."""
+    stores activations and K/V in bf16 where that halves the K/V bytes (an fp32 model would
+    keep fp32 K/V: no float16 pool decode here). Where the fp32 model would store float16 K/V
+    (`half_pool`), or the K/V dtype is given (int8: the same bytes either way; float32: needs
+    an fp32 model, which once failed the start here), fp32 stays with a note saying why. Where
+    the kernel loses above 64 rows (a dense fp32 copy for prefill), fp32 stays."""
     from radixrt.model import quant_probe
     from radixrt.model import runner as runner_mod
     from radixrt.model.dtype_probe import ENV_FORCE as DTYPE_FORCE
@@ -355,22 +361,32 @@ def test_auto_dtype_takes_bf16_once_no_matmul_runs_in_it(
         return QuantProbe(ms, 2, "vnni")
 
     monkeypatch.setattr(runner_mod, "probe_quant_kernels", probe)
+    monkeypatch.setattr(runner_mod, "half_pool_decode_available", lambda head_dim: half_pool)
     # the probe's plan is under test, not the start-up timing of real steps that may lower its
     # crossover (tests/test_crossover_tuning.py): on a tiny model that timing is noise
     r = runner_mod.ModelRunner(ServerArgs(model_path=str(tiny_gguf), max_total_tokens=256,
                                           attention_backend="torch",
+                                          kv_cache_dtype=kv_cache_dtype,
                                           disable_crossover_tuning=True))
     assert dense_dtypes == [torch.float32]  # timed against what fp32 would have run
     weights = r.model.linear_weights()
     assert all(isinstance(w, QuantizedWeight) and isinstance(w.kernel, VnniQuantMatmul)
                for w in weights)
     assert r.dtype_probe is not None
+    kv = r.token_to_kv_pool.k_buffer[0].dtype
     if always_wins:
         assert r.quant == QuantPlan("gguf", dense_copy=False, kernel="vnni")
-        assert r.dtype == torch.bfloat16 and r.token_to_kv_pool.k_buffer[0].dtype == torch.bfloat16
         assert all(w.dense is None for w in weights)  # type: ignore[union-attr]
-        assert r.dtype_probe.choice == torch.bfloat16 and "vnni" in r.dtype_probe.describe()
-        assert r.dtype_probe.as_info()["note"]
+        assert "vnni" in r.dtype_probe.describe() and r.dtype_probe.as_info()["note"]
+        if kv_cache_dtype == "auto" and not half_pool:
+            assert r.dtype == torch.bfloat16 and kv == torch.bfloat16
+            assert r.dtype_probe.choice == torch.bfloat16
+            assert "halves" in r.dtype_probe.describe()
+        else:
+            assert r.dtype == torch.float32 and r.dtype_probe.choice == torch.float32
+            assert "fp32 stays" in r.dtype_probe.describe()
+            assert kv == {"auto": torch.float16, "int8": torch.int8,
+                          "float32": torch.float32}[kv_cache_dtype]
     else:
         assert r.quant == QuantPlan("gguf", 64, 64, kernel="vnni")
         assert r.dtype == torch.float32 and r.dtype_probe.note is None

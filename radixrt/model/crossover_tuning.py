@@ -31,7 +31,8 @@ and their argmax) on random rows, kernel against dense copy, for r in HEAD_CANDI
 ascending, and sets its crossover from those alone, above the probe's as well as below: the
 first count where the dense copy wins by MARGIN ends it as above; a kernel that wins at every
 count, the last by EVERY_CALL_MARGIN, runs every call (its time per row is flat from 64 rows,
-a dense GEMM's stops improving by ~512).
+a dense GEMM's stops improving by ~512) and drops its dense copy, which batch-invariant calls
+would otherwise still take.
 """
 
 from __future__ import annotations
@@ -245,7 +246,10 @@ def tune_head_crossover(model: torch.nn.Module, dtype: torch.dtype,
                         measure_fn: Callable[..., list[CrossoverTiming]] = measure_head
                         ) -> tuple[int, int, list[CrossoverTiming]] | None:
     """Measure and apply the LM head's crossover (module docstring): (old, new, timings), or
-    None where the head keeps no dense copy or nothing was timed."""
+    None where the head keeps no dense copy or nothing was timed. A head that runs every call
+    drops its dense copy: otherwise batch-invariant calls (prompt scoring) would still take it,
+    so a start whose quantization probe kept one for the 8-bit width (on Zen 3 one of three)
+    would score prompts unlike a start where it kept none (stop 82)."""
     head = lm_head_weight(model)
     if head is None:
         return None
@@ -254,6 +258,8 @@ def tune_head_crossover(model: torch.nn.Module, dtype: torch.dtype,
         return None
     old = head.max_rows
     head.max_rows = head_crossover(timings)
+    if head.max_rows >= EVERY_CALL:
+        head.dense = None
     return old, head.max_rows, timings
 
 

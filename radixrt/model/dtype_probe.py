@@ -9,9 +9,15 @@ processes starting up can understate a 2x speedup).
 
 The matmul timing is the whole story only while matmuls run in the model dtype. Where every
 matmul runs on the int8-activation vnni kernel with no dense copy (`ModelRunner` decides, once
-the quantization is resolved), the dtype only stores activations and the K/V cache, and bf16
-halves those bytes at no matmul cost: `auto` then takes bf16 even where bf16 matmul is slow
-(`without_dense_matmuls`; measured on an AVX512-VNNI Xeon without AVX512-BF16 in bench/results).
+the quantization is resolved), the dtype only stores activations and the K/V cache. `auto` then
+takes bf16 even where bf16 matmul is slow when that halves the K/V bytes, i.e. when an fp32
+model would keep fp32 K/V (`without_dense_matmuls`; measured on an AVX512-VNNI Xeon without
+AVX512-BF16 in bench/results, stop 37). Where an fp32 model stores K/V as float16 (`kv_cache_dtype
+auto` on CPU since stop 73) or int8, bf16 saves nothing but activation bytes and rounds more (on
+Zen 3, stop 82: KL to the fp32 reference 5.2e-3 against 3.2e-3, step times within noise), so
+fp32 stays. This also keeps the choice off the quantization probe's noise: whether the 8-bit
+width wins at a prefill-sized count decides `no_dense_matmul`, and on Zen 3 it did in one start
+of three, which then served other logits.
 
 A reading near the threshold is measured again (AMBIGUITY, RETRIES), each dtype keeping its
 best time, so that load from the server's other processes starting beside it does not decide.
@@ -70,12 +76,18 @@ class DtypeProbe:
             return None
         return self.fp32_ms / self.bf16_ms
 
-    def without_dense_matmuls(self) -> DtypeProbe:
+    def without_dense_matmuls(self, halves_kv: bool) -> DtypeProbe:
         """The choice once no matmul runs in the model dtype (every one on the int8-activation
-        vnni kernel, no dense copy): bfloat16, since the probe's only case against it, slow bf16
-        matmul, no longer applies. A forced outcome stays."""
+        vnni kernel, no dense copy): bfloat16 where it halves the K/V bytes (`halves_kv`: an fp32
+        model would store fp32 K/V), since the probe's only case against it, slow bf16 matmul,
+        no longer applies; else the probe's choice, with a note saying why. A forced outcome
+        stays."""
         if self.forced or self.choice == torch.bfloat16:
             return self
+        if not halves_kv:
+            return replace(self, note="every matmul runs on the int8-activation vnni kernel; "
+                                      "fp32 stays: its K/V cache takes no more bytes than "
+                                      "bf16's and rounds less")
         return replace(self, choice=torch.bfloat16,
                        note="every matmul runs on the int8-activation vnni kernel, none in the "
                             "model dtype: bf16 halves the K/V and activation bytes")

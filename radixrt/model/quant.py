@@ -221,8 +221,8 @@ class QuantPlan:
     `dense_copy` keeps a dense copy for larger ones; `EVERY_CALL` keeps none for that width.
     `kernel`: "auto" | "radixrt" | "vnni" | "torch", the quantized matmul kernel (see
     `quant_matmul.resolve_quant_kernel`). `max_rows_head`: the quantized LM head's own crossover
-    where it was measured on the loaded head (`crossover_tuning.tune_head_crossover`; it keeps
-    its dense copy either way), None where the head follows its width's."""
+    where it was measured on the loaded head (`crossover_tuning.tune_head_crossover`; it drops
+    its dense copy when that is `EVERY_CALL`), None where the head follows its width's."""
 
     mode: str = "none"
     max_rows_int4: int = 0

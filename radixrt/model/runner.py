@@ -79,6 +79,16 @@ def kv_storage_dtype(args: ServerArgs, dtype: torch.dtype, device: torch.device 
     return dtype
 
 
+def bf16_halves_kv(args: ServerArgs, device: torch.device, quantized: bool,
+                   head_dim: int) -> bool:
+    """Whether a bfloat16 model would store half the K/V bytes of a float32 one: with
+    `kv_cache_dtype auto` only, where the float32 model keeps fp32 K/V (`kv_storage_dtype`).
+    An explicit float16 / float32 needs a float32 model and int8 stores the same bytes either
+    way, so `dtype auto` does not move off fp32 for them (`DtypeProbe.without_dense_matmuls`)."""
+    return (args.kv_cache_dtype == "auto"
+            and kv_storage_dtype(args, torch.float32, device, quantized, head_dim) == torch.float32)
+
+
 def half_pool_decode_available(head_dim: int) -> bool:
     """Whether the C++ decode kernel runs on a float16 pool of this head dim here."""
     return paged_decode_unavailable_reason(torch.float16, head_dim) is None
@@ -131,7 +141,8 @@ class ModelRunner:
             kernel=args.quant_kernel)
         if self.dtype_probe is not None and self.quant.no_dense_matmul(
                 None if gguf_file is None else gguf_matrix_types(gguf_file)):
-            self.dtype_probe = self.dtype_probe.without_dense_matmuls()
+            self.dtype_probe = self.dtype_probe.without_dense_matmuls(bf16_halves_kv(
+                args, self.device, self.quant.quantized, cfg.head_dim))
             self.dtype = self.dtype_probe.choice
         if self.dtype_probe is not None:
             logger.info("dtype auto -> %s", self.dtype_probe.describe())
