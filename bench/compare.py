@@ -338,6 +338,18 @@ def resolved_config(server_info: dict[str, Any]) -> dict[str, Any]:
             "kv_cache_dtype": eng.get("kv_cache_dtype") or (dtype if kv == "auto" else kv)}
 
 
+def split_starts(resolved: dict[str, dict[str, Any]]) -> dict[str, list[str]]:
+    """The systems whose rounds (tags `<system>-run<N>`) resolved to more than one compute dtype
+    or KV cache dtype at start-up, each with its tags: their rounds are not one configuration's
+    figures (Zen 3, stop 82: one start in three went bf16 on a probe's noise)."""
+    groups: dict[str, list[str]] = {}
+    for tag in resolved:
+        system, sep, n = tag.rpartition("-run")
+        groups.setdefault(system if sep and n.isdigit() else tag, []).append(tag)
+    return {system: tags for system, tags in groups.items()
+            if len({(resolved[t]["dtype"], resolved[t]["kv_cache_dtype"]) for t in tags}) > 1}
+
+
 def _sampling_words(sampling: object) -> str:
     """How the run decoded: "greedy", or the sampling fields every request carried."""
     if not isinstance(sampling, dict) or not sampling:
@@ -398,6 +410,9 @@ def write_markdown(path: Path, records: list[dict[str, Any]], meta: dict[str, An
         L.append(f"- {tag} resolved at start-up: dtype {c['dtype']}"
                  + (f" ({c['dtype_note']})" if c.get("dtype_note") else "")
                  + f", weights {c['quantization']}, KV cache {c['kv_cache_dtype']}")
+    for system, tags in split_starts(meta.get("radixrt_resolved") or {}).items():
+        L.append(f"- **{system}'s rounds started in different dtypes** ({', '.join(tags)}): its "
+                 "row mixes two configurations")
     if meta.get("repeat", 1) > 1:
         L.append(f"- {meta['repeat']} interleaved rounds of every system; each row is the run with "
                  "the median total throughput (the note gives the range)")

@@ -561,6 +561,29 @@ def test_report_states_what_radixrt_resolved(tmp_path):
             "kernels for every call), KV cache bfloat16") in (tmp_path / "r.md").read_text()
 
 
+def test_report_flags_rounds_that_started_in_different_dtypes(tmp_path):
+    """With --repeat, each radixrt round starts its own server; rounds that resolved to other
+    dtypes (a start-up probe's noise) make one row of two configurations, and the report says
+    so. Rounds that agree, and the quantization text alone differing, say nothing."""
+    from bench import compare
+
+    def c(dtype: str, kv: str, quant: str = "q") -> dict[str, object]:
+        return {"dtype": dtype, "dtype_note": None, "quantization": quant, "kv_cache_dtype": kv}
+
+    mixed = {"radixrt-run1": c("bfloat16", "bfloat16"), "radixrt-run2": c("float32", "float16"),
+             "radixrt-no-radix-run1": c("float32", "float16", "a"),
+             "radixrt-no-radix-run2": c("float32", "float16", "b")}
+    assert compare.split_starts(mixed) == {"radixrt": ["radixrt-run1", "radixrt-run2"]}
+    assert compare.split_starts({"radixrt": c("float32", "float16")}) == {}
+    meta = {"date": "d", "host": "h", "preset": "tiny", "seed": 0, "threads": 2, "cpu": "c",
+            "cores": 2, "torch": "t", "radixrt_mode": "server", "radixrt_resolved": mixed,
+            "repeat": 2}
+    compare.write_markdown(tmp_path / "r.md", [], meta, [], [])
+    text = (tmp_path / "r.md").read_text()
+    assert "radixrt's rounds started in different dtypes** (radixrt-run1, radixrt-run2)" in text
+    assert "radixrt-no-radix's rounds" not in text
+
+
 def test_report_gives_tpot_beside_itl_and_names_llama_server_flags(tmp_path):
     """A server that sends a step's tokens as separate events at once (llama-server with
     speculation) reads an ITL near 0; the report's TPOT column is the comparable figure, and
