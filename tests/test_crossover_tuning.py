@@ -209,3 +209,58 @@ def test_runner_tunes_only_a_crossover_it_was_not_given(
     assert (r.quant.max_rows_int4, r.quant.max_rows_int8) == (EVERY_CALL, 36 if tuned else 64)
     assert r.quant.max_rows_head == (300 if tuned else None)
     assert ("LM head up to 300 rows" in r.quant.describe()) == tuned
+
+
+@pytest.fixture(scope="module")
+def untied_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("tiny_crossover_untied")
+    model = make_tiny_checkpoint(d, "llama", seed=6, tie_word_embeddings=False)
+    return write_tiny_gguf(model, d / "tiny.Q8_0.gguf", "llama", matrix_qtype="Q8_0",
+                           embd_qtype="Q8_0")
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize(("timings", "want"), [
+    ([T(8, 1.0, 2.0), T(16, 2.0, 1.0)], 12),  # the dense copy wins from 16 rows: kept
+    ([T(8, 1.0, 2.0), T(16, 1.0, 2.0)], EVERY_CALL),  # the kernel wins throughout: dropped
+])
+def test_the_head_follows_its_own_timing_whatever_the_probe_said(
+        tiny_gguf: Path, untied_gguf: Path, monkeypatch: pytest.MonkeyPatch, tied: bool,
+        timings: list[T], want: int) -> None:
+    """The probe's 8-bit outcome (every call, or a crossover with dense copies) split between
+    starts on one machine (stop 82); the LM head's path after its own timing must not follow
+    it, or two starts would compute its logits differently."""
+    kernel = resolve_quant_kernel("auto")
+    path = tiny_gguf if tied else untied_gguf
+    monkeypatch.setattr(runner_mod, "tune_crossover", lambda r: None)
+    monkeypatch.setattr(runner_mod, "tune_head_crossover",
+                        lambda m, d: ct.tune_head_crossover(m, d, lambda *a: timings))
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    seen = []
+    for int8_rows in (EVERY_CALL, 64):  # the probe's two outcomes for the 8-bit width
+        plan = QuantPlan("gguf", EVERY_CALL, int8_rows, kernel=kernel)
+        monkeypatch.setattr(runner_mod, "resolve_quantization",
+                            lambda *a, plan=plan, **k: (plan, "fixed"))
+        r = runner_mod.ModelRunner(ServerArgs(
+            model_path=str(path), dtype="bfloat16", quantization="gguf", quant_kernel=kernel,
+            max_total_tokens=256, attention_backend="torch"))
+        head = r.model.lm_head
+        assert r.quant.time_head and head.in_features == x.shape[1]
+        assert head.max_rows == want and (head.dense is None) == (want == EVERY_CALL)
+        copy = ct.own_head_copy(r.model)
+        assert (copy is None) == (tied or want == EVERY_CALL)
+        seen.append((head.logits(x), head.logits(x, invariant=True)))
+    assert all(torch.equal(a, b) for a, b in zip(seen[0], seen[1], strict=True))
+
+
+def test_without_head_tuning_the_head_follows_its_width(
+        tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--disable-crossover-tuning`: no timing, so no copy kept for one: an 8-bit width on the
+    kernel for every call leaves the head without a dense copy, as before stop 83."""
+    kernel = resolve_quant_kernel("auto")
+    monkeypatch.setattr(runner_mod, "resolve_quantization", lambda *a, **k: (
+        QuantPlan("gguf", EVERY_CALL, EVERY_CALL, kernel=kernel), "fixed"))
+    r = runner_mod.ModelRunner(ServerArgs(
+        model_path=str(tiny_gguf), dtype="bfloat16", quantization="gguf", quant_kernel=kernel,
+        max_total_tokens=256, attention_backend="torch", disable_crossover_tuning=True))
+    assert not r.quant.time_head and r.model.lm_head.dense is None

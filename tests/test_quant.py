@@ -375,7 +375,7 @@ def test_auto_dtype_takes_bf16_once_no_matmul_runs_in_it(
     assert r.dtype_probe is not None
     kv = r.token_to_kv_pool.k_buffer[0].dtype
     if always_wins:
-        assert r.quant == QuantPlan("gguf", dense_copy=False, kernel="vnni")
+        assert r.quant == QuantPlan("gguf", EVERY_CALL, EVERY_CALL, kernel="vnni")
         assert all(w.dense is None for w in weights)  # type: ignore[union-attr]
         assert "vnni" in r.dtype_probe.describe() and r.dtype_probe.as_info()["note"]
         if kv_cache_dtype == "auto" and not half_pool:
@@ -528,7 +528,7 @@ def test_probe_keeps_the_faster_candidate_and_drops_the_dense_copy_when_it_alway
     assert fast.kernel == "vnni" and set(fast.others) == {"radixrt"}
     assert fast.wins_everywhere() and "radixrt kernel" in fast.describe()
     plan, why = resolve_quantization("gguf", torch.bfloat16, CPU, True, lambda d: fast)
-    assert plan == QuantPlan("gguf", dense_copy=False, kernel="vnni") and "no dense copy" in why
+    assert plan == QuantPlan("gguf", EVERY_CALL, EVERY_CALL, kernel="vnni") and "no dense copy" in why
     # Explicit max rows keep the dense copy; an explicit kernel is never replaced.
     plan, _ = resolve_quantization("gguf", torch.bfloat16, CPU, True, lambda d: fast, max_rows=9)
     assert plan == QuantPlan("gguf", 9, 9, kernel="vnni")  # max_rows given: the kernel still timed

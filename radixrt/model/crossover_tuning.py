@@ -32,7 +32,9 @@ ascending, and sets its crossover from those alone, above the probe's as well as
 first count where the dense copy wins by MARGIN ends it as above; a kernel that wins at every
 count, the last by EVERY_CALL_MARGIN, runs every call (its time per row is flat from 64 rows,
 a dense GEMM's stops improving by ~512) and drops its dense copy, which batch-invariant calls
-would otherwise still take.
+would otherwise still take. The head keeps a dense copy at load for this whatever the probe said
+of its width (`QuantPlan.time_head`, stop 83), so the probe's margin at 512 rows, which split
+between starts on one machine, no longer decides whether the head is timed at all.
 """
 
 from __future__ import annotations
@@ -111,6 +113,16 @@ def lm_head_weight(model: torch.nn.Module) -> QuantizedWeight | None:
     """The model's LM head where it is quantized and keeps a dense copy, else None."""
     head = getattr(model, "lm_head", None)
     return head if isinstance(head, QuantizedWeight) and head.dense is not None else None
+
+
+def own_head_copy(model: torch.nn.Module) -> torch.Tensor | None:
+    """The quantized LM head's dense copy where it holds memory of its own (None where there is
+    none, or where it is the tied embedding table, which the embedding lookup keeps anyway)."""
+    head = lm_head_weight(model)
+    if head is None or head.dense is None:
+        return None
+    w = head.dense.weight
+    return None if w is getattr(model, "embed_tokens", None) else w
 
 
 def set_max_rows(model: torch.nn.Module, weights: Sequence[QuantizedWeight],

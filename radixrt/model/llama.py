@@ -450,7 +450,7 @@ class LlamaForCausalLM(nn.Module):
             return dense
         groups = Int4Groups.cat([to_groups(t, bits) for t in pieces])
         tied = self.config.tie_word_embeddings and w is self.embed_tokens
-        keep = plan.keeps_dense(bits)
+        keep = plan.keeps_head_dense(bits) if lm_head else plan.keeps_dense(bits)
         qw = QuantizedWeight.from_groups(groups, w if keep else None, plan.max_rows(bits),
                                          plan.kernel)
         if keep or tied:  # a tied lm_head's table stays for the embedding lookup

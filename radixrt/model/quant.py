@@ -222,7 +222,10 @@ class QuantPlan:
     `kernel`: "auto" | "radixrt" | "vnni" | "torch", the quantized matmul kernel (see
     `quant_matmul.resolve_quant_kernel`). `max_rows_head`: the quantized LM head's own crossover
     where it was measured on the loaded head (`crossover_tuning.tune_head_crossover`; it drops
-    its dense copy when that is `EVERY_CALL`), None where the head follows its width's."""
+    its dense copy when that is `EVERY_CALL`), None where the head follows its width's.
+    `time_head`: that measurement will run, so a quantized LM head keeps a dense copy at load
+    whatever its width's crossover (`keeps_head_dense`): whether it keeps one afterwards is then
+    the head's own timing's call, not the probe's margin for its width."""
 
     mode: str = "none"
     max_rows_int4: int = 0
@@ -230,6 +233,7 @@ class QuantPlan:
     dense_copy: bool = True
     kernel: str = "auto"
     max_rows_head: int | None = None
+    time_head: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in QUANTIZATION_MODES:
@@ -245,6 +249,11 @@ class QuantPlan:
     def keeps_dense(self, bits: int) -> bool:
         """Whether a `bits`-bit weight keeps a dense copy (for calls above `max_rows(bits)`)."""
         return self.dense_copy and self.max_rows(bits) < EVERY_CALL
+
+    def keeps_head_dense(self, bits: int) -> bool:
+        """Whether a quantized LM head of `bits` bits keeps a dense copy at load: as its width
+        (`keeps_dense`), and always with `time_head` (unless `dense_copy` is off)."""
+        return self.keeps_dense(bits) or (self.dense_copy and self.time_head)
 
     def capped(self, rows: int) -> QuantPlan:
         """This plan with each width that keeps a dense copy on its kernel up to at most `rows`

@@ -428,8 +428,9 @@ def resolve_quantization(requested: str, dtype: torch.dtype, device: torch.devic
             return QuantPlan(), (f"none ({kind} kernel at 1 row only {s or 0:.2f}x dense, needs "
                                  f">= {MIN_SPEEDUP}x; {p.describe()})")
     why = f"forced by {ENV_FORCE}" if forced else "requested" if requested != "auto" else "probe"
-    if max_rows is None and p.wins_everywhere():
-        return (QuantPlan(mode, dense_copy=False, kernel=kernel),
+    if max_rows is None and p.wins_everywhere():  # no width keeps a copy; the LM head's own
+        # timing may still keep one (QuantPlan.time_head), unlike --disable-quant-dense-copy
+        return (QuantPlan(mode, EVERY_CALL, EVERY_CALL, kernel=kernel),
                 f"{mode} ({why}; {kernel} kernel for every call, no dense copy: faster than "
                 f"dense up to {ROWS[-1]} rows; {p.describe()})")
     if max_rows is not None:

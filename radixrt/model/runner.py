@@ -20,7 +20,7 @@ from radixrt.mem.memory_pool import ReqToTokenPool, TokenToKVPool, kv_bytes_per_
 from radixrt.mem.step_heap import retain_step_heap
 from radixrt.model import prepack
 from radixrt.model.crossover_tuning import describe as describe_crossover
-from radixrt.model.crossover_tuning import tune_crossover, tune_head_crossover
+from radixrt.model.crossover_tuning import own_head_copy, tune_crossover, tune_head_crossover
 from radixrt.model.decode_layers import DecodeLayers, set_team_steal
 from radixrt.model.decode_path_tuner import DecodePathTuner
 from radixrt.model.dtype_probe import DtypeProbe, probe_cpu_dtype
@@ -155,6 +155,10 @@ class ModelRunner:
             # csrc/paged_decode.cpp: by CPU vendor, or RADIXRT_PD_PREFETCH_L1
             into = "L1" if torch.ops.radixrt.paged_decode_prefetch_l1() else "L2"
             logger.info("paged decode prefetches K/V rows into %s", into)
+        tunes = (self.device.type == "cpu" and self.quant.quantized
+                 and args.quant_max_rows is None and not args.disable_crossover_tuning)
+        if tunes:  # the LM head's dense copy is timed at load, whatever the probe said
+            self.quant = replace(self.quant, time_head=True)
         kv_dtype = kv_storage_dtype(args, self.dtype, self.device, self.quant.quantized,
                                     cfg.head_dim)
         if args.kv_cache_dtype == "auto" and kv_dtype != self.dtype:
@@ -175,8 +179,12 @@ class ModelRunner:
         self.model, _ = load_model(self.model_path, self.attn_backend, self.dtype, self.device,
                                    model_config=cfg, quant=self.quant,
                                    fused_ops=False if args.disable_fused_cpu_ops else None)
+        timed_copy = own_head_copy(self.model) if tunes else None
         if not args.disable_huge_pages and self.device.type == "cpu":
-            moved = move_to_huge_pages([*self.model.parameters(), *self.model.buffers()])
+            # a head copy only kept for its timing joins the arena once it is kept for good
+            moved = move_to_huge_pages([t for t in (*self.model.parameters(),
+                                                    *self.model.buffers())
+                                        if t is not timed_copy])
             logger.info("model tensors: %.1f MiB moved to huge-page buffers", moved / 2**20)
         if not args.disable_heap_retention and self.device.type == "cpu":
             logger.info("step heap: %s", retain_step_heap())
@@ -210,8 +218,7 @@ class ModelRunner:
             self.cuda_graphs = CudaGraphRunner(
                 self.model, self.attn_backend, max_bs=self.sizes.max_running_requests,
                 max_kv_tokens=self.sizes.max_total_tokens)
-        if (self.device.type == "cpu" and self.quant.quantized and args.quant_max_rows is None
-                and not args.disable_crossover_tuning):
+        if tunes:
             quiet()
             tuned = tune_crossover(self)
             if tuned is not None:
@@ -222,6 +229,9 @@ class ModelRunner:
                 self.quant = replace(self.quant, max_rows_head=head[1])
                 logger.info("quantized LM head crossover -> %s",
                             describe_crossover(head, "the head's own calls"))
+            if (timed_copy is not None and own_head_copy(self.model) is timed_copy
+                    and not args.disable_huge_pages):
+                move_to_huge_pages([timed_copy])
         if self.device.type == "cpu":
             logger.info("decode steps: %s", self.model.decode_path())
         logger.info(
