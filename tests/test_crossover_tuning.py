@@ -38,12 +38,17 @@ def test_choose_crossover(current: int, timings: list[ct.CrossoverTiming], want:
     assert ct.choose_crossover(current, timings) == want
 
 
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("tiny_crossover")
-    model = make_tiny_checkpoint(d, "llama", seed=5, tie_word_embeddings=True)
+def _q8_gguf(factory: pytest.TempPathFactory, tied: bool, seed: int) -> Path:
+    """A tiny llama GGUF with every matrix (and the embedding / LM head) in Q8_0."""
+    d = factory.mktemp("tiny_crossover")
+    model = make_tiny_checkpoint(d, "llama", seed=seed, tie_word_embeddings=tied)
     return write_tiny_gguf(model, d / "tiny.Q8_0.gguf", "llama", matrix_qtype="Q8_0",
                            embd_qtype="Q8_0")
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _q8_gguf(tmp_path_factory, tied=True, seed=5)
 
 
 def _runner(path: Path, max_rows: int | None, ctx: int = 128) -> runner_mod.ModelRunner:
@@ -213,10 +218,7 @@ def test_runner_tunes_only_a_crossover_it_was_not_given(
 
 @pytest.fixture(scope="module")
 def untied_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("tiny_crossover_untied")
-    model = make_tiny_checkpoint(d, "llama", seed=6, tie_word_embeddings=False)
-    return write_tiny_gguf(model, d / "tiny.Q8_0.gguf", "llama", matrix_qtype="Q8_0",
-                           embd_qtype="Q8_0")
+    return _q8_gguf(tmp_path_factory, tied=False, seed=6)
 
 
 @pytest.mark.parametrize("tied", [True, False])
