@@ -338,13 +338,21 @@ def resolved_config(server_info: dict[str, Any]) -> dict[str, Any]:
             "kv_cache_dtype": eng.get("kv_cache_dtype") or (dtype if kv == "auto" else kv)}
 
 
+ROUND = "-run"  # a --repeat round's tag: <system>-run<N>, N from 1
+
+
+def round_tag(system: str, rnd: int, repeat: int) -> str:
+    """The tag (raw file stem, `radixrt_resolved` key) of `system`'s round `rnd` (from 0)."""
+    return system if repeat == 1 else f"{system}{ROUND}{rnd + 1}"
+
+
 def split_starts(resolved: dict[str, dict[str, Any]]) -> dict[str, list[str]]:
-    """The systems whose rounds (tags `<system>-run<N>`) resolved to more than one compute dtype
-    or KV cache dtype at start-up, each with its tags: their rounds are not one configuration's
+    """The systems whose rounds (`round_tag`) resolved to more than one compute dtype or KV
+    cache dtype at start-up, each with its tags: their rounds are not one configuration's
     figures (Zen 3, stop 82: one start in three went bf16 on a probe's noise)."""
     groups: dict[str, list[str]] = {}
     for tag in resolved:
-        system, sep, n = tag.rpartition("-run")
+        system, sep, n = tag.rpartition(ROUND)
         groups.setdefault(system if sep and n.isdigit() else tag, []).append(tag)
     return {system: tags for system, tags in groups.items()
             if len({(resolved[t]["dtype"], resolved[t]["kv_cache_dtype"]) for t in tags}) > 1}
@@ -750,7 +758,7 @@ def main(argv: list[str] | None = None) -> Path:
             if rnd > 0 and available[system]:
                 continue  # an unavailable peer has nothing to repeat; later systems still run
             t = time.perf_counter()
-            tag = system if a.repeat == 1 else f"{system}-run{rnd + 1}"
+            tag = round_tag(system, rnd, a.repeat)
             out = raw / f"{tag}.jsonl"
             results: dict[str, dict[str, Any]] = {}
             note = available[system]
@@ -812,10 +820,10 @@ def report_from_raw(out_dir: Path, stem: str) -> Path:
     notes = meta.get("system_notes", {})
     systems = [s for s in meta.get("systems", SYSTEMS)
                if s in notes or (raw / f"{s}.jsonl").exists()
-               or any(raw.glob(f"{s}-run*.jsonl"))]
+               or any(raw.glob(f"{s}{ROUND}*.jsonl"))]
     records = []
     for s in systems:
-        files = sorted(raw.glob(f"{s}-run*.jsonl")) or [raw / f"{s}.jsonl"]
+        files = sorted(raw.glob(f"{s}{ROUND}*.jsonl")) or [raw / f"{s}.jsonl"]
         per_w: dict[str, list[dict[str, Any]]] = {}
         for f in files:
             results = {r["workload"]: r for r in read_results(f)}

@@ -179,8 +179,9 @@ class ModelRunner:
         self.model, _ = load_model(self.model_path, self.attn_backend, self.dtype, self.device,
                                    model_config=cfg, quant=self.quant,
                                    fused_ops=False if args.disable_fused_cpu_ops else None)
-        timed_copy = own_head_copy(self.model) if tunes else None
-        if not args.disable_huge_pages and self.device.type == "cpu":
+        huge_pages = not args.disable_huge_pages and self.device.type == "cpu"
+        timed_copy = own_head_copy(self.model) if tunes and huge_pages else None
+        if huge_pages:
             # a head copy only kept for its timing joins the arena once it is kept for good
             moved = move_to_huge_pages([t for t in (*self.model.parameters(),
                                                     *self.model.buffers())
@@ -229,8 +230,7 @@ class ModelRunner:
                 self.quant = replace(self.quant, max_rows_head=head[1])
                 logger.info("quantized LM head crossover -> %s",
                             describe_crossover(head, "the head's own calls"))
-            if (timed_copy is not None and own_head_copy(self.model) is timed_copy
-                    and not args.disable_huge_pages):
+            if timed_copy is not None and own_head_copy(self.model) is timed_copy:
                 move_to_huge_pages([timed_copy])
         if self.device.type == "cpu":
             logger.info("decode steps: %s", self.model.decode_path())
