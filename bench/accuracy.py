@@ -54,6 +54,10 @@ MODES: tuple[tuple[str, str, str, str, str], ...] = (
     ("gguf, vnni kernel, fp32 act", "float32", "gguf", "vnni", "float32"),
     ("fp32, float16 KV cache", "float32", "none", "auto", "float16"),
     ("gguf, vnni kernel, fp32 act, float16 KV cache", "float32", "gguf", "vnni", "float16"),
+    ("gguf, vnni-hilo kernel (two int8 terms), fp32 act", "float32", "gguf", "vnni-hilo",
+     "float32"),
+    ("gguf, vnni-hilo kernel, fp32 act, float16 KV cache", "float32", "gguf", "vnni-hilo",
+     "float16"),
 )
 
 SYSTEM = "You are a concise, helpful assistant."

@@ -15,7 +15,9 @@ TOOL_CALL_PARSERS: tuple[str, ...] = ("auto", "hermes", "llama3_json", "mistral"
 ROUTING_POLICIES: tuple[str, ...] = ("cache_aware", "round_robin", "least_load")
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "int8", "float16", "float32")
 QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "gguf", "int8", "int4")
-QUANT_KERNELS: tuple[str, ...] = ("auto", "radixrt", "vnni", "torch")
+QUANT_KERNELS: tuple[str, ...] = ("auto", "radixrt", "vnni", "vnni-hilo", "torch")
+# int8 terms per activation of the int8-activation kernels (qgemm_vnni.cpp `terms`)
+VNNI_TERMS: dict[str, int] = {"vnni": 1, "vnni-hilo": 2}
 SPECULATIVE_ALGORITHMS: tuple[str, ...] = ("none", "ngram")
 
 
@@ -90,7 +92,10 @@ class ServerArgs:
                 "library builds, else torch) | radixrt (C++ qgemv: GGUF scales exact, bf16 dot "
                 "products on AVX512-BF16 CPUs) | vnni (C++ qgemm_vnni, AVX512-VNNI or AVX2 CPUs: "
                 "activations rounded to int8 per group of 32, int8 dot products, every row "
-                "count) | torch (_weight_int4pack_mm_for_cpu)")
+                "count) | vnni-hilo (vnni with each activation as two int8 terms, a high one "
+                "and its residual: near-fp32 activations, greedy tokens as the dequantized "
+                "fp32 model's; up to 2x vnni's integer work at 2+ rows; dtype auto -> "
+                "float32) | torch (_weight_int4pack_mm_for_cpu)")
     disable_crossover_tuning: bool = _f(
         False, "quantized weights with a dense copy: keep the start-up probe's quant_max_rows "
                "instead of lowering it where the model's own extend steps of 16-64 new tokens "

@@ -99,14 +99,14 @@ def test_one_call_is_bitwise_the_layer_loop(tmp_path: Path, case: str,
         assert torch.equal(a, b), f"max diff {(a - b).abs().max()}"
 
 
-@pytest.mark.parametrize("kernel", ["radixrt", "vnni"])
+@pytest.mark.parametrize("kernel", ["radixrt", "vnni", "vnni-hilo"])
 def test_quantized_rows_under_max_rows_run_the_kernel_in_the_op(tmp_path: Path,
                                                                 kernel: str) -> None:
     """Every matmul on the quantized kernel (no dense copy): one decode row at a time, bitwise
     the loop."""
     if resolve_quant_kernel("auto") != "radixrt":
         pytest.skip("radixrt's qgemv kernel unavailable")
-    if kernel == "vnni" and not vnni_kernel_available():
+    if kernel != "radixrt" and not vnni_kernel_available():
         pytest.skip("no AVX512-VNNI here")
     hf = make_tiny_checkpoint(tmp_path / "hf", "llama", seed=9, num_hidden_layers=2)
     path = write_tiny_gguf(hf, tmp_path / "m.gguf", "llama", "Q4_0", "Q8_0")
@@ -123,25 +123,26 @@ def test_quantized_rows_under_max_rows_run_the_kernel_in_the_op(tmp_path: Path,
     assert torch.equal(out[True], out[False])
 
 
-def _tiny_vnni_gguf(tmp_path: Path, seed: int, layer_quant: str,
+def _tiny_vnni_gguf(tmp_path: Path, seed: int, layer_quant: str, kernel: str = "vnni",
                     **dims: int) -> tuple[Path, QuantPlan]:
     """A 3-layer tiny Llama (tied embeddings; `dims` override TINY_DIMS) as GGUF,
-    `layer_quant` layers and a Q8_0 head, with every matmul on the vnni kernel (skips where
-    there is no AVX512-VNNI)."""
+    `layer_quant` layers and a Q8_0 head, with every matmul on the vnni kernel (`kernel`:
+    "vnni" or "vnni-hilo"; skips where there is no AVX512-VNNI)."""
     if not vnni_kernel_available():
         pytest.skip("no AVX512-VNNI here")
     hf = make_tiny_checkpoint(tmp_path / "hf", "llama", seed=seed, num_hidden_layers=3,
                               tie_word_embeddings=True, **dims)
     path = write_tiny_gguf(hf, tmp_path / "m.gguf", "llama", layer_quant, "Q8_0")
-    return path, QuantPlan("gguf", dense_copy=False, kernel="vnni")
+    return path, QuantPlan("gguf", dense_copy=False, kernel=kernel)
 
 
+@pytest.mark.parametrize("kernel", ["vnni", "vnni-hilo"])
 def test_vnni_down_projection_takes_the_silu_input_bitwise_the_loop(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernel: str) -> None:
     """Every matmul on the vnni kernel at 4 decode rows (Q4_1 layers, Q8_0 head): in the op the
     down projection runs `qgemm_vnni_silu` on gate_up (no `silu_mul`), the loop `silu_mul` then
-    `qgemm_vnni`; the logits are bitwise equal."""
-    path, plan = _tiny_vnni_gguf(tmp_path, 5, "Q4_1")
+    `qgemm_vnni`; the logits are bitwise equal. With vnni-hilo's two terms too."""
+    path, plan = _tiny_vnni_gguf(tmp_path, 5, "Q4_1", kernel)
     runs, ops = {}, {}
     for fused in (True, False):
         runner = _runner(path, torch.bfloat16, plan)
@@ -511,6 +512,37 @@ def test_team_is_bitwise_a_region_per_op(tmp_path: Path, kv_dtype: torch.dtype |
             assert torch.equal(a, b), f"{key}: max diff {(a - b).abs().max()}"
 
 
+def test_team_on_vnni_hilo_is_bitwise_a_region_per_op(tmp_path: Path, two_threads: object,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """vnni-hilo's two terms per row in a team: its members quantize both terms of their own
+    input rows (norms split by rows) or of every row (whole); the logits are bitwise those of a
+    parallel region per op, and differ from the one-term kernel's."""
+    runs = {}
+    for kernel in ("vnni-hilo", "vnni"):
+        path, plan = _tiny_vnni_gguf(tmp_path / kernel, 13, "Q4_0", kernel)
+        for team, whole in ((False, -1), (True, 0), (True, 1)) if kernel != "vnni" else (
+                (False, -1),):
+            config = ModelConfig.from_path(path)
+            model, _ = load_model(path, None, torch.bfloat16, "cpu", model_config=config,
+                                  quant=plan)
+            assert model.layers[0].qkv_proj.kernel.name == kernel
+            runner = PagedRunner.for_model(model, kv_size=4096, max_context=2048)
+            runner.model.decode_team = team
+            runner.model.decode_microbatch_rows = 1 << 30  # one pass
+            stack = runner.model.decode_layers()
+            assert isinstance(stack, DecodeLayers) and stack.team_capable
+            stack.team_norms_whole = whole
+            stack.team_far_split = 0
+            runs[kernel, team, whole] = _decode_run(runner, True, monkeypatch)
+    region = runs["vnni-hilo", False, -1]
+    assert region[1] == 4
+    for key in (("vnni-hilo", True, 0), ("vnni-hilo", True, 1)):
+        assert runs[key][1] == 4
+        for a, b in zip(runs[key][0], region[0], strict=True):
+            assert torch.equal(a, b), f"{key}: max diff {(a - b).abs().max()}"
+    assert not torch.equal(region[0][-1], runs["vnni", False, -1][0][-1])
+
+
 @pytest.mark.parametrize("team", [True, False], ids=["team", "region-per-op"])
 def test_path_tuner_alternates_bitwise_alike(tmp_path: Path, two_threads: object,
                                              monkeypatch: pytest.MonkeyPatch, team: bool) -> None:
@@ -793,8 +825,8 @@ def test_team_and_micro_batches_keep_dependent_rows_apart(
 
 def test_linear_kinds_are_the_ops() -> None:
     """The kinds `DecodeLayers` writes into meta are the ones decode_layers.cpp reads."""
-    from radixrt.model.decode_layers import KIND_DENSE, KIND_QGEMV, KIND_VNNI
+    from radixrt.model.decode_layers import KIND_DENSE, KIND_QGEMV, KIND_VNNI, KIND_VNNI_HILO
 
     src = (Path(cpu_kernels.__file__).parent / "csrc" / "decode_layers.cpp").read_text()
     assert (f"constexpr int64_t kKindDense = {KIND_DENSE}, kKindQgemv = {KIND_QGEMV}, "
-            f"kKindVnni = {KIND_VNNI};") in src
+            f"kKindVnni = {KIND_VNNI}, kKindVnniHilo = {KIND_VNNI_HILO};") in src

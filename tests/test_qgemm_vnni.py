@@ -176,6 +176,98 @@ def test_activation_quantization_matches_its_definition() -> None:
     assert xq.abs().max() == 127
 
 
+def _two_terms_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The documented two-term quantization (`terms` 2) in torch, rows interleaved (2r the high
+    term, 2r + 1 the low one): the high term `_quantize_ref(x)`, the low one `_quantize_ref` of
+    the residual x - xq * sx rounded once to fp32 (in float64 the product and the difference are
+    exact, as in the kernel's FMA)."""
+    m, k = x.shape
+    hq, hsx, hs = _quantize_ref(x)
+    res = (x.double().reshape(m, k // 32, 32)
+           - hq.double().reshape(m, k // 32, 32) * hsx.double()[..., None]).float()
+    lq, lsx, ls = _quantize_ref(res.reshape(m, k))
+
+    def rows(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+        return torch.stack([hi, lo], 1).reshape(2 * m, *hi.shape[1:])
+
+    return rows(hq, lq), rows(hsx, lsx), rows(hs, ls)
+
+
+def test_two_term_quantization_matches_its_definition() -> None:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 160, generator=g) * torch.rand(9, 1, generator=g) * 10
+    x[2, 32:64] = 0.0  # all-zero: both terms zero
+    x[5, 64:96] = torch.arange(-127, 129, 8).float()  # sx 1, integers: the low term zero
+    for xx in (x, x.bfloat16()):
+        xq, sx, s = torch.ops.radixrt.qgemm_vnni_quantize(xx, 2)
+        rq, rsx, rs = _two_terms_ref(xx)
+        assert torch.equal(xq, rq) and torch.equal(sx, rsx) and torch.equal(s, rs)
+        one = torch.ops.radixrt.qgemm_vnni_quantize(xx)  # the high terms are the one-term rows
+        assert torch.equal(xq[0::2], one[0]) and torch.equal(sx[0::2], one[1])
+    assert sx[4, 1] == 0 and sx[5, 1] == 0 and sx[11, 2] == 0
+    assert (sx[1::2] > 0).float().mean() > 0.9  # the low terms are not vacuous
+    with pytest.raises(RuntimeError, match="terms must be 1 or 2"):
+        torch.ops.radixrt.qgemm_vnni_quantize(x, 3)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 13, 64, 65, 100])
+def test_two_terms_match_float64_and_cut_the_activation_error(layout: str, rows: int) -> None:
+    """`terms` 2 (vnni-hilo): against float64 of its own two terms, the one-term bound on their
+    magnitudes; against the unrounded activations, half a low-term step per element:
+    absmax(group) / 64516 (the residual is at most half a high step, sx / 2, and its own step
+    is absmax(residual) / 127), 1/254 of the one-term bound."""
+    vm = _layout(layout, 16 * 7, 32 * 5, seed=rows)
+    v2 = VnniQuantMatmul(vm.packed, vm.bits, terms=2)
+    assert v2.name == "vnni-hilo" and vm.name == "vnni"
+    g = torch.Generator().manual_seed(200 + rows)
+    x = torch.randn(rows, 160, generator=g) * torch.rand(rows, 1, generator=g) * 5
+    y = v2(x)
+    assert y.dtype == torch.float32 and y.shape == (rows, 112)
+    xq, sx, _ = torch.ops.radixrt.qgemm_vnni_quantize(x, 2)
+    terms = (xq.double().reshape(2 * rows, 5, 32) * sx.double()[..., None]).reshape(2 * rows, 160)
+    w = vm.dequantize().double()
+    ref = (terms[0::2] + terms[1::2]) @ w.t()
+    mag = (terms[0::2].abs() + terms[1::2].abs()) @ w.abs().t()
+    assert ((y.double() - ref).abs() <= SUM_EPS * mag + 1e-12).all()
+    lin = x.double() @ w.t()
+    step = x.abs().reshape(rows, 5, 32).amax(-1).double() / 64516
+    wg = w.abs().reshape(112, 5, 32).sum(-1)
+    bound = step @ wg.t() + SUM_EPS * (x.double().abs() @ w.abs().t())
+    assert ((y.double() - lin).abs() <= bound + 1e-12).all()
+    assert not torch.equal(y, vm(x))  # the low term is applied
+    xb = x.bfloat16()
+    assert torch.equal(v2.forward_f32(xb).bfloat16(), v2(xb))
+
+
+@pytest.mark.parametrize("layout", ["Q4_1", "Q8_0"])
+def test_two_terms_rows_are_independent_and_fused_paths_bitwise(layout: str) -> None:
+    """vnni-hilo rows are the same bits whatever the row count and threads; its fused argmax is
+    its logits' argmax; its SiLU input is bitwise silu_mul then the op; 2 threads quantizing
+    inside the region (split by the layout's rows) are bitwise 1 thread."""
+    vm = _layout(layout, 16 * 37, 96, seed=9)
+    v2 = VnniQuantMatmul(vm.packed, vm.bits, terms=2)
+    x = torch.randn(130, 96, generator=torch.Generator().manual_seed(10)) * 3
+    assert_rows_independent(v2, x, (1, 2, 3, 4, 5, 7, 8, 9, 17, 63, 64, 65, 100))
+    for threads in (1, 2):
+        y, ids = with_threads(threads, lambda: v2.forward_f32_argmax(x))
+        assert torch.equal(y, v2(x)) and torch.equal(ids, y.argmax(-1))
+        gu = torch.cat([x, x.flip(1)], 1)
+        fused = with_threads(threads, lambda: torch.ops.radixrt.qgemm_vnni_silu(  # noqa: B023
+            gu, vm.packed, vm.bits, 2))
+        assert torch.equal(fused, v2(torch.ops.radixrt.silu_mul(gu)))
+    for shape in REGION_SHAPES:
+        vm3, x3 = _region_case(*shape, layout, torch.float32)
+        v3 = VnniQuantMatmul(vm3.packed, vm3.bits, terms=2)
+        assert torch.equal(with_threads(1, lambda: v3(x3)), with_threads(2, lambda: v3(x3)))
+    with pytest.raises(RuntimeError, match="terms must be 1 or 2"):
+        torch.ops.radixrt.qgemm_vnni(x, vm.packed, vm.bits, 0)
+    with pytest.raises(RuntimeError, match="qgemm_vnni_silu: terms"):
+        torch.ops.radixrt.qgemm_vnni_silu(gu, vm.packed, vm.bits, 3)
+    with pytest.raises(ValueError, match="terms must be 1 or 2"):
+        VnniQuantMatmul(vm.packed, vm.bits, terms=3)
+
+
 # -- the op ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("rows", ROWS)
@@ -538,6 +630,10 @@ def test_kernel_choice() -> None:
     assert quant_kernel_candidates("radixrt") == ("radixrt",)
     qw = QuantizedWeight.from_groups(_gguf_groups(32, 64, "Q8_0", seed=0), kernel="vnni")
     assert qw.kernel.name == "vnni" and qw.bits == 8
+    assert resolve_quant_kernel("vnni-hilo") == "vnni-hilo"
+    assert quant_kernel_candidates("vnni-hilo") == ("vnni-hilo",)
+    qh = QuantizedWeight.from_groups(_gguf_groups(32, 64, "Q4_1", seed=0), kernel="vnni-hilo")
+    assert qh.kernel.name == "vnni-hilo" and qh.kernel.terms == 2
 
 
 _NO_VNNI_CHECK = textwrap.dedent("""
@@ -553,6 +649,11 @@ _NO_VNNI_CHECK = textwrap.dedent("""
         raise SystemExit("vnni resolved without VNNI")
     except ValueError as e:
         assert "ServerArgs.quant_kernel" in str(e) and "AVX2 or AVX512-VNNI" in str(e), e
+    try:
+        qm.resolve_quant_kernel("vnni-hilo")
+        raise SystemExit("vnni-hilo resolved without VNNI")
+    except ValueError as e:
+        assert "'vnni-hilo'" in str(e) and "AVX2 or AVX512-VNNI" in str(e), e
     try:
         torch.ops.radixrt.qgemm_vnni(torch.zeros(1, 32),
                                      torch.zeros(1, 1, 320, dtype=torch.uint8), 4)
@@ -577,14 +678,14 @@ _AVX2_SAME_BITS_CHECK = textwrap.dedent("""
     assert cpu_kernels.load_cpu_kernels(), cpu_kernels.unavailable_reason()
     print(torch.ops.radixrt.qgemm_vnni_isa())
     cases = torch.load(sys.argv[1])
-    for inp, packed, bits, silu, argmax, want in cases:
+    for inp, packed, bits, silu, argmax, terms, want in cases:
         if argmax:
-            got = torch.ops.radixrt.qgemm_vnni_f32_argmax(inp, packed, bits)
+            got = torch.ops.radixrt.qgemm_vnni_f32_argmax(inp, packed, bits, terms)
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
             continue
         op = torch.ops.radixrt.qgemm_vnni_silu if silu else torch.ops.radixrt.qgemm_vnni
-        got = op(inp, packed, bits)
-        assert got.dtype == want.dtype and torch.equal(got, want), (inp.shape, bits, silu)
+        got = op(inp, packed, bits, terms)
+        assert got.dtype == want.dtype and torch.equal(got, want), (inp.shape, bits, silu, terms)
     print("ok", len(cases))
 """)
 
@@ -592,8 +693,8 @@ _AVX2_SAME_BITS_CHECK = textwrap.dedent("""
 @pytest.mark.slow
 def test_avx2_build_gives_the_same_bits(tmp_path: Path) -> None:
     """The AVX2 build (vpmaddubsw on half tiles) gives bitwise this build's outputs for every
-    layout, row blocking, dtype, the SiLU input and the fused argmax: the integer dots are exact
-    and the fp32 steps the same. On an AVX512-VNNI CPU that compares the two instruction sets;
+    layout, row blocking, dtype, one and two terms, the SiLU input and the fused argmax: the
+    integer dots are exact and the fp32 steps the same. On an AVX512-VNNI CPU that compares the two instruction sets;
     on an AVX2 CPU it still runs the AVX2 build in a fresh process."""
     if torch.ops.radixrt.qgemm_vnni_isa() not in ("avx512vnni", "avx2"):
         pytest.skip("no int8 kernel in this build")
@@ -605,15 +706,16 @@ def test_avx2_build_gives_the_same_bits(tmp_path: Path) -> None:
         g = torch.Generator().manual_seed(i)
         x = torch.randn(rows, vm.packed.shape[1] * 32, generator=g) * (1 + i)
         x[0, :32] = 0  # an all-zero group
+        terms = 1 + i % 2  # vnni-hilo's two terms on every other case
         for dt in (torch.float32, torch.bfloat16):
             xi = x.to(dt)
-            cases.append((xi, vm.packed, vm.bits, False, False,
-                          torch.ops.radixrt.qgemm_vnni(xi, vm.packed, vm.bits)))
+            cases.append((xi, vm.packed, vm.bits, False, False, terms,
+                          torch.ops.radixrt.qgemm_vnni(xi, vm.packed, vm.bits, terms)))
             gu = torch.cat([xi, xi.flip(1)], 1)
-            cases.append((gu, vm.packed, vm.bits, True, False,
-                          torch.ops.radixrt.qgemm_vnni_silu(gu, vm.packed, vm.bits)))
-        cases.append((x, vm.packed, vm.bits, False, True,
-                      torch.ops.radixrt.qgemm_vnni_f32_argmax(x, vm.packed, vm.bits)))
+            cases.append((gu, vm.packed, vm.bits, True, False, terms,
+                          torch.ops.radixrt.qgemm_vnni_silu(gu, vm.packed, vm.bits, terms)))
+        cases.append((x, vm.packed, vm.bits, False, True, terms,
+                      torch.ops.radixrt.qgemm_vnni_f32_argmax(x, vm.packed, vm.bits, terms)))
     path = tmp_path / "cases.pt"
     torch.save(cases, path)
     out = run_isa_check("avx2", _AVX2_SAME_BITS_CHECK.replace("sys.argv[1]", repr(str(path))))
@@ -667,6 +769,30 @@ def test_gguf_model_on_the_vnni_kernel_stays_close_to_fp32(tiny_gguf: Path) -> N
     clear = (top2[:, 0] - top2[:, 1]) > 2 * VNNI_LOGIT_TOL
     assert clear.float().mean() > 0.5  # not vacuous
     assert torch.equal(got.argmax(-1)[clear], ref.argmax(-1)[clear])
+
+
+def test_gguf_model_on_vnni_hilo_is_near_the_fp32_model(tiny_gguf: Path) -> None:
+    """fp32 activations on the file's weights: vnni-hilo's two int8 terms per activation keep
+    the logits at least 20x closer to the fp32 dequantized model than vnni's one term (the
+    kernel's bound is 254x), and the greedy pick of every position whose top two the one-term
+    error could swap."""
+    ref_model, _ = load_model(tiny_gguf, None, torch.float32, "cpu")
+    ids = list(range(3, 60))
+    ref = _teacher_forced_logits(ref_model, ids)
+    err = {}
+    for kernel in ("vnni", "vnni-hilo"):
+        plan = QuantPlan("gguf", dense_copy=False, kernel=kernel)
+        model, _ = load_model(tiny_gguf, None, torch.float32, "cpu", quant=plan)
+        assert model.layers[0].qkv_proj.kernel.name == kernel
+        assert model.lm_head.kernel.name == kernel
+        got = _teacher_forced_logits(model, ids)
+        err[kernel] = float((got - ref).abs().max())
+        if kernel == "vnni-hilo":
+            top2 = ref.topk(2, dim=-1).values
+            clear = (top2[:, 0] - top2[:, 1]) > 2 * err[kernel]
+            assert clear.float().mean() > 0.9
+            assert torch.equal(got.argmax(-1)[clear], ref.argmax(-1)[clear])
+    assert 0 < 20 * err["vnni-hilo"] < err["vnni"], err
 
 
 def test_gguf_model_greedy_step_picks_the_argmax_of_its_logits(tiny_gguf: Path) -> None:

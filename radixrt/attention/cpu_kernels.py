@@ -205,15 +205,15 @@ def _register_fakes() -> None:
                 x.new_empty(x.shape[0], dtype=torch.int64))
 
     @torch.library.register_fake("radixrt::qgemm_vnni")
-    def _(x, packed, bits):
+    def _(x, packed, bits, terms=1):
         return x.new_empty(x.shape[0], packed.shape[0] * 16)
 
     @torch.library.register_fake("radixrt::qgemm_vnni_f32")
-    def _(x, packed, bits):
+    def _(x, packed, bits, terms=1):
         return x.new_empty(x.shape[0], packed.shape[0] * 16, dtype=torch.float32)
 
     @torch.library.register_fake("radixrt::qgemm_vnni_f32_argmax")
-    def _(x, packed, bits):
+    def _(x, packed, bits, terms=1):
         return (x.new_empty(x.shape[0], packed.shape[0] * 16, dtype=torch.float32),
                 x.new_empty(x.shape[0], dtype=torch.int64))
 

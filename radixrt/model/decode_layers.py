@@ -44,7 +44,8 @@ from radixrt.model.layer_ops import FusedCpuLayerOps, LayerOps
 from radixrt.model.linear import DenseWeight, LinearWeight, QuantizedWeight
 from radixrt.model.quant_matmul import TiledQuantMatmul, VnniQuantMatmul
 
-KIND_DENSE, KIND_QGEMV, KIND_VNNI = 0, 1, 2  # the op's linear kinds (see decode_layers.cpp)
+# the op's linear kinds (see decode_layers.cpp); KIND_VNNI_HILO: the vnni kernel, two terms
+KIND_DENSE, KIND_QGEMV, KIND_VNNI, KIND_VNNI_HILO = 0, 1, 2, 3
 SLOTS_PER_LINEAR = 6  # (a, b, c, dense, bias, packed): decode_layers.cpp's kSlotsPerLinear
 
 
@@ -64,7 +65,8 @@ def _linear_entry(w: LinearWeight, bias: torch.Tensor | None
                 [KIND_QGEMV, k.bits, w.max_rows])
     if isinstance(w, QuantizedWeight) and isinstance(w.kernel, VnniQuantMatmul):
         return ([w.kernel.packed, None, None, plain, bias, packed],
-                [KIND_VNNI, w.kernel.bits, w.max_rows])
+                [KIND_VNNI if w.kernel.terms == 1 else KIND_VNNI_HILO, w.kernel.bits,
+                 w.max_rows])
     return f"matmul weight {w.describe()} has no C++ path"
 
 
@@ -87,7 +89,8 @@ class DecodeLayers:
         # row the same whatever the row count (torch's dense matmuls need not), so the whole
         # step is row-invariant and may run as micro-batches bitwise.
         self.row_invariant = all(
-            meta[3 * i] in (KIND_QGEMV, KIND_VNNI) and weights[SLOTS_PER_LINEAR * i + 3] is None
+            meta[3 * i] in (KIND_QGEMV, KIND_VNNI, KIND_VNNI_HILO)
+            and weights[SLOTS_PER_LINEAR * i + 3] is None
             for i in range(len(meta) // 3))
         # The most rows one pass may take as a team of threads (decode_layers.cpp, team.h:
         # every matmul without a bias, on the vnni kernel or dense on an AMX-packed weight,

@@ -168,7 +168,7 @@ class QuantizedWeight(LinearWeight):
     @classmethod
     def from_groups(cls, groups: Int4Groups, dense: torch.Tensor | None = None,
                     max_rows: int = 0, kernel: str = "auto") -> QuantizedWeight:
-        """`groups` packed for `kernel` ("auto" | "radixrt" | "vnni" | "torch", see
+        """`groups` packed for `kernel` ("auto" | "radixrt" | "vnni" | "vnni-hilo" | "torch", see
         `quant_matmul.resolve_quant_kernel`)."""
         return cls(make_quant_matmul(groups, kernel), dense, max_rows)
 

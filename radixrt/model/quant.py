@@ -219,7 +219,7 @@ class QuantPlan:
     logits from 0.003 to 0.08, see bench/accuracy.py).
     `max_rows_int4` / `max_rows_int8`: the largest call (rows) run on the quantized kernel when
     `dense_copy` keeps a dense copy for larger ones; `EVERY_CALL` keeps none for that width.
-    `kernel`: "auto" | "radixrt" | "vnni" | "torch", the quantized matmul kernel (see
+    `kernel`: "auto" | "radixrt" | "vnni" | "vnni-hilo" | "torch", the quantized matmul kernel (see
     `quant_matmul.resolve_quant_kernel`). `max_rows_head`: the quantized LM head's own crossover
     where it was measured on the loaded head (`crossover_tuning.tune_head_crossover`; it drops
     its dense copy when that is `EVERY_CALL`), None where the head follows its width's.
@@ -281,7 +281,8 @@ class QuantPlan:
         """Whether every call of every matmul runs on the int8-activation vnni kernel, so none
         runs in the model dtype: a vnni plan whose weights keep no dense copy (neither width,
         `keeps_dense`) and whose mode quantizes every weight (`gguf` only when all of the file's
-        2-D tensors, `gguf_types`, are kept types; None: not a GGUF file)."""
+        2-D tensors, `gguf_types`, are kept types; None: not a GGUF file). Never `vnni-hilo`:
+        its activations are meant to reach it unrounded, so the model dtype still matters."""
         if (not self.quantized or self.kernel != "vnni"
                 or self.keeps_dense(4) or self.keeps_dense(8)):
             return False

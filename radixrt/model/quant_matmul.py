@@ -15,10 +15,12 @@ from an `Int4Groups` weight and computing `x @ W.T` for `x [M, in]` in x's dtype
   (radixrt/attention/csrc/qgemm_vnni.cpp) on AVX512-VNNI or AVX2 CPUs: activations quantized to
   int8 per row and group of 32, integer dot products (vpdpbusd; vpmaddubsw on AVX2) against the
   exact weight codes, for every row count (decode and prefill), on a layout made once at load time (`pack_vnni`).
+  "vnni-hilo" is the same kernel with two int8 terms per activation (the high one and the
+  residual it leaves): near-fp32 activations for twice the integer work.
 
 `make_quant_matmul(groups, kernel)` picks one: `kernel` is "auto" (radixrt when its library
 loads, else torch; the start-up probe may pick vnni instead, see `quant_kernel_candidates`),
-"radixrt", "vnni" or "torch".
+"radixrt", "vnni", "vnni-hilo" or "torch".
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from abc import ABC, abstractmethod
 import torch
 from torch import nn
 
-from radixrt.config import QUANT_KERNELS
+from radixrt.config import QUANT_KERNELS, VNNI_TERMS
 from radixrt.model.quant import GROUP, KERNEL_SCALE_DTYPE, Int4Groups
 
 TILE = 16  # output features per tile of the radixrt layout
@@ -280,6 +282,12 @@ def unpack_vnni(packed: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Te
     return u, rows(sc[:, :, 0]), rows(sc[:, :, 1])
 
 
+def vnni_terms(kernel: str) -> int:
+    """int8 terms per activation of kernel name `kernel` ("vnni" 1, "vnni-hilo" 2), 0 for a
+    kernel that is not the int8-activation one."""
+    return VNNI_TERMS.get(kernel, 0)
+
+
 class VnniQuantMatmul(QuantMatmul):
     """radixrt's int8-activation VNNI kernel `torch.ops.radixrt.qgemm_vnni`
     (radixrt/attention/csrc/qgemm_vnni.cpp) on the `pack_vnni` layout: each activation row is
@@ -287,21 +295,25 @@ class VnniQuantMatmul(QuantMatmul):
     unsigned weight codes by vpdpbusd; weights (GGUF scales) are exact, so the result is the
     exact-weight matmul of the int8-rounded activations (relative error per group <= 1/254 of
     its absmax), summed in fp32. AVX512-VNNI or AVX2 CPUs (the same bits on both); every row
-    count."""
+    count. With `terms` 2 ("vnni-hilo") each activation is two int8 terms, the high one as
+    above and the residual it leaves, quantized alike with its own scale (relative error per
+    group <= 1/64516 of its absmax): two rows of integer work per row, one weight read."""
 
-    name = "vnni"
-
-    def __init__(self, packed: torch.Tensor, bits: int):
-        """`packed` as `pack_vnni` returns it (`bits` 4 or 8)."""
+    def __init__(self, packed: torch.Tensor, bits: int, terms: int = 1):
+        """`packed` as `pack_vnni` returns it (`bits` 4 or 8); `terms` 1 or 2."""
         super().__init__()
+        if terms not in (1, 2):
+            raise ValueError(f"VnniQuantMatmul: terms must be 1 or 2, got {terms}")
         self.bits = bits
+        self.terms = terms
+        self.name = "vnni" if terms == 1 else "vnni-hilo"
         self.out_features = int(packed.shape[0]) * TILE
         self.in_features = int(packed.shape[1]) * GROUP
         self.register_buffer("packed", packed)
 
     @classmethod
-    def from_groups(cls, groups: Int4Groups) -> VnniQuantMatmul:
-        return cls(pack_vnni(groups), groups.bits)
+    def from_groups(cls, groups: Int4Groups, terms: int = 1) -> VnniQuantMatmul:
+        return cls(pack_vnni(groups), groups.bits, terms)
 
     def _checked(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
@@ -310,17 +322,18 @@ class VnniQuantMatmul(QuantMatmul):
         return x.contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.radixrt.qgemm_vnni(self._checked(x), self.packed, self.bits)
+        return torch.ops.radixrt.qgemm_vnni(self._checked(x), self.packed, self.bits, self.terms)
 
     def forward_f32(self, x: torch.Tensor) -> torch.Tensor:
         """The fp32 sums `forward` rounds to x's dtype (bitwise: `forward(x)` is this rounded)."""
-        return torch.ops.radixrt.qgemm_vnni_f32(self._checked(x), self.packed, self.bits)
+        return torch.ops.radixrt.qgemm_vnni_f32(self._checked(x), self.packed, self.bits,
+                                                self.terms)
 
     def forward_f32_argmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`forward_f32` and each row's argmax, picked by every thread over the outputs it has
         just written (`qgemm_vnni_f32_argmax`), so the logits are not read again."""
         y, ids = torch.ops.radixrt.qgemm_vnni_f32_argmax(self._checked(x), self.packed,
-                                                          self.bits)
+                                                          self.bits, self.terms)
         return y, ids
 
     def dequantize(self) -> torch.Tensor:
@@ -361,14 +374,14 @@ def resolve_quant_kernel(kernel: str) -> str:
                          f"{kernel!r}")
     if kernel == "torch":
         return "torch"
-    if kernel == "vnni":
+    if vnni_terms(kernel):
         if vnni_kernel_available():
-            return "vnni"
+            return kernel
         from radixrt.attention.cpu_kernels import unavailable_reason
 
         why = unavailable_reason() or "the library was built without AVX2 or AVX512-VNNI"
-        raise ValueError("ServerArgs.quant_kernel: 'vnni' needs radixrt's CPU kernel library "
-                         f"built for an AVX2 or AVX512-VNNI CPU ({why})")
+        raise ValueError(f"ServerArgs.quant_kernel: {kernel!r} needs radixrt's CPU kernel "
+                         f"library built for an AVX2 or AVX512-VNNI CPU ({why})")
     if radixrt_kernel_available():
         return "radixrt"
     if kernel == "radixrt":
@@ -390,8 +403,8 @@ def quant_kernel_candidates(kernel: str) -> tuple[str, ...]:
 def make_quant_matmul(groups: Int4Groups, kernel: str = "auto") -> QuantMatmul:
     """`groups` packed for `kernel` (see `resolve_quant_kernel`)."""
     resolved = resolve_quant_kernel(kernel)
-    if resolved == "vnni":
-        return VnniQuantMatmul.from_groups(groups)
+    if vnni_terms(resolved):
+        return VnniQuantMatmul.from_groups(groups, vnni_terms(resolved))
     if resolved == "radixrt":
         return TiledQuantMatmul.from_groups(groups)
     return TorchInt4Matmul.from_groups(groups)

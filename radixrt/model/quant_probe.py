@@ -56,6 +56,7 @@ from radixrt.model.quant_matmul import (
     VnniQuantMatmul,
     quant_kernel_candidates,
     vnni_kernel_available,
+    vnni_terms,
 )
 
 logger = logging.getLogger(__name__)
@@ -172,14 +173,14 @@ def _random_groups(n: int, k: int, planes: int, g: torch.Generator, drawn: _Code
     return Int4Groups(q, scale, torch.zeros_like(scale))
 
 
-def _random_vnni(n: int, k: int, bits: int, g: torch.Generator, drawn: _Codes
-                 ) -> VnniQuantMatmul:
+def _random_vnni(n: int, k: int, bits: int, g: torch.Generator, drawn: _Codes,
+                 terms: int = 1) -> VnniQuantMatmul:
     """A vnni-layout weight of random codes and scales 0.01 (packing real groups costs ~10x
     more; the timing does not depend on the values)."""
     cb = VNNI_CODE_BYTES[bits]
     packed = _random_codes((n // 16, k // GROUP, cb + 64), 256, g, drawn)
     packed[..., cb:] = torch.full((32,), 0.01, dtype=torch.float16).view(torch.uint8)
-    return VnniQuantMatmul(packed, bits)
+    return VnniQuantMatmul(packed, bits, terms)
 
 
 def _probe_weights(hidden: int, intermediate: int, dense_dtype: torch.dtype,
@@ -197,7 +198,7 @@ def _probe_weights(hidden: int, intermediate: int, dense_dtype: torch.dtype,
     out: dict[str, list[LinearWeight]] = {"dense": []}
     g = torch.Generator().manual_seed(0)
     drawn: _Codes = {}
-    needs_groups = any(kernel != "vnni" for kernel in kernels)  # vnni packs its own codes
+    needs_groups = not all(vnni_terms(kernel) for kernel in kernels)  # vnni packs its own
     total = 0
     i = 0
     while total < PROBE_PARAMS or i < len(shapes):
@@ -208,8 +209,9 @@ def _probe_weights(hidden: int, intermediate: int, dense_dtype: torch.dtype,
         for kind, planes in (("int4", 1), ("int8", 2)):
             groups = _random_groups(n, k, planes, g, drawn) if needs_groups else None
             for kernel in kernels:
-                qw = (QuantizedWeight(_random_vnni(n, k, 4 * planes, g, drawn))
-                      if kernel == "vnni" or groups is None
+                qw = (QuantizedWeight(_random_vnni(n, k, 4 * planes, g, drawn,
+                                                   vnni_terms(kernel)))
+                      if vnni_terms(kernel) or groups is None
                       else QuantizedWeight.from_groups(groups, kernel=kernel))
                 out.setdefault(f"{kind}:{kernel}", []).append(qw)
     return out

@@ -34,6 +34,7 @@ from radixrt.model.loader import (
 )
 from radixrt.model.model_config import ModelConfig, resolve_gguf_file
 from radixrt.model.quant import QuantPlan
+from radixrt.model.quant_matmul import vnni_terms
 from radixrt.model.quant_probe import (
     QuantProbe,
     probe_quant_kernels,
@@ -123,7 +124,10 @@ class ModelRunner:
             self.dtype_probe = probe_cpu_dtype()
             return self.dtype_probe
 
-        self.dtype = resolve_dtype(args.dtype, self.device, self.model_config, probe)
+        dtype = args.dtype
+        if dtype == "auto" and self.device.type == "cpu" and vnni_terms(args.quant_kernel) == 2:
+            dtype = "float32"  # vnni-hilo: the activations are to reach the kernel unrounded
+        self.dtype = resolve_dtype(dtype, self.device, self.model_config, probe)
         cfg = self.model_config
         self.quant_probe: QuantProbe | None = None  # set when the kernels were timed
 
@@ -147,7 +151,7 @@ class ModelRunner:
         if self.dtype_probe is not None:
             logger.info("dtype auto -> %s", self.dtype_probe.describe())
         logger.info("quantization %s -> %s", args.quantization, why)
-        if self.quant.mode != "none" and self.quant.kernel == "vnni":
+        if self.quant.mode != "none" and vnni_terms(self.quant.kernel):
             quiet()
             _, passes = probe_single_tile_passes(cfg.hidden_size, cfg.intermediate_size)
             logger.info("vnni kernel passes -> %s", passes)

@@ -15,6 +15,7 @@
 //   kind 1 (qgemv):  rows > max_rows and a dense copy: y = linear(x, dense, bias); else
 //                    y = qgemv(x, codes a, scale b, offset c, bits) (+ bias)
 //   kind 2 (vnni):   the same rule, with y = qgemm_vnni(x, packed a, bits) (+ bias)
+//   kind 3 (vnni, two terms): kind 2 with qgemm_vnni(..., terms=2) (the vnni-hilo kernel)
 // `packed`, when given, is the dense weight (a for kind 0, else dense) packed
 // (radixrt/model/prepack.py): in radixrt's AMX layout (5-D), a dense linear of up to
 // kAmxMaxRows rows runs radixrt::amx_linear on it; in oneDNN's, one of up to kPackedMaxRows
@@ -99,7 +100,7 @@ constexpr int64_t kAmxMaxRows = 1024;
 constexpr int64_t kMetaPerLinear = 3;
 // A linear's kind, meta[3i] (radixrt/model/decode_layers.py KIND_*): dense, radixrt's qgemv
 // kernel, the vnni kernel.
-constexpr int64_t kKindDense = 0, kKindQgemv = 1, kKindVnni = 2;
+constexpr int64_t kKindDense = 0, kKindQgemv = 1, kKindVnni = 2, kKindVnniHilo = 3;
 constexpr int64_t kLinearsPerLayer = 4;
 // A micro-batch's thread waiting for the other: pause-spins before yielding the core.
 constexpr int64_t kSpinsBeforeYield = 2000;
@@ -121,8 +122,9 @@ struct Ops {
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                   int64_t)>
       qgemv;
-  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t)> qgemm_vnni;
-  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t)> qgemm_vnni_silu;
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t, int64_t)> qgemm_vnni;
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t, int64_t)>
+      qgemm_vnni_silu;
   c10::TypedOperatorHandle<std::tuple<Tensor, Tensor>(
       const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
       const Tensor&, const Tensor&, const Tensor&, const Tensor&, double)>
@@ -160,9 +162,9 @@ struct Ops {
               .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                             int64_t)>(),
           d.findSchemaOrThrow("radixrt::qgemm_vnni", "")
-              .typed<Tensor(const Tensor&, const Tensor&, int64_t)>(),
+              .typed<Tensor(const Tensor&, const Tensor&, int64_t, int64_t)>(),
           d.findSchemaOrThrow("radixrt::qgemm_vnni_silu", "")
-              .typed<Tensor(const Tensor&, const Tensor&, int64_t)>(),
+              .typed<Tensor(const Tensor&, const Tensor&, int64_t, int64_t)>(),
           d.findSchemaOrThrow("radixrt::paged_decode", "")
               .typed<std::tuple<Tensor, Tensor>(
                   const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
@@ -234,12 +236,15 @@ Tensor run_linear(const Ops& ops, const Tensor& x, const OptTensors& w, c10::Int
   const int64_t kind = meta[i * kMetaPerLinear], bits = meta[i * kMetaPerLinear + 1];
   const int64_t base = i * kSlotsPerLinear;
   const std::optional<Tensor> bias = slot(w, base + 4);
-  TORCH_CHECK(kind >= kKindDense && kind <= kKindVnni, "decode_layers: linear ", i,
+  TORCH_CHECK(kind >= kKindDense && kind <= kKindVnniHilo, "decode_layers: linear ", i,
               " has unknown kind ", kind);
   const std::optional<Tensor> dense = kind == kKindDense ? std::nullopt : slot(w, base + 3);
   const bool on_kernel = !on_dense(w, meta, i, x.size(0));
-  if (silu && kind == kKindVnni && on_kernel) {
-    const Tensor y = ops.qgemm_vnni_silu.call(x.contiguous(), required(w, base, i, "packed"), bits);
+  const bool vnni = kind == kKindVnni || kind == kKindVnniHilo;
+  const int64_t terms = kind == kKindVnniHilo ? 2 : 1;
+  if (silu && vnni && on_kernel) {
+    const Tensor y =
+        ops.qgemm_vnni_silu.call(x.contiguous(), required(w, base, i, "packed"), bits, terms);
     return bias.has_value() ? y + *bias : y;
   }
   const Tensor a = silu ? ops.silu_mul.call(x) : x;
@@ -250,8 +255,8 @@ Tensor run_linear(const Ops& ops, const Tensor& x, const OptTensors& w, c10::Int
       return packed_linear(a, *packed, bias);
     return at::linear(a, kind == kKindDense ? required(w, base, i, "weight") : *dense, bias);
   }
-  Tensor y = kind == kKindVnni
-                 ? ops.qgemm_vnni.call(a.contiguous(), required(w, base, i, "packed"), bits)
+  Tensor y = vnni
+                 ? ops.qgemm_vnni.call(a.contiguous(), required(w, base, i, "packed"), bits, terms)
                  : ops.qgemv.call(a.contiguous(), required(w, base, i, "codes"),
                                   required(w, base + 1, i, "scale"),
                                   required(w, base + 2, i, "offset"), bits);

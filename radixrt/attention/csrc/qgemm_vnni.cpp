@@ -17,6 +17,14 @@
 // same instruction sequence computes each output whatever M, the blocking or the thread count,
 // so results are independent of the row count (batch-invariant).
 //
+// Two terms (`terms` = 2, the `vnni-hilo` kernel): each row is quantized as above (the high
+// term), then its residual x - xq * sx, exact to one rounding, is quantized the same way with
+// its own scale (the low term, at most sx / 254 per step): x ~= xq * sx + xq' * sx', relative
+// error per group <= 1/64516 of its absmax, near fp32 activations. The two terms are two rows
+// of the quantized layout (row 2r high, 2r + 1 low: "virtual rows"), passed like any two rows
+// of the same weights; a pass stores each pair's sum of fp32 accumulators (high + low) as the
+// output row r. Integer work doubles, weight traffic does not.
+//
 // Layout (made once at load time by radixrt/model/quant_matmul.py `pack_vnni`): output features
 // in tiles of 16 (vector lanes), one blob per (tile, group), uint8 [N/16, K/32, B]:
 //   4-bit: 4 vectors of 64 bytes; vector v, lane n, byte b: low nibble u[n, 32g + 8v + b],
@@ -141,10 +149,13 @@ struct Acts {
 };
 
 struct Problem {
-  int64_t m, n_tiles, groups, bits, blob;
+  int64_t m, n_tiles, groups, bits, blob;  // m: rows of the quantized layout (virtual rows)
   bool half;  // scales are float16 (else float32)
   const uint8_t* w;  // [n_tiles, groups, blob]
   Acts a;
+  // Two terms: layout rows 2r, 2r + 1 are output row r's high and low terms; every pass then
+  // starts at an even row and takes an even number of rows (row blocks and chunks are even).
+  bool pairs = false;
   int64_t code_bytes() const { return 64 * bits; }
 };
 
@@ -272,6 +283,17 @@ inline void block(const Problem& p, int64_t m0, int64_t t, Out* y, int64_t ldy, 
     ++xsg;
     ++corrg;
   }
+  if constexpr (MT % 2 == 0) {
+    if (p.pairs) {  // rows m0 + m, m0 + m + 1: output row (m0 + m) / 2's high and low terms
+#pragma GCC unroll 4
+      for (int m = 0; m < MT; m += 2)
+#pragma GCC unroll 4
+        for (int tt = 0; tt < TT; ++tt)
+          store16(y + (m0 + m) / 2 * ldy + (t + tt) * kTile,
+                  _mm512_add_ps(acc[m][tt], acc[m + 1][tt]));
+      return;
+    }
+  }
 #pragma GCC unroll 8
   for (int m = 0; m < MT; ++m)
 #pragma GCC unroll 4
@@ -360,12 +382,28 @@ inline void quantize_group(__m512 lo, __m512 hi, int64_t q, int64_t i, int32_t c
   corr[i] = -code_offset * sum;
 }
 
-// quantize_group on the 32 activations at src.
+// What quantize_group leaves of a group (lo, hi), in place: x - round(x / s) * s with its
+// scale s and rounding, one rounding (FMA); zero for an all-zero group. The low term's input.
+inline void residual_group(__m512& lo, __m512& hi) {
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+  const float s = amax / 127.f;
+  if (s == 0.f) {
+    lo = hi = _mm512_setzero_ps();
+    return;
+  }
+  const __m512 vs = _mm512_set1_ps(s);
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  lo = _mm512_fnmadd_ps(_mm512_roundscale_ps(_mm512_div_ps(lo, vs), kNearest), vs, lo);
+  hi = _mm512_fnmadd_ps(_mm512_roundscale_ps(_mm512_div_ps(hi, vs), kNearest), vs, hi);
+}
+
+// quantize_group on the 32 activations at src (`low`: on their residual, residual_group).
 template <typename In>
 inline void quantize_group_from(const In* src, int64_t q, int64_t i, int32_t code_offset,
-                                const Acts& a) {
+                                const Acts& a, bool low) {
   __m512 lo, hi;
   load_group(src, lo, hi);
+  if (low) residual_group(lo, hi);
   quantize_group(lo, hi, q, i, code_offset, a);
 }
 
@@ -553,6 +591,17 @@ inline void block_avx2(const Problem& p, int64_t m0, int64_t h0, Out* y, int64_t
     ++xsg;
     ++corrg;
   }
+  if constexpr (MT % 2 == 0) {
+    if (p.pairs) {  // as block's (VNNI)
+#pragma GCC unroll 2
+      for (int m = 0; m < MT; m += 2)
+#pragma GCC unroll 2
+        for (int ht = 0; ht < HT; ++ht)
+          store8(y + (m0 + m) / 2 * ldy + (h0 + ht) * kHalf,
+                 _mm256_add_ps(acc[m][ht], acc[m + 1][ht]));
+      return;
+    }
+  }
 #pragma GCC unroll 4
   for (int m = 0; m < MT; ++m)
 #pragma GCC unroll 2
@@ -607,10 +656,11 @@ inline int32_t hsum8_epi32(__m256i v) {
 }
 
 // The 32 activations at src (float32 or bfloat16) quantized into `a`: codes at entry q of xq,
-// scales at entry i of sx, xs and corr; the VNNI path's arithmetic (see quantize_group there).
+// scales at entry i of sx, xs and corr; the VNNI path's arithmetic (see quantize_group and, for
+// `low`, the residual of the group's own quantization, residual_group there).
 template <typename In>
 inline void quantize_group_from(const In* src, int64_t q, int64_t i, int32_t code_offset,
-                                const Acts& a) {
+                                const Acts& a, bool low) {
   __m256 v[4];
 #pragma GCC unroll 4
   for (int j = 0; j < 4; ++j) {
@@ -622,10 +672,25 @@ inline void quantize_group_from(const In* src, int64_t q, int64_t i, int32_t cod
     }
   }
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-  const __m256 mx = _mm256_max_ps(
-      _mm256_max_ps(_mm256_and_ps(v[0], abs_mask), _mm256_and_ps(v[1], abs_mask)),
-      _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask)));
-  const float s = hmax8(mx) / 127.f;
+  auto scale = [&] {
+    const __m256 mx = _mm256_max_ps(
+        _mm256_max_ps(_mm256_and_ps(v[0], abs_mask), _mm256_and_ps(v[1], abs_mask)),
+        _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask)));
+    return hmax8(mx) / 127.f;
+  };
+  if (low) {  // the residual of the group's own quantization, as residual_group (VNNI)
+    const float s0 = scale();
+    const __m256 vs0 = _mm256_set1_ps(s0);
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      v[j] = s0 == 0.f ? _mm256_setzero_ps()
+                       : _mm256_fnmadd_ps(_mm256_round_ps(_mm256_div_ps(v[j], vs0),
+                                                          _MM_FROUND_TO_NEAREST_INT |
+                                                              _MM_FROUND_NO_EXC),
+                                          vs0, v[j]);
+    }
+  }
+  const float s = scale();
   int8_t* dst = const_cast<int8_t*>(a.xq) + q * kGroup;
   float* sx = const_cast<float*>(a.sx);
   float* xs = const_cast<float*>(a.xs);
@@ -762,25 +827,28 @@ inline Acts acts_at(uint8_t* base, int64_t m, int64_t groups) {
 // Within a block, rows outer (each row's groups are read in order: measured 1.3x faster on 2
 // threads than groups outer). `code_offset` is 2^(bits-1), the symmetric weights' code offset.
 // Each (row, group) depends on its own 32 values only: any split gives the same bytes.
+// Rows here are the layout's: with `terms` 2, row r is input row r / 2's high (even) or low
+// (odd) term.
 template <typename Src>
 void quantize_units(const Src& src, int64_t u0, int64_t u1, int64_t r0, int64_t r1,
-                    int64_t groups, int32_t code_offset, const Acts& a) {
+                    int64_t groups, int32_t code_offset, int64_t terms, const Acts& a) {
   alignas(64) float buf[kRunGroups * kGroup];
   for (int64_t b = u0 / groups; b * groups < u1; ++b) {
     const int64_t g0 = std::max<int64_t>(u0 - b * groups, 0);
     const int64_t g1 = std::min<int64_t>(u1 - b * groups, groups);
     const int64_t rows = std::min(kRowBlock, r1 - b * kRowBlock);
     for (int64_t rr = std::max<int64_t>(0, r0 - b * kRowBlock); rr < rows; ++rr) {
-      const int64_t r = b * kRowBlock + rr;
+      const int64_t r = b * kRowBlock + rr, xr = r / terms;
+      const bool low = r % terms == 1;
       for (int64_t gs = g0; gs < g1; gs += kRunGroups) {
         const int64_t ge = std::min(g1, gs + kRunGroups);
-        if constexpr (Src::kSilu) src.silu_groups(r, gs, ge, buf);
+        if constexpr (Src::kSilu) src.silu_groups(xr, gs, ge, buf);
         for (int64_t g = gs; g < ge; ++g) {
           const int64_t q = (b * groups + g) * kRowBlock + rr, i = r * groups + g;
           if constexpr (Src::kSilu) {
-            quantize_group_from(buf + (g - gs) * kGroup, q, i, code_offset, a);
+            quantize_group_from(buf + (g - gs) * kGroup, q, i, code_offset, a, low);
           } else {
-            quantize_group_from(src.x + r * src.ld + g * kGroup, q, i, code_offset, a);
+            quantize_group_from(src.x + xr * src.ld + g * kGroup, q, i, code_offset, a, low);
           }
         }
       }
@@ -794,9 +862,10 @@ void quantize_units(const Src& src, int64_t u0, int64_t u1, int64_t r0, int64_t 
 struct ActInput {
   const Tensor& x;
   bool silu;
-  int64_t m, k, groups;
+  int64_t m, k, groups;  // m: the layout's rows, x's rows times `terms`
   int32_t code_offset;
   Acts acts;
+  int64_t terms = 1;  // 1, or 2: high and low terms per input row (see the top of the file)
 
   int64_t units() const { return (m + kRowBlock - 1) / kRowBlock * groups; }
 
@@ -812,7 +881,7 @@ struct ActInput {
       using In = std::remove_const_t<std::remove_pointer_t<decltype(xp)>>;
       constexpr bool kSilu = decltype(silu_tag)::value;
       const ActRows<In, kSilu> src{xp, x.size(1), k, kSilu ? silu_mul_vec_end<In>(k) : 0};
-      quantize_units(src, u0, u1, r0, r1, groups, code_offset, acts);
+      quantize_units(src, u0, u1, r0, r1, groups, code_offset, terms, acts);
     };
     if (x.scalar_type() == at::kFloat) {
       silu ? run(x.data_ptr<float>(), std::true_type{})
@@ -899,9 +968,9 @@ void team_quantize_then_work(TeamMember& m, const ActInput& in, int64_t items, b
                              bool whole, const W& work) {
   if (whole) {
     if (!first_only || m.id == 0) in.quantize(0, in.units());  // only who runs items reads it
-  } else {
-    const auto [r0, r1] = m.rows(in.m);
-    if (r0 < r1) in.quantize_rows(r0, r1);
+  } else {  // the member's input rows (as its row ops split them), each row's terms
+    const auto [r0, r1] = m.rows(in.m / in.terms);
+    if (r0 < r1) in.quantize_rows(r0 * in.terms, r1 * in.terms);
     m.barrier();
   }
   if (first_only) {
@@ -961,13 +1030,22 @@ const Tensor checked_x(const Tensor& x, const char* op, const char* name) {
 
 // (xq int8 [M, K], sx float32 [M, K/32], S = sx * sum(xq) float32 [M, K/32]): the activation
 // quantization qgemm_vnni applies (exposed for tests and references).
-std::tuple<Tensor, Tensor, Tensor> qgemm_vnni_quantize(const Tensor& x) {
+// `terms`, checked: 1 or 2 int8 terms per activation.
+int64_t checked_terms(int64_t terms, const char* op) {
+  TORCH_CHECK(terms == 1 || terms == 2, op, ": terms must be 1 or 2, got ", terms);
+  return terms;
+}
+
+// With `terms` 2, [2M, ...]: row 2r input row r's high term, 2r + 1 its low term.
+std::tuple<Tensor, Tensor, Tensor> qgemm_vnni_quantize(const Tensor& x, int64_t terms) {
   const Tensor xc = checked_x(x, "qgemm_vnni", "x");
+  checked_terms(terms, "qgemm_vnni_quantize");
 #if defined(RADIXRT_QGEMM_INT8)
-  const int64_t m = xc.size(0), k = xc.size(1), groups = k / kGroup;
+  const int64_t m = xc.size(0) * terms, k = xc.size(1), groups = k / kGroup;
   const int64_t blocks = (m + kRowBlock - 1) / kRowBlock;
   const Tensor buf = at::empty({acts_bytes(m, groups)}, xc.options().dtype(at::kByte));
-  const ActInput in{xc, false, m, k, groups, 1 << 3, acts_at(buf.data_ptr<uint8_t>(), m, groups)};
+  const ActInput in{xc, false, m, k, groups, 1 << 3, acts_at(buf.data_ptr<uint8_t>(), m, groups),
+                    terms};
   in.quantize_all();
   const int64_t rows = blocks * kRowBlock, n = blocks * groups * kRowBlock;
   const Tensor xq = buf.narrow(0, 0, n * kGroup).view(at::kChar);
@@ -1002,24 +1080,28 @@ int64_t checked_blob(const Tensor& packed, int64_t bits, const char* op) {
 // `f32_out`: y in float32 whatever x's dtype (the fp32 accumulators as they are; otherwise they
 // are rounded to x's dtype on store, so a bf16 call's result is this one's rounded to bf16).
 // `picks` (f32_out only): each row's argmax over y into it (int64 [m], see `Picks`).
+// `terms`: 1, or 2 (high and low int8 terms per activation, see the top of the file).
 Tensor qgemm_vnni_impl(const Tensor& xc, bool silu, const Tensor& packed, int64_t bits,
-                       int64_t blob, bool f32_out = false, int64_t* picks = nullptr) {
+                       int64_t blob, int64_t terms, bool f32_out = false,
+                       int64_t* picks = nullptr) {
 #if defined(RADIXRT_QGEMM_INT8)
   const int64_t code_bytes = 64 * bits;
-  const int64_t m = xc.size(0), k = packed.size(1) * kGroup, n_tiles = packed.size(0);
+  const int64_t rows = xc.size(0), k = packed.size(1) * kGroup, n_tiles = packed.size(0);
   const int64_t n = n_tiles * kTile;
+  const int64_t m = rows * terms;  // the quantized layout's rows, which the work items split
   TeamMember* member = team_member();
   const bool whole = member != nullptr && member->quantize_whole;
   if (member != nullptr) member->quantize_whole = false;
-  Tensor y = team_empty({m, n}, f32_out ? xc.options().dtype(at::kFloat) : xc.options());
+  Tensor y = team_empty({rows, n}, f32_out ? xc.options().dtype(at::kFloat) : xc.options());
   if (m == 0 || n == 0) return y;
   if (k == 0) return y.zero_();
   Tensor owned;  // the quantized activations' buffer when not the thread's scratch
   const ActInput in{xc, silu, m, k, k / kGroup, int32_t{1} << (bits - 1),
-                    acts_at(acts_buffer(acts_bytes(m, k / kGroup), owned, whole), m, k / kGroup)};
+                    acts_at(acts_buffer(acts_bytes(m, k / kGroup), owned, whole), m, k / kGroup),
+                    terms};
   const bool affine = blob != code_bytes + 32;
   const Problem p{m, n_tiles, k / kGroup, bits, blob, blob != code_bytes + 128,
-                  packed.data_ptr<uint8_t>(), in.acts};
+                  packed.data_ptr<uint8_t>(), in.acts, terms == 2};
   // Work items: row chunks x tile chunks, row-chunk-major (a thread's consecutive items share
   // activations). Row chunks: equal shares of at most kRowChunk rows, in whole row blocks. Tile
   // chunks: at least kMinWeightsPerTask weight-rows of work each, sizes within one tile of each
@@ -1041,13 +1123,15 @@ Tensor qgemm_vnni_impl(const Tensor& xc, bool silu, const Tensor& packed, int64_
   const bool serial = items == 1 || threads == 1 || m * n * k < 2 * kMinWeightsPerTask;
   // One run per thread at most (quantize_then_work's slots, or one; never in a team).
   std::optional<Picks> pick_runs;
-  if (picks != nullptr) pick_runs.emplace(m, std::min(threads, items), "qgemm_vnni_f32_argmax");
+  if (picks != nullptr) {
+    pick_runs.emplace(rows, std::min(threads, items), "qgemm_vnni_f32_argmax");
+  }
   auto run = [&](auto* yp) {
     using Out = std::remove_pointer_t<decltype(yp)>;
     auto work = [&](int64_t i0, int64_t i1) {
       std::vector<LanePick> lanes;
       if constexpr (std::is_same_v<Out, float>) {
-        if (pick_runs && i0 < i1) lanes.resize(static_cast<size_t>(m));
+        if (pick_runs && i0 < i1) lanes.resize(static_cast<size_t>(rows));
       }
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t rc = i / tile_chunks, tc = i % tile_chunks;
@@ -1060,8 +1144,8 @@ Tensor qgemm_vnni_impl(const Tensor& xc, bool silu, const Tensor& packed, int64_
           affine ? item<8, true>(p, r0, r1, t0, t1, yp, n) : item<8, false>(p, r0, r1, t0, t1, yp, n);
         }
         if constexpr (std::is_same_v<Out, float>) {
-          if (!lanes.empty()) {
-            for (int64_t r = r0; r < r1; ++r)
+          if (!lanes.empty()) {  // the output rows of layout rows [r0, r1)
+            for (int64_t r = r0 / terms; r < r1 / terms; ++r)
               for (int64_t t = t0; t < t1; ++t)
                 lanes[r].visit(yp + r * n + t * kTile, static_cast<int32_t>(t * kTile));
           }
@@ -1069,7 +1153,7 @@ Tensor qgemm_vnni_impl(const Tensor& xc, bool silu, const Tensor& packed, int64_
       }
       if (!lanes.empty()) {
         const int64_t slot = pick_runs->claim();
-        for (int64_t r = 0; r < m; ++r) pick_runs->runs[slot * m + r] = lanes[r].reduce();
+        for (int64_t r = 0; r < rows; ++r) pick_runs->runs[slot * rows + r] = lanes[r].reduce();
       }
     };
     if (member != nullptr) {
@@ -1095,20 +1179,21 @@ Tensor qgemm_vnni_impl(const Tensor& xc, bool silu, const Tensor& packed, int64_
 
 // x [M, K] @ W^T, checked and named `op` in errors; `f32_out` as in qgemm_vnni_impl.
 Tensor qgemm_vnni_x(const Tensor& x, const Tensor& packed, int64_t bits, const char* op,
-                    bool f32_out) {
+                    bool f32_out, int64_t terms) {
   const int64_t blob = checked_blob(packed, bits, op);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == packed.size(1) * kGroup, op, ": x must be [M, ",
               packed.size(1) * kGroup, "] for this weight, got ", x.sizes());
-  return qgemm_vnni_impl(checked_x(x, op, "x"), false, packed, bits, blob, f32_out);
+  return qgemm_vnni_impl(checked_x(x, op, "x"), false, packed, bits, blob,
+                         checked_terms(terms, op), f32_out);
 }
 
-Tensor qgemm_vnni(const Tensor& x, const Tensor& packed, int64_t bits) {
-  return qgemm_vnni_x(x, packed, bits, "qgemm_vnni", false);
+Tensor qgemm_vnni(const Tensor& x, const Tensor& packed, int64_t bits, int64_t terms) {
+  return qgemm_vnni_x(x, packed, bits, "qgemm_vnni", false, terms);
 }
 
 // qgemm_vnni with float32 output (LM heads: logits without a rounding to the model dtype).
-Tensor qgemm_vnni_f32(const Tensor& x, const Tensor& packed, int64_t bits) {
-  return qgemm_vnni_x(x, packed, bits, "qgemm_vnni_f32", true);
+Tensor qgemm_vnni_f32(const Tensor& x, const Tensor& packed, int64_t bits, int64_t terms) {
+  return qgemm_vnni_x(x, packed, bits, "qgemm_vnni_f32", true, terms);
 }
 
 // qgemm_vnni_f32 and each row's argmax over its outputs (int64 [M]): torch.argmax(y, -1)'s
@@ -1116,8 +1201,9 @@ Tensor qgemm_vnni_f32(const Tensor& x, const Tensor& packed, int64_t bits) {
 // thread reads back the outputs it has just written (see `Picks`), so the logits are not read
 // again from another core's cache.
 std::tuple<Tensor, Tensor> qgemm_vnni_f32_argmax(const Tensor& x, const Tensor& packed,
-                                                 int64_t bits) {
+                                                 int64_t bits, int64_t terms) {
   const char* op = "qgemm_vnni_f32_argmax";
+  checked_terms(terms, op);
   // A team's members each run the op with picks of their own: they would not be merged.
   TORCH_CHECK(team_member() == nullptr, op, ": not inside a decode team");
   const int64_t blob = checked_blob(packed, bits, op);
@@ -1128,22 +1214,24 @@ std::tuple<Tensor, Tensor> qgemm_vnni_f32_argmax(const Tensor& x, const Tensor& 
   const Tensor xc = checked_x(x, op, "x");
   Tensor ids = at::empty({xc.size(0)}, xc.options().dtype(at::kLong));
   if (xc.size(0) == 0) {
-    return {qgemm_vnni_impl(xc, false, packed, bits, blob, true), ids};
+    return {qgemm_vnni_impl(xc, false, packed, bits, blob, terms, true), ids};
   }
   TORCH_CHECK(xc.size(1) > 0, op, ": x has no features");
-  Tensor y = qgemm_vnni_impl(xc, false, packed, bits, blob, true, ids.data_ptr<int64_t>());
+  Tensor y =
+      qgemm_vnni_impl(xc, false, packed, bits, blob, terms, true, ids.data_ptr<int64_t>());
   return {y, ids};
 }
 
 // qgemm_vnni(silu_mul(gate_up), packed, bits), bitwise, without the intermediate: the SiLU-mul
 // is computed as the activations are quantized (see ActRows).
-Tensor qgemm_vnni_silu(const Tensor& gate_up, const Tensor& packed, int64_t bits) {
+Tensor qgemm_vnni_silu(const Tensor& gate_up, const Tensor& packed, int64_t bits,
+                       int64_t terms) {
   const int64_t blob = checked_blob(packed, bits, "qgemm_vnni_silu");
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) == 2 * packed.size(1) * kGroup,
               "qgemm_vnni_silu: gate_up must be [M, ", 2 * packed.size(1) * kGroup,
               "] (gate, then up) for this weight, got ", gate_up.sizes());
   return qgemm_vnni_impl(checked_x(gate_up, "qgemm_vnni_silu", "gate_up"), true, packed, bits,
-                         blob);
+                         blob, checked_terms(terms, "qgemm_vnni_silu"));
 }
 
 // Sets whether one row takes one tile per pass (AVX-512 path only: the AVX2 path's passes are
@@ -1171,11 +1259,12 @@ std::string qgemm_vnni_isa() {
 }  // namespace radixrt_cpu
 
 TORCH_LIBRARY_FRAGMENT(radixrt, m) {
-  m.def("qgemm_vnni(Tensor x, Tensor packed, int bits) -> Tensor");
-  m.def("qgemm_vnni_f32(Tensor x, Tensor packed, int bits) -> Tensor");
-  m.def("qgemm_vnni_f32_argmax(Tensor x, Tensor packed, int bits) -> (Tensor, Tensor)");
-  m.def("qgemm_vnni_silu(Tensor gate_up, Tensor packed, int bits) -> Tensor");
-  m.def("qgemm_vnni_quantize(Tensor x) -> (Tensor, Tensor, Tensor)");
+  m.def("qgemm_vnni(Tensor x, Tensor packed, int bits, int terms=1) -> Tensor");
+  m.def("qgemm_vnni_f32(Tensor x, Tensor packed, int bits, int terms=1) -> Tensor");
+  m.def("qgemm_vnni_f32_argmax(Tensor x, Tensor packed, int bits, int terms=1) -> "
+        "(Tensor, Tensor)");
+  m.def("qgemm_vnni_silu(Tensor gate_up, Tensor packed, int bits, int terms=1) -> Tensor");
+  m.def("qgemm_vnni_quantize(Tensor x, int terms=1) -> (Tensor, Tensor, Tensor)");
   m.def("qgemm_vnni_isa() -> str", &radixrt_cpu::qgemm_vnni_isa);
   m.def("qgemm_vnni_single_tile(bool enable) -> bool", &radixrt_cpu::qgemm_vnni_single_tile);
 }
