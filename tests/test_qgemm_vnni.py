@@ -254,12 +254,13 @@ def test_two_terms_rows_are_independent_and_fused_paths_bitwise(layout: str) -> 
         assert torch.equal(y, v2(x)) and torch.equal(ids, y.argmax(-1))
         gu = torch.cat([x, x.flip(1)], 1)
         fused = with_threads(threads, lambda: torch.ops.radixrt.qgemm_vnni_silu(  # noqa: B023
-            gu, vm.packed, vm.bits, 2))
+            gu, vm.packed, vm.bits, 2))  # noqa: B023
         assert torch.equal(fused, v2(torch.ops.radixrt.silu_mul(gu)))
     for shape in REGION_SHAPES:
         vm3, x3 = _region_case(*shape, layout, torch.float32)
         v3 = VnniQuantMatmul(vm3.packed, vm3.bits, terms=2)
-        assert torch.equal(with_threads(1, lambda: v3(x3)), with_threads(2, lambda: v3(x3)))
+        one = with_threads(1, lambda: v3(x3))  # noqa: B023
+        assert torch.equal(one, with_threads(2, lambda: v3(x3)))  # noqa: B023
     with pytest.raises(RuntimeError, match="terms must be 1 or 2"):
         torch.ops.radixrt.qgemm_vnni(x, vm.packed, vm.bits, 0)
     with pytest.raises(RuntimeError, match="qgemm_vnni_silu: terms"):
