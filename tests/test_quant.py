@@ -394,6 +394,50 @@ def test_auto_dtype_takes_bf16_once_no_matmul_runs_in_it(
                    for w in weights)
 
 
+@pytest.mark.usefixtures("unforced")
+def test_vnni_hilo_runs_in_float32_whatever_the_dtype_probe_says(
+        tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`quant_kernel="vnni-hilo"` with `dtype="auto"`: float32 without timing bf16 (a CPU whose
+    bf16 matmul wins here), and not bf16 either where every matmul runs on the kernel (its
+    activations are to reach it unrounded); every matmul on the two-term kernel, in the
+    one-call decode step too (linear kind 3)."""
+    from radixrt.model import quant_probe
+    from radixrt.model import runner as runner_mod
+    from radixrt.model.decode_layers import KIND_VNNI_HILO, DecodeLayers
+    from radixrt.model.dtype_probe import ENV_FORCE as DTYPE_FORCE
+    from radixrt.model.quant_matmul import VnniQuantMatmul, vnni_kernel_available
+
+    if not vnni_kernel_available():
+        pytest.skip("needs the vnni kernel (AVX512-VNNI or AVX2)")
+    monkeypatch.delenv(DTYPE_FORCE, raising=False)
+
+    def no_dtype_probe() -> object:
+        raise AssertionError("the dtype was timed although vnni-hilo runs in float32")
+
+    monkeypatch.setattr(runner_mod, "probe_cpu_dtype", no_dtype_probe)
+    ms = {"dense": dict.fromkeys(quant_probe.ROWS, 10.0)}
+    ms.update({kind: dict.fromkeys(quant_probe.ROWS, 2.0) for kind in ("int4", "int8")})
+    kernels: list[str] = []
+
+    def probe(h: int, i: int, dense_dtype: torch.dtype, kernel: str) -> QuantProbe:
+        kernels.append(kernel)
+        return QuantProbe(ms, 2, kernel)
+
+    monkeypatch.setattr(runner_mod, "probe_quant_kernels", probe)
+    r = runner_mod.ModelRunner(ServerArgs(model_path=str(tiny_gguf), max_total_tokens=256,
+                                          attention_backend="torch", quant_kernel="vnni-hilo",
+                                          disable_crossover_tuning=True))
+    assert kernels == ["vnni-hilo"] and r.dtype == torch.float32 and r.dtype_probe is None
+    assert r.quant == QuantPlan("gguf", EVERY_CALL, EVERY_CALL, kernel="vnni-hilo")
+    assert "vnni-hilo kernel" in r.quant.describe()
+    weights = r.model.linear_weights()
+    assert all(isinstance(w, QuantizedWeight) and isinstance(w.kernel, VnniQuantMatmul)
+               and w.kernel.terms == 2 for w in weights)
+    stack = r.model.decode_layers()
+    assert isinstance(stack, DecodeLayers)
+    assert set(stack.meta[0::3]) == {KIND_VNNI_HILO} and stack.row_invariant
+
+
 # -- choosing: `auto`, overrides, bad values ---------------------------------------------------------
 def _qp(*args: object, **kw: object) -> QuantPlan:
     """A quantizing plan as `resolve_quantization` makes it: kernel "auto" resolved."""
