@@ -592,7 +592,10 @@ inline void block_avx2(const Problem& p, int64_t m0, int64_t h0, Out* y, int64_t
     ++corrg;
   }
   if constexpr (MT % 2 == 0) {
-    if (p.pairs) {  // as block's (VNNI)
+    // As block's (VNNI). One store helper for both instruction sets, taking the accumulators
+    // by reference, ran the one-term passes at 0.83-0.88x (bench/vnni_ab.py, Zen 3, stop 84):
+    // the accumulators left the registers. So each section keeps its own.
+    if (p.pairs) {
 #pragma GCC unroll 2
       for (int m = 0; m < MT; m += 2)
 #pragma GCC unroll 2
