@@ -347,15 +347,19 @@ def round_tag(system: str, rnd: int, repeat: int) -> str:
 
 
 def split_starts(resolved: dict[str, dict[str, Any]]) -> dict[str, list[str]]:
-    """The systems whose rounds (`round_tag`) resolved to more than one compute dtype or KV
-    cache dtype at start-up, each with its tags: their rounds are not one configuration's
-    figures (Zen 3, stop 82: one start in three went bf16 on a probe's noise)."""
+    """The systems whose rounds (`round_tag`) resolved to more than one compute dtype, KV cache
+    dtype or placement of the quantized weights' calls at start-up, each with its tags: their
+    rounds are not one configuration's figures (Zen 3, stop 82: one start in three went bf16 on
+    a probe's noise). The quantization text is read from the loaded weights (stop 86), so it
+    differs only where the starts compute differently (say a crossover tuned to 28 rows in one
+    and 44 in the next)."""
     groups: dict[str, list[str]] = {}
     for tag in resolved:
         system, sep, n = tag.rpartition(ROUND)
         groups.setdefault(system if sep and n.isdigit() else tag, []).append(tag)
     return {system: tags for system, tags in groups.items()
-            if len({(resolved[t]["dtype"], resolved[t]["kv_cache_dtype"]) for t in tags}) > 1}
+            if len({(resolved[t]["dtype"], resolved[t]["kv_cache_dtype"],
+                     resolved[t]["quantization"]) for t in tags}) > 1}
 
 
 def _sampling_words(sampling: object) -> str:
@@ -419,8 +423,9 @@ def write_markdown(path: Path, records: list[dict[str, Any]], meta: dict[str, An
                  + (f" ({c['dtype_note']})" if c.get("dtype_note") else "")
                  + f", weights {c['quantization']}, KV cache {c['kv_cache_dtype']}")
     for system, tags in split_starts(meta.get("radixrt_resolved") or {}).items():
-        L.append(f"- **{system}'s rounds started in different dtypes** ({', '.join(tags)}): its "
-                 "row mixes two configurations")
+        L.append(f"- **{system}'s rounds started in different configurations** "
+                 f"({', '.join(tags)}; dtype, KV cache or quantized weights, above): its row "
+                 "mixes them")
     if meta.get("repeat", 1) > 1:
         L.append(f"- {meta['repeat']} interleaved rounds of every system; each row is the run with "
                  "the median total throughput (the note gives the range)")

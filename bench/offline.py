@@ -303,7 +303,7 @@ def one_batch(batch_sizes: Sequence[int], input_len: int, output_len: int, threa
     res: dict[str, Any] = {
         "threads": torch.get_num_threads(),
         "dtype": str(runner.dtype).removeprefix("torch."),
-        "quantization": runner.quant.describe(),
+        "quantization": runner.describe_quantization(),
         "quant_probe": runner.quant_probe.as_info() if runner.quant_probe else None,
         "compile_decode": compile_decode,
         "kv_cache_dtype": str(kp.kv_dtype).removeprefix("torch."),

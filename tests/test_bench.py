@@ -543,11 +543,11 @@ def test_report_states_what_radixrt_resolved(tmp_path):
     from bench import compare
 
     info = {"server_args": {"dtype": "auto", "kv_cache_dtype": "auto", "api_key": None},
-            "engine": {"dtype": "torch.bfloat16", "quantization": "gguf (vnni kernel, kernels "
-                       "for every call)", "dtype_probe": {"choice": "bfloat16", "note": "why"}}}
+            "engine": {"dtype": "torch.bfloat16", "quantization": "gguf (vnni kernel; layers "
+                       "4-bit: every call)", "dtype_probe": {"choice": "bfloat16", "note": "why"}}}
     c = compare.resolved_config(info)
     assert c == {"dtype": "bfloat16", "dtype_note": "why", "kv_cache_dtype": "bfloat16",
-                 "quantization": "gguf (vnni kernel, kernels for every call)"}
+                 "quantization": "gguf (vnni kernel; layers 4-bit: every call)"}
     info["server_args"]["kv_cache_dtype"] = "int8"
     info["engine"]["dtype_probe"] = None
     assert compare.resolved_config(info)["kv_cache_dtype"] == "int8"
@@ -557,14 +557,15 @@ def test_report_states_what_radixrt_resolved(tmp_path):
     meta = {"date": "d", "host": "h", "preset": "tiny", "seed": 0, "threads": 2, "cpu": "c",
             "cores": 2, "torch": "t", "radixrt_mode": "server", "radixrt_resolved": {"radixrt": c}}
     compare.write_markdown(tmp_path / "r.md", [], meta, [], [])
-    assert ("- radixrt resolved at start-up: dtype bfloat16 (why), weights gguf (vnni kernel, "
-            "kernels for every call), KV cache bfloat16") in (tmp_path / "r.md").read_text()
+    assert ("- radixrt resolved at start-up: dtype bfloat16 (why), weights gguf (vnni kernel; "
+            "layers 4-bit: every call), KV cache bfloat16") in (tmp_path / "r.md").read_text()
 
 
 def test_report_flags_rounds_that_started_in_different_dtypes(tmp_path):
     """With --repeat, each radixrt round starts its own server; rounds that resolved to other
-    dtypes (a start-up probe's noise) make one row of two configurations, and the report says
-    so. Rounds that agree, and the quantization text alone differing, say nothing."""
+    dtypes (a start-up probe's noise), or whose quantized weights run elsewhere (the text is
+    read from the loaded weights), make one row of two configurations, and the report says so.
+    Rounds that agree say nothing."""
     from bench import compare
 
     def c(dtype: str, kv: str, quant: str = "q") -> dict[str, object]:
@@ -573,15 +574,21 @@ def test_report_flags_rounds_that_started_in_different_dtypes(tmp_path):
     mixed = {"radixrt-run1": c("bfloat16", "bfloat16"), "radixrt-run2": c("float32", "float16"),
              "radixrt-no-radix-run1": c("float32", "float16", "a"),
              "radixrt-no-radix-run2": c("float32", "float16", "b")}
-    assert compare.split_starts(mixed) == {"radixrt": ["radixrt-run1", "radixrt-run2"]}
+    assert compare.split_starts(mixed) == {
+        "radixrt": ["radixrt-run1", "radixrt-run2"],
+        "radixrt-no-radix": ["radixrt-no-radix-run1", "radixrt-no-radix-run2"]}
     assert compare.split_starts({"radixrt": c("float32", "float16")}) == {}
+    assert compare.split_starts({"radixrt-run1": c("float32", "float16", "a"),
+                                 "radixrt-run2": c("float32", "float16", "a")}) == {}
     meta = {"date": "d", "host": "h", "preset": "tiny", "seed": 0, "threads": 2, "cpu": "c",
             "cores": 2, "torch": "t", "radixrt_mode": "server", "radixrt_resolved": mixed,
             "repeat": 2}
     compare.write_markdown(tmp_path / "r.md", [], meta, [], [])
     text = (tmp_path / "r.md").read_text()
-    assert "radixrt's rounds started in different dtypes** (radixrt-run1, radixrt-run2)" in text
-    assert "radixrt-no-radix's rounds" not in text
+    assert ("radixrt's rounds started in different configurations** (radixrt-run1, "
+            "radixrt-run2;") in text
+    assert ("radixrt-no-radix's rounds started in different configurations** "
+            "(radixrt-no-radix-run1, radixrt-no-radix-run2;") in text
 
 
 def test_report_gives_tpot_beside_itl_and_names_llama_server_flags(tmp_path):

@@ -266,3 +266,42 @@ def test_without_head_tuning_the_head_follows_its_width(
         model_path=str(tiny_gguf), dtype="bfloat16", quantization="gguf", quant_kernel=kernel,
         max_total_tokens=256, attention_backend="torch", disable_crossover_tuning=True))
     assert not r.quant.time_head and r.model.lm_head.dense is None
+
+
+@pytest.fixture(scope="module")
+def smollm2_layout_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2's GGUF layout: Q4_1 matrices, a tied Q8_0 embedding (the only 8-bit weight is
+    the LM head)."""
+    d = tmp_path_factory.mktemp("tiny_smol_layout")
+    model = make_tiny_checkpoint(d, "llama", seed=7, tie_word_embeddings=True)
+    return write_tiny_gguf(model, d / "tiny.Q4_1.gguf", "llama", matrix_qtype="Q4_1",
+                           embd_qtype="Q8_0")
+
+
+@pytest.mark.parametrize(("max_rows_int8", "head_wins"), [
+    (64, True), (EVERY_CALL, True), (64, False)])
+def test_engine_info_describes_the_weights_not_the_plan(
+        smollm2_layout_gguf: Path, monkeypatch: pytest.MonkeyPatch, max_rows_int8: int,
+        head_wins: bool) -> None:
+    """On Zen 3 the quantization probe put the 8-bit width at 512 rows in one start and at every
+    call in the next; with SmolLM2 only the LM head is 8-bit and its own timing decides where it
+    runs, so both starts compute alike and must say so (`engine.info["quantization"]`)."""
+    kernel = resolve_quant_kernel("auto")
+    monkeypatch.setattr(runner_mod, "resolve_quantization", lambda *a, **k: (
+        QuantPlan("gguf", EVERY_CALL, max_rows_int8, kernel=kernel), "fixed"))
+    monkeypatch.setattr(runner_mod, "tune_crossover", lambda r: None)  # no 4-bit dense copies
+    timings = [T(8, 1.0, 2.0), T(16, 1.0 if head_wins else 2.0, 2.0 if head_wins else 1.0)]
+    monkeypatch.setattr(runner_mod, "tune_head_crossover",
+                        lambda m, d: ct.tune_head_crossover(m, d, lambda *a: timings))
+    r = runner_mod.ModelRunner(ServerArgs(
+        model_path=str(smollm2_layout_gguf), dtype="float32", quantization="gguf",
+        quant_kernel=kernel, max_total_tokens=256, attention_backend="torch"))
+    name = r.model.lm_head.kernel.name
+    head = "every call" if head_wins else "up to 12 rows, dense above"
+    assert r.describe_quantization() == (
+        f"gguf ({name} kernel; layers 4-bit: every call; LM head 8-bit: {head})")
+    # the plan's own text still names the 8-bit width's probe result, which no weight follows
+    assert ("up to 64 rows (8-bit)" in r.quant.describe()) == (max_rows_int8 == 64)
+    # read from the live weights: a head moved later is described where it now runs
+    r.model.lm_head.max_rows, r.model.lm_head.dense = EVERY_CALL, None
+    assert r.describe_quantization().endswith("LM head 8-bit: every call)")

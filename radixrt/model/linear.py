@@ -231,6 +231,27 @@ class QuantizedWeight(LinearWeight):
         return f"{self.bits}-bit groups of {GROUP} on the {self.kernel.name} kernel ({rows})"
 
 
+def describe_quantized(model: nn.Module) -> str:
+    """Where the loaded model's quantized weights run, read from the weights themselves: per
+    kind (the layers' matmuls, the LM head) and width, the rows run on the kernel. Two starts
+    whose weights run alike give the same text, whatever their plans said of widths the model
+    does not use ("" where no weight is quantized)."""
+    seen: dict[tuple[str, int], set[str]] = {}
+    kernels: set[str] = set()
+    for name, m in model.named_modules():
+        if isinstance(m, QuantizedWeight):
+            kind = "LM head" if name.rsplit(".", 1)[-1] == "lm_head" else "layers"
+            rows = "every call" if m.dense is None else f"up to {m.max_rows} rows, dense above"
+            seen.setdefault((kind, m.bits), set()).add(rows)
+            kernels.add(m.kernel.name)
+    if not seen:
+        return ""
+    parts = [f"{kind} {bits}-bit: {' / '.join(sorted(rows))}"
+             for (kind, bits), rows in sorted(seen.items(), key=lambda kv: (kv[0][0] != "layers",
+                                                                           kv[0][1]))]
+    return f"{'/'.join(sorted(kernels))} kernel; {'; '.join(parts)}"
+
+
 def pack_dense_weights(module: nn.Module) -> int:
     """`pack()` every `DenseWeight` under `module` (quantized weights' dense copies included)
     where `prepack.prepack_pays` for its dtype and device; returns how many were packed."""

@@ -24,7 +24,7 @@ from radixrt.model.crossover_tuning import own_head_copy, tune_crossover, tune_h
 from radixrt.model.decode_layers import DecodeLayers, set_team_steal
 from radixrt.model.decode_path_tuner import DecodePathTuner
 from radixrt.model.dtype_probe import DtypeProbe, probe_cpu_dtype
-from radixrt.model.linear import pack_dense_weights
+from radixrt.model.linear import describe_quantized, pack_dense_weights
 from radixrt.model.loader import (
     default_model_path,
     gguf_matrix_types,
@@ -250,6 +250,15 @@ class ModelRunner:
     def kv_dtype(self) -> torch.dtype:
         """What the KV pool stores (`kv_storage_dtype`; int8 for codes + scales)."""
         return self.token_to_kv_pool.kv_dtype
+
+    def describe_quantization(self) -> str:
+        """The resolved `quantization` mode and where its weights run, read from the loaded
+        weights (`linear.describe_quantized`), not from the plan: starts that compute alike
+        describe alike (`engine.info["quantization"]`)."""
+        if not self.quant.quantized:
+            return "none"
+        where = describe_quantized(self.model)
+        return f"{self.quant.mode} ({where or 'no weight quantized'})"
 
     @torch.inference_mode()
     def forward_scored(self, fb: ForwardBatch, top_k: int) -> tuple[torch.Tensor, RowScores | None]:

@@ -755,7 +755,7 @@ def run_scheduler(args: ServerArgs, paths: ipc.IpcPaths, parent_pid: int,
         # How `dtype="auto"` chose on CPU (choice, fp32/bf16 probe times); None otherwise.
         "dtype_probe": runner.dtype_probe.as_info() if runner.dtype_probe else None,
         # The resolved `quantization` mode and the kernel timings behind it (None untimed).
-        "quantization": runner.quant.describe(),
+        "quantization": runner.describe_quantization(),
         "quant_probe": runner.quant_probe.as_info() if runner.quant_probe else None,
         # What `kv_cache_dtype` resolved to: the pool's storage dtype ("int8": codes + scales).
         "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch."),
