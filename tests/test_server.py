@@ -140,6 +140,17 @@ def test_models_and_health(server):
     assert server.get("/health").json()["status"] == "ok"
 
 
+def test_unserved_openai_route_tells_the_sdk_where_to_go(server):
+    """The OpenAI Agents SDK's default model class calls the Responses API, which radixrt does
+    not serve: the openai SDK raises NotFoundError carrying our OpenAI-style message, which
+    names the chat-completions route to use instead."""
+    import openai
+
+    with pytest.raises(openai.NotFoundError) as e:
+        server.client().responses.create(model="default", input="hi")
+    assert e.value.code == "unknown_url" and "/v1/chat/completions" in e.value.message
+
+
 def test_completion_greedy_equals_engine(server, engine):
     c = server.client()
     r = c.completions.create(model="default", prompt="The quick brown fox", max_tokens=12,
@@ -656,7 +667,8 @@ def test_guard_is_plain_asgi_around_streams_and_errors() -> None:
     """The API-key / body-size guard (`radixrt.server.guard.add_guard`, used by `radixrt serve`
     and `radixrt router`) refuses with OpenAI-style 401 / 413 bodies, lets open paths through
     without the key, passes a streamed response's chunks through as the endpoint yields them,
-    and turns an `ApiError` raised by an endpoint into its response. It is plain ASGI: no
+    and turns an `ApiError` raised by an endpoint, an unknown URL and a wrong method into
+    OpenAI-style responses. It is plain ASGI: no
     Starlette BaseHTTPMiddleware (`@app.middleware("http")`), which moves every streamed chunk
     through a memory stream between two tasks."""
     from fastapi import FastAPI
@@ -706,6 +718,17 @@ def test_guard_is_plain_asgi_around_streams_and_errors() -> None:
         assert r.json()["error"] == {"message": "n must be positive",
                                      "type": "invalid_request_error", "param": "n",
                                      "code": "invalid_value"}
+        # the framework's own errors leave OpenAI-style too: an unknown URL, a wrong method
+        r = c.post("/v1/nowhere", headers=key)
+        assert r.status_code == 404
+        assert r.json()["error"] == {"message": "unknown URL: POST /v1/nowhere",
+                                     "type": "invalid_request_error", "param": None,
+                                     "code": "unknown_url"}
+        r = c.post("/v1/responses", headers=key)
+        assert r.status_code == 404 and "use /v1/chat/completions" in r.json()["error"]["message"]
+        r = c.get("/stream", headers=key)
+        assert r.status_code == 405 and r.headers["allow"] == "POST"
+        assert r.json()["error"]["code"] == "method_not_allowed"
 
 
 def test_next_within_gives_items_in_order_then_times_out() -> None:

@@ -164,6 +164,7 @@ BAD = [  # (endpoint, extra body, status, param)
     ("chat", {"modalities": ["text", "audio"]}, "modalities"),
     ("chat", {"prediction": {"type": "content", "content": "hi"}}, "prediction"),
     ("chat", {"reasoning_effort": "high"}, "reasoning_effort"),
+    ("chat", {"web_search_options": {}}, "web_search_options"),  # {} turns search on
     ("chat", {"functions": [{"name": "f", "parameters": {}}]}, "functions"),
     ("chat", {"function_call": {"name": "f"}}, "function_call"),
     ("completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),

@@ -39,7 +39,14 @@ _NEUTRAL: dict[str, Callable[[Any], bool]] = {
 }
 
 
+# Fields whose empty object still asks for something: OpenAI's `web_search_options: {}` turns
+# web search on with its default settings.
+_EMPTY_ASKS = frozenset({"web_search_options"})
+
+
 def _requests_nothing(name: str, value: Any) -> bool:
+    if name in _EMPTY_ASKS:
+        return value is None
     if value is None or value is False or (isinstance(value, (list, dict, str)) and not value):
         return True
     check = _NEUTRAL.get(name)

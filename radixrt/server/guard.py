@@ -14,6 +14,7 @@ from typing import Any
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radixrt.server.protocol import ApiError, bad
@@ -24,6 +25,28 @@ OPEN_PATHS = ("/health", "/metrics")
 def error_response(err: ApiError) -> JSONResponse:
     """The OpenAI-style JSON response of `err`."""
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+# OpenAI routes a client may try that radixrt does not serve, with where to go instead.
+NOT_SERVED = {
+    "/v1/responses": "the Responses API is not implemented; use /v1/chat/completions (the "
+                     "OpenAI Agents SDK: OpenAIChatCompletionsModel or "
+                     "set_default_openai_api(\"chat_completions\"))",
+}
+
+
+def routing_error(method: str, path: str, status: int, detail: object) -> ApiError:
+    """The OpenAI-style error for a request no endpoint took: an unknown URL (404), a known one
+    with another method (405), or any other HTTP error the framework raised before an
+    endpoint ran."""
+    if status == 404:
+        hint = NOT_SERVED.get(path.rstrip("/"))
+        return ApiError(404, f"unknown URL: {method} {path}" + (f"; {hint}" if hint else ""),
+                        code="unknown_url")
+    if status == 405:
+        return ApiError(405, f"method {method} is not allowed on {path}",
+                        code="method_not_allowed")
+    return ApiError(status, str(detail))
 
 
 def too_large(max_request_bytes: int) -> ApiError:
@@ -68,8 +91,9 @@ class Guard:
 
 def add_guard(app: FastAPI, api_key: str | None, max_request_bytes: int,
               open_paths: Sequence[str] = OPEN_PATHS) -> None:
-    """The API-key and body-size guard (`Guard`) around `app`, and an `ApiError` raised by an
-    endpoint answered as its OpenAI-style response."""
+    """The API-key and body-size guard (`Guard`) around `app`; an `ApiError` raised by an
+    endpoint, and the framework's own HTTP errors (unknown URL, wrong method), answered as
+    OpenAI-style responses."""
     app.add_middleware(Guard, api_key=api_key, max_request_bytes=max_request_bytes,
                        open_paths=tuple(open_paths))
 
@@ -78,6 +102,14 @@ def add_guard(app: FastAPI, api_key: str | None, max_request_bytes: int,
         return error_response(exc)
 
     app.add_exception_handler(ApiError, api_error)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        err = routing_error(request.method, request.url.path, exc.status_code, exc.detail)
+        err.headers = dict(exc.headers or {})  # 405's Allow
+        return error_response(err)
+
+    app.add_exception_handler(HTTPException, http_error)
 
 
 async def json_body(request: Request, max_request_bytes: int) -> tuple[bytes, dict[str, Any]]:
