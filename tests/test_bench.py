@@ -1233,3 +1233,36 @@ def test_server_peers_stop_their_server_on_sigterm():
         assert e.value.code == 128 + signal.SIGTERM
     finally:
         signal.signal(signal.SIGTERM, old)
+
+
+
+def test_w8a8_accuracy_simulates_int8_rounding_where_asked():
+    """bench/w8a8_accuracy.py's simulation: int8 per row / per group of 32 round to the codes'
+    grid (a group's outlier coarsens only its own group), and `fake_quant` reaches every
+    DenseWeight call except the excluded head's, whose weight it never touches."""
+    import torch
+    import torch.nn.functional as F
+
+    from bench import w8a8_accuracy as w8
+    from radixrt.model.linear import DenseWeight
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 64, generator=g)
+    x[0, 5] = 100.0  # an outlier in row 0's first group
+    rows, groups = w8.int8_rows(x), w8.int8_groups(x)
+    for q, part in ((rows, x), (groups[:, :32], x[:, :32]), (groups[:, 32:], x[:, 32:])):
+        codes = q / (part.abs().amax(-1, keepdim=True) / 127)
+        assert torch.allclose(codes, codes.round(), atol=1e-3)
+    err_groups = (x[0, 32:] - groups[0, 32:]).abs().max()
+    assert err_groups < (x[0, 32:] - rows[0, 32:]).abs().max() / 10
+    layer = DenseWeight(torch.randn(8, 64, generator=g))
+    head = DenseWeight(torch.randn(4, 64, generator=g))
+    before = head.weight.clone()
+    with w8.fake_quant(True, w8.int8_rows, head.weight):
+        y, h = layer(x), head(x)
+    assert torch.equal(y, F.linear(w8.int8_rows(x), w8.int8_rows(layer.weight)))
+    assert torch.equal(h, F.linear(x, head.weight))
+    assert torch.equal(head.weight, before) and not torch.equal(layer(x), y)
+    with pytest.raises(AssertionError, match="simulated nothing"):
+        with w8.fake_quant(True, None, None):
+            pass
