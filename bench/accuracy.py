@@ -170,6 +170,25 @@ def hf_greedy(model_path: str, prompts: Sequence[list[int]], n: int) -> list[lis
     return outs
 
 
+def extend_logits(runner: Any, ids: list[int], all_positions: bool = False) -> torch.Tensor:
+    """Logits (fp32) after one extend of `ids` on a `ModelRunner` whose pools it clears first:
+    the last position's `[vocab]`, or every position's `[len(ids), vocab]` (teacher forcing)."""
+    from radixrt.core.forward_batch import ForwardBatch, ForwardMode
+
+    rp, kp = runner.req_to_token_pool, runner.token_to_kv_pool
+    rp.clear()
+    kp.clear()
+    row = rp.alloc()
+    rp.write([row], [0], [len(ids)], kp.alloc(len(ids)))
+    fb = ForwardBatch.build(ForwardMode.EXTEND, ids, [row], [0], [len(ids)], rp.req_to_token,
+                            runner.device)
+    if all_positions:
+        fb.logits_indices = torch.arange(fb.num_tokens)
+    with torch.inference_mode():
+        out = runner.forward(fb).float()
+    return out if all_positions else out[-1]
+
+
 def compare_logits(ref: torch.Tensor, got: torch.Tensor) -> dict[str, float]:
     lp_ref, lp = torch.log_softmax(ref, -1), torch.log_softmax(got, -1)
     kl = (lp_ref.exp() * (lp_ref - lp)).sum(-1)

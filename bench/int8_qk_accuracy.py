@@ -36,7 +36,7 @@ from unittest import mock  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.accuracy import compare_logits  # noqa: E402
+from bench.accuracy import compare_logits, extend_logits  # noqa: E402
 from radixrt.mem.kv_quant import dequantize_rows, quantize_rows  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,21 +77,6 @@ def make_runner(quantization: str, ctx: int) -> Any:
     return r
 
 
-def next_token_logits(runner: Any, ids: list[int]) -> torch.Tensor:
-    """Logits after one extend of the whole prompt."""
-    from radixrt.core.forward_batch import ForwardBatch, ForwardMode
-
-    rp, kp = runner.req_to_token_pool, runner.token_to_kv_pool
-    rp.clear()
-    kp.clear()
-    row = rp.alloc()
-    rp.write([row], [0], [len(ids)], kp.alloc(len(ids)))
-    fb = ForwardBatch.build(ForwardMode.EXTEND, ids, [row], [0], [len(ids)], rp.req_to_token,
-                            runner.device)
-    with torch.inference_mode():
-        return runner.forward(fb)[-1].float()
-
-
 def compare(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
     """KL(a || b) of the two next-token distributions, max |Δ logit|, same argmax
     (`bench.accuracy.compare_logits` on one position)."""
@@ -122,9 +107,9 @@ def main() -> None:
             p = ids[start:start + n]
             if len(p) < n:
                 continue
-            base, dq = next_token_logits(ref, p), next_token_logits(default, p)
+            base, dq = extend_logits(ref, p), extend_logits(default, p)
             with int8_scores():
-                base_i8, dq_i8 = next_token_logits(ref, p), next_token_logits(default, p)
+                base_i8, dq_i8 = extend_logits(ref, p), extend_logits(default, p)
             row = {"tokens": n, "start": start, "int8_qk_fp32": compare(base, base_i8),
                    "weights_quantized": compare(base, dq), "int8_qk_default": compare(dq, dq_i8)}
             rows.append(row)

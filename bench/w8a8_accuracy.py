@@ -42,7 +42,7 @@ from unittest import mock  # noqa: E402
 
 import torch  # noqa: E402
 
-from bench.accuracy import QUESTIONS, SYSTEM, compare_logits  # noqa: E402
+from bench.accuracy import QUESTIONS, SYSTEM, compare_logits, extend_logits  # noqa: E402
 from bench.common import cpu_name, markdown_table  # noqa: E402
 from radixrt.model import linear  # noqa: E402
 
@@ -103,26 +103,10 @@ def make_runner(quantization: str, tokens: int, rows: int) -> Any:
         disable_fused_cpu_ops=True, disable_crossover_tuning=True, log_level="warning"))
 
 
-def all_logits(runner: Any, ids: list[int]) -> torch.Tensor:
-    """Every position's logits after one extend of `ids` (teacher forcing)."""
-    from radixrt.core.forward_batch import ForwardBatch, ForwardMode
-
-    rp, kp = runner.req_to_token_pool, runner.token_to_kv_pool
-    rp.clear()
-    kp.clear()
-    row = rp.alloc()
-    rp.write([row], [0], [len(ids)], kp.alloc(len(ids)))
-    fb = ForwardBatch.build(ForwardMode.EXTEND, ids, [row], [0], [len(ids)], rp.req_to_token,
-                            runner.device)
-    fb.logits_indices = torch.arange(fb.num_tokens)
-    with torch.inference_mode():
-        return runner.forward(fb).float()
-
-
 def greedy(runner: Any, ids: list[int], n: int) -> list[int]:
     out: list[int] = []
     for _ in range(n):
-        out.append(int(all_logits(runner, ids + out)[-1].argmax()))
+        out.append(int(extend_logits(runner, ids + out).argmax()))
     return out
 
 
@@ -156,7 +140,7 @@ def main() -> None:
     tokens = max(len(p) for p in prompts) + a.new_tokens + 64
     ref_runner = make_runner("none", tokens, 1)
     seqs = [p + greedy(ref_runner, p, a.new_tokens) for p in prompts]
-    ref = [all_logits(ref_runner, s) for s in seqs]
+    ref = [extend_logits(ref_runner, s, all_positions=True) for s in seqs]
     head = ref_runner.model.lm_head.weight
     variants: list[tuple[str, bool, Callable[[torch.Tensor], torch.Tensor] | None, bool]] = [
         ("W8 per channel, layers", True, None, False),
@@ -170,12 +154,12 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for name, w8, acts, with_head in variants:
         with fake_quant(w8, acts, None if with_head else head):
-            got = [all_logits(ref_runner, s) for s in seqs]
+            got = [extend_logits(ref_runner, s, all_positions=True) for s in seqs]
         rows.append({"mode": name, **summarize(ref, got)})
         print(json.dumps(rows[-1]), flush=True)
     default = make_runner("gguf", tokens, 1)
     rows.append({"mode": "serving default (GGUF Q4_1 / Q8_0 head, vnni kernel, fp32 act)",
-                 **summarize(ref, [all_logits(default, s) for s in seqs])})
+                 **summarize(ref, [extend_logits(default, s, all_positions=True) for s in seqs])})
     print(json.dumps(rows[-1]), flush=True)
     meta = {"cpu": cpu_name(), "torch": torch.__version__, "prompts": len(seqs),
             "new_tokens": a.new_tokens, "positions": sum(len(s) for s in seqs)}
