@@ -44,15 +44,16 @@ import torch  # noqa: E402
 
 from bench.accuracy import QUESTIONS, SYSTEM, compare_logits, extend_logits  # noqa: E402
 from bench.common import cpu_name, markdown_table  # noqa: E402
+from radixrt.mem.kv_quant import dequantize_rows, quantize_rows  # noqa: E402
 from radixrt.model import linear  # noqa: E402
 
 GROUP = 32
 
 
 def int8_rows(x: torch.Tensor) -> torch.Tensor:
-    """x rounded to int8 codes with one symmetric scale per row (absmax / 127), dequantized."""
-    s = x.abs().amax(-1, keepdim=True).clamp_min(1e-30) / 127
-    return torch.round(x / s).clamp(-127, 127) * s
+    """x rounded to int8 codes with one symmetric scale per row (absmax / 127), dequantized:
+    the int8 KV cache's rounding (`radixrt.mem.kv_quant`)."""
+    return dequantize_rows(*quantize_rows(x), x.dtype)
 
 
 def int8_groups(x: torch.Tensor, group: int = GROUP) -> torch.Tensor:
