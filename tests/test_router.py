@@ -121,6 +121,18 @@ def test_groups_stick_and_spread(cluster):
     assert second.usage.prompt_tokens_details.cached_tokens > 30
 
 
+def test_models_pass_through_by_id(cluster):
+    """`models.retrieve(id)` through the router is a worker's answer, 404 included (the two
+    workers started at different times: `created` may differ)."""
+    c = cluster.client()
+    (listed,) = c.models.list().data
+    got = c.models.retrieve(listed.id)
+    assert got.model_dump(exclude={"created"}) == listed.model_dump(exclude={"created"})
+    with pytest.raises(openai.NotFoundError) as e:
+        c.models.retrieve("not-" + listed.id)
+    assert e.value.code == "model_not_found"
+
+
 def test_streaming_passthrough_equals_non_streamed(cluster):
     prompt = SYSTEMS[3] + " stream"
     full = complete(cluster, prompt, max_tokens=12)

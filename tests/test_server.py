@@ -135,8 +135,18 @@ def test_http_process_runs_uvloop_and_httptools(server):
 
 
 def test_models_and_health(server):
-    r = server.get("/v1/models").json()
-    assert r["object"] == "list" and r["data"][0]["object"] == "model"
+    """`models.list()` and `models.retrieve(id)` through the openai SDK: one model, found by its
+    served name or `default`; any other id is the SDK's NotFoundError with `model_not_found`."""
+    import openai
+
+    c = server.client()
+    (listed,) = c.models.list().data
+    assert listed.object == "model" and listed.id and listed.model_extra["max_model_len"] > 0
+    assert c.models.retrieve(listed.id) == listed
+    assert c.models.retrieve("default") == listed
+    with pytest.raises(openai.NotFoundError) as e:
+        c.models.retrieve("org/" + listed.id)  # a slash in the id still reaches the route
+    assert e.value.code == "model_not_found" and listed.id in e.value.message
     assert server.get("/health").json()["status"] == "ok"
 
 

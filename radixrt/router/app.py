@@ -342,20 +342,22 @@ def create_app(args: ServerArgs, prompt_ids: PromptIds,
                 return error_response(e)
         return endpoint
 
-    def passthrough(path: str, method: str) -> Any:
+    def passthrough(method: str) -> Any:
         async def endpoint(request: Request) -> Response:
             try:
                 raw = await request.body() if method == "POST" else None
-                return await router.any_worker(request, method, path, raw)
+                # The URL as asked: `/v1/models/{id}` carries the id in its path.
+                return await router.any_worker(request, method, request.url.path, raw)
             except P.ApiError as e:
                 return error_response(e)
         return endpoint
 
     for path in ROUTED_PATHS:
         app.add_api_route(path, routed(path), methods=["POST"])
-    for path, method in (("/v1/models", "GET"), ("/tokenizer_info", "GET"),
+    for path, method in (("/v1/models", "GET"), ("/v1/models/{model_id:path}", "GET"),
+                         ("/tokenizer_info", "GET"),
                          ("/tokenize", "POST"), ("/detokenize", "POST")):
-        app.add_api_route(path, passthrough(path, method), methods=[method])
+        app.add_api_route(path, passthrough(method), methods=[method])
 
     @app.get("/health")
     async def health() -> Response:

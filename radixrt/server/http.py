@@ -141,6 +141,11 @@ class Server:
         self.keep_specials, self.remove_specials = T.kept_specials(
             self.tool_parser, list(getattr(engine.tokenizer, "all_special_tokens", []) or []))
 
+    def model_card(self) -> dict[str, Any]:
+        """The served model as `/v1/models` lists it (one, whatever `--dp` says)."""
+        return {"id": self.model_name, "object": "model", "created": self.created,
+                "owned_by": "radixrt", "max_model_len": self.engine.max_context_len}
+
     # -- request checks -------------------------------------------------------------------------
     def check_model(self, body: dict[str, Any]) -> None:
         model = body.get("model")
@@ -554,9 +559,17 @@ def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return JSONResponse({"object": "list", "data": [{
-            "id": server.model_name, "object": "model", "created": server.created,
-            "owned_by": "radixrt", "max_model_len": engine.max_context_len}]})
+        return JSONResponse({"object": "list", "data": [server.model_card()]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        """The openai SDK's `models.retrieve(id)`: the served model by its name (or `default`,
+        as every request's `model` may say); any other id is a 404 `model_not_found`."""
+        try:
+            server.check_model({"model": model_id})
+        except P.ApiError as e:
+            return error_response(e)
+        return JSONResponse(server.model_card())
 
     @app.get("/health")
     async def health() -> Response:
