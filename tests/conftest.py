@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -16,38 +15,6 @@ os.environ.setdefault("RADIXRT_AUTO_DTYPE", "float32")
 # Likewise `quantization="auto"` stays off (dense weights) unless a test asks for it: fp32
 # unquantized is the parity reference.
 os.environ.setdefault("RADIXRT_AUTO_QUANTIZATION", "none")
-
-_PREBUILD = pytest.StashKey[Any]()  # the session's kernel_isa.Prebuild
-
-
-def _calls(item: pytest.Item, name: str) -> bool:
-    """Whether the test function's own body names `name` (a call of a module-level helper)."""
-    code = getattr(getattr(item, "function", None), "__code__", None)
-    return code is not None and name in code.co_names
-
-
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """When the session runs a test that calls `run_isa_check`, the lower instruction sets'
-    kernel libraries start building in the background now (kernel_isa.Prebuild), minutes
-    before the first such check needs them. Its compiler output goes to the pytest cache
-    (`.pytest_cache/d/isa_prebuild/build.log`)."""
-    if (session.config.option.collectonly
-            or not any(_calls(item, "run_isa_check") for item in session.items)
-            or os.environ.get("RADIXRT_DISABLE_CPU_KERNELS", "") not in ("", "0")):
-        return
-    from kernel_isa import Prebuild, lower_isas
-
-    isas = lower_isas()
-    if isas:
-        cache = session.config.cache
-        log = cache.mkdir("isa_prebuild") / "build.log" if cache is not None else os.devnull
-        session.config.stash[_PREBUILD] = Prebuild(isas, str(log)).start()
-
-
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    prebuild = session.config.stash.get(_PREBUILD, None)
-    if prebuild is not None:
-        prebuild.stop()
 
 
 @pytest.fixture(scope="session")

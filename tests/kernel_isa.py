@@ -4,18 +4,14 @@
 One kernel library is loaded per process, so each ISA is checked in a fresh interpreter with
 `RADIXRT_CPU_ISA` set; the build is cached after the first run. `assert_rows_independent`:
 batch invariance of a row-wise op. `assert_flag_only_with`: an ISA's extra compiler flag.
-`with_threads`: a call at a given intra-op thread count. `Prebuild`: the lower instruction
-sets' libraries built in the background while other tests run (conftest starts it when the
-session has a test that calls `run_isa_check`).
+`with_threads`: a call at a given intra-op thread count.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
@@ -37,72 +33,20 @@ def with_threads(n: int, fn: Callable[[], T]) -> T:
         torch.set_num_threads(threads)
 
 
-def isa_env(isa: str) -> dict[str, str]:
-    """The environment of a process that loads the library built for `isa`."""
-    env = dict(os.environ, RADIXRT_CPU_ISA=isa)
-    if isa != cpu_kernels.choose_isa():
-        # A lower ISA than this machine's is built only for these checks of agreement: -O1
-        # compiles in about half the time (the machine's own build stays at the default -O3).
-        env["RADIXRT_KERNEL_OPT"] = "-O1"
-    return env
-
-
 def run_isa_check(isa: str, script: str, timeout: int = 900) -> str:
     """stdout of `script` run under the library built for `isa` (skips when this CPU cannot
     run it; fails with the child's stderr when the script fails)."""
     if isa != "default" and cpu_kernels.choose_isa(requested=isa) != isa:
         pytest.skip(f"this CPU cannot run {isa}")
-    res = subprocess.run([sys.executable, "-c", script], env=isa_env(isa), capture_output=True,
+    env = dict(os.environ, RADIXRT_CPU_ISA=isa)
+    if isa != cpu_kernels.choose_isa():
+        # A lower ISA than this machine's is built only for these checks of agreement: -O1
+        # compiles in about half the time (the machine's own build stays at the default -O3).
+        env["RADIXRT_KERNEL_OPT"] = "-O1"
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                          text=True, timeout=timeout)
     assert res.returncode == 0, res.stderr[-3000:]
     return res.stdout
-
-
-def lower_isas() -> list[str]:
-    """The instruction sets below this machine's that it can run (what `run_isa_check` builds)."""
-    native = cpu_kernels.choose_isa()
-    return [isa for isa in ("avx2", "default") if isa != native
-            and (isa == "default" or cpu_kernels.choose_isa(requested=isa) == isa)]
-
-
-class Prebuild:
-    """Builds the libraries for some instruction sets one after another in the background, at
-    nice 19, so the suite's idle CPU time pays for them instead of its wall time. A check that
-    needs one later finds it built, or blocks on the build's file lock while the build goes on
-    with the CPU the check left. `stop()` ends a build still running (its whole process group:
-    the compilers too); the next build of that key resumes it (cpu_kernels clears the stale
-    lock)."""
-
-    def __init__(self, isas: Iterable[str], log_path: str):
-        self.isas, self.log_path = list(isas), log_path
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.stopped = False
-        self.lock = threading.Lock()  # stop() never misses a build that is about to start
-        self.thread = threading.Thread(target=self._run, name="isa-prebuild", daemon=True)
-
-    def start(self) -> Prebuild:
-        self.thread.start()
-        return self
-
-    def _run(self) -> None:
-        load = "from radixrt.attention import cpu_kernels as k; k.load_cpu_kernels()"
-        with open(self.log_path, "ab") as log:
-            for isa in self.isas:
-                with self.lock:
-                    if self.stopped:
-                        return
-                    self.proc = proc = subprocess.Popen(
-                        ["nice", "-n", "19", sys.executable, "-c", load], env=isa_env(isa),
-                        stdout=log, stderr=log, start_new_session=True)
-                proc.wait()
-
-    def stop(self) -> None:
-        with self.lock:
-            self.stopped = True
-            proc = self.proc
-            if proc is not None and proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-        self.thread.join(timeout=30)
 
 
 def assert_rows_independent(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
