@@ -113,7 +113,7 @@ class _Runner:
         self.runner = ModelRunner(args)
 
     def _step(self, mode: Any, ids: list[int], rows: list[int], prefix: list[int],
-              ext: list[int], all_positions: bool = False) -> torch.Tensor:
+              ext: list[int]) -> torch.Tensor:
         from radixrt.core.forward_batch import ForwardBatch
 
         r = self.runner
@@ -121,8 +121,6 @@ class _Runner:
         r.req_to_token_pool.write(rows, prefix, ext, loc)
         fb = ForwardBatch.build(mode, ids, rows, prefix, ext, r.req_to_token_pool.req_to_token,
                                 r.device)
-        if all_positions:
-            fb.logits_indices = torch.arange(fb.num_tokens)
         return r.forward(fb)
 
     def reset(self) -> None:
@@ -130,11 +128,7 @@ class _Runner:
         self.runner.token_to_kv_pool.clear()
 
     def all_logits(self, ids: list[int]) -> torch.Tensor:
-        from radixrt.core.forward_batch import ForwardMode
-
-        self.reset()
-        row = self.runner.req_to_token_pool.alloc()
-        return self._step(ForwardMode.EXTEND, ids, [row], [0], [len(ids)], all_positions=True)
+        return extend_logits(self.runner, ids, all_positions=True)
 
     def greedy(self, prompts: Sequence[list[int]], n: int) -> list[list[int]]:
         from radixrt.core.forward_batch import ForwardMode
@@ -184,8 +178,7 @@ def extend_logits(runner: Any, ids: list[int], all_positions: bool = False) -> t
                             runner.device)
     if all_positions:
         fb.logits_indices = torch.arange(fb.num_tokens)
-    with torch.inference_mode():
-        out = runner.forward(fb).float()
+    out = runner.forward(fb)  # float32, under inference mode
     return out if all_positions else out[-1]
 
 
@@ -195,6 +188,20 @@ def compare_logits(ref: torch.Tensor, got: torch.Tensor) -> dict[str, float]:
     return {"max_abs": float((got - ref).abs().max()), "kl_sum": float(kl.sum()),
             "kl_max": float(kl.max()), "top1_same": int((got.argmax(-1) == ref.argmax(-1)).sum()),
             "positions": int(ref.shape[0])}
+
+
+def summarize_logits(ref: Sequence[torch.Tensor], got: Sequence[torch.Tensor]
+                     ) -> dict[str, float]:
+    """`compare_logits` over pairs of `[positions, vocab]` logits, pooled: KL(ref || got) mean
+    and max, max |Δ logit|, top-1 agreement, over every position."""
+    acc = {"max_abs": 0.0, "kl_sum": 0.0, "kl_max": 0.0, "top1_same": 0, "positions": 0}
+    for r, g in zip(ref, got, strict=True):
+        c = compare_logits(r, g)
+        acc = {k: max(acc[k], c[k]) if k in ("max_abs", "kl_max") else acc[k] + c[k]
+               for k in acc}
+    return {"logit_max_abs": acc["max_abs"], "kl_mean": acc["kl_sum"] / acc["positions"],
+            "kl_max": acc["kl_max"], "top1_agreement": acc["top1_same"] / acc["positions"],
+            "positions": acc["positions"]}
 
 
 def main() -> None:
@@ -229,16 +236,10 @@ def main() -> None:
     for name, dtype, quant, kernel, kv in modes:
         t0 = time.perf_counter()
         kern = _Runner(path, dtype, quant, False, max_tokens, len(prompts), kernel, kv)
-        acc = {"max_abs": 0.0, "kl_sum": 0.0, "kl_max": 0.0, "top1_same": 0, "positions": 0}
-        for i, s in enumerate(seqs):
-            logits = kern.all_logits(s)
-            if name == MODES[0][0]:
-                ref.append(logits)
-                continue
-            c = compare_logits(ref[i], logits)
-            acc = {k: max(acc[k], c[k]) if k in ("max_abs", "kl_max") else acc[k] + c[k]
-                   for k in acc}
+        logits = [kern.all_logits(s) for s in seqs]
         del kern
+        if name == MODES[0][0]:
+            ref = logits
         serve = _Runner(path, dtype, quant, True, max_tokens, len(prompts), kernel, kv)
         ours = serve.greedy(prompts, a.new_tokens)
         del serve
@@ -248,11 +249,8 @@ def main() -> None:
                                "quant_kernel": kernel, "kv_cache_dtype": kv,
                                "greedy_identical": same, "greedy_prompts": len(hf),
                                "greedy_mean_common_prefix": prefix}
-        if acc["positions"]:
-            row.update({"logit_max_abs": acc["max_abs"],
-                        "kl_mean": acc["kl_sum"] / acc["positions"], "kl_max": acc["kl_max"],
-                        "top1_agreement": acc["top1_same"] / acc["positions"],
-                        "positions": acc["positions"]})
+        if logits is not ref:
+            row.update(summarize_logits(ref, logits))
         results.append(row)
         print(json.dumps(row), f"({time.perf_counter() - t0:.0f} s)", flush=True)
     meta = {"model": Path(path).name, "cpu": cpu_name(), "cpu_flags": cpu_flags(),

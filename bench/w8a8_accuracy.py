@@ -42,7 +42,7 @@ from unittest import mock  # noqa: E402
 
 import torch  # noqa: E402
 
-from bench.accuracy import QUESTIONS, SYSTEM, compare_logits, extend_logits  # noqa: E402
+from bench.accuracy import QUESTIONS, SYSTEM, extend_logits, summarize_logits  # noqa: E402
 from bench.common import cpu_name, markdown_table  # noqa: E402
 from radixrt.mem.kv_quant import dequantize_rows, quantize_rows  # noqa: E402
 from radixrt.model import linear  # noqa: E402
@@ -111,17 +111,6 @@ def greedy(runner: Any, ids: list[int], n: int) -> list[int]:
     return out
 
 
-def summarize(ref: list[torch.Tensor], got: list[torch.Tensor]) -> dict[str, float]:
-    acc = {"max_abs": 0.0, "kl_sum": 0.0, "kl_max": 0.0, "top1_same": 0, "positions": 0}
-    for r, g in zip(ref, got, strict=True):
-        c = compare_logits(r, g)
-        acc = {k: max(acc[k], c[k]) if k in ("max_abs", "kl_max") else acc[k] + c[k]
-               for k in acc}
-    return {"kl_mean": acc["kl_sum"] / acc["positions"], "kl_max": acc["kl_max"],
-            "logit_max_abs": acc["max_abs"], "top1_agreement": acc["top1_same"] /
-            acc["positions"], "positions": acc["positions"]}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompts", type=int, default=12)
@@ -156,11 +145,12 @@ def main() -> None:
     for name, w8, acts, with_head in variants:
         with fake_quant(w8, acts, None if with_head else head):
             got = [extend_logits(ref_runner, s, all_positions=True) for s in seqs]
-        rows.append({"mode": name, **summarize(ref, got)})
+        rows.append({"mode": name, **summarize_logits(ref, got)})
         print(json.dumps(rows[-1]), flush=True)
     default = make_runner("gguf", tokens, 1)
+    got = [extend_logits(default, s, all_positions=True) for s in seqs]
     rows.append({"mode": "serving default (GGUF Q4_1 / Q8_0 head, vnni kernel, fp32 act)",
-                 **summarize(ref, [extend_logits(default, s, all_positions=True) for s in seqs])})
+                 **summarize_logits(ref, got)})
     print(json.dumps(rows[-1]), flush=True)
     meta = {"cpu": cpu_name(), "torch": torch.__version__, "prompts": len(seqs),
             "new_tokens": a.new_tokens, "positions": sum(len(s) for s in seqs)}

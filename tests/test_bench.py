@@ -1235,7 +1235,6 @@ def test_server_peers_stop_their_server_on_sigterm():
         signal.signal(signal.SIGTERM, old)
 
 
-
 def test_w8a8_accuracy_simulates_int8_rounding_where_asked():
     """bench/w8a8_accuracy.py's simulation: int8 per row / per group of 32 round to the codes'
     grid (a group's outlier coarsens only its own group), and `fake_quant` reaches every
