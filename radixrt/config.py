@@ -263,6 +263,9 @@ class ServerArgs:
     max_queued_requests: int = _f(1024, "requests waiting beyond max_running_requests before "
                                         "HTTP 429")
     max_request_bytes: int = _f(8 * 2**20, "largest HTTP request body (HTTP 413 above)")
+    responses_store_size: int = _f(4096, "finished /v1/responses kept in memory for "
+                                         "previous_response_id and GET (least recently used "
+                                         "dropped first; 0 keeps none)")
     tool_call_parser: str = _f("auto", "how tool calls are read from generated text with "
                                        "tool_choice auto: hermes (<tool_call>{json}</tool_call>, "
                                        "also the fallback format for templates without tools) | "
@@ -348,6 +351,8 @@ class ServerArgs:
                      "max_queued_requests", "max_request_bytes", "clip_max_new_tokens_estimation"):
             if getattr(self, name) <= 0:
                 bad(name, f"must be positive, got {getattr(self, name)}")
+        if self.responses_store_size < 0:
+            bad("responses_store_size", f"must be >= 0, got {self.responses_store_size}")
         if not 0 < self.port < 65536:
             bad("port", f"must be in 1..65535, got {self.port}")
         if self.tool_call_parser not in TOOL_CALL_PARSERS:

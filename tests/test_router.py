@@ -133,6 +133,37 @@ def test_models_pass_through_by_id(cluster):
     assert e.value.code == "model_not_found"
 
 
+def test_responses_follow_their_worker(cluster):
+    """A stored response lives on one worker: requests continuing it (streamed or not) and
+    `retrieve` / `delete` go there, however the policy would route their own prompt."""
+    c = cluster.client()
+    chain, owners = [], set()
+    for stream in (False, True, False, True):
+        kw = dict(model="default", input=SYSTEMS[len(chain) % 4] + " next?", max_output_tokens=3,
+                  temperature=0, extra_body={"ignore_eos": True})
+        if chain:
+            kw["previous_response_id"] = chain[-1]
+        if stream:
+            events = list(c.responses.create(**kw, stream=True))
+            assert events[-1].type == "response.incomplete"  # max_output_tokens reached
+            rid = events[-1].response.id
+        else:
+            rid = c.responses.create(**kw).id
+        chain.append(rid)
+        # only the owner knows it: ask each worker directly
+        owners.add(tuple(httpx.get(f"{w.url}/v1/responses/{rid}", timeout=10).status_code
+                         for w in cluster.workers))
+    assert owners in ({(200, 404)}, {(404, 200)})  # every link on the first one's worker
+    last = c.responses.retrieve(chain[-1])
+    assert last.previous_response_id == chain[-2]
+    c.responses.delete(chain[0])
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(chain[0])
+    with pytest.raises(openai.BadRequestError) as e:
+        c.responses.create(model="default", input="x", previous_response_id=chain[0])
+    assert e.value.code == "previous_response_not_found"
+
+
 def test_streaming_passthrough_equals_non_streamed(cluster):
     prompt = SYSTEMS[3] + " stream"
     full = complete(cluster, prompt, max_tokens=12)

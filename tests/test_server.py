@@ -150,15 +150,48 @@ def test_models_and_health(server):
     assert server.get("/health").json()["status"] == "ok"
 
 
-def test_unserved_openai_route_tells_the_sdk_where_to_go(server):
-    """The OpenAI Agents SDK's default model class calls the Responses API, which radixrt does
-    not serve: the openai SDK raises NotFoundError carrying our OpenAI-style message, which
-    names the chat-completions route to use instead."""
-    import openai
+def test_responses_api_matches_chat_live(server, engine):
+    """`/v1/responses` through the openai SDK on the real model: greedy text and logprobs as
+    the engine's chat / the chat endpoint's, streamed as not, `max_output_tokens` reached →
+    `incomplete`, and `previous_response_id` continuing a conversation whose prefix the radix
+    cache holds (reported as cached input tokens)."""
+    c = server.client()
+    msgs = [{"role": "system", "content": LONG}, {"role": "user", "content": "Hello there"}]
+    ref = engine.chat(msgs, SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True))
+    kw = dict(model="default", instructions=LONG, input="Hello there", max_output_tokens=8,
+              temperature=0, extra_body={"ignore_eos": True})
+    r = c.responses.create(**kw)
+    assert r.output_text == ref.text and r.usage.output_tokens == 8
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    events = list(c.responses.create(**kw, stream=True))
+    deltas = [ev.delta for ev in events if ev.type == "response.output_text.delta"]
+    last = events[-1]  # the SDK's stream helper wants `response.completed`, not this
+    assert last.type == "response.incomplete" and last.response.status == "incomplete"
+    assert "".join(deltas) == last.response.output_text == ref.text
 
-    with pytest.raises(openai.NotFoundError) as e:
-        server.client().responses.create(model="default", input="hi")
-    assert e.value.code == "unknown_url" and "/v1/chat/completions" in e.value.message
+    lp = c.responses.create(**kw, include=["message.output_text.logprobs"], top_logprobs=2)
+    chat = c.chat.completions.create(model="default", messages=msgs, max_tokens=8, temperature=0,
+                                     logprobs=True, top_logprobs=2,
+                                     extra_body={"ignore_eos": True})
+    got = lp.output[0].content[0].logprobs
+    want = chat.choices[0].logprobs.content
+    assert [t.token for t in got] == [t.token for t in want] and len(got) == 8
+    assert all(abs(a.logprob - b.logprob) < 1e-4 and len(a.top_logprobs) == 2
+               for a, b in zip(got, want, strict=True))
+
+    # instructions are not carried over (OpenAI's rule): a caller sends them again
+    follow = c.responses.create(model="default", input="And then?", previous_response_id=r.id,
+                                instructions=LONG, max_output_tokens=4, temperature=0)
+    assert follow.usage.input_tokens_details.cached_tokens >= r.usage.input_tokens - 8
+    history = msgs + [{"role": "assistant", "content": r.output_text},
+                      {"role": "user", "content": "And then?"}]
+    ref2 = engine.chat(history, SamplingParams(max_new_tokens=4, temperature=0))
+    assert follow.output_text == ref2.text
+    alone = c.responses.create(model="default", input="And then?", previous_response_id=r.id,
+                               max_output_tokens=4, temperature=0)
+    ref3 = engine.chat(history[1:], SamplingParams(max_new_tokens=4, temperature=0))
+    assert alone.output_text == ref3.text and alone.usage.input_tokens < follow.usage.input_tokens
+    assert c.responses.retrieve(follow.id).output_text == follow.output_text
 
 
 def test_completion_greedy_equals_engine(server, engine):
@@ -734,8 +767,8 @@ def test_guard_is_plain_asgi_around_streams_and_errors() -> None:
         assert r.json()["error"] == {"message": "unknown URL: POST /v1/nowhere",
                                      "type": "invalid_request_error", "param": None,
                                      "code": "unknown_url"}
-        r = c.post("/v1/responses", headers=key)
-        assert r.status_code == 404 and "use /v1/chat/completions" in r.json()["error"]["message"]
+        r = c.post("/v1/conversations", headers=key)
+        assert r.status_code == 404 and "previous_response_id" in r.json()["error"]["message"]
         r = c.get("/stream", headers=key)
         assert r.status_code == 405 and r.headers["allow"] == "POST"
         assert r.json()["error"]["code"] == "method_not_allowed"

@@ -1,6 +1,7 @@
 """Tool calling against a live server with the real clients: the `openai` SDK, the OpenAI
-Agents SDK (`OpenAIChatCompletionsModel`, a two-tool agent loop to its final output) and
-LangChain's `ChatOpenAI.bind_tools`.
+Agents SDK (`OpenAIChatCompletionsModel` and its default `OpenAIResponsesModel`, a two-tool
+agent loop to its final output) and LangChain's `ChatOpenAI.bind_tools` (chat completions and
+`use_responses_api`).
 
 The model is the tiny random Llama: it never calls a tool by itself. Every call here comes
 from `tool_choice: "required"` or a named function, which the grammar enforces, so the calls
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -200,8 +202,10 @@ def test_bad_tool_input_is_a_400_naming_the_field(server, body, param):
 
 
 # -- OpenAI Agents SDK ---------------------------------------------------------------------------
-def agent_setup(server: LiveServer, streaming: bool) -> tuple[Any, list[tuple[str, dict]]]:
-    """A two-tool agent on the live server. The first turn must call a tool (`required`);
+def agent_setup(server: LiveServer, api: str) -> tuple[Any, list[tuple[str, dict]]]:
+    """A two-tool agent on the live server, through the SDK's chat-completions model class
+    (`api` "chat") or its default, the Responses one ("responses": `/v1/responses`, each turn
+    replaying the earlier turns' output items). The first turn must call a tool (`required`);
     a hook then names the other tool for the second turn and turns tools off (`none`) for
     the third, which writes the final answer. `reset_tool_choice=False` keeps the SDK from
     resetting the choice to `auto` after a tool call (it would with the default True)."""
@@ -210,6 +214,7 @@ def agent_setup(server: LiveServer, streaming: bool) -> tuple[Any, list[tuple[st
         AgentHooks,
         ModelSettings,
         OpenAIChatCompletionsModel,
+        OpenAIResponsesModel,
         function_tool,
         set_tracing_disabled,
     )
@@ -236,16 +241,25 @@ def agent_setup(server: LiveServer, streaming: bool) -> tuple[Any, list[tuple[st
             done = {name for name, _ in calls}
             left = [t.name for t in tools if t.name not in done]
             choice = left[0] if left else "none"
-            agent.model_settings = dataclasses.replace(agent.model_settings, tool_choice=choice)
+            # the last turn's answer is held to FINAL (the radixrt `regex` extra), so it ends
+            # with the model's stop, not at max_tokens: the Responses model class raises on
+            # an incomplete response, as OpenAI's API would make it
+            extra = {"regex": FINAL} if choice == "none" else None
+            agent.model_settings = dataclasses.replace(agent.model_settings, tool_choice=choice,
+                                                       extra_body=extra)
 
     client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
     agent = Agent(
         name="assistant", instructions="Use the tools, then answer.", tools=tools,
-        model=OpenAIChatCompletionsModel(model="default", openai_client=client),
+        model=(OpenAIChatCompletionsModel if api == "chat" else OpenAIResponsesModel)(
+            model="default", openai_client=client),
         model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False,
                                      temperature=0, max_tokens=200),
         reset_tool_choice=False, hooks=Steer())
     return agent, calls
+
+
+FINAL = r"It is (warm|cold) in Paris at [0-9]{1,2}:[0-9]{2}\."
 
 
 def check_agent_run(agent: Any, calls: list[tuple[str, dict]], final: Any) -> None:
@@ -255,22 +269,24 @@ def check_agent_run(agent: Any, calls: list[tuple[str, dict]], final: Any) -> No
     assert sorted(name for name, _ in calls) == ["get_time", "get_weather"]
     for name, args in calls:
         jsonschema.validate(args, schemas[name])
-    assert isinstance(final, str) and final  # the third turn's text is the final output
+    assert isinstance(final, str) and re.fullmatch(FINAL, final), final  # the third turn
 
 
-def test_agents_sdk_two_tool_loop(server):
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_agents_sdk_two_tool_loop(server, api):
     from agents import Runner
 
-    agent, calls = agent_setup(server, streaming=False)
+    agent, calls = agent_setup(server, api)
     result = asyncio.run(Runner.run(agent, "Weather and time in Paris?", max_turns=5))
     check_agent_run(agent, calls, result.final_output)
     assert agent.model_settings.tool_choice == "none"
 
 
-def test_agents_sdk_two_tool_loop_streamed(server):
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_agents_sdk_two_tool_loop_streamed(server, api):
     from agents import Runner
 
-    agent, calls = agent_setup(server, streaming=True)
+    agent, calls = agent_setup(server, api)
 
     async def run() -> tuple[Any, list[str]]:
         result = Runner.run_streamed(agent, "Weather and time in Paris?", max_turns=5)
@@ -303,27 +319,34 @@ def langchain_tools() -> list[Any]:
     return [get_weather, get_time]
 
 
-def langchain_model(server: LiveServer) -> Any:
+def langchain_model(server: LiveServer, responses: bool = False) -> Any:
+    """`ChatOpenAI` on the live server, through `/v1/chat/completions` or (`responses`)
+    `/v1/responses` (`use_responses_api=True`)."""
     from langchain_openai import ChatOpenAI
 
     return ChatOpenAI(base_url=f"{server.url}/v1", api_key="none", model="default",
-                      temperature=0, max_tokens=200, max_retries=0)
+                      temperature=0, max_tokens=200, max_retries=0,
+                      use_responses_api=responses)
 
 
+@pytest.mark.parametrize("responses", [False, True])
 @pytest.mark.parametrize("choice", ["required", "get_time"])
-def test_langchain_bind_tools(server, choice):
+def test_langchain_bind_tools(server, choice, responses):
     from langchain_core.messages import HumanMessage, ToolMessage
 
     tools = langchain_tools()
     schemas = {t.name: t.tool_call_schema.model_json_schema() for t in tools}
-    bound = langchain_model(server).bind_tools(tools, tool_choice=choice, strict=True,
-                                                parallel_tool_calls=False)
+    bound = langchain_model(server, responses).bind_tools(
+        tools, tool_choice=choice, strict=True, parallel_tool_calls=False)
     msg = bound.invoke([HumanMessage("Weather and time in Paris?")])
     assert len(msg.tool_calls) == 1 and not msg.invalid_tool_calls
     call = msg.tool_calls[0]
     assert choice == "required" or call["name"] == choice
     jsonschema.validate(call["args"], schemas[call["name"]])
-    assert msg.response_metadata["finish_reason"] == "tool_calls"
+    if responses:
+        assert msg.response_metadata["status"] == "completed"
+    else:
+        assert msg.response_metadata["finish_reason"] == "tool_calls"
 
     full = None
     for chunk in bound.stream([HumanMessage("Weather and time in Paris?")]):
@@ -332,11 +355,12 @@ def test_langchain_bind_tools(server, choice):
 
     # The call and its result go back as history (LangChain's ToolMessage → role "tool").
     tool_fn = {t.name: t for t in tools}[call["name"]]
-    reply = langchain_model(server).bind_tools(tools, tool_choice="none").invoke([
+    reply = langchain_model(server, responses).bind_tools(tools, tool_choice="none").invoke([
         HumanMessage("Weather and time in Paris?"), msg,
         ToolMessage(tool_fn.invoke(call["args"]), tool_call_id=call["id"])])
-    assert not reply.tool_calls and reply.response_metadata["finish_reason"] in ("stop",
-                                                                                 "length")
+    end = reply.response_metadata["status" if responses else "finish_reason"]
+    assert not reply.tool_calls
+    assert end in (("completed", "incomplete") if responses else ("stop", "length"))
 
 
 def test_engine_chat_renders_tools_through_the_template(tools_model_dir: Path,

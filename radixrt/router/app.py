@@ -9,6 +9,11 @@ the request body goes to it unchanged; the response (or its SSE stream) comes ba
   check passes); a stream is retried only while nothing has been sent to the client yet.
 - A client that disconnects closes the upstream request, which the radixrt worker turns into
   an abort (KV freed or cached).
+- `/v1/responses`: a stored response lives on the worker that made it. The router remembers
+  which (`ResponseOwners`, from the response's `id` or its stream's `response.created`), sends
+  a request with that `previous_response_id` there, and `GET` / `DELETE /v1/responses/{id}`
+  too; an owner it does not know (or an unhealthy one) leaves the request to the policy, and
+  the worker that gets it answers 400 `previous_response_not_found`.
 - `POST /workers {"url"}`, `DELETE /workers/{url}`, `GET /workers` manage the workers at run
   time; `GET /metrics` reports per worker (routed, cache-routed, tokens, load, errors, health).
 """
@@ -18,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -43,10 +49,32 @@ from radixrt.server.guard import json_body as read_json_body
 
 logger = logging.getLogger("radixrt.router")
 
-ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
+ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+RESPONSE_OWNERS = 1 << 16  # response ids whose worker the router remembers (LRU)
 CONNECT_TIMEOUT_S = 5.0
 RETRY_STATUS = (503,)
 MAX_SSE_LINE = 1 << 20  # longest SSE line the usage scan buffers  # the worker's runtime died: another worker can serve it
+
+
+class ResponseOwners:
+    """Response id → the worker that stored it, the `capacity` most recently used."""
+
+    def __init__(self, capacity: int = RESPONSE_OWNERS):
+        self.capacity = capacity
+        self._owner: OrderedDict[str, str] = OrderedDict()
+
+    def add(self, rid: Any, url: str) -> None:
+        if isinstance(rid, str):
+            self._owner[rid] = url
+            self._owner.move_to_end(rid)
+            while len(self._owner) > self.capacity:
+                self._owner.popitem(last=False)
+
+    def get(self, rid: Any) -> str | None:
+        url = self._owner.get(rid) if isinstance(rid, str) else None
+        if url is not None:
+            self._owner.move_to_end(rid)
+        return url
 
 
 class Router:
@@ -56,6 +84,17 @@ class Router:
         self.args = args
         self.workers = workers
         self.prompt_ids = prompt_ids
+        self.owners = ResponseOwners()
+
+    def pinned_out(self, path: str, body: dict[str, Any]) -> set[Any]:
+        """Workers to exclude so that a request continuing a stored response goes to its
+        owner (nothing when the owner is unknown or unhealthy)."""
+        if path != "/v1/responses":
+            return set()
+        owner = self.owners.get(body.get("previous_response_id"))
+        if owner is None or owner in self.workers.unhealthy() or owner not in self.workers.workers:
+            return set()
+        return set(self.workers.workers) - {owner}
 
     def upstream_headers(self, request: Request) -> dict[str, str]:
         h = {"content-type": "application/json"}
@@ -76,13 +115,14 @@ class Router:
         ids = await run_in_threadpool(self.prompt_ids.of, path, body)
         out = output_budget(path, body)
         headers = self.upstream_headers(request)
+        pinned = self.pinned_out(path, body)
         if body.get("stream") is True:
-            return await self._stream(request, path, raw, ids, out, headers)
-        return await self._once(request, path, raw, ids, out, headers)
+            return await self._stream(request, path, raw, ids, out, headers, pinned)
+        return await self._once(request, path, raw, ids, out, headers, pinned)
 
     async def _once(self, request: Request, path: str, raw: bytes, ids: list[int],
-                    out: int | None, headers: dict[str, str]) -> Response:
-        tried: set[Any] = set()
+                    out: int | None, headers: dict[str, str], pinned: set[Any]) -> Response:
+        tried: set[Any] = set(pinned)
         while True:
             try:
                 d = self.workers.route(ids, tried, out)
@@ -110,16 +150,24 @@ class Router:
                 continue
             self.workers.policy.finish(d, error=resp.status_code >= 500)
             if resp.status_code == 200:
-                self._observe(url, _usage_of(resp.content))
+                body = _json_of(resp.content)
+                self._observe(url, body.get("usage"))
+                if path == "/v1/responses":
+                    self.owners.add(body.get("id"), url)
             return _passthrough(resp, resp.content)
 
     def _observe(self, url: str, usage: dict[str, Any] | None) -> None:
-        """Count the worker's reported usage (its real cache hits) when the answer had one."""
+        """Count the worker's reported usage (its real cache hits) when the answer had one
+        (chat / completions spelling, or the Responses API's `input_tokens`)."""
         if not usage:
             return
         try:
-            cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-            self.workers.policy.observed(url, int(usage["prompt_tokens"]), cached)
+            if "input_tokens" in usage:
+                prompt, details = usage["input_tokens"], usage.get("input_tokens_details")
+            else:
+                prompt, details = usage["prompt_tokens"], usage.get("prompt_tokens_details")
+            cached = int((details or {}).get("cached_tokens") or 0)
+            self.workers.policy.observed(url, int(prompt), cached)
         except (KeyError, TypeError, ValueError, AttributeError):
             pass
 
@@ -132,8 +180,8 @@ class Router:
         logger.warning("request to %s failed (%s): retrying on another worker", url, error)
 
     async def _stream(self, request: Request, path: str, raw: bytes, ids: list[int],
-                      out: int | None, headers: dict[str, str]) -> Response:
-        tried: set[Any] = set()
+                      out: int | None, headers: dict[str, str], pinned: set[Any]) -> Response:
+        tried: set[Any] = set(pinned)
         client = self.workers.client
         while True:
             try:
@@ -186,19 +234,22 @@ class Router:
             return data if len(data) <= MAX_SSE_LINE else b""
         *lines, rest = data.split(b"\n")
         for line in lines:
-            if line.startswith(b"data: {") and b'"usage"' in line:
-                try:
-                    usage = orjson.loads(line[6:]).get("usage")
-                except orjson.JSONDecodeError:
-                    continue
+            if not line.startswith(b"data: {"):
+                continue
+            if b'"type":"response.created"' in line:  # a Responses stream: who stores it
+                self.owners.add(_json_of(line[6:]).get("response", {}).get("id"), url)
+            elif b'"usage"' in line:
+                obj = _json_of(line[6:])
+                # chat / completions: a top-level usage; Responses: the final response's
+                usage = obj.get("usage") or (obj.get("response") or {}).get("usage")
                 self._observe(url, usage)
         return rest if len(rest) <= MAX_SSE_LINE else b""
 
     async def any_worker(self, request: Request, method: str, path: str,
-                         raw: bytes | None = None) -> Response:
+                         raw: bytes | None = None, pinned: set[Any] | None = None) -> Response:
         """Requests any worker answers alike (models, tokenizer endpoints): the first healthy
-        one that answers, least loaded first."""
-        tried: set[Any] = set()
+        one that answers, least loaded first (among those not `pinned` out)."""
+        tried: set[Any] = set(pinned or ())
         headers = self.upstream_headers(request)
         while True:
             try:
@@ -218,11 +269,12 @@ class Router:
 
 
 def output_budget(path: str, body: dict[str, Any]) -> int | None:
-    """Tokens the request may generate in all (`max_tokens` / `max_completion_tokens` x `n`),
-    for the routing policy's pending work; completions default to 16 (as the worker), a chat
-    request without a limit is unknown (None)."""
-    limit = body.get("max_completion_tokens", body.get("max_tokens"))
-    if limit is None and not path.endswith("/chat/completions"):
+    """Tokens the request may generate in all (`max_tokens` / `max_completion_tokens` /
+    `max_output_tokens` x `n`), for the routing policy's pending work; completions default to
+    16 (as the worker), a chat or Responses request without a limit is unknown (None)."""
+    limit = body.get("max_completion_tokens", body.get("max_tokens",
+                                                        body.get("max_output_tokens")))
+    if limit is None and path.endswith("/v1/completions"):
         limit = 16
     n = body.get("n", 1)
     if not isinstance(limit, int) or isinstance(limit, bool):
@@ -230,12 +282,13 @@ def output_budget(path: str, body: dict[str, Any]) -> int | None:
     return limit * (n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1)
 
 
-def _usage_of(content: bytes) -> dict[str, Any] | None:
+def _json_of(content: bytes) -> dict[str, Any]:
+    """A JSON object's fields ({} for anything else)."""
     try:
         body = orjson.loads(content)
     except orjson.JSONDecodeError:
-        return None
-    return body.get("usage") if isinstance(body, dict) else None
+        return {}
+    return body if isinstance(body, dict) else {}
 
 
 def _passthrough(resp: httpx.Response, body: bytes) -> Response:
@@ -346,8 +399,11 @@ def create_app(args: ServerArgs, prompt_ids: PromptIds,
         async def endpoint(request: Request) -> Response:
             try:
                 raw = await request.body() if method == "POST" else None
-                # The URL as asked: `/v1/models/{id}` carries the id in its path.
-                return await router.any_worker(request, method, request.url.path, raw)
+                # The URL as asked: `/v1/models/{id}` carries the id in its path; a stored
+                # response's is asked of the worker that stores it.
+                rid = request.path_params.get("response_id")
+                pinned = router.pinned_out("/v1/responses", {"previous_response_id": rid})
+                return await router.any_worker(request, method, request.url.path, raw, pinned)
             except P.ApiError as e:
                 return error_response(e)
         return endpoint
@@ -356,7 +412,9 @@ def create_app(args: ServerArgs, prompt_ids: PromptIds,
         app.add_api_route(path, routed(path), methods=["POST"])
     for path, method in (("/v1/models", "GET"), ("/v1/models/{model_id:path}", "GET"),
                          ("/tokenizer_info", "GET"),
-                         ("/tokenize", "POST"), ("/detokenize", "POST")):
+                         ("/tokenize", "POST"), ("/detokenize", "POST"),
+                         ("/v1/responses/{response_id}", "GET"),
+                         ("/v1/responses/{response_id}", "DELETE")):
         app.add_api_route(path, passthrough(method), methods=[method])
 
     @app.get("/health")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from radixrt.server.responses import input_messages
 from tokenizer_proc.input_processor import InputProcessor
 
 
@@ -26,9 +27,20 @@ class PromptIds:
         try:
             if path.endswith("/chat/completions"):
                 return self._inputs.apply_chat_template(body.get("messages"))  # type: ignore[arg-type]
+            if path.endswith("/responses"):
+                return self._inputs.apply_chat_template(self._response_messages(body))
             return self._completion(body.get("prompt"))
         except Exception:  # the worker reports bad input with the proper error
             return []
+
+    @staticmethod
+    def _response_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+        """A Responses request's instructions and input as chat messages. The stored
+        conversation that `previous_response_id` adds on the worker is not known here: such a
+        request is routed to the response's owner instead (`radixrt.router.app`)."""
+        instructions = body.get("instructions")
+        system = [{"role": "system", "content": instructions}] if instructions else []
+        return system + input_messages(body.get("input"))
 
     def _completion(self, prompt: Any) -> list[int]:
         if isinstance(prompt, str):

@@ -24,6 +24,17 @@ COMPLETIONS = COMMON | {"prompt", "echo", "logprobs", "max_tokens", "suffix"}
 TOOL_FIELDS = frozenset({"tools", "tool_choice", "parallel_tool_calls"})
 CHAT = COMMON | TOOL_FIELDS | {"messages", "logprobs", "top_logprobs", "max_tokens",
                                "max_completion_tokens"}
+# The Responses API (radixrt/server/responses.py): its own fields, and the chat endpoint's
+# sampling fields and SGLang/vLLM extras, which it passes through. Not implemented (a 400 unless
+# null or empty): `reasoning`, `background`, `conversation`, `prompt`, `max_tool_calls`,
+# `context_management`; hosted tools and non-text inputs are 400s of their own.
+RESPONSES = frozenset({
+    "model", "input", "instructions", "previous_response_id", "tools", "tool_choice",
+    "parallel_tool_calls", "max_output_tokens", "stream", "stream_options", "store", "text",
+    "include", "top_logprobs", "truncation", "temperature", "top_p", "top_k", "min_p",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop",
+    "stop_token_ids", "min_tokens", "ignore_eos", "logit_bias", "regex", "ebnf",
+})
 # OpenAI's deprecated function calling (`functions`, `function_call`) is not implemented:
 # rejected like any unimplemented field unless its value asks for nothing.
 

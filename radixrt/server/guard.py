@@ -29,9 +29,9 @@ def error_response(err: ApiError) -> JSONResponse:
 
 # OpenAI routes a client may try that radixrt does not serve, with where to go instead.
 NOT_SERVED = {
-    "/v1/responses": "the Responses API is not implemented; use /v1/chat/completions (the "
-                     "OpenAI Agents SDK: OpenAIChatCompletionsModel or "
-                     "set_default_openai_api(\"chat_completions\"))",
+    "/v1/conversations": "the Conversations API is not served; continue a conversation with "
+                         "'previous_response_id' on /v1/responses, or send its messages to "
+                         "/v1/chat/completions",
 }
 
 

@@ -36,6 +36,7 @@ from radixrt.frontend.engine import Engine, ReqState
 from radixrt.grammar import check_params
 from radixrt.server import api_fields
 from radixrt.server import protocol as P
+from radixrt.server import responses as R
 from radixrt.server import tools as T
 from radixrt.server.guard import add_guard, error_response
 from radixrt.server.guard import json_body as read_json_body
@@ -127,6 +128,23 @@ class RequestGroup:
         self.queue.put_nowait(ClientDisconnected())
 
 
+@dataclasses.dataclass
+class ChatRun:
+    """A started chat request: its samples (`group`, n per prompt) and each sample's reader of
+    tool calls (None: no tools, or `tool_choice: "none"`)."""
+
+    group: RequestGroup
+    calls: list[T.ToolCallStream | None]
+    n: int
+    stream: bool
+    include_usage: bool
+
+    def finish_reason(self, i: int, reason: str | None) -> str | None:
+        """Sample i's API finish reason (`tool_calls` when it stopped after calling)."""
+        ts = self.calls[i]
+        return reason if ts is None else ts.finish_reason(reason)
+
+
 class Server:
     def __init__(self, engine: Engine, args: ServerArgs):
         self.engine = engine
@@ -136,6 +154,7 @@ class Server:
         self.metrics = ServerMetrics(engine.stats)
         self.text = P.TokenText(engine.tokenizer)
         self.created = P.now()
+        self.response_store = R.ResponseStore(args.responses_store_size)
         template = getattr(engine.tokenizer, "chat_template", None)
         self.tool_parser = T.parser_class(args.tool_call_parser, template)
         self.keep_specials, self.remove_specials = T.kept_specials(
@@ -310,7 +329,9 @@ class Server:
                              "model": self.model_name, "choices": choices,
                              "usage": self.usage(group, n)})
 
-    async def chat(self, body: dict[str, Any], request: Request | None = None) -> Response:
+    def start_chat(self, body: dict[str, Any]) -> ChatRun:
+        """Checks a chat request, submits its samples and gives their tool-call readers; every
+        error before submission is an ApiError naming the chat field."""
         self.check_model(body)
         P.check_fields(body, api_fields.CHAT)
         treq = T.tool_request_from(body)
@@ -340,26 +361,35 @@ class Server:
         self.check_alive()
         self.check_capacity(n)
         group = RequestGroup(self, [ids] * n, params, stream)
-        rid, created = P.new_id("chatcmpl"), P.now()
-        calls = [self.tool_stream(treq) for _ in range(n)]
+        return ChatRun(group, [self.tool_stream(treq) for _ in range(n)], n, stream,
+                       include_usage)
 
+    def chat_deltas(self, run: ChatRun, i: int, out: ReqTextOut,
+                    ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+        """Sample i's chat deltas for one runtime output (content, or tool calls through its
+        reader, which is finished with the sample) and the output's chat logprobs."""
+        lp = (self.text.chat_logprobs(out.new_ids, out.logprobs)
+              if out.logprobs is not None else None)
+        ts = run.calls[i]
+        if ts is None:
+            return ([{"content": out.text_delta}] if out.text_delta or lp is not None else []), lp
+        deltas = ts.feed(out.text_delta)
+        if out.finish_reason is not None:
+            deltas += ts.finish()
+        return deltas, lp
+
+    async def chat(self, body: dict[str, Any], request: Request | None = None) -> Response:
+        run = self.start_chat(body)
+        group, n, include_usage = run.group, run.n, run.include_usage
+        rid, created = P.new_id("chatcmpl"), P.now()
         chunk = self.sse_chunk(rid, "chat.completion.chunk", created, include_usage)
 
-        if stream:
+        if run.stream:
             async def gen() -> AsyncIterator[bytes]:
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                               "logprobs": None, "finish_reason": None} for i in range(n)])
                 async for i, out in group.events():
-                    lp = (self.text.chat_logprobs(out.new_ids, out.logprobs)
-                          if out.logprobs is not None else None)
-                    ts = calls[i]
-                    if ts is None:
-                        deltas = ([{"content": out.text_delta}]
-                                  if out.text_delta or lp is not None else [])
-                    else:
-                        deltas = ts.feed(out.text_delta)
-                        if out.finish_reason is not None:
-                            deltas += ts.finish()
+                    deltas, lp = self.chat_deltas(run, i, out)
                     if lp is not None and not deltas:
                         deltas = [{}]
                     for k, delta in enumerate(deltas):
@@ -367,10 +397,8 @@ class Server:
                                       "logprobs": lp if k == 0 else None,
                                       "finish_reason": None}])
                     if out.finish_reason is not None:
-                        reason = (out.finish_reason if ts is None
-                                  else ts.finish_reason(out.finish_reason))
                         yield chunk([{"index": i, "delta": {}, "logprobs": None,
-                                      "finish_reason": reason}])
+                                      "finish_reason": run.finish_reason(i, out.finish_reason)}])
 
             return self.sse(group, n, gen(), chunk, include_usage)
 
@@ -378,18 +406,68 @@ class Server:
         choices = []
         for i, (st, lp) in enumerate(results):
             message: dict[str, Any] = {"role": "assistant", "content": st.text}
-            reason = st.finish_reason
-            ts = calls[i]
+            ts = run.calls[i]
             if ts is not None:
                 ts.feed(st.text)
                 ts.finish()
-                message, reason = ts.message(), ts.finish_reason(reason)
+                message = ts.message()
             choices.append({"index": i, "message": message,
                             "logprobs": self.text.chat_logprobs(st.token_ids, lp),
-                            "finish_reason": reason})
+                            "finish_reason": run.finish_reason(i, st.finish_reason)})
         return JSONResponse({"id": rid, "object": "chat.completion", "created": created,
                              "model": self.model_name, "choices": choices,
                              "usage": self.usage(group, n)})
+
+    async def responses(self, body: dict[str, Any], request: Request | None = None) -> Response:
+        """`POST /v1/responses`: the request runs as a chat request (radixrt/server/
+        responses.py); a stored response is kept once it finished."""
+        self.check_model(body)
+        P.check_fields(body, api_fields.RESPONSES)
+        rq = R.parse_request(body, self.response_store)
+        try:
+            run = self.start_chat({**rq.chat_body, "stream": rq.stream})
+        except P.ApiError as e:
+            raise R.as_responses_error(e) from None
+        b = R.ResponseBuilder(self.model_name, rq.echo)
+
+        def finish(reason: str | None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+            final, events = b.finish(run.finish_reason(0, reason), self.usage(run.group, 1))
+            if rq.store:
+                self.response_store.put(final, rq.history + [b.assistant_message()])
+            return final, events
+
+        if rq.stream:
+            async def gen() -> AsyncIterator[bytes]:
+                try:
+                    for ev in b.start():
+                        yield R.sse_event(ev)
+                    async for i, out in run.group.events():
+                        deltas, lp = self.chat_deltas(run, i, out)
+                        tokens = lp["content"] if lp is not None else None
+                        if tokens and not deltas:
+                            deltas = [{}]
+                        for k, delta in enumerate(deltas):
+                            for ev in b.delta(delta, tokens if k == 0 else None):
+                                yield R.sse_event(ev)
+                        if out.finish_reason is not None:
+                            for ev in finish(out.finish_reason)[1]:
+                                yield R.sse_event(ev)
+                except EngineDeadError as e:
+                    yield R.sse_event(b.error_event(P.unavailable(e)))
+                except P.ApiError as e:
+                    yield R.sse_event(b.error_event(e))
+                finally:
+                    run.group.abort_unfinished()
+
+            return StreamingResponse(gen(), media_type="text/event-stream")
+
+        (st, lp), = await self.collect(run.group, request)
+        ts = run.calls[0]
+        deltas = ts.feed(st.text) + ts.finish() if ts is not None else [{"content": st.text}]
+        chat_lp = self.text.chat_logprobs(st.token_ids, lp) if rq.logprobs else None
+        for k, delta in enumerate(deltas):
+            b.delta(delta, chat_lp["content"] if chat_lp is not None and k == 0 else None)
+        return JSONResponse(finish(st.finish_reason)[0])
 
     # -- tokenizer endpoints (server root, as vLLM / SGLang; lm-eval's remote tokenizer) --------
     def tokenizer_info(self) -> dict[str, Any]:
@@ -550,8 +628,26 @@ def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
     # Tokenizer endpoints at the root (lm-eval's `tokenizer_backend=remote` strips
     # /v1/completions from base_url); behind the API key like everything but /health, /metrics.
     for path, fn in (("/v1/completions", server.completions), ("/v1/chat/completions", server.chat),
+                     ("/v1/responses", server.responses),
                      ("/tokenize", server.tokenize), ("/detokenize", server.detokenize)):
         app.post(path, name=fn.__name__)(json_route(fn))
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> Response:
+        """A stored response (the openai SDK's `responses.retrieve`)."""
+        try:
+            return JSONResponse(server.response_store.get(response_id))
+        except P.ApiError as e:
+            return error_response(e)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> Response:
+        """Forget a stored response (`responses.delete`); later uses of its id are 404/400."""
+        try:
+            server.response_store.delete(response_id)
+        except P.ApiError as e:
+            return error_response(e)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> Response:
