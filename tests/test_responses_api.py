@@ -266,7 +266,18 @@ def test_router_routes_a_response_on_the_prompt_the_worker_computes(tokenizer):
              {"type": "function_call", "call_id": "c1", "name": "get_weather",
               "arguments": '{"city": "Oslo"}'},
              {"type": "function_call_output", "call_id": "c1", "output": "12 C"}]
-    c.responses.create(model="toy", instructions="Use tools.", input=items)
-    ids = PromptIds(tokenizer).of("/v1/responses", {"instructions": "Use tools.", "input": items})
-    assert ids == eng.submitted[-1][0]
-    assert PromptIds(tokenizer).of("/v1/responses", {"input": [{"type": "bogus"}]}) == []
+    body = {"instructions": "Use tools.", "input": items, "tools": TOOLS}
+    prompt_ids = PromptIds(tokenizer)
+    for tools in (False, True):  # the tiny template takes no tools: the fallback block
+        sent = body if tools else {k: v for k, v in body.items() if k != "tools"}
+        c.responses.create(model="toy", **sent)
+        assert prompt_ids.of("/v1/responses", sent) == eng.submitted[-1][0]
+    # the chat endpoint's tool-call history too (rendered as text for this template)
+    messages = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {
+                        "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "12 C"}]
+    c.chat.completions.create(model="toy", messages=messages)
+    assert prompt_ids.of("/v1/chat/completions", {"messages": messages}) == eng.submitted[-1][0]
+    assert prompt_ids.of("/v1/responses", {"input": [{"type": "bogus"}]}) == []

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from radixrt.server.responses import input_messages
+from radixrt.server.protocol import messages_from
+from radixrt.server.responses import chat_body
+from radixrt.server.tools import prompt_messages, tool_request_from
 from tokenizer_proc.input_processor import InputProcessor
 
 
@@ -26,21 +28,22 @@ class PromptIds:
         """Token ids of the first prompt of `body` sent to `path` ([] if there is none)."""
         try:
             if path.endswith("/chat/completions"):
-                return self._inputs.apply_chat_template(body.get("messages"))  # type: ignore[arg-type]
+                return self._chat(body)
             if path.endswith("/responses"):
-                return self._inputs.apply_chat_template(self._response_messages(body))
+                # The stored conversation that `previous_response_id` adds on the worker is
+                # not known here: such a request goes to the response's owner instead.
+                return self._chat(chat_body(body, []))
             return self._completion(body.get("prompt"))
         except Exception:  # the worker reports bad input with the proper error
             return []
 
-    @staticmethod
-    def _response_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-        """A Responses request's instructions and input as chat messages. The stored
-        conversation that `previous_response_id` adds on the worker is not known here: such a
-        request is routed to the response's owner instead (`radixrt.router.app`)."""
-        instructions = body.get("instructions")
-        system = [{"role": "system", "content": instructions}] if instructions else []
-        return system + input_messages(body.get("input"))
+    def _chat(self, body: dict[str, Any]) -> list[int]:
+        """A chat request's prompt as the worker renders it: its tools and tool-call history
+        through the template, or as the fallback block and text when the template takes no
+        tools (`radixrt.server.tools.prompt_messages`)."""
+        messages, tools = prompt_messages(messages_from(body), tool_request_from(body),
+                                          self._inputs.template_takes_tools())
+        return self._inputs.apply_chat_template(messages, tools)
 
     def _completion(self, prompt: Any) -> list[int]:
         if isinstance(prompt, str):

@@ -201,18 +201,7 @@ class ResponsesRequest:
     echo: dict[str, Any] = field(default_factory=dict)
 
 
-def parse_request(body: dict[str, Any], store: ResponseStore) -> ResponsesRequest:
-    """Checks and translates `body` (fields already checked against api_fields.RESPONSES)."""
-    instructions = body.get("instructions")
-    if instructions is not None and not isinstance(instructions, str):
-        raise bad("instructions", "'instructions' must be a string")
-    history: list[dict[str, Any]] = []
-    previous = body.get("previous_response_id")
-    if previous is not None:
-        if not isinstance(previous, str):
-            raise bad("previous_response_id", "'previous_response_id' must be a string")
-        history = store.history(previous)
-    history = history + input_messages(body.get("input"))
+def _include_logprobs(body: dict[str, Any]) -> bool:
     include = body.get("include") or []
     if not isinstance(include, list) or not all(isinstance(x, str) for x in include):
         raise bad("include", "'include' must be a list of strings")
@@ -220,7 +209,57 @@ def parse_request(body: dict[str, Any], store: ResponseStore) -> ResponsesReques
         if x != LOGPROBS_INCLUDE:
             raise bad("include", f"'include' value {x!r:.60} is not supported (this server "
                                  f"adds only {LOGPROBS_INCLUDE!r})", code="unsupported_parameter")
-    logprobs = LOGPROBS_INCLUDE in include
+    return LOGPROBS_INCLUDE in include
+
+
+def chat_body(body: dict[str, Any], history: list[dict[str, Any]]) -> dict[str, Any]:
+    """The chat request that runs Responses request `body` continuing `history` (the stored
+    conversation of its `previous_response_id`, or nothing): `instructions` first, then the
+    history, then `input`'s messages; the other fields in their chat spelling."""
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise bad("instructions", "'instructions' must be a string")
+    messages = ([{"role": "system", "content": instructions}] if instructions else []) + history
+    chat: dict[str, Any] = {"messages": messages + input_messages(body.get("input"))}
+    if "model" in body:
+        chat["model"] = body["model"]
+    for name in PASSED_THROUGH:
+        if body.get(name) is not None:
+            chat[name] = body[name]
+    if body.get("max_output_tokens") is not None:
+        chat["max_completion_tokens"] = body["max_output_tokens"]
+    tools = _chat_tools(body.get("tools"))
+    if tools:
+        chat["tools"] = tools
+        if body.get("parallel_tool_calls") is not None:
+            chat["parallel_tool_calls"] = body["parallel_tool_calls"]
+    if body.get("tool_choice") is not None:
+        chat["tool_choice"] = _chat_tool_choice(body["tool_choice"])
+    fmt = _response_format(body.get("text"))
+    if fmt is not None:
+        chat["response_format"] = fmt
+    if _include_logprobs(body):
+        if tools and chat.get("tool_choice") != "none":
+            raise bad("include", f"{LOGPROBS_INCLUDE!r} is not supported together with "
+                                 "'tools' (only with tool_choice 'none')",
+                      code="unsupported_parameter")
+        chat["logprobs"] = True
+        if body.get("top_logprobs") is not None:
+            chat["top_logprobs"] = body["top_logprobs"]
+    elif body.get("top_logprobs"):
+        raise bad("top_logprobs", f"'top_logprobs' needs 'include': [{LOGPROBS_INCLUDE!r}]")
+    return chat
+
+
+def parse_request(body: dict[str, Any], store: ResponseStore) -> ResponsesRequest:
+    """Checks and translates `body` (fields already checked against api_fields.RESPONSES)."""
+    history: list[dict[str, Any]] = []
+    previous = body.get("previous_response_id")
+    if previous is not None:
+        if not isinstance(previous, str):
+            raise bad("previous_response_id", "'previous_response_id' must be a string")
+        history = store.history(previous)
+    chat = chat_body(body, history)
     truncation = body.get("truncation")
     if truncation not in (None, "disabled"):
         raise bad("truncation", f"'truncation': {truncation!r:.40} is not supported (only "
@@ -235,37 +274,9 @@ def parse_request(body: dict[str, Any], store: ResponseStore) -> ResponsesReques
     stored = body.get("store", True)
     if not isinstance(stored, bool | None):
         raise bad("store", "'store' must be a boolean")
-
-    messages = ([{"role": "system", "content": instructions}] if instructions else []) + history
-    chat: dict[str, Any] = {"messages": messages}
-    if "model" in body:
-        chat["model"] = body["model"]
-    for name in PASSED_THROUGH:
-        if body.get(name) is not None:
-            chat[name] = body[name]
-    if body.get("max_output_tokens") is not None:
-        chat["max_completion_tokens"] = body["max_output_tokens"]
-    tools = _chat_tools(body.get("tools"))
-    if tools:
-        chat["tools"] = tools
-        for name in ("parallel_tool_calls",):
-            if body.get(name) is not None:
-                chat[name] = body[name]
-    if body.get("tool_choice") is not None:
-        chat["tool_choice"] = _chat_tool_choice(body["tool_choice"])
-    fmt = _response_format(body.get("text"))
-    if fmt is not None:
-        chat["response_format"] = fmt
-    if logprobs:
-        if tools and chat.get("tool_choice") != "none":
-            raise bad("include", f"{LOGPROBS_INCLUDE!r} is not supported together with "
-                                 "'tools' (only with tool_choice 'none')",
-                      code="unsupported_parameter")
-        chat["logprobs"] = True
-        if body.get("top_logprobs") is not None:
-            chat["top_logprobs"] = body["top_logprobs"]
-    elif body.get("top_logprobs"):
-        raise bad("top_logprobs", f"'top_logprobs' needs 'include': [{LOGPROBS_INCLUDE!r}]")
+    tools = chat.get("tools")
+    instructions = body.get("instructions")
+    conversation = chat["messages"][1:] if instructions else chat["messages"]
 
     echo = {
         "instructions": instructions,
@@ -283,7 +294,8 @@ def parse_request(body: dict[str, Any], store: ResponseStore) -> ResponsesReques
         "user": body.get("user"),
         "store": stored is not False,
     }
-    return ResponsesRequest(chat, history, bool(stream), stored is not False, logprobs, echo)
+    return ResponsesRequest(chat, conversation, bool(stream), stored is not False,
+                            bool(chat.get("logprobs")), echo)
 
 
 # -- the response --------------------------------------------------------------------------------
