@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -202,7 +203,8 @@ def test_bad_tool_input_is_a_400_naming_the_field(server, body, param):
 
 
 # -- OpenAI Agents SDK ---------------------------------------------------------------------------
-def agent_setup(server: LiveServer, api: str) -> tuple[Any, list[tuple[str, dict]]]:
+def agent_setup(server: LiveServer, api: str,
+                ) -> tuple[Any, list[tuple[str, dict]], list[dict[str, Any]]]:
     """A two-tool agent on the live server, through the SDK's chat-completions model class
     (`api` "chat") or its default, the Responses one ("responses": `/v1/responses`, each turn
     replaying the earlier turns' output items). The first turn must call a tool (`required`);
@@ -248,7 +250,12 @@ def agent_setup(server: LiveServer, api: str) -> tuple[Any, list[tuple[str, dict
             agent.model_settings = dataclasses.replace(agent.model_settings, tool_choice=choice,
                                                        extra_body=extra)
 
-    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+    async def record(request: httpx.Request) -> None:
+        sent.append(json.loads(request.content))
+
+    sent: list[dict[str, Any]] = []  # every request body the SDK sent
+    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0,
+                                http_client=httpx.AsyncClient(event_hooks={"request": [record]}))
     agent = Agent(
         name="assistant", instructions="Use the tools, then answer.", tools=tools,
         model=(OpenAIChatCompletionsModel if api == "chat" else OpenAIResponsesModel)(
@@ -256,10 +263,24 @@ def agent_setup(server: LiveServer, api: str) -> tuple[Any, list[tuple[str, dict
         model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False,
                                      temperature=0, max_tokens=200),
         reset_tool_choice=False, hooks=Steer())
-    return agent, calls
+    return agent, calls, sent
 
 
 FINAL = r"It is (warm|cold) in Paris at [0-9]{1,2}:[0-9]{2}\."
+
+
+def check_requests(api: str, sent: list[dict[str, Any]]) -> None:
+    """Three turns, each on the endpoint `api` names; chained turns after the first send the
+    previous response's id and only the tool result."""
+    assert len(sent) == 3
+    assert all(("messages" in b) == (api == "chat") for b in sent)
+    if api == "responses-chained":
+        assert "previous_response_id" not in sent[0]
+        for b in sent[1:]:
+            assert b["previous_response_id"].startswith("resp")
+            assert [it["type"] for it in b["input"]] == ["function_call_output"]
+    elif api == "responses":
+        assert all("previous_response_id" not in b for b in sent)
 
 
 def check_agent_run(agent: Any, calls: list[tuple[str, dict]], final: Any) -> None:
@@ -272,24 +293,30 @@ def check_agent_run(agent: Any, calls: list[tuple[str, dict]], final: Any) -> No
     assert isinstance(final, str) and re.fullmatch(FINAL, final), final  # the third turn
 
 
-@pytest.mark.parametrize("api", ["chat", "responses"])
+@pytest.mark.parametrize("api", ["chat", "responses", "responses-chained"])
 def test_agents_sdk_two_tool_loop(server, api):
+    """`responses-chained`: the SDK's response chaining (`auto_previous_response_id`): each
+    turn sends only its new items (the tool results) with the previous response's id, and the
+    server continues the conversation it stored."""
     from agents import Runner
 
-    agent, calls = agent_setup(server, api)
-    result = asyncio.run(Runner.run(agent, "Weather and time in Paris?", max_turns=5))
+    agent, calls, sent = agent_setup(server, api)
+    result = asyncio.run(Runner.run(agent, "Weather and time in Paris?", max_turns=5,
+                                    auto_previous_response_id=api == "responses-chained"))
     check_agent_run(agent, calls, result.final_output)
     assert agent.model_settings.tool_choice == "none"
+    check_requests(api, sent)
 
 
-@pytest.mark.parametrize("api", ["chat", "responses"])
+@pytest.mark.parametrize("api", ["chat", "responses", "responses-chained"])
 def test_agents_sdk_two_tool_loop_streamed(server, api):
     from agents import Runner
 
-    agent, calls = agent_setup(server, api)
+    agent, calls, sent = agent_setup(server, api)
 
     async def run() -> tuple[Any, list[str]]:
-        result = Runner.run_streamed(agent, "Weather and time in Paris?", max_turns=5)
+        result = Runner.run_streamed(agent, "Weather and time in Paris?", max_turns=5,
+                                     auto_previous_response_id=api == "responses-chained")
         kinds = []
         async for ev in result.stream_events():
             if ev.type == "run_item_stream_event":
@@ -299,6 +326,7 @@ def test_agents_sdk_two_tool_loop_streamed(server, api):
     final, kinds = asyncio.run(run())
     check_agent_run(agent, calls, final)
     assert kinds.count("tool_call_item") == 2 and kinds.count("tool_call_output_item") == 2
+    check_requests(api, sent)
     assert kinds[-1] == "message_output_item"
 
 
