@@ -281,3 +281,29 @@ def test_router_routes_a_response_on_the_prompt_the_worker_computes(tokenizer):
     c.chat.completions.create(model="toy", messages=messages)
     assert prompt_ids.of("/v1/chat/completions", {"messages": messages}) == eng.submitted[-1][0]
     assert prompt_ids.of("/v1/responses", {"input": [{"type": "bogus"}]}) == []
+
+
+def test_input_items_are_listed_a_page_at_a_time(tokenizer):
+    """`responses.input_items.list`: this response's own input (not the conversation it
+    continues), ids kept or given, newest first by default, pages through `after`; the SDK's
+    auto-pagination walks every page."""
+    c, http = client_for(ScriptedEngine(tokenizer, "ok"))
+    first = c.responses.create(model="toy", input="first")
+    items = [{"role": "user", "content": f"q{i}"} for i in range(5)]
+    items.insert(2, {"type": "message", "id": "msg_mine", "role": "assistant",
+                     "content": [{"type": "output_text", "text": "a", "annotations": []}]})
+    r = c.responses.create(model="toy", input=items, previous_response_id=first.id)
+    page = c.responses.input_items.list(r.id, limit=4, order="asc")
+    assert [it.content[0].text for it in page.data] == ["q0", "q1", "a", "q2"]
+    assert page.data[2].id == "msg_mine" and page.has_more
+    assert [it.content[0].type for it in page.data] == ["input_text"] * 2 + ["output_text",
+                                                                            "input_text"]
+    walked = [it.content[0].text for it in c.responses.input_items.list(r.id, limit=2)]
+    assert walked == ["q4", "q3", "q2", "a", "q1", "q0"]  # desc, every page
+    assert [it.content[0].text for it in c.responses.input_items.list(first.id).data] == \
+        ["first"]
+    for query, param in (("limit=0", "limit"), ("limit=x", "limit"), ("order=up", "order"),
+                         ("after=nope", "after"), ("include=x", "include")):
+        resp = http.get(f"/v1/responses/{r.id}/input_items?{query}")
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param, query
+    assert http.get("/v1/responses/resp-none/input_items").status_code == 404

@@ -135,7 +135,8 @@ def test_models_pass_through_by_id(cluster):
 
 def test_responses_follow_their_worker(cluster):
     """A stored response lives on one worker: requests continuing it (streamed or not) and
-    `retrieve` / `delete` go there, however the policy would route their own prompt."""
+    `retrieve` / `input_items` / `delete` go there, however the policy would route their own
+    prompt."""
     c = cluster.client()
     chain, owners = [], set()
     for stream in (False, True, False, True):
@@ -156,6 +157,8 @@ def test_responses_follow_their_worker(cluster):
     assert owners in ({(200, 404)}, {(404, 200)})  # every link on the first one's worker
     last = c.responses.retrieve(chain[-1])
     assert last.previous_response_id == chain[-2]
+    (item,) = c.responses.input_items.list(chain[-1]).data
+    assert item.content[0].text == SYSTEMS[3] + " next?"
     c.responses.delete(chain[0])
     with pytest.raises(openai.NotFoundError):
         c.responses.retrieve(chain[0])

@@ -12,7 +12,7 @@ the request body goes to it unchanged; the response (or its SSE stream) comes ba
 - `/v1/responses`: a stored response lives on the worker that made it. The router remembers
   which (`ResponseOwners`, from the response's `id` or its stream's `response.created`), sends
   a request with that `previous_response_id` there, and `GET` / `DELETE /v1/responses/{id}`
-  too; an owner it does not know (or an unhealthy one) leaves the request to the policy, and
+  (and its `input_items`) too; an owner it does not know (or an unhealthy one) leaves the request to the policy, and
   the worker that gets it answers 400 `previous_response_not_found`.
 - `POST /workers {"url"}`, `DELETE /workers/{url}`, `GET /workers` manage the workers at run
   time; `GET /metrics` reports per worker (routed, cache-routed, tokens, load, errors, health).
@@ -414,6 +414,7 @@ def create_app(args: ServerArgs, prompt_ids: PromptIds,
                          ("/tokenizer_info", "GET"),
                          ("/tokenize", "POST"), ("/detokenize", "POST"),
                          ("/v1/responses/{response_id}", "GET"),
+                         ("/v1/responses/{response_id}/input_items", "GET"),
                          ("/v1/responses/{response_id}", "DELETE")):
         app.add_api_route(path, passthrough(method), methods=[method])
 

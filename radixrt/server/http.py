@@ -433,7 +433,7 @@ class Server:
         def finish(reason: str | None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
             final, events = b.finish(run.finish_reason(0, reason), self.usage(run.group, 1))
             if rq.store:
-                self.response_store.put(final, rq.history + [b.assistant_message()])
+                self.response_store.put(final, rq.history + [b.assistant_message()], rq.items)
             return final, events
 
         if rq.stream:
@@ -637,6 +637,23 @@ def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
         """A stored response (the openai SDK's `responses.retrieve`)."""
         try:
             return JSONResponse(server.response_store.get(response_id))
+        except P.ApiError as e:
+            return error_response(e)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(response_id: str, request: Request) -> Response:
+        """A stored response's input items, a page at a time (`responses.input_items.list`:
+        `after`, `limit`, `order`; `include` adds nothing here, so it is refused)."""
+        q = request.query_params
+        try:
+            if q.getlist("include") or q.getlist("include[]"):
+                raise P.bad("include", "'include' is not supported on input items",
+                            code="unsupported_parameter")
+            limit = q.get("limit", "20")
+            if not limit.isdigit():
+                raise P.bad("limit", f"'limit' must be an integer in 1..100, got {limit!r:.20}")
+            return JSONResponse(server.response_store.input_items(
+                response_id, q.get("after"), int(limit), q.get("order", "desc")))
         except P.ApiError as e:
             return error_response(e)
 

@@ -12,7 +12,8 @@ Responses event sequence. Errors name the Responses field (`input`, `max_output_
 `text.format`, `tools[i].name`), not its chat spelling.
 
 `ResponseStore` keeps finished responses (unless `store: false`) in memory, least recently
-used first out, for `previous_response_id`, `GET` and `DELETE /v1/responses/{id}`.
+used first out, for `previous_response_id`, `GET` and `DELETE /v1/responses/{id}` and
+`GET /v1/responses/{id}/input_items`.
 """
 
 from __future__ import annotations
@@ -134,6 +135,25 @@ def input_messages(raw: Any) -> list[dict[str, Any]]:
     return out
 
 
+def listed_items(raw: Any) -> list[dict[str, Any]]:
+    """`input` (already checked by `input_messages`) as `GET /v1/responses/{id}/input_items`
+    lists it: a string as one user message, message content as text parts, every item with
+    an `id` (the caller's, or a new one) and `status: completed`."""
+    items = [{"role": "user", "content": raw}] if isinstance(raw, str) else raw
+    out = []
+    for item in items:
+        item = dict(item)
+        kind = item.setdefault("type", "message")
+        if kind == "message" and isinstance(item.get("content"), str):
+            part = "output_text" if item.get("role") == "assistant" else "input_text"
+            item["content"] = [{"type": part, "text": item["content"]}]
+        prefix = {"message": "msg", "function_call": "fc"}.get(kind, "fco")
+        item.setdefault("id", new_id(prefix))
+        item.setdefault("status", "completed")
+        out.append(item)
+    return out
+
+
 def _chat_tools(raw: Any) -> list[dict[str, Any]] | None:
     if raw is None:
         return None
@@ -195,6 +215,7 @@ class ResponsesRequest:
 
     chat_body: dict[str, Any]
     history: list[dict[str, Any]]
+    items: list[dict[str, Any]]
     stream: bool
     store: bool
     logprobs: bool
@@ -294,8 +315,8 @@ def parse_request(body: dict[str, Any], store: ResponseStore) -> ResponsesReques
         "user": body.get("user"),
         "store": stored is not False,
     }
-    return ResponsesRequest(chat, conversation, bool(stream), stored is not False,
-                            bool(chat.get("logprobs")), echo)
+    return ResponsesRequest(chat, conversation, listed_items(body["input"]), bool(stream),
+                            stored is not False, bool(chat.get("logprobs")), echo)
 
 
 # -- the response --------------------------------------------------------------------------------
@@ -463,6 +484,7 @@ def sse_event(ev: dict[str, Any]) -> bytes:
 class _Stored:
     response: dict[str, Any]
     history: list[dict[str, Any]]
+    items: list[dict[str, Any]]
 
 
 class ResponseStore:
@@ -477,8 +499,9 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._items)
 
-    def put(self, response: dict[str, Any], history: list[dict[str, Any]]) -> None:
-        self._items[response["id"]] = _Stored(copy.deepcopy(response), history)
+    def put(self, response: dict[str, Any], history: list[dict[str, Any]],
+            items: list[dict[str, Any]] | None = None) -> None:
+        self._items[response["id"]] = _Stored(copy.deepcopy(response), history, items or [])
         self._items.move_to_end(response["id"])
         while len(self._items) > self.capacity:
             self._items.popitem(last=False)
@@ -499,6 +522,26 @@ class ResponseStore:
 
     def history(self, rid: str) -> list[dict[str, Any]]:
         return copy.deepcopy(self._get(rid, "previous_response_id").history)
+
+    def input_items(self, rid: str, after: str | None = None, limit: int = 20,
+                    order: str = "desc") -> dict[str, Any]:
+        """One page of the response's input items (OpenAI's cursor list: `order` asc|desc,
+        the `limit` items after the one whose id is `after`)."""
+        if not 1 <= limit <= 100:
+            raise bad("limit", f"'limit' must be in 1..100, got {limit}")
+        if order not in ("asc", "desc"):
+            raise bad("order", f"'order' must be 'asc' or 'desc', got {order!r:.20}")
+        items = self._get(rid, None).items
+        items = items[::-1] if order == "desc" else items
+        if after is not None:
+            ids = [it["id"] for it in items]
+            if after not in ids:
+                raise bad("after", f"'after': no input item {after!r:.60} in response {rid!r}")
+            items = items[ids.index(after) + 1:]
+        page = copy.deepcopy(items[:limit])
+        return {"object": "list", "data": page,
+                "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
 
     def delete(self, rid: str) -> None:
         self._get(rid, None)
