@@ -561,6 +561,32 @@ def test_64_concurrent_streams_with_16_disconnects(server):
     server.assert_clean()
 
 
+def test_concurrent_response_streams_with_hang_ups(server):
+    """`/v1/responses` streams: 24 at once, 8 hanging up after their third event; the others
+    end with `response.incomplete` carrying every token, and no slot or row is left behind."""
+    async def one(client: httpx.AsyncClient, i: int) -> int:
+        body = {"model": "default", "input": f"{LONG} request {i}", "max_output_tokens": 12,
+                "temperature": 0, "stream": True, "ignore_eos": True, "store": i % 2 == 0}
+        events = []
+        async with client.stream("POST", f"{server.url}/v1/responses", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    events.append(json.loads(line[6:]))
+                    if i < 8 and len(events) == 3:
+                        return -1  # hang up mid-stream
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        assert events[-1]["type"] == "response.incomplete"
+        return events[-1]["response"]["usage"]["output_tokens"]
+
+    async def run() -> list[int]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(24)))
+
+    assert asyncio.run(run()) == [-1] * 8 + [12] * 16
+    server.assert_clean()
+
+
 def test_metrics_parse_and_move(server):
     def scrape() -> dict[str, float]:
         text = httpx.get(server.url + "/metrics", timeout=30).text
