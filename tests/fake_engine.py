@@ -32,8 +32,9 @@ class FakeEngineBase:
         return self.inputs.tokenize(prompt)
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
-                            tools: list[dict[str, Any]] | None = None) -> list[int]:
-        return self.inputs.apply_chat_template(messages, tools)
+                            tools: list[dict[str, Any]] | None = None, **options: Any,
+                            ) -> list[int]:
+        return self.inputs.apply_chat_template(messages, tools, **options)
 
     def template_takes_tools(self) -> bool:
         return self.inputs.template_takes_tools()

@@ -5,6 +5,7 @@ Every rejection is an `InvalidRequestError` naming the offending field.
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -39,6 +40,7 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.max_context_len = max_context_len
         self._takes_tools: bool | None = None
+        self._template_args: set[str] | None = None
 
     def tokenize(self, prompt: str) -> list[int]:
         if not isinstance(prompt, str):
@@ -48,19 +50,47 @@ class InputProcessor:
         return list(self.tokenizer.encode(prompt, add_special_tokens=True))
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
-                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+                            tools: list[dict[str, Any]] | None = None, *,
+                            add_generation_prompt: bool = True,
+                            continue_final_message: bool = False,
+                            template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """The prompt's token ids; `tools` (OpenAI function tools) go to the template, which
-        must take them (`template_takes_tools`)."""
+        must take them (`template_takes_tools`). `continue_final_message`: the last message is
+        left open (no end-of-turn) for the model to continue; `template_kwargs`: extra
+        variables for the template (vLLM's `chat_template_kwargs`, e.g. `enable_thinking`),
+        none of which may be an argument of the tokenizer's `apply_chat_template` itself."""
         if not isinstance(messages, list) or not messages:
             raise InvalidRequestError("messages",
                                       "must be a non-empty list of {role, content} objects")
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise InvalidRequestError(f"messages[{i}]", "must have 'role' and 'content'")
-        extra = {"tools": tools} if tools else {}
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=True, **extra)
+        if continue_final_message and add_generation_prompt:
+            raise InvalidRequestError("continue_final_message", "cannot be combined with "
+                                      "'add_generation_prompt': true (the last message is "
+                                      "continued, no new turn is opened)")
+        extra: dict[str, Any] = dict(template_kwargs or {})
+        taken = sorted(set(extra) & self._template_arguments())
+        if taken:
+            raise InvalidRequestError(f"chat_template_kwargs.{taken[0]}",
+                                      "is an argument of the template call, not a template "
+                                      "variable")
+        if tools:
+            extra["tools"] = tools
+        if continue_final_message:
+            extra["continue_final_message"] = True
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _template_arguments(self) -> set[str]:
+        """Names the tokenizer's `apply_chat_template` takes as its own arguments (and
+        `messages`, `tools`, which the request gives its own way)."""
+        if self._template_args is None:
+            params = inspect.signature(self.tokenizer.apply_chat_template).parameters.values()
+            self._template_args = {p.name for p in params if p.kind is not p.VAR_KEYWORD} | {
+                "messages", "tools"}
+        return self._template_args
 
     def template_takes_tools(self) -> bool:
         """Whether the tokenizer's chat template reads a `tools` variable (computed once)."""

@@ -84,9 +84,12 @@ class Engine:
         return self._inputs.tokenize(prompt)
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
-                            tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """Token ids of a conversation; `tools` go to a template that takes them."""
-        return self._inputs.apply_chat_template(messages, tools)
+                            tools: list[dict[str, Any]] | None = None, **options: Any,
+                            ) -> list[int]:
+        """Token ids of a conversation; `tools` go to a template that takes them; `options`:
+        `add_generation_prompt`, `continue_final_message`, `template_kwargs`
+        (`InputProcessor.apply_chat_template`)."""
+        return self._inputs.apply_chat_template(messages, tools, **options)
 
     def template_takes_tools(self) -> bool:
         """Whether the chat template renders a `tools` list."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from radixrt.server.protocol import messages_from
+from radixrt.server.protocol import messages_from, template_options
 from radixrt.server.responses import chat_body
 from radixrt.server.tools import prompt_messages, tool_request_from
 from tokenizer_proc.input_processor import InputProcessor
@@ -43,7 +43,7 @@ class PromptIds:
         tools (`radixrt.server.tools.prompt_messages`)."""
         messages, tools = prompt_messages(messages_from(body), tool_request_from(body),
                                           self._inputs.template_takes_tools())
-        return self._inputs.apply_chat_template(messages, tools)
+        return self._inputs.apply_chat_template(messages, tools, **template_options(body))
 
     def _completion(self, prompt: Any) -> list[int]:
         if isinstance(prompt, str):

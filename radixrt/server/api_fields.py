@@ -23,7 +23,8 @@ COMPLETIONS = COMMON | {"prompt", "echo", "logprobs", "max_tokens", "suffix"}
 # Tool calling (radixrt/server/tools.py) is chat only.
 TOOL_FIELDS = frozenset({"tools", "tool_choice", "parallel_tool_calls"})
 CHAT = COMMON | TOOL_FIELDS | {"messages", "logprobs", "top_logprobs", "max_tokens",
-                               "max_completion_tokens"}
+                               "max_completion_tokens", "add_generation_prompt",
+                               "continue_final_message", "chat_template_kwargs"}
 # The Responses API (radixrt/server/responses.py): its own fields, and the chat endpoint's
 # sampling fields and SGLang/vLLM extras, which it passes through. Not implemented (a 400 unless
 # null or empty): `reasoning`, `background`, `conversation`, `prompt`, `max_tool_calls`,

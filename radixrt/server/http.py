@@ -346,8 +346,9 @@ class Server:
             raise P.bad("top_logprobs", f"'top_logprobs' must be in 0..20, got {top_lp}")
         messages, template_tools = T.prompt_messages(messages, treq,
                                                      self.engine.template_takes_tools())
+        options = P.template_options(body)
         try:
-            ids = self.engine.apply_chat_template(messages, template_tools)
+            ids = self.engine.apply_chat_template(messages, template_tools, **options)
         except InvalidRequestError as e:
             raise P.invalid(e) from None
         except Exception as e:  # template errors (e.g. roles the template rejects)

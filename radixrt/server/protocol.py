@@ -314,6 +314,17 @@ def messages_from(body: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def template_options(body: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's chat-template fields as `apply_chat_template` options: `add_generation_prompt`
+    (default true, false with `continue_final_message`), `continue_final_message` (default
+    false), `chat_template_kwargs` (an object of extra template variables)."""
+    cont = _get(body, "continue_final_message", (bool,), False, "a boolean")
+    gen = _get(body, "add_generation_prompt", (bool,), not cont, "a boolean")
+    kwargs = _get(body, "chat_template_kwargs", (dict,), {}, "an object")
+    return {"add_generation_prompt": gen, "continue_final_message": cont,
+            "template_kwargs": kwargs}
+
+
 # -- responses --------------------------------------------------------------------------------------
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
