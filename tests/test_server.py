@@ -561,6 +561,26 @@ def test_64_concurrent_streams_with_16_disconnects(server):
     server.assert_clean()
 
 
+def test_continue_final_message_live(server, engine):
+    """An assistant prefix continued (`continue_final_message`): the endpoint's greedy text is
+    the Engine's from the same options, whose prompt ends inside the assistant's turn."""
+    msgs = [{"role": "user", "content": "Hello there"},
+            {"role": "assistant", "content": "Radix trees share"}]
+    sp = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
+    ref = engine.chat(msgs, sp, continue_final_message=True)
+    ids = engine.apply_chat_template(msgs, add_generation_prompt=False,
+                                     continue_final_message=True)
+    assert ref.prompt_tokens == len(ids)
+    assert engine.tokenizer.decode(ids).endswith("Radix trees share")
+    assert ref.token_ids == engine.generate(input_ids=ids, sampling_params=sp).token_ids
+    assert engine.chat(msgs, sp).prompt_tokens > len(ids)  # a closed turn + a new one
+    r = server.client().chat.completions.create(
+        model="default", messages=msgs, max_tokens=6, temperature=0,
+        extra_body={"continue_final_message": True, "ignore_eos": True})
+    assert r.choices[0].message.content == ref.text
+    assert r.usage.prompt_tokens == len(ids)
+
+
 def test_concurrent_response_streams_with_hang_ups(server):
     """`/v1/responses` streams: 24 at once, 8 hanging up after their third event; the others
     end with `response.incomplete` carrying every token, and no slot or row is left behind."""

@@ -177,12 +177,16 @@ class Engine:
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: ParamsLike | list[ParamsLike] = None, use_tqdm: bool = True,
-             tools: list[dict[str, Any]] | None = None,
+             tools: list[dict[str, Any]] | None = None, *,
+             add_generation_prompt: bool | None = None, continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None,
              ) -> GenerateOutput | list[GenerateOutput]:
         """One conversation (list of messages) or a list of conversations. `tools` (OpenAI
         function tools) are rendered by the chat template, which must take them (as vLLM's
         `LLM.chat`); the output is the generated text: reading tool calls out of it (and
-        `tool_choice`) is the HTTP server's (`/v1/chat/completions`)."""
+        `tool_choice`) is the HTTP server's (`/v1/chat/completions`). The template options
+        are vLLM's: `add_generation_prompt` (default: true unless `continue_final_message`),
+        `continue_final_message`, `chat_template_kwargs` (extra template variables)."""
         if tools is not None:
             if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
                 raise InvalidRequestError("tools", "must be a list of tool objects")
@@ -191,10 +195,16 @@ class Engine:
                                                    "tools (serve it and use "
                                                    "/v1/chat/completions, which also parses "
                                                    "the calls)")
+        options = {"add_generation_prompt": (not continue_final_message
+                                             if add_generation_prompt is None
+                                             else add_generation_prompt),
+                   "continue_final_message": continue_final_message,
+                   "template_kwargs": chat_template_kwargs}
         if isinstance(messages, list) and messages and isinstance(messages[0], dict):
-            return self.generate(input_ids=[self.apply_chat_template(messages, tools)],
+            return self.generate(input_ids=[self.apply_chat_template(messages, tools, **options)],
                                  sampling_params=sampling_params)[0]  # type: ignore[index]
-        return self.generate(input_ids=[self.apply_chat_template(m, tools) for m in messages],
+        return self.generate(input_ids=[self.apply_chat_template(m, tools, **options)
+                                        for m in messages],
                              sampling_params=sampling_params, use_tqdm=use_tqdm)
 
     async def generate_stream(self, prompt: str | None = None, sampling_params: ParamsLike = None,
