@@ -51,12 +51,13 @@ class InputProcessor:
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             tools: list[dict[str, Any]] | None = None, *,
-                            add_generation_prompt: bool = True,
+                            add_generation_prompt: bool | None = None,
                             continue_final_message: bool = False,
                             template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """The prompt's token ids; `tools` (OpenAI function tools) go to the template, which
         must take them (`template_takes_tools`). `continue_final_message`: the last message is
-        left open (no end-of-turn) for the model to continue; `template_kwargs`: extra
+        left open (no end-of-turn) for the model to continue; `add_generation_prompt` (a new
+        assistant turn opened) defaults to its opposite; `template_kwargs`: extra
         variables for the template (vLLM's `chat_template_kwargs`, e.g. `enable_thinking`),
         none of which may be an argument of the tokenizer's `apply_chat_template` itself."""
         if not isinstance(messages, list) or not messages:
@@ -65,6 +66,8 @@ class InputProcessor:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise InvalidRequestError(f"messages[{i}]", "must have 'role' and 'content'")
+        if add_generation_prompt is None:
+            add_generation_prompt = not continue_final_message
         if continue_final_message and add_generation_prompt:
             raise InvalidRequestError("continue_final_message", "cannot be combined with "
                                       "'add_generation_prompt': true (the last message is "

@@ -195,9 +195,7 @@ class Engine:
                                                    "tools (serve it and use "
                                                    "/v1/chat/completions, which also parses "
                                                    "the calls)")
-        options = {"add_generation_prompt": (not continue_final_message
-                                             if add_generation_prompt is None
-                                             else add_generation_prompt),
+        options = {"add_generation_prompt": add_generation_prompt,
                    "continue_final_message": continue_final_message,
                    "template_kwargs": chat_template_kwargs}
         if isinstance(messages, list) and messages and isinstance(messages[0], dict):

@@ -29,12 +29,17 @@ CHAT = COMMON | TOOL_FIELDS | {"messages", "logprobs", "top_logprobs", "max_toke
 # sampling fields and SGLang/vLLM extras, which it passes through. Not implemented (a 400 unless
 # null or empty): `reasoning`, `background`, `conversation`, `prompt`, `max_tool_calls`,
 # `context_management`; hosted tools and non-text inputs are 400s of their own.
+# Sampling fields and SGLang/vLLM extras of the chat endpoint (grammars included) that a
+# Responses request passes to it under the same names.
+RESPONSES_PASSED_THROUGH = (
+    "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "seed", "stop", "stop_token_ids", "min_tokens", "ignore_eos",
+    "logit_bias", "regex", "ebnf",
+)
 RESPONSES = frozenset({
     "model", "input", "instructions", "previous_response_id", "tools", "tool_choice",
     "parallel_tool_calls", "max_output_tokens", "stream", "stream_options", "store", "text",
-    "include", "top_logprobs", "truncation", "temperature", "top_p", "top_k", "min_p",
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop",
-    "stop_token_ids", "min_tokens", "ignore_eos", "logit_bias", "regex", "ebnf",
+    "include", "top_logprobs", "truncation", *RESPONSES_PASSED_THROUGH,
 })
 # OpenAI's deprecated function calling (`functions`, `function_call`) is not implemented:
 # rejected like any unimplemented field unless its value asks for nothing.

@@ -465,7 +465,7 @@ class Server:
         (st, lp), = await self.collect(run.group, request)
         ts = run.calls[0]
         deltas = ts.feed(st.text) + ts.finish() if ts is not None else [{"content": st.text}]
-        chat_lp = self.text.chat_logprobs(st.token_ids, lp) if rq.logprobs else None
+        chat_lp = self.text.chat_logprobs(st.token_ids, lp)  # None unless asked for
         for k, delta in enumerate(deltas):
             b.delta(delta, chat_lp["content"] if chat_lp is not None and k == 0 else None)
         return JSONResponse(finish(st.finish_reason)[0])

@@ -316,10 +316,10 @@ def messages_from(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 def template_options(body: dict[str, Any]) -> dict[str, Any]:
     """vLLM's chat-template fields as `apply_chat_template` options: `add_generation_prompt`
-    (default true, false with `continue_final_message`), `continue_final_message` (default
+    (unset: true, false with `continue_final_message`), `continue_final_message` (default
     false), `chat_template_kwargs` (an object of extra template variables)."""
     cont = _get(body, "continue_final_message", (bool,), False, "a boolean")
-    gen = _get(body, "add_generation_prompt", (bool,), not cont, "a boolean")
+    gen = _get(body, "add_generation_prompt", (bool,), None, "a boolean")
     kwargs = _get(body, "chat_template_kwargs", (dict,), {}, "an object")
     return {"add_generation_prompt": gen, "continue_final_message": cont,
             "template_kwargs": kwargs}

@@ -22,20 +22,15 @@ import copy
 import re
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
+from radixrt.server.api_fields import RESPONSES_PASSED_THROUGH
 from radixrt.server.protocol import ApiError, bad, new_id
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
-
-# Sampling fields and SGLang/vLLM extras the chat endpoint implements (grammars included):
-# passed through under the same names.
-PASSED_THROUGH = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                  "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids",
-                  "min_tokens", "ignore_eos", "logit_bias", "regex", "ebnf")
 
 # Chat spellings of the fields an error can name → the Responses field.
 _PARAM_NAMES = (("max_completion_tokens", "max_output_tokens"), ("response_format", "text.format"),
@@ -218,8 +213,7 @@ class ResponsesRequest:
     items: list[dict[str, Any]]
     stream: bool
     store: bool
-    logprobs: bool
-    echo: dict[str, Any] = field(default_factory=dict)
+    echo: dict[str, Any]
 
 
 def _include_logprobs(body: dict[str, Any]) -> bool:
@@ -244,7 +238,7 @@ def chat_body(body: dict[str, Any], history: list[dict[str, Any]]) -> dict[str, 
     chat: dict[str, Any] = {"messages": messages + input_messages(body.get("input"))}
     if "model" in body:
         chat["model"] = body["model"]
-    for name in PASSED_THROUGH:
+    for name in RESPONSES_PASSED_THROUGH:
         if body.get(name) is not None:
             chat[name] = body[name]
     if body.get("max_output_tokens") is not None:
@@ -316,7 +310,7 @@ def parse_request(body: dict[str, Any], store: ResponseStore) -> ResponsesReques
         "store": stored is not False,
     }
     return ResponsesRequest(chat, conversation, listed_items(body["input"]), bool(stream),
-                            stored is not False, bool(chat.get("logprobs")), echo)
+                            stored is not False, echo)
 
 
 # -- the response --------------------------------------------------------------------------------
